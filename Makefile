@@ -1,0 +1,45 @@
+# Two commands do all set-up: `make demo` and `make test`. Both create .venv if it is missing.
+# TORCH_SPEC picks the torch build: the default is the CPU build; on a GPU machine use e.g.
+#   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tuner-installed
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-fast lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -c "import torch; print('torch', torch.__version__)" > $(VENV)/.torch-pin
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m tuner.demo --out demo_out
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check src tests scripts benchmarks
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check src tests scripts benchmarks
+	$(BIN)/python -m ruff format --check src tests scripts benchmarks
+
+format: $(STAMP)
+	$(BIN)/python -m ruff format src tests scripts benchmarks
+	$(BIN)/python -m ruff check --fix src tests scripts benchmarks
+
+clean:
+	rm -rf demo_out .pytest_cache .ruff_cache

@@ -1,0 +1,26 @@
+"""Errors a user can act on.
+
+Every failure caused by the user's input (a config key, a file, a cache, a checkpoint) raises a
+subclass of `TunerError`. The CLI prints its message without a traceback, so the message must name
+the file or key and say what to do about it.
+"""
+
+
+class TunerError(Exception):
+    """Base class for errors caused by input the user can fix."""
+
+
+class ConfigError(TunerError):
+    """A TOML file or a `--set` override is invalid."""
+
+
+class DataError(TunerError):
+    """A dataset item (image, video, caption, manifest line) cannot be read or is invalid."""
+
+
+class CacheError(TunerError):
+    """The cache store is missing entries, stale, or was written for something else."""
+
+
+class CheckpointError(TunerError):
+    """A model or adapter checkpoint cannot be loaded (wrong architecture, missing keys, corrupt)."""
