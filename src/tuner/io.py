@@ -46,7 +46,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None
+) -> None:
     """Save tensors atomically. Metadata values that are not strings are stored as JSON."""
     meta = None
     if metadata:

@@ -1,0 +1,16 @@
+"""The architecture registry: name → "module:Class" of its trainer.
+
+A plain dict, so that reading a config (which checks the name) imports no model code.
+"""
+
+ARCHITECTURES: dict[str, str] = {
+    "wan": "tuner.trainers.wan:WanTrainer",
+}
+
+
+def trainer_class(name: str):
+    """Import and return the trainer class registered under `name`."""
+    import importlib
+
+    module, cls = ARCHITECTURES[name].split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,140 @@
+"""The training TOML: one frozen dataclass per section, every field documented.
+
+`docs/config.md` is generated from these classes (`python -m tuner.config.docs`), and a test keeps
+it in sync, so this file is the single source of truth for what a config may say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tuner.config.fields import option
+from tuner.errors import ConfigError
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str = option(doc="Architecture name, e.g. 'wan' (see `tuner --help` for the list).")
+    transformer: str = option(
+        doc="Transformer checkpoint: a single .safetensors file or a diffusers folder.", path=True
+    )
+    vae: str = option(
+        "",
+        "VAE checkpoint (single file or diffusers folder); needed by `cache latents` and `generate`.",
+        path=True,
+    )
+    text_encoder: str = option("", "Text encoder checkpoint (single file or diffusers folder).", path=True)
+    tokenizer: str = option("", "Tokenizer folder; defaults to the one beside the text encoder.", path=True)
+    dtype: Dtype = option("bf16", "Dtype the frozen base transformer is loaded in.")
+    vae_dtype: Dtype = option("fp32", "Dtype of the VAE.")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset_config: str = option(doc="Path of the dataset TOML ([general] + [[datasets]]).", path=True)
+    num_workers: int = option(2, "DataLoader worker processes that read the cache.", ge=0)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    batch_size: int = option(1, "Items encoded per forward pass while caching.", ge=1)
+    device: str = option("auto", "Device for the encoders while caching: 'auto', 'cpu', 'cuda', 'cuda:1'...")
+    text_encoder_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = option(
+        "bf16", "Precision of the text encoder while caching; 'fp8' stores its weights as float8."
+    )
+    text_max_length: int = option(512, "Longest caption in tokens; longer ones are cut with a warning.", ge=1)
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    type: Literal["lora"] = option("lora", "Adapter type.")
+    rank: int = option(16, "Adapter rank (dimension).", ge=1)
+    alpha: float = option(16.0, "Adapter alpha; the scale is alpha / rank.", gt=0)
+    dropout: float = option(0.0, "Dropout on the adapter input.", ge=0, lt=1)
+    rank_dropout: float = option(0.0, "Probability of dropping each rank channel in a step.", ge=0, lt=1)
+    module_dropout: float = option(0.0, "Probability of skipping a whole adapter in a step.", ge=0, lt=1)
+    include: tuple[str, ...] = option(
+        (), "Regexes (full match on module names) to adapt besides the defaults."
+    )
+    exclude: tuple[str, ...] = option((), "Regexes (full match) of modules never to adapt.")
+    loraplus_lr_ratio: float | None = option(
+        None, "LoRA+: learning rate of the up matrices = lr × this.", gt=0
+    )
+    network_weights: str = option("", "Adapter file to start from (continue training).", path=True)
+
+
+@dataclass(frozen=True)
+class TimestepConfig:
+    mode: Literal["uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift"] = option(
+        "shift", "How training timesteps t in [0, 1] are drawn."
+    )
+    sigmoid_scale: float = option(
+        1.0, "Scale of the normal inside the sigmoid (sigmoid and shift modes).", gt=0
+    )
+    logit_mean: float = option(0.0, "Mean of the normal (logit_normal mode).")
+    logit_std: float = option(1.0, "Std of the normal (logit_normal mode).", gt=0)
+    discrete_flow_shift: float = option(3.0, "Shift s of t' = s·t / (1 + (s-1)·t) (shift mode).", gt=0)
+    min_timestep: float = option(0.0, "Smallest t drawn, in [0, 1].", ge=0, le=1)
+    max_timestep: float = option(1.0, "Largest t drawn, in [0, 1].", ge=0, le=1)
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = option(
+        "none", "Per-timestep weighting of the MSE loss."
+    )
+
+    def __post_init__(self) -> None:
+        if self.min_timestep >= self.max_timestep:
+            raise ConfigError("key 'timesteps.min_timestep' must be below 'timesteps.max_timestep'.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    learning_rate: float = option(1e-4, "Peak learning rate.", gt=0)
+    optimizer: str = option("adamw", "adamw, adamw8bit, adafactor, any torch.optim class, or a dotted path.")
+    optimizer_args: dict[str, Any] = option(factory=dict, doc="Keyword arguments passed to the optimizer.")
+    lr_scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts"] = option(
+        "constant", "Learning-rate schedule after warmup."
+    )
+    lr_warmup_steps: int = option(0, "Steps of linear warmup from 0.", ge=0)
+    lr_num_cycles: int = option(1, "Restarts of cosine_with_restarts.", ge=1)
+    max_steps: int = option(0, "Optimizer steps to train; 0 means use epochs.", ge=0)
+    epochs: int = option(1, "Epochs to train when max_steps is 0.", ge=1)
+    gradient_accumulation_steps: int = option(1, "Batches accumulated per optimizer step.", ge=1)
+    max_grad_norm: float = option(1.0, "Gradient clipping norm; 0 disables clipping.", ge=0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = option("bf16", "Autocast precision of the forward pass.")
+    gradient_checkpointing: bool = option(False, "Recompute block activations in backward to save memory.")
+    seed: int = option(42, "Seed of weights init, noise, timesteps and data order.")
+
+
+@dataclass(frozen=True)
+class SaveConfig:
+    output_dir: str = option("output", "Folder for adapters, checkpoints and logs.", path=True)
+    output_name: str = option("lora", "File name stem of saved adapters.")
+    every_n_steps: int = option(0, "Save every N optimizer steps; 0 disables.", ge=0)
+    every_n_epochs: int = option(1, "Save every N epochs; 0 disables.", ge=0)
+    keep_last: int = option(0, "Keep only the last K saves (adapters and states); 0 keeps all.", ge=0)
+    save_state: bool = option(True, "Also save the full training state next to each adapter, for resume.")
+    precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "Dtype of saved adapter weights.")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    tensorboard: bool = option(True, "Write TensorBoard scalars to <output_dir>/logs.")
+    every_n_steps: int = option(1, "Log scalars every N optimizer steps.", ge=1)
+
+
+@dataclass(frozen=True)
+class TrainingFile:
+    """The whole training TOML."""
+
+    model: ModelConfig = option(doc="Which model and checkpoints.")
+    data: DataConfig = option(doc="Where the data is.")
+    cache: CacheConfig = option(factory=CacheConfig, doc="Caching commands' settings.")
+    network: NetworkConfig = option(factory=NetworkConfig, doc="The adapter being trained.")
+    timesteps: TimestepConfig = option(
+        factory=TimestepConfig, doc="Flow-matching timestep sampling and loss."
+    )
+    train: TrainConfig = option(factory=TrainConfig, doc="Optimizer, schedule and loop.")
+    save: SaveConfig = option(factory=SaveConfig, doc="What is saved and when.")
+    log: LogConfig = option(factory=LogConfig, doc="Progress and TensorBoard logging.")
