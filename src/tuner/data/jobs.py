@@ -1,0 +1,271 @@
+"""Caching jobs: what the VAE and text encoder will encode, and the params that identify each result.
+
+Caching walks the datasets once. `plan_latent_jobs` probes every file (size, frame count, frame rate;
+images are decoded, so corrupt files surface here, not halfway through encoding), chooses its bucket
+and, for videos, its frame windows. Each `LatentJob` is one tensor the VAE will encode:
+
+    job.input_paths   files whose *contents* the result depends on (source, then controls)
+    job.params()      every setting that changes the encoded pixels: bucket, frame indices, resize and
+                      crop, resize method, pixel pipeline version
+    job.bucket_key    "832x480x33": jobs with equal keys stack into one batch
+
+so a content-addressed store can key on hash(contents of input_paths) + params(). `num_repeats` is not
+part of a job: repeating an item reuses the same latent; training applies it when it reads the cache.
+
+`load_job_pixels(job)` then reads and crops the pixels exactly as planned: float [C, F, H, W] in [-1, 1].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from tuner.config.dataset import DatasetSpec, OnError
+from tuner.data.buckets import RESIZE_METHOD, Crop, apply_crop, choose_bucket, dataset_buckets, plan_crop
+from tuner.data.datasets import Item, describe
+from tuner.data.frames import ANY_COUNT, largest_valid, video_windows
+from tuner.data.media import (
+    VIDEO_EXTENSIONS,
+    probe_image,
+    probe_video,
+    read_image,
+    read_video_frames,
+    to_tensor,
+)
+from tuner.errors import ConfigError, DataError
+
+# Bump when the way pixels are produced changes (EXIF handling, alpha compositing, crop rounding...):
+# it is part of params(), so old cache entries stop matching instead of being silently reused.
+PIXEL_PIPELINE_VERSION = 1
+
+
+def _is_video_file(path: str) -> bool:
+    return Path(path).suffix.lower() in VIDEO_EXTENSIONS or Path(path).is_dir()
+
+
+@dataclass(frozen=True)
+class LatentJob:
+    """One VAE encode: a source (image, or a window of video frames) resized and cropped to a bucket."""
+
+    source: str
+    kind: Literal["image", "video"]
+    bucket: tuple[int, int, int]  # (width, height, frames); frames is 1 for images
+    frame_indices: tuple[int, ...]  # source frame indices; empty for images
+    crop: Crop
+    control_paths: tuple[str, ...]
+    control_crops: tuple[Crop, ...]  # one per control, each to the same bucket as the source
+    caption: str  # not in params(): the latent does not depend on it; training pairs the two
+    dataset_index: int
+
+    @property
+    def bucket_key(self) -> str:
+        w, h, f = self.bucket
+        # the control count is part of the key: a batch must have the same number of control latents
+        return f"{w}x{h}x{f}" + (f"_c{len(self.control_paths)}" if self.control_paths else "")
+
+    @property
+    def input_paths(self) -> tuple[str, ...]:
+        return (self.source, *self.control_paths)
+
+    def params(self) -> dict:
+        """Everything besides input file contents that changes the encoded result (JSON-friendly)."""
+        return {
+            "kind": self.kind,
+            "bucket": list(self.bucket),
+            "frame_indices": list(self.frame_indices),
+            "resize": list(self.crop.resized),
+            "crop": list(self.crop.box),
+            "resize_method": RESIZE_METHOD,
+            "controls": [{"resize": list(c.resized), "crop": list(c.box)} for c in self.control_crops],
+            "pixel_pipeline": PIXEL_PIPELINE_VERSION,
+        }
+
+
+@dataclass(frozen=True)
+class TextJob:
+    """One text-encoder encode: a caption (shared by every item that uses it)."""
+
+    caption: str
+
+    def params(self) -> dict:
+        return {"caption": self.caption}
+
+
+def plan_text_jobs(items: Iterable[Item], include_empty: bool = False) -> list[TextJob]:
+    """One job per distinct caption, in first-seen order; include_empty adds "" (for caption dropout)."""
+    captions = dict.fromkeys(it.caption for it in items)
+    if include_empty:
+        captions.setdefault("", None)
+    return [TextJob(c) for c in captions]
+
+
+# ---------------------------------------------------------------- planning
+
+
+def _check_targets(spec: DatasetSpec, valid_frames: Callable[[int], bool]) -> None:
+    if spec.kind != "video" or spec.frame_extraction == "full":
+        return
+    for t in spec.target_frames:
+        if not valid_frames(t):
+            lower = largest_valid(t, valid_frames)
+            upper = next(n for n in range(t + 1, t + 10_000) if valid_frames(n))
+            raise ConfigError(
+                f"{describe(spec)}: target_frames {t} is not a frame count this model accepts "
+                f"({valid_frames}); use {lower or upper}" + (f" or {upper}." if lower else ".")
+            )
+
+
+def _probe_controls(item: Item, bucket: tuple[int, int], windows: list[tuple[int, ...]]) -> tuple[Crop, ...]:
+    crops = []
+    for path in item.control_paths:
+        if _is_video_file(path):
+            if item.kind == "image":
+                raise DataError(f"{path}: a video cannot be the control of an image ({item.path}).")
+            info = probe_video(path)
+            needed = max(max(w) for w in windows) + 1
+            if info.n_frames < needed:
+                raise DataError(f"{path}: control video has {info.n_frames} frames; its item needs {needed}.")
+            w, h = info.width, info.height
+        else:
+            w, h = probe_image(path)
+        crops.append(plan_crop(w, h, bucket))
+    return tuple(crops)
+
+
+def _jobs_for_item(
+    spec: DatasetSpec,
+    item: Item,
+    buckets: list[tuple[int, int]],
+    step: int,
+    valid_frames: Callable[[int], bool],
+    model_fps: float | None,
+    problems: list[str],
+    mismatched_fps: set[float],
+) -> list[LatentJob]:
+    no_upscale = spec.bucket_no_upscale and spec.enable_bucket  # one fixed size means no per-item sizes
+    if item.kind == "image":
+        w, h = probe_image(item.path)
+        windows: list[tuple[int, ...]] = [()]
+    else:
+        info = probe_video(item.path)
+        w, h = info.width, info.height
+        if spec.source_fps is None and model_fps and info.fps and abs(info.fps - model_fps) > 0.5:
+            mismatched_fps.add(round(info.fps, 2))
+        windows, short = video_windows(
+            info.n_frames, spec.source_fps, model_fps, spec.target_frames, spec.frame_extraction,
+            spec.frame_stride, spec.frame_sample, spec.max_frames, valid_frames,
+        )  # fmt: skip
+        if short:
+            resampled = spec.source_fps and model_fps and model_fps < spec.source_fps
+            at = f" at {model_fps:g} fps" if resampled else ""
+            targets = ", ".join(map(str, short))
+            outcome = "no clip of that length" if windows else "the video is not used"
+            problems.append(
+                f"{item.path}: {info.n_frames} frames, too short for target_frames {targets}{at}; {outcome}."
+            )
+    bucket = choose_bucket(w, h, buckets, no_upscale, step)
+    crop = plan_crop(w, h, bucket)
+    control_crops = _probe_controls(item, bucket, windows)
+    return [
+        LatentJob(
+            source=item.path,
+            kind=item.kind,
+            bucket=(bucket[0], bucket[1], max(len(win), 1)),
+            frame_indices=win,
+            crop=crop,
+            control_paths=item.control_paths,
+            control_crops=control_crops,
+            caption=item.caption,
+            dataset_index=item.dataset_index,
+        )
+        for win in windows
+    ]
+
+
+def plan_latent_jobs(
+    spec: DatasetSpec,
+    items: list[Item],
+    step: int,
+    valid_frames: Callable[[int], bool] = ANY_COUNT,
+    model_fps: float | None = None,
+    on_error: OnError | None = None,
+) -> tuple[list[LatentJob], list[str]]:
+    """Probe every item and plan its latent jobs; return (jobs, problems).
+
+    `step` is the model's spatial step (16 for Wan), `valid_frames` its frame-count rule (e.g.
+    FrameRule(4, 1)), `model_fps` the rate videos are resampled to when the spec sets source_fps.
+    A file that cannot be read raises DataError with on_error="stop" (default: the spec's), or is
+    reported by name and left out with "skip". A target_frames the model cannot take is a ConfigError.
+    """
+    on_error = on_error or spec.on_error
+    _check_targets(spec, valid_frames)
+    buckets = dataset_buckets(spec.resolution, step, spec.enable_bucket)
+    jobs: list[LatentJob] = []
+    problems: list[str] = []
+    mismatched_fps: set[float] = set()
+    for item in items:
+        try:
+            jobs += _jobs_for_item(
+                spec, item, buckets, step, valid_frames, model_fps, problems, mismatched_fps
+            )
+        except DataError as e:
+            if on_error == "stop":
+                raise
+            problems.append(f"skipped: {e}")
+    if mismatched_fps:
+        rates = ", ".join(f"{fps:g}" for fps in sorted(mismatched_fps))
+        problems.append(
+            f"{describe(spec)}: clips are {rates} fps but the model runs at {model_fps:g} fps and source_fps "
+            f"is not set, so frames are used as they are (motion plays at a different speed). "
+            f"Set source_fps to drop frames to {model_fps:g} fps."
+        )
+    if items and not jobs:
+        raise DataError(
+            f"{describe(spec)}: none of its {len(items)} items could be used: " + " | ".join(problems[:3])
+        )
+    return jobs, problems
+
+
+# ---------------------------------------------------------------- pixels
+
+
+def _load(
+    path: str, kind: str, indices: tuple[int, ...], crop: Crop, bucket: tuple[int, int]
+) -> torch.Tensor:
+    def check(
+        w: int, h: int
+    ) -> None:  # a file that changed size since planning would be cached under a wrong key
+        if plan_crop(w, h, bucket) != crop:
+            raise DataError(
+                f"{path}: its size changed since caching was planned ({w}x{h}). Run caching again."
+            )
+
+    def crop_frame(frame: np.ndarray) -> np.ndarray:
+        check(frame.shape[1], frame.shape[0])
+        return apply_crop(Image.fromarray(frame), crop)
+
+    if kind == "video" and _is_video_file(path):
+        return to_tensor(read_video_frames(path, indices, transform=crop_frame))  # cropped while decoding
+    img = read_image(path)
+    check(*img.size)
+    return to_tensor(apply_crop(img, crop))
+
+
+def load_job_pixels(job: LatentJob) -> torch.Tensor:
+    """The job's source pixels, resized and cropped as planned: float32 [3, F, H, W] in [-1, 1]."""
+    return _load(job.source, job.kind, job.frame_indices, job.crop, job.bucket[:2])
+
+
+def load_control_pixels(job: LatentJob) -> list[torch.Tensor]:
+    """Each control, cropped to the job's bucket: [3, F, H, W] (the job's frames for a control video,
+    F=1 for a control image)."""
+    return [
+        _load(path, job.kind, job.frame_indices, crop, job.bucket[:2])
+        for path, crop in zip(job.control_paths, job.control_crops)
+    ]

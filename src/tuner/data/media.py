@@ -1,0 +1,183 @@
+"""Reading images and videos into pixels, with errors that name the file.
+
+Images are read with Pillow. The EXIF orientation tag is applied (phones store portraits as rotated
+landscapes plus a tag; ignoring it trains on sideways pictures). Transparency is composited on white:
+a transparent PNG background is almost always "nothing", and white is what viewers show. (Masks from
+an alpha channel, as FramePack's one-frame training uses, would need their own reader.)
+
+Videos are read with PyAV. Decoding is sequential from the start, keeping only wanted frames: seeking
+lands on keyframes and is codec-dependent, and training clips are short. Containers that do not record
+a frame count (webm, mkv, some avi) are counted by demuxing packets, which reads the file without
+decoding it. A *frame folder* (a directory of images sorted by name) is accepted wherever a video is.
+
+Every unreadable, truncated or unsupported file raises `DataError` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import av
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from tuner.errors import DataError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_EXTENSIONS = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
+
+
+class VideoInfo(NamedTuple):
+    n_frames: int
+    fps: float | None  # None for a frame folder, whose rate nothing records
+    width: int
+    height: int
+
+
+# ---------------------------------------------------------------- images
+
+
+def _open_image(path: str | os.PathLike) -> Image.Image:
+    try:
+        img = Image.open(path)
+        img.load()  # open() reads only the header; load() decodes, so a truncated file fails here
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found.") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(
+            f"{path}: cannot read image ({e}). Re-export it or remove it from the dataset."
+        ) from None
+    return img
+
+
+def read_image(path: str | os.PathLike) -> Image.Image:
+    """An RGB image, upright per EXIF, transparency composited on white."""
+    img = ImageOps.exif_transpose(_open_image(path))
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def probe_image(path: str | os.PathLike) -> tuple[int, int]:
+    """(width, height) as `read_image` will return it; decodes the file, so corrupt files fail here."""
+    return read_image(path).size
+
+
+# ---------------------------------------------------------------- frame folders
+
+
+def frame_files(folder: str | os.PathLike) -> list[Path]:
+    """The images of a frame folder, in name order (frame_0001.png, frame_0002.png ...)."""
+    return sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+
+
+def _probe_folder(folder: Path) -> VideoInfo:
+    files = frame_files(folder)
+    if not files:
+        raise DataError(f"{folder}: frame folder holds no images ({', '.join(IMAGE_EXTENSIONS)}).")
+    w, h = probe_image(files[0])
+    return VideoInfo(len(files), None, w, h)
+
+
+def _read_folder(
+    folder: Path, indices: list[int], transform: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    files = frame_files(folder)
+    frames = []
+    for i in indices:
+        if i >= len(files):
+            raise DataError(f"{folder}: frame {i} requested but the folder holds {len(files)} images.")
+        frames.append(transform(np.asarray(read_image(files[i]))))
+    if len({f.shape for f in frames}) > 1:
+        raise DataError(f"{folder}: frame images differ in size; every frame of a clip must match.")
+    return np.stack(frames)
+
+
+# ---------------------------------------------------------------- videos
+
+
+def _video_error(path, e: Exception) -> DataError:
+    return DataError(f"{path}: cannot read video ({e}). Re-encode it (e.g. to H.264 mp4) or remove it.")
+
+
+def probe_video(path: str | os.PathLike) -> VideoInfo:
+    """Frame count, frame rate and size of a video file or frame folder."""
+    path = Path(path)
+    if path.is_dir():
+        return _probe_folder(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found.")
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise DataError(f"{path}: no video stream in the file.")
+            stream = container.streams.video[0]
+            rate = stream.guessed_rate or stream.average_rate or stream.base_rate
+            width, height = stream.codec_context.width, stream.codec_context.height
+            n = stream.frames
+            if n <= 0:  # not recorded by the container: count packets (one per frame for video codecs)
+                n = sum(1 for packet in container.demux(stream) if packet.size > 0)
+    except (av.error.FFmpegError, OSError, ValueError) as e:
+        raise _video_error(path, e) from None
+    if n <= 0 or width <= 0 or height <= 0:
+        raise DataError(f"{path}: video has no decodable frames.")
+    return VideoInfo(n, float(rate) if rate else None, width, height)
+
+
+def read_video_frames(
+    path: str | os.PathLike,
+    indices: list[int] | tuple[int, ...],
+    transform: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
+    """The frames at `indices` (in that order, repeats allowed) as uint8 [F, H, W, 3] RGB.
+
+    `transform` is applied to each kept frame as it is decoded (e.g. resize and crop), so a long 4K
+    clip never sits in memory at full size.
+    """
+    transform = transform or (lambda frame: frame)
+    path = Path(path)
+    indices = list(indices)
+    if not indices:
+        raise ValueError("read_video_frames needs at least one index")
+    if path.is_dir():
+        return _read_folder(path, indices, transform)
+    wanted = set(indices)
+    last = max(indices)
+    got: dict[int, np.ndarray] = {}
+    decoded = 0
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"  # frame-threaded decoding; order of output frames is unchanged
+            for i, frame in enumerate(container.decode(stream)):
+                decoded = i + 1
+                if i in wanted:
+                    got[i] = transform(frame.to_ndarray(format="rgb24"))
+                if i >= last:
+                    break
+    except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
+        raise _video_error(path, e) from None
+    missing = sorted(wanted - got.keys())
+    if missing:
+        raise DataError(
+            f"{path}: frame {missing[0]} requested but the video decodes to only {decoded} frames; "
+            f"the file may be truncated."
+        )
+    return np.stack([got[i] for i in indices])
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def to_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """uint8 [H, W, 3] or [F, H, W, 3] → float32 [C, F, H, W] in [-1, 1], the layout video VAEs take."""
+    if pixels.ndim == 3:
+        pixels = pixels[None]
+    t = torch.from_numpy(pixels.astype(np.float32))  # astype copies: PIL-backed arrays are read-only
+    return t.permute(3, 0, 1, 2).contiguous().div_(127.5).sub_(1.0)
