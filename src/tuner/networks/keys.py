@@ -1,0 +1,167 @@
+"""Key layouts of adapter files, and how their module names map back onto a model.
+
+An adapter file stores a few tensors per adapted module under `<stem>.<suffix>`: the stem names the
+module, the suffix names the tensor's role (for LoRA: down, up, alpha). Three layouts are common:
+
+| layout               | stem                                 | LoRA suffixes                       | written by       |
+|----------------------|--------------------------------------|-------------------------------------|------------------|
+| original ("comfy")   | `diffusion_model.<original name>`    | `lora_A.weight lora_B.weight alpha` | tuner, ComfyUI   |
+| kohya                | `lora_unet_<original, "." -> "_">`   | `lora_down.weight lora_up.weight alpha` | kohya, musubi |
+| diffusers / PEFT     | `transformer.<diffusers name>`       | `lora_A.weight lora_B.weight`       | diffusers, PEFT  |
+
+*Original names* are the module names of the model's original release (Wan: `blocks.0.self_attn.q`),
+which is what ComfyUI builds its key map from; diffusers renames modules (`blocks.0.attn1.to_q`). Each
+architecture supplies a *name map* (diffusers name -> original name) as data; the default is identity.
+
+Files are read the other way round: every stem must resolve to one module of the model. Rather than
+inverting the name map or parsing stems, `ModuleNameIndex` writes down every stem each candidate
+module could have in each layout and looks stems up. That is the only sound way for kohya stems, whose
+underscores cannot be split back (`blocks_0_self_attn_q` might be `blocks.0.self_attn.q` or
+`blocks.0.self.attn_q`), and it needs only the forward name map.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tuner.errors import CheckpointError
+
+NameMap = Callable[[str], str]
+"""Maps a diffusers module name to the original-release module name."""
+
+COMFY_PREFIX = "diffusion_model."
+KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
+DIFFUSERS_PREFIXES = ("transformer.", "base_model.model.")
+
+
+def identity_name_map(name: str) -> str:
+    return name
+
+
+def describe_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> str:
+    """A name for error messages: the file name, or a placeholder for an in-memory state dict."""
+    return "<state dict>" if isinstance(source, Mapping) else str(source)
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read all tensors (on CPU) and the string metadata of a .safetensors file."""
+    if not Path(path).is_file():
+        raise CheckpointError(f"adapter file {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:  # safetensors raises several unrelated types for a corrupt file
+        raise CheckpointError(f"cannot read adapter file {path} as safetensors: {e}") from e
+    return tensors, metadata
+
+
+def split_keys(
+    state_dict: Mapping[str, torch.Tensor], suffix_roles: Mapping[str, str], kind: str, source: str
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Group `<stem>.<suffix>` keys into `{stem: {role: tensor}}` using `suffix_roles` (file suffix ->
+    role; several suffixes may share a role, e.g. `lora_A.weight` and `lora_down.weight` are both
+    "down"). Any other key is an error, so a file of another adapter type is not half-loaded."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, tensor in state_dict.items():
+        for suffix, role in suffix_roles.items():
+            if key.endswith("." + suffix):
+                stem = key[: -len(suffix) - 1]
+                roles = grouped.setdefault(stem, {})
+                if role in roles:
+                    raise CheckpointError(
+                        f"{source}: module {stem!r} has two {role!r} tensors (e.g. {key!r})"
+                    )
+                roles[role] = tensor
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise CheckpointError(
+            f"{source}: {len(unknown)} keys are not {kind} tensors, e.g. {unknown[:5]}; "
+            f"expected suffixes {sorted(suffix_roles)}"
+        )
+    return grouped
+
+
+class ModuleNameIndex:
+    """Looks up which module a file stem refers to, in any of the three layouts."""
+
+    def __init__(
+        self,
+        module_names: Iterable[str],
+        name_map: NameMap | None = None,
+        prefix: str = COMFY_PREFIX,
+    ) -> None:
+        name_map = name_map or identity_name_map
+        self._prefix = prefix
+        self._names = set(module_names)
+        self._stems: dict[str, str] = {}
+        self._ambiguous: dict[str, set[str]] = {}
+        for name in self._names:
+            try:
+                originals = [name_map(name)]
+            except KeyError:  # a module the original release does not have (name maps are tables)
+                originals = []
+            stems = {prefix + original for original in originals}
+            stems.update(p + name for p in DIFFUSERS_PREFIXES)
+            # kohya stems are written from original names by musubi; accept diffusers names too.
+            stems.update(k + n.replace(".", "_") for k in KOHYA_PREFIXES for n in (*originals, name))
+            for stem in stems:
+                self._add(stem, name)
+
+    def _add(self, stem: str, name: str) -> None:
+        previous = self._stems.setdefault(stem, name)
+        if previous != name:
+            self._ambiguous.setdefault(stem, {previous}).add(name)
+
+    def resolve(
+        self, stems: Iterable[str], source: str, name_map_inverse: NameMap | None = None
+    ) -> dict[str, str]:
+        """Map every stem to a module name; unknown or ambiguous stems raise `CheckpointError`.
+        `name_map_inverse` (original -> diffusers name) is a fallback for original-layout stems."""
+        resolved, unknown, ambiguous = {}, [], []
+        for stem in stems:
+            if stem in self._ambiguous:
+                ambiguous.append(f"{stem} -> {sorted(self._ambiguous[stem])}")
+            elif stem in self._stems:
+                resolved[stem] = self._stems[stem]
+            elif (name := self._via_inverse(stem, name_map_inverse)) is not None:
+                resolved[stem] = name
+            else:
+                unknown.append(stem)
+        if ambiguous:
+            raise CheckpointError(f"{source}: module names that fit several modules: {ambiguous[:5]}")
+        if unknown:
+            raise CheckpointError(
+                f"{source}: {len(unknown)} modules in the file match no adapted module of the model, "
+                f"e.g. {unknown[:5]} (wrong architecture, or a name map that does not fit?)"
+            )
+        duplicated = _duplicates(resolved)
+        if duplicated:
+            raise CheckpointError(
+                f"{source}: the same module is stored under several names: {duplicated[:5]}"
+            )
+        return resolved
+
+    def _via_inverse(self, stem: str, name_map_inverse: NameMap | None) -> str | None:
+        if name_map_inverse is None or not stem.startswith(self._prefix):
+            return None
+        try:
+            name = name_map_inverse(stem[len(self._prefix) :])
+        except KeyError:
+            return None
+        return name if name in self._names else None
+
+
+def _duplicates(resolved: Mapping[str, str]) -> list[list[str]]:
+    by_module: dict[str, list[str]] = {}
+    for stem, name in resolved.items():
+        by_module.setdefault(name, []).append(stem)
+    return [stems for stems in by_module.values() if len(stems) > 1]
