@@ -1,0 +1,143 @@
+"""Random-order read throughput of cached latents: our shard store versus one file per entry.
+
+Training reads every cached latent once per epoch in random order through DataLoader workers. Other
+tools store one safetensors file per entry, so each read opens, parses and memory-maps a file. Our
+store keeps each worker's shards mapped and its key -> location map in memory, so a read is a dict
+lookup and a slice of a map. This script writes `--n` entries both ways, reads each set through a
+DataLoader with `--workers` workers in the same run, and prints items/s for both and the ratio.
+
+    python benchmarks/cache_read.py                       # 2,000 Wan-sized latents (~7 GB of disk)
+    python benchmarks/cache_read.py --n 40 --workers 2    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader, Dataset
+
+from tuner.cache import CacheStore
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class StoreLatents(Dataset):
+    def __init__(self, store: CacheStore, keys: list[str]):
+        self.store, self.keys = store, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.store.get(self.keys[i])["latents"]
+
+
+class FileLatents(Dataset):
+    """What one-file-per-entry tools do: load the item's file on every read."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return load_file(self.paths[i])["latents"]
+
+
+def _write(root: Path, n: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[CacheStore, list, list]:
+    # Distinct contents without generating n random tensors (2 CPU cores): one base plus an offset.
+    base = torch.randn(shape).to(dtype)
+    store = CacheStore(root / "store")
+    keys = [f"{i:064x}" for i in range(n)]
+    paths = [root / "files" / f"item{i:05d}_latent.safetensors" for i in range(n)]
+    paths[0].parent.mkdir(parents=True)
+    with store.writer() as w:
+        for i, (key, path) in enumerate(zip(keys, paths)):
+            latents = base + i
+            w.put(key, "latent", {"latents": latents}, {"bucket": "x".join(map(str, shape))})
+            save_file({"latents": latents}, str(path))
+    return store, keys, paths
+
+
+def _items_per_s(dataset: Dataset, workers: int, batch_size: int, seed: int) -> float:
+    # Workers run torch with one thread each; do the same in-process (workers=0) so both modes
+    # measure reads, not intra-op thread scheduling (pathological on small VMs).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _timed_pass(dataset, workers, batch_size, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed_pass(dataset: Dataset, workers: int, batch_size: int, seed: int) -> float:
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    start = time.perf_counter()
+    count = 0
+    for batch in loader:
+        count += batch.shape[0]
+    return count / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2000, help="entries to write and read")
+    parser.add_argument("--workers", type=int, default=4, help="DataLoader workers")
+    parser.add_argument("--batch-size", type=int, default=1, help="DataLoader batch size")
+    parser.add_argument("--shape", default="16,9,60,104", help="latent shape (Wan 480x832, 33 frames)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes per method (median reported)")
+    parser.add_argument("--dir", type=Path, help="where to write (default: a temp dir, deleted after)")
+    args = parser.parse_args(argv)
+
+    shape = tuple(int(s) for s in args.shape.split(","))
+    dtype = DTYPES[args.dtype]
+    item_mib = torch.Size(shape).numel() * dtype.itemsize / 2**20
+    root = Path(tempfile.mkdtemp(prefix="cache_read_", dir=args.dir))
+    try:
+        print(
+            f"writing {args.n} entries of {args.dtype} {list(shape)} ({item_mib:.2f} MiB each, "
+            f"{args.n * item_mib / 1024:.2f} GiB per method) to {root}"
+        )
+        start = time.perf_counter()
+        store, keys, paths = _write(root, args.n, shape, dtype)
+        print(f"  written in {time.perf_counter() - start:.1f} s ({store.info()['shards']} shards)")
+
+        # Workers send each batch to the main process through freshly allocated shared memory, a
+        # cost per byte that is the same for both methods; the in-process pass (no workers) shows
+        # the read path alone.
+        modes = [("in-process", 0), (f"{args.workers} workers", args.workers)]
+        rates: dict[tuple[str, str], list[float]] = {}
+        for r in range(args.rounds):
+            for mode, workers in modes:
+                # Interleave the methods so page-cache state and machine noise hit both alike.
+                for name, dataset in (("files", FileLatents(paths)), ("store", StoreLatents(store, keys))):
+                    rate = _items_per_s(dataset, workers, args.batch_size, seed=r)
+                    rates.setdefault((mode, name), []).append(rate)
+                    print(f"  round {r} {mode:<11} {name:<5} {rate:8.1f} items/s")
+        print(f"n={args.n} batch_size={args.batch_size}, median of {args.rounds} rounds, items/s:")
+        for mode, _ in modes:
+            files, ours = statistics.median(rates[mode, "files"]), statistics.median(rates[mode, "store"])
+            print(
+                f"{mode:<11}  one file per entry {files:8.1f}  cache store {ours:8.1f}  ratio {ours / files:.2f}x"
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""The cache store's SQLite index: schema, format version, and opening a connection safely.
+
+The index maps an entry key to where its tensors live (shard file, tensor-name prefix, names) and
+its metadata. SQLite gives us what a folder of files cannot: a transaction that adds a whole shard's
+entries at once, many concurrent readers alongside one writer (WAL mode), and queries for `info`.
+
+Why WAL: in the default rollback-journal mode a writer blocks every reader for the duration of its
+transaction; in WAL mode readers see the last committed state while a writer appends, which is what
+DataLoader workers reading during a caching run need. `synchronous=NORMAL` is durable against a
+killed process; after a power loss the last commits may roll back, which only leaves shards with no
+rows (orphans) that the next writer removes.
+
+A connection must never cross `fork()` (SQLite's documentation lists it as a way to corrupt a
+database), so `CacheStore` opens connections lazily and reopens when `os.getpid()` changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tuner.errors import CacheError
+
+FORMAT_VERSION = 1
+"""Layout version of a store (index schema + shard naming). A store of any other version is refused."""
+
+INDEX_NAME = "index.sqlite"
+SHARDS_DIR = "shards"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS store (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    shard TEXT NOT NULL,        -- file name under shards/
+    prefix TEXT NOT NULL,       -- tensor-name prefix of this entry inside the shard
+    names TEXT NOT NULL,        -- JSON list of tensor names without the prefix
+    nbytes INTEGER NOT NULL,    -- tensor data bytes, for compaction decisions
+    meta TEXT NOT NULL,         -- JSON object
+    created REAL NOT NULL       -- unix time
+);
+CREATE INDEX IF NOT EXISTS entries_shard ON entries(shard);
+CREATE INDEX IF NOT EXISTS entries_kind ON entries(kind);
+CREATE TABLE IF NOT EXISTS file_hashes (
+    path TEXT PRIMARY KEY,      -- resolved absolute path
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    inode INTEGER NOT NULL,     -- a file replaced by rename gets a new inode even if mtime is reused
+    hash TEXT NOT NULL
+);
+"""
+
+_BUSY_TIMEOUT_S = 60.0  # writers hold the lock for one small transaction; waiting is always right
+
+
+def _fix(root: Path) -> str:
+    return f"delete {root} (or point to another cache directory) and run caching again"
+
+
+def connect(root: Path, readonly: bool) -> sqlite3.Connection:
+    """Open the index of the store at `root`, creating it unless `readonly`, and check its version."""
+    path = root / INDEX_NAME
+    if readonly and not path.exists():
+        raise CacheError(f"no cache store at {root} ({INDEX_NAME} is missing); run caching first")
+    try:
+        if readonly:
+            conn = sqlite3.connect(
+                f"{path.resolve().as_uri()}?mode=ro",
+                uri=True,
+                timeout=_BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / SHARDS_DIR).mkdir(exist_ok=True)
+            # isolation_level=None: no implicit transactions; we BEGIN/COMMIT where we mean to.
+            # check_same_thread=False: SQLite serializes calls on one connection itself, and a
+            # store may be read from a prefetch thread.
+            conn = sqlite3.connect(
+                path, timeout=_BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
+            # Create tables only in an empty database: a file of some other program keeps its
+            # tables and is refused by the version check below.
+            if conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0] == 0:
+                conn.execute("PRAGMA journal_mode=WAL")  # persistent: stored in the file
+                _create(conn)
+            conn.execute("PRAGMA synchronous=NORMAL")
+        version = _read_version(conn)
+    except sqlite3.DatabaseError as e:
+        raise CacheError(f"cannot read the cache index {path}: {e}; {_fix(root)}") from None
+    if version != FORMAT_VERSION:
+        conn.close()
+        raise CacheError(
+            f"cache store {root} has format version {version}, this tuner reads version "
+            f"{FORMAT_VERSION}; {_fix(root)}"
+        )
+    return conn
+
+
+def _create(conn: sqlite3.Connection) -> None:
+    # One transaction, so two processes creating the same store do not race.
+    with transaction(conn):
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute(
+            "INSERT OR IGNORE INTO store(name, value) VALUES ('format_version', ?), ('created', ?)",
+            (str(FORMAT_VERSION), str(time.time())),
+        )
+
+
+def _read_version(conn: sqlite3.Connection) -> str | int:
+    try:
+        row = conn.execute("SELECT value FROM store WHERE name = 'format_version'").fetchone()
+    except sqlite3.OperationalError:
+        return "unknown (not a tuner cache index)"
+    if row is None:
+        return "unknown (no version recorded)"
+    try:
+        return int(row[0])
+    except ValueError:
+        return repr(row[0])
+
+
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """`BEGIN IMMEDIATE ... COMMIT`, rolled back if the body raises.
+
+    IMMEDIATE takes the write lock up front: a deferred transaction that reads first and writes later
+    can fail with "database is locked" instead of waiting for the busy timeout.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
