@@ -51,9 +51,7 @@ def _cache_latents(args) -> None:
 def _cache_text(args) -> None:
     from tuner.cache.commands import cache_text
 
-    cache_text(
-        _load(args), device=args.device, prune=args.prune, batch_size=args.batch_size, dtype=args.dtype
-    )
+    cache_text(_load(args), device=args.device, prune=args.prune, batch_size=args.batch_size)
 
 
 def _cache_info(args) -> None:
@@ -73,6 +71,29 @@ def _timesteps(args) -> None:
 def _config_check(args) -> None:
     cfg = _load(args)
     print(f"{cfg.path}: ok ({len(cfg.datasets)} dataset(s), architecture {cfg.model.architecture})")
+
+
+def _train(args) -> None:
+    from tuner.trainers import trainer_class
+
+    cfg = _load(args)
+    trainer_class(cfg.model.architecture)(cfg).train(resume=args.resume)
+
+
+def _generate(args) -> None:
+    from tuner.errors import ConfigError
+    from tuner.generate import GenerateOptions, generate, parse_lora_arg
+
+    try:
+        width, height = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--size {args.size!r}: expected WIDTHxHEIGHT, e.g. 832x480.") from None
+    opts = GenerateOptions(
+        prompt=args.prompt, out=args.out, negative_prompt=args.negative_prompt,
+        loras=tuple(parse_lora_arg(x) for x in args.lora), width=width, height=height, frames=args.frames,
+        steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed, device=args.device,
+    )  # fmt: skip
+    generate(_load(args), opts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,13 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--prune", action="store_true", help="remove entries no dataset item refers to any more"
         )
-        if name == "text":
-            p.add_argument(
-                "--dtype",
-                default=None,
-                choices=["fp32", "bf16", "fp16", "fp8"],
-                help="text encoder precision (default: cache.text_encoder_dtype)",
-            )
         p.set_defaults(func=func)
     p = csub.add_parser("info", help="what a cache store holds")
     p.add_argument("dir", help="cache directory")
@@ -122,16 +136,39 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.set_defaults(func=_config_check)
 
-    _add_training_commands(sub)
+    p = sub.add_parser(
+        "train", help="train an adapter from the cache (run under `accelerate launch -m tuner`)"
+    )
+    _config_args(p)
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR|latest",
+        help="continue from a saved state folder, or the newest one in save.output_dir",
+    )
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("generate", help="generate an image or video, optionally with LoRAs")
+    _config_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE[:STRENGTH]",
+        help="LoRA file in comfy, kohya or diffusers layout, with an optional strength (repeatable)",
+    )
+    p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT")
+    p.add_argument("--frames", type=int, default=81, help="frame count (1 for an image)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (1 disables)")
+    p.add_argument("--shift", type=float, default=3.0, help="sampling flow shift")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", required=True, help="output .mp4 or .png")
+    p.set_defaults(func=_generate)
     return parser
-
-
-def _add_training_commands(sub) -> None:
-    try:
-        from tuner.trainers.cli import add_commands
-    except ImportError:  # the training commands land with the trainer
-        return
-    add_commands(sub, _config_args)
 
 
 def main(argv: list[str] | None = None) -> int:

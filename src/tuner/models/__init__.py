@@ -1,0 +1,1 @@
+"""Model loading: one module per architecture family on top of the shared `loading` and `identify`."""

@@ -1,0 +1,118 @@
+"""Training batches read from the cache store.
+
+Each dataset's samples are repeated `num_repeats` times, grouped by bucket and cut into batches of the
+dataset's batch size (a short remainder stays a smaller batch and is reported, never dropped); the
+batches of all datasets are then shuffled together. The order is a pure function of (seed, epoch), so a
+resumed run replays it exactly and can skip the batches it already trained on. Caption dropout swaps
+in the empty caption's entry with a draw seeded by the sample's position, for the same reason.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tuner.cache.store import CacheStore
+from tuner.config.dataset import DatasetSpec
+from tuner.data.buckets import plan_batches, short_batch_warnings
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    cache_dir: str
+    latent_key: str
+    text_key: str
+    empty_text_key: str
+    bucket_key: str
+    dataset_index: int
+
+
+class _EpochBatches(Dataset):
+    """Dataset over one epoch's planned batches; item i loads batch i from the store."""
+
+    def __init__(self, batches: list[list[tuple[str, str, str]]]):
+        self.batches = batches
+        self.stores: dict[str, CacheStore] = {}
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def _store(self, cache_dir: str) -> CacheStore:
+        if cache_dir not in self.stores:
+            self.stores[cache_dir] = CacheStore(cache_dir, readonly=True)
+        return self.stores[cache_dir]
+
+    def __getitem__(self, i: int) -> dict:
+        latents, texts = [], []
+        for cache_dir, latent_key, text_key in self.batches[i]:
+            store = self._store(cache_dir)
+            latents.append(store.get(latent_key)["latents"])
+            texts.append(store.get(text_key))
+        return {"latents": torch.stack(latents), "text": texts}
+
+
+class TrainingData:
+    def __init__(
+        self, samples: list[TrainingSample], specs: tuple[DatasetSpec, ...], seed: int, num_workers: int
+    ):
+        self.samples = samples
+        self.specs = {s.index: s for s in specs}
+        self.seed = seed
+        self.num_workers = num_workers
+        self.by_dataset: dict[int, dict[str, list[TrainingSample]]] = defaultdict(lambda: defaultdict(list))
+        for s in samples:
+            self.by_dataset[s.dataset_index][s.bucket_key] += [s] * self.specs[s.dataset_index].num_repeats
+
+    def warnings(self) -> list[str]:
+        out = []
+        for index, buckets in sorted(self.by_dataset.items()):
+            out += [
+                f"datasets[{index}]: {w}" for w in short_batch_warnings(buckets, self.specs[index].batch_size)
+            ]
+        return out
+
+    def plan_epoch(self, epoch: int) -> list[list[tuple[str, str, str]]]:
+        """Batches of one epoch: lists of (cache_dir, latent_key, text_key)."""
+        batches = []
+        for index, buckets in sorted(self.by_dataset.items()):
+            spec = self.specs[index]
+            for b, batch in enumerate(plan_batches(buckets, spec.batch_size, self.seed + index, epoch)):
+                drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
+                batches.append(
+                    [
+                        (s.cache_dir, s.latent_key,
+                         s.empty_text_key if drop.random() < spec.caption_dropout_rate else s.text_key)
+                        for s in batch.items
+                    ]
+                )  # fmt: skip
+        random.Random(f"{self.seed}/{epoch}").shuffle(batches)
+        return batches
+
+    def batches_per_epoch(self) -> int:
+        return len(self.plan_epoch(0))
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        """Batches of `epoch` from index `start` on (to resume mid-epoch)."""
+        dataset = _EpochBatches(self.plan_epoch(epoch)[start:])
+        # A private generator: creating a loader must not draw from the global RNG, or a run resumed
+        # mid-epoch would see different dropout than an uninterrupted one.
+        loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=self.num_workers,
+                            generator=torch.Generator().manual_seed(self.seed))  # fmt: skip
+        yield from loader
+
+    def summary(self) -> dict:
+        buckets = sorted({s.bucket_key for s in self.samples})
+        sizes = {self.specs[i].batch_size for i in self.by_dataset}
+        return {
+            "samples": sum(len(v) for b in self.by_dataset.values() for v in b.values()),
+            "unique_samples": len(self.samples),
+            "datasets": len(self.by_dataset),
+            "buckets": buckets,
+            "batch_size": "/".join(str(s) for s in sorted(sizes)),
+            "batches_per_epoch": self.batches_per_epoch(),
+        }

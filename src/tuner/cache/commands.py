@@ -1,0 +1,127 @@
+"""`tuner cache latents` and `tuner cache text`: encode what is missing or stale, reuse the rest.
+
+Both commands plan the cache keys exactly as training will (`tuner.cache.plan`), ask the store which
+are missing, load the encoder only if something is, and encode in batches (latents of one bucket
+stack; captions batch freely). Entries are written through the store's atomic shard writer, so a run
+killed at any point resumes where it stopped. Each ends with `encoded N, reused M, pruned K`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from tuner.cache.plan import (
+    LATENT,
+    TEXT,
+    latent_encoder,
+    latent_key,
+    plan_datasets,
+    stores_of,
+    text_encoder,
+    text_key,
+    torch_device,
+)
+from tuner.data.jobs import load_job_pixels
+from tuner.trainers import trainer_class
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _summary(encoded: int, reused: int, pruned: int) -> str:
+    return f"encoded {encoded}, reused {reused}, pruned {pruned}"
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_size: int | None = None,
+                  log: Callable[[str], None] = print) -> tuple[int, int, int]:  # fmt: skip
+    """Encode the latents of every dataset item that is not cached yet; return (encoded, reused, pruned)."""
+    trainer = trainer_class(cfg.model.architecture)(cfg)
+    plans = plan_datasets(trainer, cfg, log)
+    encoder = latent_encoder(trainer)
+    batch_size = batch_size or cfg.cache.batch_size
+    dev = torch_device(device or cfg.cache.device)
+    encoded = reused = pruned = 0
+    vae = None
+    for cache_dir, store in stores_of(plans, readonly=False).items():
+        todo: dict[str, object] = {}
+        expected: set[str] = set()
+        for plan in plans:
+            if plan.spec.cache_directory != cache_dir:
+                continue
+            for job in plan.jobs:
+                key = latent_key(store, job, encoder)
+                expected.add(key)
+                if key not in todo:
+                    todo[key] = job
+        missing = set(store.missing(list(todo)))
+        reused += len(todo) - len(missing)
+        by_bucket: dict[str, list] = defaultdict(list)
+        for key in missing:
+            by_bucket[todo[key].bucket_key].append((key, todo[key]))
+        if missing and vae is None:
+            vae = trainer.load_vae(dev, DTYPES[cfg.model.vae_dtype]).eval()
+        with (
+            store.writer() as writer,
+            tqdm(total=len(missing), desc=f"latents → {cache_dir}", unit="item") as bar,
+        ):
+            for bucket in sorted(by_bucket):
+                for chunk in _chunks(sorted(by_bucket[bucket], key=lambda kj: kj[1].source), batch_size):
+                    pixels = torch.stack([load_job_pixels(job) for _, job in chunk])
+                    with torch.no_grad():
+                        latents = trainer.encode_pixels(vae, pixels.to(dev, DTYPES[cfg.model.vae_dtype]))
+                    for (key, job), lat in zip(chunk, latents):
+                        meta = {"bucket": job.bucket_key, "encoder": encoder.label(), "source": job.source}
+                        writer.put(key, LATENT, {"latents": lat.detach().to("cpu").contiguous()}, meta)
+                    encoded += len(chunk)
+                    bar.update(len(chunk))
+        if prune:
+            pruned += store.prune(expected | set(store.keys(TEXT)))
+    log(_summary(encoded, reused, pruned))
+    return encoded, reused, pruned
+
+
+def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: int | None = None,
+               log: Callable[[str], None] = print) -> tuple[int, int, int]:  # fmt: skip
+    """Encode every distinct caption (and the empty one) not cached yet; return (encoded, reused, pruned)."""
+    trainer = trainer_class(cfg.model.architecture)(cfg)
+    plans = plan_datasets(trainer, cfg, log)
+    encoder = text_encoder(trainer)
+    max_len = cfg.cache.text_max_length
+    batch_size = batch_size or cfg.cache.batch_size
+    dev = torch_device(device or cfg.cache.device)
+    encoded = reused = pruned = 0
+    te = None
+    for cache_dir, store in stores_of(plans, readonly=False).items():
+        wanted = {}
+        for plan in plans:
+            if plan.spec.cache_directory == cache_dir:
+                wanted.update({text_key(c, encoder, max_len): c for c in plan.captions()})
+        missing = set(store.missing(list(wanted)))
+        reused += len(wanted) - len(missing)
+        if missing and te is None:
+            te = trainer.load_text_encoder(dev, cfg.cache.text_encoder_dtype)
+        todo = sorted(missing, key=lambda k: wanted[k])
+        with (
+            store.writer() as writer,
+            tqdm(total=len(todo), desc=f"text → {cache_dir}", unit="caption") as bar,
+        ):
+            for chunk in _chunks(todo, batch_size):
+                with torch.no_grad():
+                    outputs = trainer.encode_text(te, [wanted[k] for k in chunk])
+                for key, out in zip(chunk, outputs):
+                    tensors = {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
+                    writer.put(key, TEXT, tensors, {"encoder": encoder.label(), "caption": wanted[key]})
+                encoded += len(chunk)
+                bar.update(len(chunk))
+        if prune:
+            pruned += store.prune(set(wanted) | set(store.keys(LATENT)))
+    log(_summary(encoded, reused, pruned))
+    return encoded, reused, pruned

@@ -1,0 +1,135 @@
+"""What the cache must hold for a config, computed the same way by the caching commands and training.
+
+Both sides walk the datasets (`plan_datasets`), turn every latent job and caption into a cache key
+(`latent_key`, `text_key`), and compare with the store. The caching commands encode what is missing;
+training refuses to start while anything is missing, naming the command that fixes it. Because a key
+covers the source file's contents, every parameter of the encode and the encoder's identity, "missing"
+also means "stale": an edited caption, a new resolution or another VAE simply produce other keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tuner.cache.keys import EncoderIdentity, entry_key, fingerprint_weights
+from tuner.cache.store import CacheStore
+from tuner.config.dataset import DatasetSpec
+from tuner.data.datasets import discover_items
+from tuner.data.frames import FrameRule
+from tuner.data.jobs import LatentJob, plan_latent_jobs
+
+LATENT, TEXT = "latent", "text"
+
+
+@dataclass
+class DatasetPlan:
+    spec: DatasetSpec
+    jobs: list[LatentJob]
+    problems: list[str] = field(default_factory=list)
+
+    def captions(self) -> list[str]:
+        captions = dict.fromkeys(job.caption for job in self.jobs)
+        captions.setdefault("", None)  # caption dropout trains on the empty caption
+        return list(captions)
+
+
+def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[DatasetPlan]:
+    """Discover and probe every dataset; report problems (missing captions, skipped files) by name."""
+    plans = []
+    rule = FrameRule(trainer.frame_multiple, trainer.frame_remainder)
+    for spec in cfg.datasets:
+        items, problems = discover_items(spec)
+        jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps)
+        plans.append(DatasetPlan(spec, jobs, problems + more))
+        for problem in problems + more:
+            log(f"warning: {problem}")
+    return plans
+
+
+def latent_encoder(trainer) -> EncoderIdentity:
+    cfg = trainer.cfg
+    return EncoderIdentity(
+        architecture=f"{trainer.architecture}-vae",
+        weights_fingerprint=fingerprint_weights(trainer.weights_path("vae")),
+        dtype=cfg.model.vae_dtype,
+        format_version=trainer.cache_format_version,
+    )
+
+
+def text_encoder(trainer) -> EncoderIdentity:
+    cfg = trainer.cfg
+    return EncoderIdentity(
+        architecture=f"{trainer.architecture}-text",
+        weights_fingerprint=fingerprint_weights(trainer.weights_path("text_encoder")),
+        dtype=cfg.cache.text_encoder_dtype,
+        format_version=trainer.cache_format_version,
+    )
+
+
+def latent_key(store: CacheStore, job: LatentJob, encoder: EncoderIdentity) -> str:
+    source = "+".join(store.hash_source(p) for p in job.input_paths)
+    return entry_key(LATENT, source, job.params(), encoder)
+
+
+def text_key(caption: str, encoder: EncoderIdentity, max_length: int) -> str:
+    return entry_key(TEXT, caption, {"max_length": max_length}, encoder)
+
+
+def stores_of(plans: list[DatasetPlan], readonly: bool) -> dict[str, CacheStore]:
+    return {d: CacheStore(d, readonly=readonly) for d in dict.fromkeys(p.spec.cache_directory for p in plans)}
+
+
+def require_cached(store: CacheStore, keys: list[str], what: str, command: str, cfg) -> None:
+    """Raise CacheError naming the command to run when any key is not in the store."""
+    from tuner.errors import CacheError
+
+    missing = store.missing(keys)
+    if missing:
+        raise CacheError(
+            f"{len(missing)} of {len(set(keys))} {what} entries are missing or stale in {store.root} "
+            f"(new or changed files, captions, resolution, frames or model). "
+            f"Run: tuner {command} --config {cfg.path}"
+        )
+
+
+def open_training_data(trainer, cfg, log: Callable[[str], None] = print):
+    """Plan the datasets, check that the cache is complete and current, and return the batches."""
+    from tuner.cache.batches import TrainingData, TrainingSample
+
+    plans = plan_datasets(trainer, cfg, log)
+    stores = {d: CacheStore(d) for d in dict.fromkeys(p.spec.cache_directory for p in plans)}
+    lat_enc, txt_enc = latent_encoder(trainer), text_encoder(trainer)
+    max_len = cfg.cache.text_max_length
+    samples: list[TrainingSample] = []
+    for plan in plans:
+        store = stores[plan.spec.cache_directory]
+        lat_keys = [latent_key(store, job, lat_enc) for job in plan.jobs]
+        txt_keys = {c: text_key(c, txt_enc, max_len) for c in plan.captions()}
+        require_cached(store, lat_keys, "latent", "cache latents", cfg)
+        require_cached(store, list(txt_keys.values()), "text", "cache text", cfg)
+        for job, key in zip(plan.jobs, lat_keys):
+            samples.append(
+                TrainingSample(
+                    cache_dir=plan.spec.cache_directory,
+                    latent_key=key,
+                    text_key=txt_keys[job.caption],
+                    empty_text_key=txt_keys[""],
+                    bucket_key=job.bucket_key,
+                    dataset_index=plan.spec.index,
+                )
+            )
+    return TrainingData(samples, cfg.datasets, cfg.train.seed, cfg.data.num_workers)
+
+
+def torch_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def dataset_source(spec: DatasetSpec) -> str:
+    return str(Path(spec.source))

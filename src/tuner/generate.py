@@ -1,0 +1,131 @@
+"""`tuner generate`: text → image or video with the base model and any number of LoRAs.
+
+The models are loaded one at a time (text encoder, then transformer, then VAE) and each is dropped
+before the next, so inference needs no more memory than the largest of them. LoRAs attach as forward
+patches with a strength each; any of the layouts tuner reads (comfy, kohya, diffusers) works.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+
+from tuner.cache.plan import torch_device
+from tuner.errors import ConfigError
+from tuner.networks.lora import apply_lora_file
+from tuner.sampling import euler_sample, flow_sigmas
+from tuner.trainers import trainer_class
+from tuner.trainers.base import DTYPES
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    prompt: str
+    out: str
+    negative_prompt: str = ""
+    loras: tuple[tuple[str, float], ...] = ()
+    width: int = 832
+    height: int = 480
+    frames: int = 81
+    steps: int = 30
+    guidance_scale: float = 5.0
+    shift: float = 3.0
+    seed: int = 0
+    device: str = "auto"
+
+
+def parse_lora_arg(text: str) -> tuple[str, float]:
+    """`path.safetensors[:strength]` → (path, strength)."""
+    path, sep, strength = text.rpartition(":")
+    if sep and path and not strength.startswith(("\\", "/")):
+        try:
+            return path, float(strength)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+def _free(*objects) -> None:
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
+    trainer = trainer_class(cfg.model.architecture)(cfg)
+    step = trainer.spatial_step
+    if opts.width % step or opts.height % step:
+        raise ConfigError(f"--size {opts.width}x{opts.height}: both sides must be multiples of {step} for "
+                          f"{trainer.architecture}.")  # fmt: skip
+    if not trainer.valid_frame_count(opts.frames):
+        raise ConfigError(f"--frames {opts.frames}: {trainer.architecture} takes "
+                          f"{trainer.frame_multiple}N+{trainer.frame_remainder} frames.")  # fmt: skip
+    for path, _ in opts.loras:
+        if not Path(path).is_file():
+            raise ConfigError(f"--lora {path}: file not found.")
+    device = torch_device(opts.device)
+    dtype = DTYPES[cfg.model.dtype]
+
+    encoder = trainer.load_text_encoder(device, cfg.cache.text_encoder_dtype)
+    with torch.no_grad():
+        cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p]))
+                        for p in (opts.prompt, opts.negative_prompt))  # fmt: skip
+    cond = {k: v.to(device) for k, v in cond.items()}
+    uncond = {k: v.to(device) for k, v in uncond.items()}
+    _free(encoder)
+
+    model = trainer.load_transformer(dtype).to(device).eval()
+    for path, strength in opts.loras:
+        network = apply_lora_file(model, path, strength, name_map=trainer.export_name)
+        network.to(device)
+        log(f"lora {path} × {strength}: {len(network)} modules")
+    generator = torch.Generator().manual_seed(opts.seed)
+    noise = torch.randn((1, *trainer.latent_shape(opts.width, opts.height, opts.frames)), generator=generator)
+
+    def model_fn(x: torch.Tensor, t: torch.Tensor, text: dict) -> torch.Tensor:
+        return trainer.predict(model, x.to(dtype), t / 1000, text).float()
+
+    with torch.no_grad():
+        latents = euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, opts.shift), cond, uncond,
+                               opts.guidance_scale, progress=True)  # fmt: skip
+    _free(model)
+
+    vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
+    with torch.no_grad():
+        pixels = trainer.decode_latents(vae, latents)[0]
+    out = write_media(pixels, opts.out, trainer.model_fps)
+    log(f"wrote {out}")
+    return out
+
+
+def write_media(pixels: torch.Tensor, out: str | Path, fps: float) -> Path:
+    """[C, F, H, W] in [-1, 1] → a PNG (one frame, or `.png` asked) or an H.264 mp4."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    frames = (
+        ((pixels.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+    )
+    if out.suffix.lower() == ".png" or frames.shape[0] == 1:
+        out = out.with_suffix(".png")
+        Image.fromarray(frames[0]).save(out)
+        return out
+    out = out.with_suffix(".mp4")
+    tmp = out.with_name(f".{out.name}.tmp.mp4")
+    with av.open(str(tmp), mode="w") as container:
+        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream.height, stream.width = frames.shape[1] // 2 * 2, frames.shape[2] // 2 * 2
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            image = np.ascontiguousarray(frame[: stream.height, : stream.width])
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+    tmp.replace(out)
+    return out

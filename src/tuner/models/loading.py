@@ -1,0 +1,297 @@
+"""Finding, checking and loading model checkpoints, shared by every architecture.
+
+Users hold weights in two layouts:
+
+* a **diffusers folder** (a pipeline root with `model_index.json` and one subfolder per component, or a
+  component folder with `config.json`), loaded with `from_pretrained(local_dir)`;
+* a **single file** (`.safetensors`, or `.pth` for some official releases) in the original release's key
+  layout, often with a `model.diffusion_model.` prefix from ComfyUI and no config at all.
+
+This module reads files (safetensors headers without the data, .pth through `torch.load(weights_only)`),
+normalizes their keys (ComfyUI prefixes, scaled-fp8 weights) and loads models through diffusers. A single
+file carries no config: `tuner.models.identify` recognises its variant from tensor shapes, and the
+variant's shipped config folder is handed to `from_single_file(..., config=<local dir>)`, never to the
+hub. Everything that can go wrong (missing file, truncated download, another architecture's checkpoint,
+unknown variant, missing keys) raises `CheckpointError` naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tuner.errors import CheckpointError
+
+# Prefixes other tools put in front of a component's keys (ComfyUI checkpoints and exports).
+KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+# Keys of ComfyUI's legacy "scaled fp8" files: a marker tensor and a per-weight scale.
+_SCALED_FP8_MARKER = "scaled_fp8"
+_SCALE_SUFFIXES = (".scale_weight", ".scale_input")
+
+_TORCH_PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+
+
+class TensorMeta(NamedTuple):
+    """What a checkpoint header says about one tensor."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading files
+# ---------------------------------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, TensorMeta]:
+    """Return name -> (dtype, shape) for every tensor in a .safetensors file, reading only its header."""
+    path = Path(path)
+    _require_file(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise _corrupt(path, f"the file has only {size} bytes")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(size - 8, 100_000_000):
+            raise _corrupt(path, f"its header claims {header_len} bytes but the file has {size}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(path, f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its header is not a JSON object")
+    data_size = size - 8 - header_len
+    tensors: dict[str, TensorMeta] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            meta = TensorMeta(str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
+        except (TypeError, KeyError, ValueError):
+            raise _corrupt(path, f"the header entry for {name!r} is malformed") from None
+        if not 0 <= begin <= end <= data_size:
+            raise _corrupt(path, f"tensor {name!r} lies past the end of the file (truncated download?)")
+        tensors[name] = meta
+    return tensors
+
+
+def read_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Return name -> shape without loading tensor data (.safetensors header, or an mmap'ed .pth)."""
+    path = Path(path)
+    if path.suffix in _TORCH_PICKLE_SUFFIXES:
+        return {k: tuple(v.shape) for k, v in load_tensors(path, mmap=True).items()}
+    return {name: meta.shape for name, meta in read_safetensors_header(path).items()}
+
+
+def load_tensors(path: str | Path, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """Load every tensor of a .safetensors or .pth file onto the CPU."""
+    path = Path(path)
+    _require_file(path)
+    try:
+        if path.suffix in _TORCH_PICKLE_SUFFIXES:
+            # weights_only: a checkpoint must never run code; mmap: shapes can be read without the data.
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+                state = state["state_dict"]
+            if not isinstance(state, dict):
+                raise _corrupt(path, "it does not hold a state dict")
+            return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        read_safetensors_header(path)  # clear errors for truncated or non-safetensors files
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    except CheckpointError:
+        raise
+    except Exception as e:  # the readers raise many types; all mean the file is unreadable
+        raise _corrupt(path, f"{type(e).__name__}: {e}") from None
+
+
+def as_file_list(files: str | Path | Sequence[Path]) -> list[Path]:
+    """One checkpoint as a list of files (a single file, or the shards of a sharded save)."""
+    if isinstance(files, str | Path):
+        return [Path(files)]
+    if not files:
+        raise CheckpointError("no checkpoint files given. Check the model paths in your config.")
+    return [Path(f) for f in files]
+
+
+def read_shapes_of(files: str | Path | Sequence[Path]) -> dict[str, tuple[int, ...]]:
+    """`read_tensor_shapes` over one file or all shards of a checkpoint."""
+    return {k: v for f in as_file_list(files) for k, v in read_tensor_shapes(f).items()}
+
+
+def load_tensors_of(files: str | Path | Sequence[Path]) -> dict[str, torch.Tensor]:
+    """`load_tensors` over one file or all shards of a checkpoint."""
+    return {k: v for f in as_file_list(files) for k, v in load_tensors(f).items()}
+
+
+def strip_known_prefixes(names: Iterable[str]) -> dict[str, str]:
+    """Map each component key to the stored key it came from, dropping a ComfyUI-style prefix.
+
+    When some keys carry a known prefix, only those belong to the component (a full ComfyUI checkpoint
+    also holds `first_stage_model.*`, `cond_stage_model.*`), so the others are left out.
+    """
+    names = list(names)
+    for prefix in KNOWN_PREFIXES:
+        if any(n.startswith(prefix) for n in names):
+            return {n[len(prefix) :]: n for n in names if n.startswith(prefix)}
+    return {n: n for n in names}
+
+
+def normalize_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shapes keyed by component key: prefixes stripped, fp8 scale tensors dropped."""
+    return {k: shapes[stored] for k, stored in strip_known_prefixes(shapes).items() if not _is_scale_key(k)}
+
+
+def normalize_state_dict(
+    state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Strip prefixes and dequantize ComfyUI "scaled fp8" weights (weight * scale_weight) into `dtype`."""
+    renamed = {k: state_dict[stored] for k, stored in strip_known_prefixes(state_dict).items()}
+    if _SCALED_FP8_MARKER not in renamed and not any(k.endswith(".scale_weight") for k in renamed):
+        return renamed
+    out = {}
+    for key, value in renamed.items():
+        if _is_scale_key(key):
+            continue
+        scale = (
+            renamed.get(key.removesuffix(".weight") + ".scale_weight") if key.endswith(".weight") else None
+        )
+        if scale is not None:
+            value = (value.to(torch.float32) * scale.to(torch.float32)).to(dtype)
+        out[key] = value
+    return out
+
+
+def _is_scale_key(key: str) -> bool:
+    return key == _SCALED_FP8_MARKER or key.endswith(_SCALE_SUFFIXES)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Folders
+# ---------------------------------------------------------------------------------------------------
+
+
+def resolve_folder(path: str | Path, subfolder: str) -> Path | None:
+    """The diffusers component folder `path` points at, or None when `path` is a single file.
+
+    Accepts the component folder itself (holding `config.json`) or a pipeline root (holding
+    `model_index.json` or the `subfolder`).
+    """
+    path = Path(path)
+    if path.is_file():
+        return None
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder. Check the path in your config.")
+    if (path / "config.json").is_file():
+        return path
+    if (path / subfolder / "config.json").is_file():
+        return path / subfolder
+    if (path / "model_index.json").is_file():
+        raise CheckpointError(
+            f"{path}: this diffusers pipeline folder has no {subfolder}/config.json. "
+            f"Point to a folder that contains the {subfolder} component, or to a single .safetensors file."
+        )
+    raise CheckpointError(
+        f"{path}: a folder without config.json or model_index.json. Point to a diffusers folder "
+        "(pipeline root or component folder) or to a single checkpoint file."
+    )
+
+
+def read_folder_config(folder: Path) -> dict:
+    """The `config.json` of a component folder."""
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{folder / 'config.json'}: cannot be read ({e}). Re-download the folder."
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading through diffusers
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_diffusers_folder(
+    model_cls: type, folder: Path, dtype: torch.dtype, class_name: str
+) -> torch.nn.Module:
+    """`model_cls.from_pretrained(folder)` offline, after checking the folder holds a `class_name`."""
+    config = read_folder_config(folder)
+    if config.get("_class_name") != class_name:
+        raise CheckpointError(
+            f"{folder}: config.json describes a {config.get('_class_name')!r}, not a {class_name}. "
+            f"Point to a {class_name} folder or to a single checkpoint file."
+        )
+    try:
+        model = model_cls.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{folder}: cannot be loaded as a {class_name}: {e}") from None
+    return model.eval()
+
+
+def load_diffusers_single_file(
+    model_cls: type, state_dict: dict[str, torch.Tensor], config_dir: Path, dtype: torch.dtype, path: Path
+) -> torch.nn.Module:
+    """`model_cls.from_single_file` with a shipped local config (so it never looks at the hub).
+
+    `state_dict` must already be checked to hold exactly the expected keys: diffusers only warns about
+    unexpected keys and leaves missing ones on the meta device. Weights are cast afterwards by the rule
+    `from_pretrained` uses, so both layouts give identical models (`from_single_file` itself would also
+    cast the model's `_keep_in_fp32_modules` to bf16).
+    """
+    try:
+        model = model_cls.from_single_file(state_dict, config=str(config_dir), local_files_only=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
+    assert_materialized(model, path)
+    cast_like_from_pretrained_(model, dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def cast_like_from_pretrained_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating state-dict tensors to `dtype`, keeping the model's `_keep_in_fp32_modules` in fp32.
+
+    Mirrors diffusers' `from_pretrained`: a tensor stays fp32 when one of the dotted parts of its name is
+    in `_keep_in_fp32_modules` (for Wan: timestep embedder, modulation tables, affine norms).
+    """
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.is_floating_point():
+            target = torch.float32 if keep.intersection(name.split(".")) else dtype
+            tensor.data = tensor.data.to(target)
+
+
+def assert_materialized(model: torch.nn.Module, path: str | Path) -> None:
+    """Raise CheckpointError if any parameter or buffer was left without data (on the meta device)."""
+    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if empty:
+        raise CheckpointError(
+            f"{path}: {len(empty)} tensors were not in the checkpoint (e.g. {', '.join(empty[:3])}). "
+            "Use the complete base-model file."
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        where = "a folder, not a file" if path.is_dir() else "no such file"
+        raise CheckpointError(f"{path}: {where}. Check the path in your config.")
+
+
+def _corrupt(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: not a readable checkpoint ({why}). The file is damaged or incomplete; download it again."
+    )

@@ -1,0 +1,158 @@
+"""Key names of Wan 2.1 in diffusers' layout and in the official release's layout.
+
+diffusers renames every module of the official `WanModel` (`blocks.0.self_attn.q` becomes
+`blocks.0.attn1.to_q`) and only converts original -> diffusers. tuner needs the other direction too:
+LoRA files must use the original names to load in ComfyUI and the official code, and the test fixtures
+write single files in the original layout. The transformer mapping is one table of rules, read in both
+directions; the VAE mapping is index arithmetic (diffusers groups the decoder's flat list into blocks).
+
+Official layout facts used here (from the Wan 2.1 release code): each block holds `norm1` (no weights),
+`self_attn`, `norm3` (the affine cross-attention norm), `cross_attn`, `norm2` (no weights) and an
+`ffn = Sequential(Linear, GELU, Linear)`; diffusers calls the cross-attention norm `norm2`. The VAE's
+residual blocks are `Sequential(RMS_norm, SiLU, conv, RMS_norm, SiLU, Dropout, conv)`, so their norms and
+convs sit at indices 0, 2, 3 and 6.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+# ---------------------------------------------------------------------------------------------------
+# Transformer: (diffusers name, original name); `{i}` is a block index. A rule matches a whole dotted
+# name or its leading part (so `blocks.0.attn1.to_q.weight` uses the `blocks.{i}.attn1.to_q` rule).
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
+    # nn.Linear modules (what LoRA targets)
+    ("blocks.{i}.attn1.to_q", "blocks.{i}.self_attn.q"),
+    ("blocks.{i}.attn1.to_k", "blocks.{i}.self_attn.k"),
+    ("blocks.{i}.attn1.to_v", "blocks.{i}.self_attn.v"),
+    ("blocks.{i}.attn1.to_out.0", "blocks.{i}.self_attn.o"),
+    ("blocks.{i}.attn2.to_q", "blocks.{i}.cross_attn.q"),
+    ("blocks.{i}.attn2.to_k", "blocks.{i}.cross_attn.k"),
+    ("blocks.{i}.attn2.to_v", "blocks.{i}.cross_attn.v"),
+    ("blocks.{i}.attn2.to_out.0", "blocks.{i}.cross_attn.o"),
+    ("blocks.{i}.attn2.add_k_proj", "blocks.{i}.cross_attn.k_img"),  # image-to-video only
+    ("blocks.{i}.attn2.add_v_proj", "blocks.{i}.cross_attn.v_img"),  # image-to-video only
+    ("blocks.{i}.ffn.net.0.proj", "blocks.{i}.ffn.0"),
+    ("blocks.{i}.ffn.net.2", "blocks.{i}.ffn.2"),
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),  # image-to-video only
+    ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),  # image-to-video only
+    ("proj_out", "head.head"),
+    # everything else in the state dict
+    ("patch_embedding", "patch_embedding"),
+    ("blocks.{i}.attn1.norm_q", "blocks.{i}.self_attn.norm_q"),
+    ("blocks.{i}.attn1.norm_k", "blocks.{i}.self_attn.norm_k"),
+    ("blocks.{i}.attn2.norm_q", "blocks.{i}.cross_attn.norm_q"),
+    ("blocks.{i}.attn2.norm_k", "blocks.{i}.cross_attn.norm_k"),
+    ("blocks.{i}.attn2.norm_added_k", "blocks.{i}.cross_attn.norm_k_img"),
+    ("blocks.{i}.norm2", "blocks.{i}.norm3"),  # the affine cross-attention norm
+    ("blocks.{i}.scale_shift_table", "blocks.{i}.modulation"),
+    ("scale_shift_table", "head.modulation"),
+    ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+    ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+    ("condition_embedder.image_embedder.pos_embed", "img_emb.emb_pos"),  # first-last-frame only
+)
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + r"(?P<rest>\..+)?$")
+
+
+_TO_ORIGINAL = [(_compile(d), o) for d, o in TRANSFORMER_RULES]
+_TO_DIFFUSERS = [(_compile(o), d) for d, o in TRANSFORMER_RULES]
+
+
+def _rename(name: str, rules: list[tuple[re.Pattern, str]], direction: str) -> str:
+    for pattern, target in rules:
+        m = pattern.match(name)
+        if m:
+            index = m.groupdict().get("i") or ""
+            return target.replace("{i}", index) + (m["rest"] or "")
+    raise KeyError(f"no Wan key rule maps {name!r} to the {direction} layout")
+
+
+def original_module_name(diffusers_name: str) -> str:
+    """Official Wan 2.1 name of a diffusers WanTransformer3DModel module or tensor key.
+
+    `blocks.0.attn1.to_q` -> `blocks.0.self_attn.q`; `proj_out.weight` -> `head.head.weight`.
+    Raises KeyError for names outside the table (for example fused `to_qkv` projections).
+    """
+    return _rename(diffusers_name, _TO_ORIGINAL, "original")
+
+
+def diffusers_module_name(original_name: str) -> str:
+    """The inverse of `original_module_name`."""
+    return _rename(original_name, _TO_DIFFUSERS, "diffusers")
+
+
+def transformer_to_original(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers WanTransformer3DModel state dict with the official release's key names."""
+    return {original_module_name(k): v for k, v in state_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# VAE: diffusers AutoencoderKLWan key -> original Wan 2.1 VAE key (Wan2.1_VAE.pth layout).
+# ---------------------------------------------------------------------------------------------------
+_RESNET_PARTS = {
+    "norm1": "residual.0",
+    "conv1": "residual.2",
+    "norm2": "residual.3",
+    "conv2": "residual.6",
+    "conv_shortcut": "shortcut",
+}
+_VAE_FIXED = {
+    "quant_conv": "conv1",
+    "post_quant_conv": "conv2",
+    "encoder.conv_in": "encoder.conv1",
+    "decoder.conv_in": "decoder.conv1",
+    "encoder.norm_out": "encoder.head.0",
+    "encoder.conv_out": "encoder.head.2",
+    "decoder.norm_out": "decoder.head.0",
+    "decoder.conv_out": "decoder.head.2",
+    "encoder.mid_block.attentions.0": "encoder.middle.1",
+    "decoder.mid_block.attentions.0": "decoder.middle.1",
+}
+_MID_RESNET = re.compile(r"^(encoder|decoder)\.mid_block\.resnets\.(\d+)\.(\w+)\.(\w+)$")
+_DOWN = re.compile(r"^encoder\.down_blocks\.(\d+)\.(\w+)\.(.+)$")
+_UP_RESNET = re.compile(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(\w+)\.(\w+)$")
+_UP_SAMPLER = re.compile(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)$")
+
+
+def vae_key_to_original(key: str, num_res_blocks: int = 2) -> str:
+    """Original Wan 2.1 VAE key of a diffusers AutoencoderKLWan (2.1, `attn_scales=[]`) key.
+
+    The original decoder is one flat list: per level `num_res_blocks + 1` residual blocks, then one
+    upsampler; diffusers nests them as `up_blocks.<level>.resnets.<j>` / `.upsamplers.0`.
+    """
+    for prefix, original in _VAE_FIXED.items():
+        if key.startswith(prefix + "."):
+            return original + key[len(prefix) :]
+    per_level = num_res_blocks + 2
+    if m := _MID_RESNET.match(key):
+        side, j, part, param = m.groups()
+        return f"{side}.middle.{2 * int(j)}.{_RESNET_PARTS[part]}.{param}"
+    if m := _DOWN.match(key):  # the encoder is flat in both layouts; only residual parts are renamed
+        n, part, rest = m.groups()
+        return f"encoder.downsamples.{n}.{_RESNET_PARTS.get(part, part)}.{rest}"
+    if m := _UP_RESNET.match(key):
+        level, j, part, param = m.groups()
+        return f"decoder.upsamples.{int(level) * per_level + int(j)}.{_RESNET_PARTS[part]}.{param}"
+    if m := _UP_SAMPLER.match(key):
+        level, rest = m.groups()
+        return f"decoder.upsamples.{int(level) * per_level + num_res_blocks + 1}.{rest}"
+    raise KeyError(f"no Wan VAE key rule maps {key!r} to the original layout")
+
+
+def vae_to_original(
+    state_dict: Mapping[str, torch.Tensor], num_res_blocks: int = 2
+) -> dict[str, torch.Tensor]:
+    """A diffusers AutoencoderKLWan state dict with the original Wan 2.1 VAE key names."""
+    return {vae_key_to_original(k, num_res_blocks): v for k, v in state_dict.items()}

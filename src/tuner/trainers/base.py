@@ -1,0 +1,330 @@
+"""NetworkTrainer: the one training loop every architecture shares.
+
+An architecture is a subclass that says what differs (which checkpoints to load, how to encode a batch
+for the cache, how to call its model, its default adapter targets and export names) and never touches
+the loop. The loop reads top to bottom:
+
+    setup      accelerator, seed, cached batches (checked for staleness), model, adapter, optimizer
+    resume     accelerate state + our position (step, epoch, batch within the epoch)
+    loop       noise → x_t → predict → flow-matching loss → backward (accumulate) → clip → step
+    log/save   progress bar, TensorBoard, adapter + full state every N steps/epochs, keep the last K
+
+Everything random in a step (noise, timesteps, caption dropout, batch order) comes from generators
+seeded by the config seed and the step's position, not from global RNG state. That is what makes a
+resumed run identical to an uninterrupted one; accelerate's saved RNG states cover the rest (dropout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tuner.config import Config
+from tuner.errors import CheckpointError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Position:
+    """Where training stands; saved with every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current epoch (0-based)
+    batch: int = 0  # batches of the current epoch already consumed
+
+
+class NetworkTrainer:
+    """Base class: the training loop. Subclasses implement the architecture-specific methods below."""
+
+    # --- what an architecture declares (data) ----------------------------------------------------
+    architecture: ClassVar[str]
+    spatial_step: ClassVar[int]  # pixels per latent token side (VAE factor × patch size)
+    frame_multiple: ClassVar[int] = 1  # valid frame counts are frame_multiple·N + frame_remainder
+    frame_remainder: ClassVar[int] = 0
+    model_fps: ClassVar[float] = 16.0
+    latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
+    default_targets: ClassVar[tuple[str, ...]]  # regexes over diffusers module names
+    cache_format_version: ClassVar[int] = 1
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.history: list[float] = []  # loss of each optimizer step, for tests and callers
+
+    # --- what an architecture implements -------------------------------------------------------
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def load_text_encoder(self, device: torch.device, dtype: torch.dtype):
+        """Return whatever `encode_text` needs (e.g. a (model, tokenizer) pair)."""
+        raise NotImplementedError
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W] in [-1, 1] → normalized latents [B, ...]."""
+        raise NotImplementedError
+
+    def encode_text(self, encoder, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        """Captions → one dict of tensors per caption, as stored in the cache."""
+        raise NotImplementedError
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, text: dict) -> torch.Tensor:
+        """Model output for x_t at t ∈ [0, 1] (shape of `noisy`); `text` comes from `collate_text`."""
+        raise NotImplementedError
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stack a batch of cached text entries into model inputs."""
+        raise NotImplementedError
+
+    def export_name(self, module_name: str) -> str:
+        """diffusers module name → the original release's name used in saved adapters."""
+        return module_name
+
+    def import_name(self, original_name: str) -> str:
+        """Inverse of `export_name`."""
+        return original_name
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Normalized latents → pixels [B, C, F, H, W] in [-1, 1]."""
+        raise NotImplementedError
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        """Latent shape (without batch) of a sample of this size."""
+        raise NotImplementedError
+
+    # --- shared helpers --------------------------------------------------------------------------
+    def valid_frame_count(self, n: int) -> bool:
+        return n >= 1 and (n - self.frame_remainder) % self.frame_multiple == 0
+
+    def weights_path(self, component: str) -> str:
+        """Path of a model component from the config, with a clear error if it is not set."""
+        path = getattr(self.cfg.model, component)
+        if not path:
+            raise CheckpointError(
+                f"{self.cfg.path}: key 'model.{component}' is not set; this command needs it."
+            )
+        return path
+
+    # --- the loop --------------------------------------------------------------------------------
+    def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
+        """Train and return the path of the final adapter file."""
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        from tuner.cache.plan import open_training_data
+        from tuner.networks.lora import LoRANetwork
+        from tuner.networks.targets import TargetSpec
+        from tuner.optim import build_optimizer, build_scheduler
+        from tuner.timesteps import add_noise, flow_loss, flow_target, sampler_from_config
+        from tuner.trainers.checkpoints import Checkpoints
+
+        cfg, tc = self.cfg, self.cfg.train
+        out = Path(cfg.save.output_dir)
+
+        # ---- setup ----
+        accelerator = Accelerator(
+            mixed_precision=tc.mixed_precision,
+            log_with="tensorboard" if cfg.log.tensorboard else None,
+            project_dir=str(out / "logs"),
+        )
+        set_seed(tc.seed)
+        data = open_training_data(self, cfg)  # stops here, naming the command, if the cache is stale
+        model = self.load_transformer(DTYPES[cfg.model.dtype])
+        model.requires_grad_(False)
+        model.to(accelerator.device)
+        if tc.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        model.train(
+            tc.gradient_checkpointing
+        )  # diffusers checkpoints only in train mode; no dropout in these models
+
+        nc = cfg.network
+        lora = LoRANetwork.apply_to(
+            model,
+            TargetSpec(self.default_targets, nc.include, nc.exclude),
+            rank=nc.rank,
+            alpha=nc.alpha,
+            dropout=nc.dropout,
+            rank_dropout=nc.rank_dropout,
+            module_dropout=nc.module_dropout,
+            name_map=self.export_name,
+        )
+        lora.to(accelerator.device)
+        if nc.network_weights:
+            lora.load_weights(nc.network_weights, self.import_name)
+        optimizer = build_optimizer(
+            tc.optimizer,
+            lora.param_groups(tc.learning_rate, nc.loraplus_lr_ratio),
+            tc.learning_rate,
+            tc.optimizer_args,
+        )
+        batches_per_epoch = data.batches_per_epoch()
+        steps_per_epoch = math.ceil(batches_per_epoch / tc.gradient_accumulation_steps)
+        total_steps = tc.max_steps or tc.epochs * steps_per_epoch
+        scheduler = build_scheduler(
+            tc.lr_scheduler, optimizer, tc.lr_warmup_steps, total_steps, num_cycles=tc.lr_num_cycles
+        )
+        network, optimizer, scheduler = accelerator.prepare(lora, optimizer, scheduler)
+        sampler = sampler_from_config(cfg.timesteps)
+        checkpoints = Checkpoints(out, cfg.save, accelerator)
+
+        # ---- resume ----
+        pos = Position()
+        if resume:
+            pos = Position(**checkpoints.load(resume))
+            log(f"resumed from {checkpoints.resolve(resume)} at step {pos.step}, epoch {pos.epoch + 1}")
+
+        self._print_summary(log, lora, data, total_steps, steps_per_epoch, accelerator)
+        if cfg.log.tensorboard:
+            accelerator.init_trackers("tuner", config=_flat_scalars(cfg))
+
+        # ---- loop ----
+        metadata = self.adapter_metadata(data)
+        progress = _progress(total_steps, pos.step, accelerator.is_main_process)
+        recent: list[float] = []
+        while pos.step < total_steps:
+            accum = _accumulation_groups(batches_per_epoch, tc.gradient_accumulation_steps)
+            for batch in data.epoch(pos.epoch, start=pos.batch):
+                group = accum[pos.batch]
+                gen = torch.Generator().manual_seed(_mix(tc.seed, pos.epoch, pos.batch))
+                x0 = batch["latents"].to(accelerator.device)
+                noise = torch.randn(x0.shape, generator=gen).to(x0)
+                t = sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
+                text = {k: v.to(accelerator.device) for k, v in self.collate_text(batch["text"]).items()}
+                last_of_group = pos.batch == group[1] - 1
+                with accelerator.autocast():
+                    pred = self.predict(model, add_noise(x0, noise, t).to(DTYPES[cfg.model.dtype]), t, text)
+                loss = flow_loss(
+                    pred.float(), flow_target(x0, noise).float(), t, cfg.timesteps.loss_weighting
+                )
+                accelerator.backward(loss / (group[1] - group[0]))
+                recent.append(loss.item())
+                pos.batch += 1
+                if not last_of_group:
+                    continue
+                if tc.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(network.parameters(), tc.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                pos.step += 1
+
+                step_loss = sum(recent[-(group[1] - group[0]) :]) / (group[1] - group[0])
+                self.history.append(step_loss)
+                lr = scheduler.get_last_lr()[0]
+                progress.update(1)
+                progress.set_postfix(
+                    loss=f"{step_loss:.4f}", avg=f"{sum(recent) / len(recent):.4f}", lr=f"{lr:.2e}"
+                )
+                if cfg.log.tensorboard and pos.step % cfg.log.every_n_steps == 0:
+                    accelerator.log({"loss": step_loss, "lr": lr}, step=pos.step)
+                if pos.step >= total_steps:
+                    break
+                if cfg.save.every_n_steps and pos.step % cfg.save.every_n_steps == 0:
+                    checkpoints.save(network, pos, metadata, self.export_name)
+            else:  # the epoch ran out
+                pos.epoch, pos.batch = pos.epoch + 1, 0
+                if (
+                    cfg.save.every_n_epochs
+                    and pos.epoch % cfg.save.every_n_epochs == 0
+                    and pos.step < total_steps
+                ):
+                    checkpoints.save(network, pos, metadata, self.export_name)
+
+        # ---- finish ----
+        progress.close()
+        final = checkpoints.save(network, pos, metadata, self.export_name, final=True)
+        accelerator.end_training()
+        log(f"saved {final}")
+        return final
+
+    def seq_len(self, latents: torch.Tensor) -> int:
+        """Tokens per sample (for resolution-dependent timestep shifts)."""
+        return math.prod(latents.shape[2:]) // math.prod(self.latent_patch)
+
+    def adapter_metadata(self, data) -> dict:
+        """What a saved adapter records about how it was trained."""
+        from tuner.cache.keys import fingerprint_weights
+
+        cfg = self.cfg
+        return {
+            "tuner.architecture": self.architecture,
+            "tuner.base_model": Path(cfg.model.transformer).name,
+            "tuner.base_model_fingerprint": fingerprint_weights(cfg.model.transformer),
+            "tuner.dataset": json.dumps(data.summary()),
+            "tuner.training": json.dumps(
+                {**asdict(cfg.train), "timesteps": asdict(cfg.timesteps), "network": asdict(cfg.network)}
+            ),
+        }
+
+    def _print_summary(self, log, network, data, total_steps, steps_per_epoch, accelerator) -> None:
+        cfg, tc = self.cfg, self.cfg.train
+        trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
+        batch = data.summary()
+        log(
+            "\n".join(
+                [
+                    f"tuner: training a {cfg.network.type} (rank {cfg.network.rank}, alpha {cfg.network.alpha}) "
+                    f"on {self.architecture}",
+                    f"  trainable parameters  {trainable:,} in {len(network)} modules",
+                    f"  data                  {batch['samples']} samples, {batch['batches_per_epoch']} batches/epoch, "
+                    f"buckets {', '.join(batch['buckets'])}",
+                    f"  steps                 {total_steps} ({steps_per_epoch}/epoch), effective batch "
+                    f"{batch['batch_size']} × {tc.gradient_accumulation_steps} accumulation × "
+                    f"{accelerator.num_processes} process(es)",
+                    f"  precision             base {cfg.model.dtype}, autocast {tc.mixed_precision}, adapter fp32",
+                    f"  memory                gradient checkpointing {'on' if tc.gradient_checkpointing else 'off'}",
+                    f"  device                {accelerator.device}",
+                    f"  output                {cfg.save.output_dir}",
+                ]
+            )
+        )
+
+
+def _accumulation_groups(n_batches: int, accum: int) -> list[tuple[int, int]]:
+    """For each batch index, the [start, end) range of its accumulation group; the last may be short."""
+    groups = []
+    for start in range(0, n_batches, accum):
+        end = min(start + accum, n_batches)
+        groups += [(start, end)] * (end - start)
+    return groups
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from several integers (so nearby positions get unrelated streams)."""
+    h = 1469598103934665603
+    for v in values:
+        h = ((h ^ (v & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) & 0x7FFFFFFFFFFFFFFF
+    return h
+
+
+def _flat_scalars(cfg: Config) -> dict:
+    flat = {}
+    for section in ("train", "network", "timesteps"):
+        for k, v in asdict(getattr(cfg, section)).items():
+            if isinstance(v, int | float | str | bool):
+                flat[f"{section}.{k}"] = v
+    return flat
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=not enabled,
+        desc="steps",
+        dynamic_ncols=True,
+        smoothing=0.1,
+        mininterval=0.5,
+    )

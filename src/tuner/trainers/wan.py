@@ -1,0 +1,86 @@
+"""Wan 2.1 text-to-video (1.3B and 14B) on diffusers' WanTransformer3DModel.
+
+Latents: AutoencoderKLWan, 8× spatial and 4× temporal compression, 16 channels, normalized with the
+VAE's per-channel statistics. Text: UMT5-XXL embeddings stored at their true length and zero-padded to
+512 tokens when batched, as the official code and WanPipeline feed them. The transformer patchifies
+latents 1×2×2, so pixel sides are multiples of 16 and frame counts are 4N+1; Wan runs at 16 fps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.models import wan
+from tuner.trainers.base import DTYPES, NetworkTrainer
+
+# Default adapter targets: every linear layer of the attention and FFN inside the blocks (the
+# condition embedders, time projection and output head are left alone).
+WAN_TARGETS = (
+    r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)",
+    r"blocks\.\d+\.ffn\.net\.(0\.proj|2)",
+)
+
+
+class WanTrainer(NetworkTrainer):
+    architecture = "wan"
+    spatial_step = 16
+    frame_multiple, frame_remainder = 4, 1
+    model_fps = 16.0
+    latent_patch = (1, 2, 2)
+    default_targets = WAN_TARGETS
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return wan.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return wan.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str):
+        model, tokenizer = wan.load_text_encoder(
+            self.weights_path("text_encoder"),
+            self.cfg.model.tokenizer or None,
+            DTYPES.get(dtype, torch.bfloat16),
+        )
+        if dtype == "fp8":
+            from tuner.fp8 import store_linear_weights_fp8
+
+            store_linear_weights_fp8(model)
+        return model.to(device), tokenizer
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        return wan.encode_video(vae, pixels)
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return wan.decode_latents(vae, latents)
+
+    def encode_text(self, encoder, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        model, tokenizer = encoder
+        embeds = wan.encode_prompts(model, tokenizer, captions, self.cfg.cache.text_max_length)
+        return [{"context": e} for e in embeds]
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        length = self.cfg.cache.text_max_length
+        first = entries[0]["context"]
+        out = first.new_zeros(len(entries), length, first.shape[-1])
+        for i, entry in enumerate(entries):
+            ctx = entry["context"][:length]
+            out[i, : ctx.shape[0]] = ctx
+        return {"context": out}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, text: dict) -> torch.Tensor:
+        return model(
+            hidden_states=noisy,
+            timestep=t * 1000,
+            encoder_hidden_states=text["context"].to(noisy.dtype),
+            return_dict=False,
+        )[0]
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (16, (frames - 1) // 4 + 1, height // 8, width // 8)
+
+    def export_name(self, module_name: str) -> str:
+        return wan.original_module_name(module_name)
+
+    def import_name(self, original_name: str) -> str:
+        return wan.diffusers_module_name(original_name)

@@ -1,0 +1,110 @@
+"""`tuner cache latents|text|info` on the tiny Wan fixture: incremental, invalidating, resumable."""
+
+from pathlib import Path
+
+import pytest
+
+from project import make_project, run, summary
+from tuner.cache.store import CacheStore
+
+
+@pytest.fixture
+def project(tmp_path, wan_model) -> Path:
+    return make_project(tmp_path, wan_model)
+
+
+def test_second_run_encodes_nothing_and_one_caption_edit_encodes_one(project, capsys):
+    code, out = run(capsys, "cache", "latents", "--config", project)
+    assert code == 0 and summary(out) == (6, 0, 0)  # 4 images + 2 video windows
+    code, out = run(capsys, "cache", "text", "--config", project)
+    assert code == 0
+    encoded, reused, _ = summary(out)
+    assert encoded >= 2 and reused == 0
+    texts = encoded
+
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)
+    assert summary(run(capsys, "cache", "text", "--config", project)[1]) == (0, texts, 0)
+
+    caption = project.parent / "data" / "images" / "image_000.txt"
+    caption.write_text("a completely new caption")
+    assert summary(run(capsys, "cache", "text", "--config", project)[1])[0] == 1
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)
+
+
+def test_resolution_change_reencodes_latents_and_prune_removes_old(project, capsys):
+    run(capsys, "cache", "latents", "--config", project)
+    dataset = project.parent / "dataset.toml"
+    dataset.write_text(dataset.read_text().replace("resolution = [64, 48]", "resolution = [48, 32]"))
+    code, out = run(capsys, "cache", "latents", "--config", project, "--prune")
+    assert code == 0 and summary(out) == (6, 0, 6)
+    store = CacheStore(project.parent / "cache", readonly=True)
+    assert len(store.keys("latent")) == 6
+    assert all(store.meta(k)["bucket"].startswith("48x32") for k in store.keys("latent"))
+
+
+def test_changed_source_file_is_reencoded(project, capsys):
+    run(capsys, "cache", "latents", "--config", project)
+    from PIL import Image
+
+    img = project.parent / "data" / "images" / "image_001.png"
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(img)
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (1, 5, 0)
+
+
+def test_interrupted_caching_resumes(project, capsys, monkeypatch):
+    from tuner.trainers.wan import WanTrainer
+
+    real = WanTrainer.encode_pixels
+    calls = {"n": 0}
+
+    def crash_after_three(self, vae, pixels):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt("killed")
+        return real(self, vae, pixels)
+
+    monkeypatch.setattr(WanTrainer, "encode_pixels", crash_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        run(capsys, "cache", "latents", "--config", project, "--batch-size", "1")
+    monkeypatch.setattr(WanTrainer, "encode_pixels", real)
+    encoded, reused, _ = summary(run(capsys, "cache", "latents", "--config", project)[1])
+    assert encoded + reused == 6 and encoded < 6 and reused <= 3
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)
+
+
+def test_another_vae_invalidates_latents(project, capsys, tmp_path):
+    from tuner.fixtures import write_fixture
+
+    run(capsys, "cache", "latents", "--config", project)
+    other = write_fixture("wan", tmp_path / "other", seed=1)
+    code, out = run(
+        capsys, "cache", "latents", "--config", project, "--set", f"model.vae='{other['diffusers']}'"
+    )
+    assert code == 0 and summary(out)[0] == 6
+
+
+def test_training_stops_on_stale_cache_naming_the_command(project, capsys):
+    code, out = run(capsys, "train", "--config", project)
+    assert code == 2 and "Run: tuner cache latents --config" in out
+    run(capsys, "cache", "latents", "--config", project)
+    code, out = run(capsys, "train", "--config", project)
+    assert code == 2 and "Run: tuner cache text --config" in out
+
+
+def test_cache_info_lists_kinds_and_buckets(project, capsys):
+    run(capsys, "cache", "latents", "--config", project)
+    run(capsys, "cache", "text", "--config", project)
+    code, out = run(capsys, "cache", "info", project.parent / "cache")
+    assert code == 0
+    assert "latent" in out and "text" in out and "64x48x9" in out and "64x48x1" in out
+
+
+def test_corrupt_image_is_named_or_skipped(project, capsys):
+    bad = project.parent / "data" / "images" / "image_002.png"
+    bad.write_bytes(b"not a png")
+    code, out = run(capsys, "cache", "latents", "--config", project)
+    assert code == 2 and "image_002.png" in out
+    dataset = project.parent / "dataset.toml"
+    dataset.write_text(dataset.read_text().replace("[general]\n", '[general]\non_error = "skip"\n'))
+    code, out = run(capsys, "cache", "latents", "--config", project)
+    assert code == 0 and "image_002.png" in out and summary(out) == (5, 0, 0)
