@@ -135,8 +135,12 @@ def test_keep_last_and_files_written(cached_project, tmp_path):
           "save.keep_last=2", "log.tensorboard=true")  # fmt: skip
     names = sorted(p.name for p in out.iterdir())
     assert "demo_lora.safetensors" in names
-    # saves at steps 2, 4 and 6 (the final one): keep_last=2 leaves the step adapters of 4 and 6
-    assert [n for n in names if n.startswith("demo_lora-step")] == ["demo_lora-step000004.safetensors"]
+    # step saves at 2 and 4, the final save at 6 (as demo_lora.safetensors); keep_last=2 keeps the
+    # two newest step adapters and the two newest states
+    assert [n for n in names if n.startswith("demo_lora-step")] == [
+        "demo_lora-step000002.safetensors",
+        "demo_lora-step000004.safetensors",
+    ]
     assert sorted(p.name for p in (out / "state").iterdir()) == ["step000004", "step000006"]
     assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard events written"
 

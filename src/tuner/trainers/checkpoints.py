@@ -51,7 +51,7 @@ class Checkpoints:
             )
         if self.cfg.save_state:  # the final state too, so a finished run can be extended later
             self._save_state(pos)
-        if acc.is_main_process and not final:
+        if acc.is_main_process:
             self._keep_last()
         acc.wait_for_everyone()
         return adapter
