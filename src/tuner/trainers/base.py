@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ class NetworkTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.history: list[float] = []  # loss of each optimizer step, for tests and callers
+        self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
 
     # --- what an architecture implements -------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -191,6 +193,7 @@ class NetworkTrainer:
         metadata = self.adapter_metadata(data)
         progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         recent: list[float] = []
+        last_step_end = time.perf_counter()
         while pos.step < total_steps:
             accum = _accumulation_groups(batches_per_epoch, tc.gradient_accumulation_steps)
             for batch in data.epoch(pos.epoch, start=pos.batch):
@@ -220,13 +223,17 @@ class NetworkTrainer:
 
                 step_loss = sum(recent[-(group[1] - group[0]) :]) / (group[1] - group[0])
                 self.history.append(step_loss)
+                self.step_seconds.append(time.perf_counter() - last_step_end)
+                last_step_end = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
                 progress.update(1)
                 progress.set_postfix(
                     loss=f"{step_loss:.4f}", avg=f"{sum(recent) / len(recent):.4f}", lr=f"{lr:.2e}"
                 )
                 if cfg.log.tensorboard and pos.step % cfg.log.every_n_steps == 0:
-                    accelerator.log({"loss": step_loss, "lr": lr}, step=pos.step)
+                    accelerator.log(
+                        {"loss": step_loss, "lr": lr, "step_seconds": self.step_seconds[-1]}, step=pos.step
+                    )
                 if pos.step >= total_steps:
                     break
                 if cfg.save.every_n_steps and pos.step % cfg.save.every_n_steps == 0:
