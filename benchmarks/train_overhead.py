@@ -67,12 +67,12 @@ def bare_seconds_per_step(config: Path, steps: int, dim: int, layers: int) -> fl
     optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4)
     sampler = sampler_from_config(cfg.timesteps)
     x0 = batch["latents"]
-    text = trainer.collate_text(batch["text"])
+    cond = {**trainer.collate_text(batch["text"]), **batch["extra"]}
 
     def step() -> None:
         noise = torch.randn_like(x0)
         t = sampler.sample(x0.shape[0])
-        pred = trainer.predict(model, add_noise(x0, noise, t), t, text)
+        pred = trainer.predict(model, add_noise(x0, noise, t), t, cond)
         loss = flow_loss(pred, flow_target(x0, noise), t)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)

@@ -90,7 +90,7 @@ def _generate(args) -> None:
         raise ConfigError(f"--size {args.size!r}: expected WIDTHxHEIGHT, e.g. 832x480.") from None
     opts = GenerateOptions(
         prompt=args.prompt, out=args.out, negative_prompt=args.negative_prompt,
-        loras=tuple(parse_lora_arg(x) for x in args.lora), width=width, height=height, frames=args.frames,
+        loras=tuple(parse_lora_arg(x) for x in args.lora), controls=tuple(args.control), width=width, height=height, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed, device=args.device,
     )  # fmt: skip
     generate(_load(args), opts)
@@ -158,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="FILE[:STRENGTH]",
         help="LoRA file in comfy, kohya or diffusers layout, with an optional strength (repeatable)",
+    )
+    p.add_argument(
+        "--control",
+        action="append",
+        default=[],
+        metavar="IMAGE",
+        help="control / reference image for edit models (repeatable)",
     )
     p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT")
     p.add_argument("--frames", type=int, default=81, help="frame count (1 for an image)")

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 from tuner.cli import main as tuner
-from tuner.fixtures import write_fixture
+from tuner.fixtures import fixture, write_fixture
 from tuner.fixtures.dataset import write_demo_dataset
 
-DATASET_TOML = """\
+IMAGES_TOML = """\
 [general]
 resolution = [64, 48]
 caption_extension = ".txt"
@@ -26,7 +26,13 @@ cache_directory = "cache"
 [[datasets]]
 image_directory = "data/images"
 num_repeats = 2
+"""
 
+CONTROLS_TOML = """\
+control_directory = "data/controls"
+"""
+
+VIDEOS_TOML = """
 [[datasets]]
 video_directory = "data/videos"
 batch_size = 1
@@ -37,12 +43,7 @@ source_fps = 24.0
 
 TRAIN_TOML = """\
 [model]
-architecture = "wan"
-# the original single-file layout for the transformer, the diffusers folder for the rest:
-transformer = "{model}/single/wan2.1_t2v_tiny.safetensors"
-vae = "{model}/diffusers"
-text_encoder = "{model}/diffusers"
-dtype = "fp32"
+{model_section}dtype = "fp32"
 
 [data]
 dataset_config = "dataset.toml"
@@ -72,33 +73,38 @@ keep_last = 2
 """
 
 
-def prepare(out: Path, steps: int = 50, model: Path | None = None) -> Path:
+def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture: str = "wan") -> Path:
     """Write the fixture (unless `model` points at one), the dataset and both TOMLs; return the config."""
+    spec = fixture(architecture)
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
         model = out / "model"
-        print(f"== fixture: tiny Wan 2.1 T2V in both layouts → {model}")
-        write_fixture("wan", model)
-    print(f"== dataset: generated images and videos → {out / 'data'}")
-    write_demo_dataset(out / "data")
-    (out / "dataset.toml").write_text(DATASET_TOML)
+        print(f"== fixture: tiny {architecture} in its checkpoint layouts → {model}")
+        write_fixture(architecture, model)
+    print(f"== dataset: generated images{' and videos' if spec.video else ''} → {out / 'data'}")
+    write_demo_dataset(out / "data", videos=2 if spec.video else 0, controls=spec.controls)
+    dataset = IMAGES_TOML + (CONTROLS_TOML if spec.controls else "") + (VIDEOS_TOML if spec.video else "")
+    (out / "dataset.toml").write_text(dataset)
     config = out / "train.toml"
-    config.write_text(TRAIN_TOML.format(steps=steps, model=Path(model).resolve()))
+    section = spec.model_section.format(root=Path(model).resolve())
+    config.write_text(TRAIN_TOML.format(steps=steps, model_section=section))
     return config
 
 
-def run(out: Path, steps: int = 50) -> dict[str, Path]:
+def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path]:
     out = out.resolve()
-    config = prepare(out, steps)
+    config = prepare(out, steps, architecture=architecture)
+    video = fixture(architecture).video
     c = str(config)
     for argv in (
         ["cache", "latents", "--config", c],
         ["cache", "text", "--config", c],
         ["train", "--config", c],
         ["generate", "--config", c, "--prompt", "a red circle moving left on a black background",
-         "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "64x48", "--frames", "9",
-         "--steps", "8", "--guidance", "3.0", "--device", "cpu", "--out", str(out / "samples" / "demo.mp4")],
+         "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "64x48", "--frames", "9" if video else "1",
+         "--steps", "8", "--guidance", "3.0", "--device", "cpu",
+         "--out", str(out / "samples" / ("demo.mp4" if video else "demo.png"))],
     ):  # fmt: skip
         print(f"== tuner {' '.join(argv)}")
         if tuner(argv) != 0:
@@ -110,7 +116,7 @@ def run(out: Path, steps: int = 50) -> dict[str, Path]:
         "cache": out / "cache",
         "lora": out / "output" / "demo_lora.safetensors",
         "states": out / "output" / "state",
-        "sample": out / "samples" / "demo.mp4",
+        "sample": out / "samples" / ("demo.mp4" if video else "demo.png"),
     }
     print("\n== done. Where everything is:")
     for name, path in paths.items():
@@ -122,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo_out")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--architecture", default="wan")
     args = parser.parse_args(argv)
-    run(Path(args.out), args.steps)
+    run(Path(args.out), args.steps, args.architecture)
     return 0
 
 

@@ -31,6 +31,7 @@ class GenerateOptions:
     out: str
     negative_prompt: str = ""
     loras: tuple[tuple[str, float], ...] = ()
+    controls: tuple[str, ...] = ()  # control / reference images for edit models
     width: int = 832
     height: int = 480
     frames: int = 81
@@ -82,6 +83,11 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     uncond = {k: v.to(device) for k, v in uncond.items()}
     _free(encoder)
 
+    vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
+    if opts.controls:
+        controls = encode_controls(trainer, vae, opts.controls, opts.width, opts.height, device)
+        cond, uncond = {**cond, **controls}, {**uncond, **controls}
+
     model = trainer.load_transformer(dtype).to(device).eval()
     for path, strength in opts.loras:
         network = apply_lora_file(model, path, strength, name_map=trainer.export_name)
@@ -90,20 +96,32 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     generator = torch.Generator().manual_seed(opts.seed)
     noise = torch.randn((1, *trainer.latent_shape(opts.width, opts.height, opts.frames)), generator=generator)
 
-    def model_fn(x: torch.Tensor, t: torch.Tensor, text: dict) -> torch.Tensor:
-        return trainer.predict(model, x.to(dtype), t / 1000, text).float()
+    def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
+        return trainer.predict(model, x.to(dtype), t / 1000, c).float()
 
     with torch.no_grad():
         latents = euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, opts.shift), cond, uncond,
                                opts.guidance_scale, progress=True)  # fmt: skip
     _free(model)
 
-    vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
     with torch.no_grad():
         pixels = trainer.decode_latents(vae, latents)[0]
     out = write_media(pixels, opts.out, trainer.model_fps)
     log(f"wrote {out}")
     return out
+
+
+def encode_controls(trainer, vae, paths, width: int, height: int, device) -> dict[str, torch.Tensor]:
+    """Control images resized and center-cropped to the output size, encoded like the training cache."""
+    from tuner.data.buckets import resize_and_crop
+    from tuner.data.media import read_image, to_tensor
+
+    pixels = []
+    for path in paths:
+        array, _ = resize_and_crop(read_image(path), (width, height))
+        pixels.append(to_tensor(array).unsqueeze(0).to(device, next(vae.parameters()).dtype))
+    with torch.no_grad():
+        return {f"control_{i}": trainer.encode_pixels(vae, px) for i, px in enumerate(pixels)}
 
 
 def write_media(pixels: torch.Tensor, out: str | Path, fps: float) -> Path:

@@ -5,6 +5,9 @@ dataset's batch size (a short remainder stays a smaller batch and is reported, n
 batches of all datasets are then shuffled together. The order is a pure function of (seed, epoch), so a
 resumed run replays it exactly and can skip the batches it already trained on. Caption dropout swaps
 in the empty caption's entry with a draw seeded by the sample's position, for the same reason.
+
+Batches are read with `EntryReads`: workers locate and prefetch a batch's entries, the main process
+slices them out of its own shard maps and stacks the latents (`tuner.cache.reads` explains why).
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, Dataset
 
-from tuner.cache.store import CacheStore
+from tuner.cache.reads import EntryReads
 from tuner.config.dataset import DatasetSpec
 from tuner.data.buckets import plan_batches, short_batch_warnings
 
@@ -30,30 +32,6 @@ class TrainingSample:
     empty_text_key: str
     bucket_key: str
     dataset_index: int
-
-
-class _EpochBatches(Dataset):
-    """Dataset over one epoch's planned batches; item i loads batch i from the store."""
-
-    def __init__(self, batches: list[list[tuple[str, str, str]]]):
-        self.batches = batches
-        self.stores: dict[str, CacheStore] = {}
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def _store(self, cache_dir: str) -> CacheStore:
-        if cache_dir not in self.stores:
-            self.stores[cache_dir] = CacheStore(cache_dir, readonly=True)
-        return self.stores[cache_dir]
-
-    def __getitem__(self, i: int) -> dict:
-        latents, texts = [], []
-        for cache_dir, latent_key, text_key in self.batches[i]:
-            store = self._store(cache_dir)
-            latents.append(store.get(latent_key)["latents"])
-            texts.append(store.get(text_key))
-        return {"latents": torch.stack(latents), "text": texts}
 
 
 class TrainingData:
@@ -98,12 +76,22 @@ class TrainingData:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Batches of `epoch` from index `start` on (to resume mid-epoch)."""
-        dataset = _EpochBatches(self.plan_epoch(epoch)[start:])
+        # One item per batch: its latent and text entries, interleaved.
+        reads = EntryReads(
+            [
+                [
+                    (cache_dir, key)
+                    for cache_dir, latent_key, text_key in batch
+                    for key in (latent_key, text_key)
+                ]
+                for batch in self.plan_epoch(epoch)[start:]
+            ]
+        )
         # A private generator: creating a loader must not draw from the global RNG, or a run resumed
         # mid-epoch would see different dropout than an uninterrupted one.
-        loader = DataLoader(dataset, batch_size=None, shuffle=False, num_workers=self.num_workers,
-                            generator=torch.Generator().manual_seed(self.seed))  # fmt: skip
-        yield from loader
+        for entries in reads.load(self.num_workers, generator=torch.Generator().manual_seed(self.seed)):
+            # The stack copies the latents out of the shard maps into a batch the step may edit.
+            yield {"latents": torch.stack([e["latents"] for e in entries[0::2]]), "text": entries[1::2]}
 
     def summary(self) -> dict:
         buckets = sorted({s.bucket_key for s in self.samples})

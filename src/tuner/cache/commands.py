@@ -25,7 +25,7 @@ from tuner.cache.plan import (
     text_key,
     torch_device,
 )
-from tuner.data.jobs import load_job_pixels
+from tuner.data.jobs import load_control_pixels, load_job_pixels
 from tuner.trainers import trainer_class
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,12 +74,17 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
         ):
             for bucket in sorted(by_bucket):
                 for chunk in _chunks(sorted(by_bucket[bucket], key=lambda kj: kj[1].source), batch_size):
-                    pixels = torch.stack([load_job_pixels(job) for _, job in chunk])
+                    vae_dtype = DTYPES[cfg.model.vae_dtype]
+                    pixels = torch.stack([load_job_pixels(job) for _, job in chunk]).to(dev, vae_dtype)
+                    # jobs of one bucket key have the same number of controls, so they stack too
+                    per_job = [load_control_pixels(job) for _, job in chunk]
+                    controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*per_job)]
                     with torch.no_grad():
-                        latents = trainer.encode_pixels(vae, pixels.to(dev, DTYPES[cfg.model.vae_dtype]))
-                    for (key, job), lat in zip(chunk, latents):
+                        latents = trainer.encode_latents(vae, pixels, controls)
+                    for i, (key, job) in enumerate(chunk):
+                        tensors = {name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()}
                         meta = {"bucket": job.bucket_key, "encoder": encoder.label(), "source": job.source}
-                        writer.put(key, LATENT, {"latents": lat.detach().to("cpu").contiguous()}, meta)
+                        writer.put(key, LATENT, tensors, meta)
                     encoded += len(chunk)
                     bar.update(len(chunk))
         if prune:

@@ -28,6 +28,13 @@ class ModelConfig:
     )
     text_encoder: str = option("", "Text encoder checkpoint (single file or diffusers folder).", path=True)
     tokenizer: str = option("", "Tokenizer folder; defaults to the one beside the text encoder.", path=True)
+    text_encoder_2: str = option(
+        "", "Second text encoder, for models with two (FLUX.1: T5-XXL beside CLIP-L).", path=True
+    )
+    tokenizer_2: str = option("", "Tokenizer folder of the second text encoder.", path=True)
+    guidance: float = option(
+        1.0, "Guidance-embedding value fed while training guidance-distilled models (FLUX.1-dev).", ge=0
+    )
     dtype: Dtype = option("bf16", "Dtype the frozen base transformer is loaded in.")
     vae_dtype: Dtype = option("fp32", "Dtype of the VAE.")
 

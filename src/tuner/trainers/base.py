@@ -75,12 +75,23 @@ class NetworkTrainer:
         """[B, C, F, H, W] in [-1, 1] → normalized latents [B, ...]."""
         raise NotImplementedError
 
+    def encode_latents(
+        self, vae: nn.Module, pixels: torch.Tensor, controls: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """One latent cache entry per item, batched: the target `latents` plus one `control_<i>` per
+        control/reference image (edit models). Each value is [B, ...]."""
+        out = {"latents": self.encode_pixels(vae, pixels)}
+        for i, control in enumerate(controls):
+            out[f"control_{i}"] = self.encode_pixels(vae, control)
+        return out
+
     def encode_text(self, encoder, captions: list[str]) -> list[dict[str, torch.Tensor]]:
         """Captions → one dict of tensors per caption, as stored in the cache."""
         raise NotImplementedError
 
-    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, text: dict) -> torch.Tensor:
-        """Model output for x_t at t ∈ [0, 1] (shape of `noisy`); `text` comes from `collate_text`."""
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """Model output for x_t at t ∈ [0, 1] (shape of `noisy`). `cond` holds what `collate_text`
+        returned plus the batch's other latent tensors (e.g. `control_0`), all on the model's device."""
         raise NotImplementedError
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -202,10 +213,11 @@ class NetworkTrainer:
                 x0 = batch["latents"].to(accelerator.device)
                 noise = torch.randn(x0.shape, generator=gen).to(x0)
                 t = sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
-                text = {k: v.to(accelerator.device) for k, v in self.collate_text(batch["text"]).items()}
+                cond = {**self.collate_text(batch["text"]), **batch["extra"]}
+                cond = {k: v.to(accelerator.device) for k, v in cond.items()}
                 last_of_group = pos.batch == group[1] - 1
                 with accelerator.autocast():
-                    pred = self.predict(model, add_noise(x0, noise, t).to(DTYPES[cfg.model.dtype]), t, text)
+                    pred = self.predict(model, add_noise(x0, noise, t).to(DTYPES[cfg.model.dtype]), t, cond)
                 loss = flow_loss(
                     pred.float(), flow_target(x0, noise).float(), t, cfg.timesteps.loss_weighting
                 )

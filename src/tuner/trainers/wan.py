@@ -42,10 +42,10 @@ class WanTrainer(NetworkTrainer):
             self.cfg.model.tokenizer or None,
             DTYPES.get(dtype, torch.bfloat16),
         )
-        if dtype == "fp8":
-            from tuner.fp8 import store_linear_weights_fp8
+        if dtype in ("fp8", "int8", "nf4"):
+            from tuner.memory import quantize_text_encoder
 
-            store_linear_weights_fp8(model)
+            quantize_text_encoder(model, dtype, device)
         return model.to(device), tokenizer
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -68,11 +68,11 @@ class WanTrainer(NetworkTrainer):
             out[i, : ctx.shape[0]] = ctx
         return {"context": out}
 
-    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, text: dict) -> torch.Tensor:
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return model(
             hidden_states=noisy,
             timestep=t * 1000,
-            encoder_hidden_states=text["context"].to(noisy.dtype),
+            encoder_hidden_states=cond["context"].to(noisy.dtype),
             return_dict=False,
         )[0]
 
