@@ -4,6 +4,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# One thread: tiny models run faster without threading overhead, and pinned golden losses do not
+# depend on how many cores the machine has (reductions split differently across threads).
+torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 

@@ -197,3 +197,11 @@ def test_cli_train_then_generate(cached_project, tmp_path, capsys):
         capsys, "generate", "--config", cached_project, "--prompt", "x", "--frames", "8", "--out", png
     )
     assert code == 2 and "4N+1" in log
+
+
+def test_fp8_base_trains_and_block_swap_needs_cuda(cached_project, tmp_path, capsys):
+    trainer = train(cached_project, tmp_path / "a", "train.max_steps=3", "memory.fp8_base=true")
+    assert len(trainer.history) == 3 and all(torch.isfinite(torch.tensor(trainer.history)))
+    code, out = run(capsys, "train", "--config", cached_project, "--set", "memory.blocks_to_swap=1",
+                    "--set", f"save.output_dir='{tmp_path / 'b'}'")  # fmt: skip
+    assert code == 2 and "CUDA" in out and "memory.blocks_to_swap" in out

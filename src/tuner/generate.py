@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import av
@@ -19,6 +19,7 @@ from PIL import Image
 
 from tuner.cache.plan import torch_device
 from tuner.errors import ConfigError
+from tuner.memory import apply_memory_settings
 from tuner.networks.lora import apply_lora_file
 from tuner.sampling import euler_sample, flow_sigmas
 from tuner.trainers import trainer_class
@@ -88,7 +89,12 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         controls = encode_controls(trainer, vae, opts.controls, opts.width, opts.height, device)
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
 
-    model = trainer.load_transformer(dtype).to(device).eval()
+    model = trainer.load_transformer(dtype).eval()
+    # the same memory switches as training (block swap, fp8, attention); activations need no offload
+    settings = replace(cfg.memory, activation_offload=False)
+    apply_memory_settings(
+        model, settings, device, fp8_source=cfg.model.transformer, name_map=trainer.import_name
+    )
     for path, strength in opts.loras:
         network = apply_lora_file(model, path, strength, name_map=trainer.export_name)
         network.to(device)

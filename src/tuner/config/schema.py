@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tuner.config.fields import option
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, TunerError
 
 Dtype = Literal["fp32", "bf16", "fp16"]
+SwapMode = Literal["full", "h2d_only"]
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,10 @@ class DataConfig:
 class CacheConfig:
     batch_size: int = option(1, "Items encoded per forward pass while caching.", ge=1)
     device: str = option("auto", "Device for the encoders while caching: 'auto', 'cpu', 'cuda', 'cuda:1'...")
-    text_encoder_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = option(
-        "bf16", "Precision of the text encoder while caching; 'fp8' stores its weights as float8."
+    text_encoder_dtype: Literal["fp32", "bf16", "fp16", "fp8", "int8", "nf4"] = option(
+        "bf16",
+        "Precision of the text encoder while caching: fp8 stores its weights as float8 with scales; int8 / nf4 "
+        "use bitsandbytes.",
     )
     text_max_length: int = option(512, "Longest caption in tokens; longer ones are cut with a warning.", ge=1)
 
@@ -132,6 +135,53 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class MemorySettings:
+    """The `[memory]` section of the training TOML (see `docs/memory.md`)."""
+
+    blocks_to_swap: int | Literal["auto"] = option(
+        0,
+        "Transformer blocks kept in pinned host memory and streamed to the GPU ahead of use; "
+        "'auto' sizes it to vram_budget_gb after measuring the first step.",
+    )
+    vram_budget_gb: float = option(0.0, "VRAM in GiB that 'auto' may plan for; 0 means the whole GPU.", ge=0)
+    swap_mode: SwapMode = option(
+        "h2d_only",
+        "h2d_only: host copies are the truth and nothing is copied back (frozen base); "
+        "full: swapped-out blocks are copied back to host memory.",
+    )
+    activation_offload: bool = option(
+        False, "Checkpoint every block and keep its saved inputs in pinned host memory."
+    )
+    fp8_base: bool = option(
+        False, "Store the frozen Linear weights of the blocks as float8 with block-wise scales."
+    )
+    fp8_matmul: bool = option(
+        False, "Run those layers' forward matmul in fp8 (torch._scaled_mm) on GPUs that support it (sm 8.9+)."
+    )
+    attention: str = option(
+        "sdpa",
+        "Attention backend: sdpa, sdpa_math, sdpa_flash, sdpa_efficient, sdpa_cudnn, flash, flash3, sage, xformers.",
+    )
+
+    def __post_init__(self) -> None:
+        n = self.blocks_to_swap
+        if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 0)):
+            raise ConfigError(f'memory.blocks_to_swap must be a whole number >= 0 or "auto", got {n!r}')
+        if self.vram_budget_gb < 0:
+            raise ConfigError(f"memory.vram_budget_gb must be >= 0, got {self.vram_budget_gb}")
+        if self.swap_mode not in ("full", "h2d_only"):
+            raise ConfigError(f"memory.swap_mode must be 'full' or 'h2d_only', got {self.swap_mode!r}")
+        if self.fp8_matmul and not self.fp8_base:
+            raise ConfigError("memory.fp8_matmul needs memory.fp8_base = true")
+        from tuner.attention import get_backend  # imported here: config loading stays light
+
+        try:
+            get_backend(self.attention)
+        except TunerError as e:
+            raise ConfigError(f"key 'memory.attention': {e}") from None
+
+
+@dataclass(frozen=True)
 class TrainingFile:
     """The whole training TOML."""
 
@@ -145,3 +195,7 @@ class TrainingFile:
     train: TrainConfig = option(factory=TrainConfig, doc="Optimizer, schedule and loop.")
     save: SaveConfig = option(factory=SaveConfig, doc="What is saved and when.")
     log: LogConfig = option(factory=LogConfig, doc="Progress and TensorBoard logging.")
+    memory: MemorySettings = option(
+        factory=MemorySettings,
+        doc="Fitting big models in small GPUs: block swap, activation offload, fp8, attention.",
+    )

@@ -51,6 +51,7 @@ class NetworkTrainer:
     frame_multiple: ClassVar[int] = 1  # valid frame counts are frame_multiple·N + frame_remainder
     frame_remainder: ClassVar[int] = 0
     model_fps: ClassVar[float] = 16.0
+    supports_video: ClassVar[bool] = False  # image-only models refuse video datasets at load time
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
     default_targets: ClassVar[tuple[str, ...]]  # regexes over diffusers module names
     cache_format_version: ClassVar[int] = 1
@@ -134,6 +135,7 @@ class NetworkTrainer:
         from accelerate.utils import set_seed
 
         from tuner.cache.plan import open_training_data
+        from tuner.memory import apply_memory_settings
         from tuner.networks.lora import LoRANetwork
         from tuner.networks.targets import TargetSpec
         from tuner.optim import build_optimizer, build_scheduler
@@ -150,15 +152,21 @@ class NetworkTrainer:
             project_dir=str(out / "logs"),
         )
         set_seed(tc.seed)
+        if not accelerator.is_main_process:  # one summary and one "saved" line, not one per process
+            log = _silent
         data = open_training_data(self, cfg)  # stops here, naming the command, if the cache is stale
         model = self.load_transformer(DTYPES[cfg.model.dtype])
         model.requires_grad_(False)
-        model.to(accelerator.device)
         if tc.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        model.train(
-            tc.gradient_checkpointing
-        )  # diffusers checkpoints only in train mode; no dropout in these models
+        # diffusers checkpoints only in train mode; these models have no dropout to switch on
+        model.train(tc.gradient_checkpointing)
+        # fp8 storage, attention backend, activation offload and block swap attach here and place the
+        # model on the device; the adapter comes after, so it is never quantized or swapped
+        memory = apply_memory_settings(
+            model, cfg.memory, accelerator.device, fp8_source=cfg.model.transformer, name_map=self.import_name,
+            probe_forwards=tc.gradient_accumulation_steps,
+        )  # fmt: skip
 
         nc = cfg.network
         lora = LoRANetwork.apply_to(
@@ -196,7 +204,7 @@ class NetworkTrainer:
             pos = Position(**checkpoints.load(resume))
             log(f"resumed from {checkpoints.resolve(resume)} at step {pos.step}, epoch {pos.epoch + 1}")
 
-        self._print_summary(log, lora, data, total_steps, steps_per_epoch, accelerator)
+        self._print_summary(log, lora, data, total_steps, steps_per_epoch, accelerator, memory.summary())
         if cfg.log.tensorboard:
             accelerator.init_trackers("tuner", config=_flat_scalars(cfg))
 
@@ -285,7 +293,9 @@ class NetworkTrainer:
             ),
         }
 
-    def _print_summary(self, log, network, data, total_steps, steps_per_epoch, accelerator) -> None:
+    def _print_summary(
+        self, log, network, data, total_steps, steps_per_epoch, accelerator, memory: str
+    ) -> None:
         cfg, tc = self.cfg, self.cfg.train
         trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
         batch = data.summary()
@@ -301,12 +311,17 @@ class NetworkTrainer:
                     f"{batch['batch_size']} × {tc.gradient_accumulation_steps} accumulation × "
                     f"{accelerator.num_processes} process(es)",
                     f"  precision             base {cfg.model.dtype}, autocast {tc.mixed_precision}, adapter fp32",
-                    f"  memory                gradient checkpointing {'on' if tc.gradient_checkpointing else 'off'}",
+                    f"  memory                gradient checkpointing {'on' if tc.gradient_checkpointing else 'off'}; "
+                    f"{memory}",
                     f"  device                {accelerator.device}",
                     f"  output                {cfg.save.output_dir}",
                 ]
             )
         )
+
+
+def _silent(_: str) -> None:
+    pass
 
 
 def _accumulation_groups(n_batches: int, accum: int) -> list[tuple[int, int]]:

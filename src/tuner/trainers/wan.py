@@ -27,6 +27,7 @@ class WanTrainer(NetworkTrainer):
     spatial_step = 16
     frame_multiple, frame_remainder = 4, 1
     model_fps = 16.0
+    supports_video = True
     latent_patch = (1, 2, 2)
     default_targets = WAN_TARGETS
 

@@ -1,0 +1,109 @@
+"""FLUX.1-dev (text to image) and FLUX.1 Kontext (edit with one reference image) on diffusers'
+FluxTransformer2DModel.
+
+Latents: AutoencoderKL with 8× compression and 16 channels, normalized with the VAE's shift and
+scaling factors, packed 2×2 into tokens inside `predict` (so pixel sides are multiples of 16, and the
+resolution-dependent `flux_shift` counts H/16 · W/16 tokens). Text: T5-XXL's hidden states over the
+prompt padded to `cache.text_max_length` tokens (512 in FluxPipeline) and CLIP-L's pooled output. dev
+is guidance-distilled: `model.guidance` feeds its guidance embedding (1.0 is the usual training value;
+pick the sampling value, e.g. 3.5, when generating). Kontext is the same network given the reference
+image's tokens after the target's; its reference latents come from the dataset's control images.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.errors import ConfigError
+from tuner.models import flux
+from tuner.models.flux_keys import FLUX_KEYS
+from tuner.trainers.base import DTYPES, NetworkTrainer
+
+# Default adapter targets: the attention and MLP linears of both streams in the double blocks, and
+# q/k/v, MLP input and output of the single blocks (together these are the original fused `qkv` and
+# `linear1` layers, so the export can fuse them). Modulations, norms and embedders are left alone.
+FLUX_TARGETS = (
+    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+    r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+    r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
+)
+
+
+class FluxTrainer(NetworkTrainer):
+    architecture = "flux"
+    spatial_step = 16
+    latent_patch = (2, 2)
+    default_targets = FLUX_TARGETS
+    # A name map (diffusers -> BFL names) that also declares the fused layers, which the adapter
+    # exporter writes as one fused adapter each (see tuner.networks.fused).
+    export_name = FLUX_KEYS
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return flux.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return flux.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> flux.TextEncoders:
+        m = self.cfg.model
+        encoders = flux.load_text_encoders(
+            self.weights_path("text_encoder"),
+            m.text_encoder_2 or None,
+            m.tokenizer or None,
+            m.tokenizer_2 or None,
+            DTYPES.get(dtype, torch.bfloat16),
+        )
+        for model in (encoders.clip, encoders.t5):
+            if dtype in ("fp8", "int8", "nf4"):
+                from tuner.memory import quantize_text_encoder
+
+                quantize_text_encoder(model, dtype, device)
+            model.to(device)
+        return encoders
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.shape[2] != 1:
+            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
+        return flux.encode_images(vae, pixels[:, :, 0])
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return flux.decode_latents(vae, latents).unsqueeze(2)
+
+    def encode_text(self, encoder: flux.TextEncoders, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        return flux.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        # Entries are all text_max_length long (the length is part of the cache key).
+        return {name: torch.stack([e[name] for e in entries]) for name in ("t5", "pooled")}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return flux.predict_velocity(
+            model, noisy, t, cond["t5"], cond["pooled"], self.cfg.model.guidance, self.references(cond)
+        )
+
+    def references(self, cond: dict) -> tuple[torch.Tensor, ...]:
+        """Reference latents the model sees beside the target (none for text to image)."""
+        return ()
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (16, height // 8, width // 8)
+
+    def import_name(self, original_name: str) -> str:
+        return FLUX_KEYS.to_diffusers(original_name)
+
+
+class FluxKontextTrainer(FluxTrainer):
+    """FLUX.1 Kontext: the dev network, given the reference image (`control_0`) after the target."""
+
+    architecture = "flux_kontext"
+
+    def references(self, cond: dict) -> tuple[torch.Tensor, ...]:
+        controls = sorted(k for k in cond if k.startswith("control_"))
+        if controls != ["control_0"]:
+            raise ConfigError(
+                f"flux_kontext edits with exactly one reference image per item, got {len(controls)} "
+                "(set control_directory / control_path in the dataset config, one control image per item; "
+                "pass one --control when generating)."
+            )
+        return (cond["control_0"],)
