@@ -10,9 +10,11 @@ from tuner.config import load_config
 from tuner.demo import prepare
 
 
-def make_project(root: Path, model: Path, steps: int = 4, **train_overrides) -> Path:
-    """Write the demo project under `root` using the shared fixture `model`; return the config path."""
-    config = prepare(root, steps=steps, model=model)
+def make_project(
+    root: Path, model: Path, steps: int = 4, architecture: str = "wan", **train_overrides
+) -> Path:
+    """Write the demo project under `root` using the fixture at `model`; return the config path."""
+    config = prepare(root, steps=steps, model=model, architecture=architecture)
     text = config.read_text()
     for key, value in train_overrides.items():
         text = re.sub(rf"(?m)^{key} = .*$", f"{key} = {value}", text)

@@ -91,7 +91,10 @@ class TrainingData:
         # mid-epoch would see different dropout than an uninterrupted one.
         for entries in reads.load(self.num_workers, generator=torch.Generator().manual_seed(self.seed)):
             # The stack copies the latents out of the shard maps into a batch the step may edit.
-            yield {"latents": torch.stack([e["latents"] for e in entries[0::2]]), "text": entries[1::2]}
+            # Every entry of a batch shares one bucket, so each of its tensors (latents, control_0...) stacks.
+            latents = entries[0::2]
+            stacked = {name: torch.stack([e[name] for e in latents]) for name in latents[0]}
+            yield {"latents": stacked.pop("latents"), "extra": stacked, "text": entries[1::2]}
 
     def summary(self) -> dict:
         buckets = sorted({s.bucket_key for s in self.samples})

@@ -21,6 +21,7 @@ from tuner.config.dataset import DatasetSpec
 from tuner.data.datasets import discover_items
 from tuner.data.frames import FrameRule
 from tuner.data.jobs import LatentJob, plan_latent_jobs
+from tuner.errors import ConfigError
 
 LATENT, TEXT = "latent", "text"
 
@@ -42,6 +43,11 @@ def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[Data
     plans = []
     rule = FrameRule(trainer.frame_multiple, trainer.frame_remainder)
     for spec in cfg.datasets:
+        if spec.kind == "video" and not trainer.supports_video:
+            raise ConfigError(
+                f"{cfg.data.dataset_config}: datasets[{spec.index}] is a video dataset, but "
+                f"{trainer.architecture} is an image model. Use image_directory or image_jsonl_file."
+            )
         items, problems = discover_items(spec)
         jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps)
         plans.append(DatasetPlan(spec, jobs, problems + more))

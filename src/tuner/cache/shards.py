@@ -13,14 +13,23 @@ text embeddings 58 us against 90 us.
 The map is private copy-on-write (`ACCESS_COPY`): a caller that edits a returned tensor in place
 gets its own copy of those pages and never writes to the shard (a read-only map would crash the
 process with SIGSEGV instead). A map stays valid after its file is deleted or replaced by a
-compaction: the old inode lives on until the last map of it is gone.
+compaction: the old inode lives on until the last map of it is gone. Note that the copy belongs to
+the map, not to the tensor: a later read of the same bytes through the same map sees the edit, so
+code that edits in place should copy first (training stacks entries into a fresh batch tensor).
+
+A read can also be split across processes (`tuner.cache.reads`): `locate` turns a tensor name into
+a `TensorLocation` (absolute file offset, dtype, shape), a few dozen bytes that any process can
+`view` through its own map of the same shard. Shards are immutable and never renamed, so a
+location stays valid as long as its file exists, and forever for a process that has it mapped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,6 +70,20 @@ def shard_data_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - length
 
 
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor lies in a shard file. Small and picklable: what crosses process boundaries."""
+
+    name: str  # the entry's name for the tensor (without the shard's prefix)
+    offset: int  # byte offset of the data from the start of the file
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape)
+
+
 class ShardReader:
     """One memory-mapped shard. Cheap to keep open: it holds a mapping, not a file descriptor."""
 
@@ -68,14 +91,41 @@ class ShardReader:
         self._header, self._data_start = read_header(path)
         with open(path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._located: dict[str, TensorLocation] = {}  # by stored name; a read is then one lookup
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """The tensor stored under `name`, backed by the map."""
-        info = self._header[name]
-        dtype = DTYPES[info["dtype"]]
-        start, end = info["data_offsets"]
-        count = (end - start) // dtype.itemsize
+        return self.view(self.locate(name))
+
+    def locate(self, name: str, prefix: str = "") -> TensorLocation:
+        """Where the tensor stored under `prefix + name` lies (the location calls it `name`)."""
+        stored = prefix + name
+        location = self._located.get(stored)
+        if location is None:
+            info = self._header[stored]
+            offset = self._data_start + info["data_offsets"][0]
+            location = TensorLocation(name, offset, DTYPES[info["dtype"]], tuple(info["shape"]))
+            self._located[stored] = location
+        return location
+
+    def view(self, location: TensorLocation) -> torch.Tensor:
+        """The tensor at `location` (found in this shard by any process), backed by this map."""
+        count = location.nbytes // location.dtype.itemsize
         if count == 0:  # frombuffer refuses empty slices
-            return torch.empty(info["shape"], dtype=dtype)
-        flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + start)
-        return flat.view(info["shape"])
+            return torch.empty(location.shape, dtype=location.dtype)
+        flat = torch.frombuffer(self._map, dtype=location.dtype, count=count, offset=location.offset)
+        return flat.view(location.shape)
+
+    def prefetch(self, location: TensorLocation) -> None:
+        """Bring the tensor's bytes into the OS page cache, reading them from disk if they are not
+        there yet; returns when they are. Copies nothing into this process."""
+        if location.nbytes == 0:
+            return
+        if hasattr(mmap, "MADV_WILLNEED"):  # not on Windows
+            # One readahead request for the whole range instead of one per page fault below.
+            start = location.offset - location.offset % mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_WILLNEED, start, location.offset + location.nbytes - start)
+        # Read one byte of every page: each fault waits for its page to arrive (and maps up to 16
+        # neighbours with it), so on return the range is cached.
+        with memoryview(self._map) as pages:
+            bytes(pages[location.offset : location.offset + location.nbytes : mmap.PAGESIZE])

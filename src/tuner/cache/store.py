@@ -6,13 +6,15 @@
 
 Keys come from `tuner.cache.keys.entry_key`; caching commands ask `missing(keys)`, encode those, and
 `put` them through `writer()` (see `tuner.cache.writer` for why a kill never corrupts the store).
-Training reads with `get(key)`.
+Reading is `get(key)`, or in two halves that may run in different processes: `locate(key)` (an
+`EntryLocation`: shard file, byte offsets, dtypes, shapes) and `view(location)` (tensors sliced out
+of this process's map of the shard). DataLoader workers locate and `prefetch`, the main process views:
+no tensor bytes cross processes (`tuner.cache.reads` explains why and wraps it in a Dataset).
 
-Reading is built for DataLoader workers: each process keeps its shards memory-mapped (`ShardReader`
-returns tensors backed by the map without copying) and loads the key -> location map with one query
-the first time it reads, so a read is two dict lookups and a slice, no syscall. SQLite
-connections never cross `fork()`: everything process-local is opened lazily and reopened when
-`os.getpid()` changes.
+Each process keeps its shards memory-mapped (`ShardReader` returns tensors backed by the map
+without copying) and loads the key -> row map with one query the first time it reads, so a read is
+a few dict lookups and a slice, no syscall. SQLite connections never cross `fork()`: everything
+process-local is opened lazily and reopened when `os.getpid()` changes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,7 +32,7 @@ import torch
 
 from tuner.cache.index import FORMAT_VERSION, INDEX_NAME, SHARDS_DIR, connect, transaction
 from tuner.cache.keys import hash_file
-from tuner.cache.shards import ShardReader, shard_data_bytes
+from tuner.cache.shards import ShardReader, TensorLocation, shard_data_bytes
 from tuner.cache.writer import LOCK_NAME, ShardWriter, WriterLock, remove_orphans
 from tuner.errors import CacheError, DataError
 
@@ -45,10 +48,20 @@ _QUERY_CHUNK = 500  # keys per `IN (...)` query, below SQLite's variable limit
 _INHERITED_CONNECTIONS: list[sqlite3.Connection] = []
 
 
-class _Location(NamedTuple):
+class _IndexRow(NamedTuple):
     shard: str
     prefix: str
     names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EntryLocation:
+    """Where an entry's tensors lie (`CacheStore.locate`): a few hundred bytes once pickled, valid in
+    any process that opens the same store."""
+
+    key: str  # to locate the entry again if its shard was compacted away meanwhile
+    shard: str  # file name under shards/
+    tensors: tuple[TensorLocation, ...]
 
 
 class CacheStore:
@@ -67,7 +80,7 @@ class CacheStore:
         self._conn: sqlite3.Connection | None = None
         # No bound on open shards: a ShardReader holds a mapping, not a file descriptor.
         self._handles: dict[str, ShardReader] = {}
-        self._locations: dict[str, _Location] | None = None
+        self._rows: dict[str, _IndexRow] | None = None
 
     def _check_process(self) -> None:
         if self._pid != os.getpid():
@@ -142,31 +155,53 @@ class CacheStore:
         return json.loads(row[0])
 
     def get(self, key: str) -> dict[str, torch.Tensor]:
-        """The entry's tensors by name. They are backed by the shard's memory map (copy-on-write)."""
-        self._check_process()
-        location = self._location(key)
-        try:
-            handle = self._handle(location.shard)
-        except FileNotFoundError:
-            # A prune compacted the shard since this process looked the key up: look again.
-            self._locations.pop(key, None)
-            location = self._location(key)
-            try:
-                handle = self._handle(location.shard)
-            except FileNotFoundError:
-                raise CacheError(
-                    f"cache store {self.root}: shard {location.shard} of entry {key} is missing; "
-                    f"run caching again to re-encode it"
-                ) from None
-        return {name: handle.get_tensor(location.prefix + name) for name in location.names}
+        """The entry's tensors by name, backed by this process's map of the shard (copy-on-write:
+        see `tuner.cache.shards` for what in-place edits do)."""
+        return self.view(self.locate(key))
 
-    def _location(self, key: str) -> _Location:
-        if self._locations is None:
+    def locate(self, key: str) -> EntryLocation:
+        """Where the entry's tensors lie, for `view` in this or another process."""
+        self._check_process()
+        row = self._row(key)
+        handle = self._open(row.shard)
+        if handle is None:
+            # A prune compacted the shard since this process looked the key up: look again.
+            self._rows.pop(key, None)
+            row = self._row(key)
+            handle = self._open(row.shard)
+            if handle is None:
+                raise self._shard_missing_error(key, row.shard)
+        return EntryLocation(key, row.shard, tuple(handle.locate(name, row.prefix) for name in row.names))
+
+    def view(self, location: EntryLocation) -> dict[str, torch.Tensor]:
+        """The tensors at `location` by name, sliced out of this process's map of the shard: no copy,
+        no syscall once the shard is mapped. If the shard was compacted away since `location` was
+        made (a prune in another process), the key is located again."""
+        self._check_process()
+        handle = self._open(location.shard)
+        if handle is None:
+            location = self.locate(location.key)  # raises if the entry itself was pruned
+            handle = self._handles[location.shard]
+        return {t.name: handle.view(t) for t in location.tensors}
+
+    def prefetch(self, location: EntryLocation) -> None:
+        """Bring the entry's bytes into the OS page cache, reading them from disk if needed, and
+        return when they are there: a later `view`, in any process, then waits for no disk. This is
+        the I/O a DataLoader worker does in parallel with training."""
+        self._check_process()
+        handle = self._open(location.shard)
+        if handle is None:
+            return  # compacted away: `view` will locate the entry again
+        for tensor in location.tensors:
+            handle.prefetch(tensor)
+
+    def _row(self, key: str) -> _IndexRow:
+        if self._rows is None:
             # One query per process instead of one per read.
             rows = self._connection().execute("SELECT key, shard, prefix, names FROM entries")
-            self._locations = {k: _Location(s, p, tuple(json.loads(n))) for k, s, p, n in rows}
-        location = self._locations.get(key)
-        if location is None:
+            self._rows = {k: _IndexRow(s, p, tuple(json.loads(n))) for k, s, p, n in rows}
+        found = self._rows.get(key)
+        if found is None:
             # Committed after the map was loaded (a writer appending while we read), or absent.
             row = (
                 self._connection()
@@ -175,23 +210,33 @@ class CacheStore:
             )
             if row is None:
                 raise self._missing_error(key)
-            location = _Location(row[0], row[1], tuple(json.loads(row[2])))
-            self._locations[key] = location
-        return location
+            found = _IndexRow(row[0], row[1], tuple(json.loads(row[2])))
+            self._rows[key] = found
+        return found
 
-    def _handle(self, shard: str) -> ShardReader:
+    def _open(self, shard: str) -> ShardReader | None:
+        """This process's map of `shard`, or None if the file is gone (deleted by a compaction)."""
         handle = self._handles.get(shard)
         if handle is None:
-            handle = ShardReader(self.shards_dir / shard)
+            try:
+                handle = ShardReader(self.shards_dir / shard)
+            except FileNotFoundError:
+                return None
             self._handles[shard] = handle
         return handle
+
+    def _shard_missing_error(self, key: str, shard: str) -> CacheError:
+        return CacheError(
+            f"cache store {self.root}: shard {shard} of entry {key} is missing; "
+            f"run caching again to re-encode it"
+        )
 
     def _missing_error(self, key: str) -> CacheError:
         return CacheError(f"cache store {self.root} has no entry {key}; run caching to encode it")
 
     def _forget_locations(self) -> None:
         self._handles.clear()
-        self._locations = None
+        self._rows = None
 
     # -- source hashes ---------------------------------------------------------------------------
 
