@@ -11,6 +11,7 @@ import os
 import sys
 
 from tuner.errors import TunerError
+from tuner.tools import add_lora_commands
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -82,7 +83,8 @@ def _train(args) -> None:
 
 def _generate(args) -> None:
     from tuner.errors import ConfigError
-    from tuner.generate import GenerateOptions, generate, parse_lora_arg
+    from tuner.generate import GenerateOptions, generate
+    from tuner.tools import parse_weighted_path
 
     try:
         width, height = (int(v) for v in args.size.lower().split("x"))
@@ -90,7 +92,7 @@ def _generate(args) -> None:
         raise ConfigError(f"--size {args.size!r}: expected WIDTHxHEIGHT, e.g. 832x480.") from None
     opts = GenerateOptions(
         prompt=args.prompt, out=args.out, negative_prompt=args.negative_prompt,
-        loras=tuple(parse_lora_arg(x) for x in args.lora), controls=tuple(args.control), width=width, height=height, frames=args.frames,
+        loras=tuple(parse_weighted_path(x) for x in args.lora), controls=tuple(args.control), width=width, height=height, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed, device=args.device,
     )  # fmt: skip
     generate(_load(args), opts)
@@ -175,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True, help="output .mp4 or .png")
     p.set_defaults(func=_generate)
+
+    add_lora_commands(sub)
     return parser
 
 

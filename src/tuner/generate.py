@@ -43,17 +43,6 @@ class GenerateOptions:
     device: str = "auto"
 
 
-def parse_lora_arg(text: str) -> tuple[str, float]:
-    """`path.safetensors[:strength]` → (path, strength)."""
-    path, sep, strength = text.rpartition(":")
-    if sep and path and not strength.startswith(("\\", "/")):
-        try:
-            return path, float(strength)
-        except ValueError:
-            pass
-    return text, 1.0
-
-
 def _free(*objects) -> None:
     del objects
     gc.collect()

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from tuner.config.fields import option
 from tuner.errors import ConfigError, TunerError
+from tuner.networks.options import check_network_options, check_save_format
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 SwapMode = Literal["full", "h2d_only"]
@@ -60,7 +61,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class NetworkConfig:
-    type: Literal["lora"] = option("lora", "Adapter type.")
+    type: Literal["lora", "loha", "lokr", "full"] = option(
+        "lora",
+        "What is trained: lora, loha (Hadamard product), lokr (Kronecker product), or full (every weight).",
+    )
     rank: int = option(16, "Adapter rank (dimension).", ge=1)
     alpha: float = option(16.0, "Adapter alpha; the scale is alpha / rank.", gt=0)
     dropout: float = option(0.0, "Dropout on the adapter input.", ge=0, lt=1)
@@ -74,6 +78,22 @@ class NetworkConfig:
         None, "LoRA+: learning rate of the up matrices = lr × this.", gt=0
     )
     network_weights: str = option("", "Adapter file to start from (continue training).", path=True)
+    dora: bool = option(False, "DoRA: also learn a magnitude per input channel (weight decomposition).")
+    factor: int = option(
+        -1,
+        "LoKr: largest side of the small Kronecker factor; -1 splits each side as squarely as possible.",
+        ge=-1,
+    )
+    decompose_both: bool = option(False, "LoKr: store the small Kronecker factor as a low-rank pair too.")
+    full_matrix: bool = option(
+        False, "LoKr: keep both Kronecker factors full (rank and alpha unused, scale 1)."
+    )
+    stochastic_rounding: bool = option(
+        False, "Full fine-tune: round bf16 weights stochastically after each optimizer step."
+    )
+
+    def __post_init__(self) -> None:
+        check_network_options(self)
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,11 @@ class SaveConfig:
     keep_last: int = option(0, "Keep only the last K saves (adapters and states); 0 keeps all.", ge=0)
     save_state: bool = option(True, "Also save the full training state next to each adapter, for resume.")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "Dtype of saved adapter weights.")
+    format: Literal["comfy", "diffusers", "kohya"] = option(
+        "comfy",
+        "Key layout of saved adapters: comfy (original names, loads natively in ComfyUI), diffusers (PEFT, alpha "
+        "folded in), kohya.",
+    )
 
 
 @dataclass(frozen=True)
@@ -199,3 +224,6 @@ class TrainingFile:
         factory=MemorySettings,
         doc="Fitting big models in small GPUs: block swap, activation offload, fp8, attention.",
     )
+
+    def __post_init__(self) -> None:
+        check_save_format(self.network.dora, self.save.format)

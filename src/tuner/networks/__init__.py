@@ -1,23 +1,52 @@
-"""Adapter networks attached to a model from outside: targeting, LoRA, and their file layouts.
+"""Adapter networks attached to a model from outside: targeting, adapter types, and their file layouts.
 
 - `targets.py`: which linear layers get an adapter (`TargetSpec`, `find_targets`).
 - `base.py`: the forward patch every adapter type shares, and the network collection.
-- `keys.py`: file key layouts (original/"comfy", kohya, diffusers/PEFT) and name resolution.
-- `lora.py`: LoRA itself, its files, and applying a LoRA file for inference.
+- `delta.py`: what a file stores per module (`ModuleWeights`) and the update ΔW it stands for.
+- `lora.py`, `loha.py`, `lokr.py`: the adapter types; `dora.py`: weight decomposition around any of them.
+- `full.py`: full fine-tuning behind the same interface, with stochastic rounding for bf16 weights.
+- `keys.py`, `formats.py`: the comfy / kohya / diffusers key layouts, reading and writing them.
+- `fused.py`, `architectures.py`: per-architecture name tables and fused layers (data), exact fusing.
+- `factory.py`: `build_network` (from the `[network]` config) and `apply_adapter_file` (inference).
+- `options.py`: which `[network]` settings go together (torch-free, for the config schema).
+
+The names below are imported on first use, so `tuner.networks.options` can be read while a config is
+loaded without importing torch.
 """
 
-from tuner.networks.keys import NameMap, identity_name_map
-from tuner.networks.lora import LoRAModule, LoRANetwork, LoRAWeights, apply_lora_file, load_lora_file
-from tuner.networks.targets import TargetSpec, find_targets
+from __future__ import annotations
 
-__all__ = [
-    "LoRAModule",
-    "LoRANetwork",
-    "LoRAWeights",
-    "NameMap",
-    "TargetSpec",
-    "apply_lora_file",
-    "find_targets",
-    "identity_name_map",
-    "load_lora_file",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AdapterModule": "base",
+    "AdapterNetwork": "base",
+    "DoRAModule": "dora",
+    "FullNetwork": "full",
+    "LoHaModule": "loha",
+    "LoHaNetwork": "loha",
+    "LoKrModule": "lokr",
+    "LoKrNetwork": "lokr",
+    "LoRAModule": "lora",
+    "LoRANetwork": "lora",
+    "LoRAWeights": "lora",
+    "ModuleWeights": "delta",
+    "NameMap": "keys",
+    "StochasticRounding": "full",
+    "TargetSpec": "targets",
+    "apply_adapter_file": "factory",
+    "apply_lora_file": "lora",
+    "build_network": "factory",
+    "find_targets": "targets",
+    "identity_name_map": "keys",
+    "load_lora_file": "lora",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

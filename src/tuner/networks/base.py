@@ -22,9 +22,11 @@ one call with probability p. It, and the adapters' own dropouts, act only while 
 mode (`network.train()`), independent of the base model's mode.
 
 `AdapterNetwork` holds the adapters by diffusers module name and owns what does not depend on the
-adapter type: parameters, multiplier, merge, and writing files in the original-release ("comfy")
-layout described in `keys.py`. Each adapter type subclasses `AdapterModule` (its tensors and delta)
-and `AdapterNetwork` (how it is built from a model, how its files are read).
+adapter type: parameters (and LoRA+ groups), multiplier, merge, and files. Each adapter hands its
+tensors over as a layout-independent `ModuleWeights` (`delta.py`) and takes them back in `load`; the
+network writes them in any layout of `formats.py` (the original-release "comfy" layout by default) and
+reads files of any layout. Each adapter type subclasses `AdapterModule` (its parameters, forward and
+delta) and `AdapterNetwork` (how it is built from a model).
 """
 
 from __future__ import annotations
@@ -39,7 +41,17 @@ from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
 from tuner.io import save_safetensors
-from tuner.networks.keys import COMFY_PREFIX, ModuleNameIndex, NameMap, identity_name_map
+from tuner.networks.delta import KIND_NAMES, ModuleWeights
+from tuner.networks.formats import LAYOUTS, describe_modules, layout_state, module_tensors, read_modules
+from tuner.networks.fused import expand_fused
+from tuner.networks.keys import (
+    COMFY_PREFIX,
+    KOHYA_PREFIXES,
+    ModuleNameIndex,
+    NameMap,
+    describe_source,
+    identity_name_map,
+)
 
 _HOOK_ATTR = "_tuner_adapter_hook"
 
@@ -48,6 +60,26 @@ def check_probability(p: float, what: str) -> None:
     """Dropout probabilities must leave something to keep (p = 1 would divide by zero)."""
     if not 0.0 <= p < 1.0:
         raise TunerError(f"{what} must be in [0, 1), got {p}")
+
+
+def base_weight(layer: nn.Linear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The frozen layer's weight as `dtype`, dequantized when it is stored in fp8 with scales
+    (`tuner.fp8`); fp8 storage without scales (diffusers' layerwise casting) is a plain cast."""
+    scale = getattr(layer, "fp8_scale", None)
+    if scale is not None:
+        from tuner.fp8 import dequantize_weight
+
+        return dequantize_weight(layer.weight, scale, dtype)
+    return layer.weight.to(dtype)
+
+
+def drop_output_channels(y: torch.Tensor, p: float) -> torch.Tensor:
+    """Rank dropout for adapters whose update is a whole matrix (LoHa, LoKr) rather than a rank-r
+    bottleneck: zero random output channels of the update, one draw per sample shared across tokens,
+    and rescale the rest by 1 / (1 - p) so the expected update is unchanged."""
+    shape = (y.shape[0],) + (1,) * (y.ndim - 2) + (y.shape[-1],) if y.ndim > 1 else y.shape
+    keep = torch.rand(shape, device=y.device) >= p
+    return y * keep.to(y.dtype) / (1.0 - p)
 
 
 class _AdapterHook:
@@ -68,15 +100,34 @@ class _AdapterHook:
 
 class AdapterModule(nn.Module):
     """One adapter on one `nn.Linear`. Subclasses create their parameters and implement `forward`
-    (x -> delta output in the adapter's dtype, scale included, multiplier not), `delta_weight` and
-    `export_tensors`."""
+    (x -> delta output in the adapter's dtype, scale included, multiplier not), `delta_weight`,
+    `weights` / `load` (their tensors as a `ModuleWeights`) and `up_parameters`."""
 
-    def __init__(self, name: str, base: nn.Linear, module_dropout: float = 0.0) -> None:
+    kind: ClassVar[str]
+    """"lora", "loha" or "lokr" (see `delta.py`)."""
+
+    def __init__(
+        self,
+        name: str,
+        base: nn.Linear,
+        module_dropout: float = 0.0,
+        dropout: float = 0.0,
+        rank_dropout: float = 0.0,
+    ) -> None:
+        """The regularisation every type shares: `dropout` on the adapter's input, `rank_dropout`
+        (each type says what it drops) and `module_dropout`; all act only in train mode."""
         super().__init__()
-        check_probability(module_dropout, "module_dropout")
+        for p, what in (
+            (module_dropout, "module_dropout"),
+            (dropout, "dropout"),
+            (rank_dropout, "rank_dropout"),
+        ):
+            check_probability(p, what)
         self.name = name
         self.multiplier = 1.0
         self.module_dropout = module_dropout
+        self.rank_dropout = rank_dropout
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         # A tuple hides the base layer from nn.Module: the adapter's parameters(), state_dict() and
         # .to() must never include (or move) the frozen base weights.
         self._base = (base,)
@@ -89,9 +140,30 @@ class AdapterModule(nn.Module):
         """The update dW as an fp32 [out, in] matrix, scale included, multiplier not."""
         raise NotImplementedError
 
+    def weights(self) -> ModuleWeights:
+        """The adapter's tensors (detached, not copied) as a file stores them."""
+        raise NotImplementedError
+
+    def load(self, weights: ModuleWeights, source: str) -> None:
+        """Take over a file's tensors; `CheckpointError` naming `source` when they do not fit."""
+        raise NotImplementedError
+
+    def up_parameters(self) -> list[nn.Parameter]:
+        """The parameters on the output side (LoRA's up), which LoRA+ trains with a larger rate."""
+        raise NotImplementedError
+
     def export_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The tensors written to a file, keyed by their comfy-layout suffix."""
-        raise NotImplementedError
+        return module_tensors(self.weights(), "comfy", dtype)
+
+    def check_kind(self, weights: ModuleWeights, source: str) -> None:
+        if weights.kind != self.kind:
+            raise CheckpointError(
+                f"{source}: {self.name} is a {KIND_NAMES[weights.kind]} in the file, but this network "
+                f"trains {KIND_NAMES[self.kind]} (set network.type to match the file)"
+            )
+        if weights.dora_scale is not None:
+            raise CheckpointError(f"{source}: {self.name} is a DoRA in the file; set network.dora = true")
 
     def skips_this_call(self) -> bool:
         if self.multiplier == 0:
@@ -134,9 +206,14 @@ class AdapterModule(nn.Module):
         """Add multiplier * dW to the base weight (summed in fp32, stored in the base's dtype), then
         detach, so the layer alone computes what layer + adapter did."""
         weight = self.base.weight
-        if not weight.is_floating_point():
+        if not weight.is_floating_point() or hasattr(self.base, "fp8_scale"):
             raise TunerError(
                 f"cannot merge the adapter on {self.name}: its weight is stored as {weight.dtype}"
+                + (
+                    " with scales (merge into the checkpoint file with `tuner lora merge`)"
+                    if weight.is_floating_point()
+                    else ""
+                )
             )
         delta = self.delta_weight().to(weight.device) * self.multiplier
         weight.copy_((weight.float() + delta).to(weight.dtype))
@@ -145,8 +222,6 @@ class AdapterModule(nn.Module):
 
 class AdapterNetwork(nn.Module):
     """The adapters applied to one model, by diffusers module name. Creating one attaches them."""
-
-    network_type: ClassVar[str]
 
     def __init__(
         self,
@@ -176,8 +251,36 @@ class AdapterNetwork(nn.Module):
     def __len__(self) -> int:
         return len(self._by_name)
 
+    @property
+    def network_type(self) -> str:
+        """The adapters' kind ("lora", "loha", "lokr"), or "mixed" for a file that mixes them."""
+        kinds = {adapter.kind for adapter in self}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
+
+    def param_groups(self, lr: float, loraplus_lr_ratio: float | None = None) -> list[dict[str, Any]]:
+        """Optimizer parameter groups. With LoRA+, the output-side parameters (`up_parameters`: LoRA's
+        up matrices) get lr * loraplus_lr_ratio."""
+        trainable = self.trainable_parameters()
+        group = self.network_type
+        if not loraplus_lr_ratio:
+            return [{"params": trainable, "lr": lr, "name": group}]
+        up_ids = {id(p) for adapter in self for p in adapter.up_parameters()}
+        return [
+            {"params": [p for p in trainable if id(p) not in up_ids], "lr": lr, "name": f"{group}_down"},
+            {
+                "params": [p for p in trainable if id(p) in up_ids],
+                "lr": lr * loraplus_lr_ratio,
+                "name": f"{group}_up",
+            },
+        ]
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Hook for networks that change how the optimizer steps (full fine-tune's stochastic
+        rounding); adapters train in fp32 and need nothing."""
+        return optimizer
 
     def set_multiplier(self, multiplier: float) -> None:
         """Strength of every adapter; 0 turns them off (and skips their compute), 1 is as trained."""
@@ -202,33 +305,32 @@ class AdapterNetwork(nn.Module):
 
     # --- files ------------------------------------------------------------------------------------
 
+    def weights(self) -> dict[str, ModuleWeights]:
+        """Every adapter's tensors, by diffusers module name."""
+        return {adapter.name: adapter.weights() for adapter in self}
+
     def file_name(self, module_name: str, name_map: NameMap | None = None) -> str:
-        """The stem under which a module's tensors are written: prefix + original-release name."""
-        return self.prefix + (name_map or self.name_map)(module_name)
+        """The stem under which a module's tensors are written: prefix + original-release name (the
+        diffusers name for a module the name map does not know, such as a part of a fused layer)."""
+        try:
+            return self.prefix + (name_map or self.name_map)(module_name)
+        except KeyError:
+            return module_name
 
     def file_state_dict(
         self, dtype: torch.dtype = torch.float32, name_map: NameMap | None = None
     ) -> dict[str, torch.Tensor]:
         """The tensors in the comfy layout: `<prefix><original name>.<suffix>`. `name_map` overrides
         the network's own for this call."""
-        state: dict[str, torch.Tensor] = {}
-        owner: dict[str, str] = {}
-        for adapter in self:
-            stem = self.file_name(adapter.name, name_map)
-            if stem in owner:
-                raise TunerError(f"the name map sends both {owner[stem]} and {adapter.name} to {stem}")
-            owner[stem] = adapter.name
-            for suffix, tensor in adapter.export_tensors(dtype).items():
-                state[f"{stem}.{suffix}"] = tensor.detach().cpu()
-        return state
+        return layout_state(
+            self.weights(), "comfy", name_map or self.name_map, prefix=self.prefix, dtype=dtype
+        )[0]
 
-    def file_metadata(self) -> dict[str, str]:
-        """What the network knows about itself; subclasses add their hyperparameters."""
-        return {
-            "tuner.network_type": self.network_type,
-            "tuner.format": "comfy",
-            "tuner.targets": json.dumps(self.names()),
-        }
+    def file_metadata(self, format: str = "comfy") -> dict[str, str]:
+        """What the network knows about itself, as a file in `format` stores it: type, targets, rank,
+        alpha, DoRA."""
+        own = {"tuner.targets": json.dumps(self.names()), "tuner.format": format}
+        return {**describe_modules(self.weights(), format), **own}
 
     def save(
         self,
@@ -237,14 +339,40 @@ class AdapterNetwork(nn.Module):
         *,
         metadata: Mapping[str, str] | None = None,
         dtype: torch.dtype = torch.float32,
+        format: str = "comfy",
     ) -> None:
-        """Write the adapter atomically in the layout ComfyUI loads natively. `name_map` overrides the
-        network's own for this file. `metadata` from the caller (str -> str; structured values as
-        JSON) is stored too; the network's own `tuner.*` entries win over the caller's."""
+        """Write the adapter atomically in `format` (comfy, the layout ComfyUI loads natively; diffusers;
+        or kohya, see `formats.py`). `name_map` overrides the network's own for this file. `metadata`
+        from the caller (str -> str; structured values as JSON) is stored too; the network's own
+        `tuner.*` entries win over the caller's."""
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TunerError(f"adapter save precision must be fp32, bf16 or fp16, got {dtype}")
-        merged = {**(metadata or {}), **self.file_metadata()}
-        save_safetensors(self.file_state_dict(dtype, name_map), path, metadata=merged)
+        if format not in LAYOUTS:
+            raise TunerError(f"unknown adapter format {format!r}; choose one of {', '.join(LAYOUTS)}")
+        state, layout_metadata = layout_state(
+            self.weights(), format, name_map or self.name_map, prefix=self.prefix, dtype=dtype
+        )
+        merged = {**(metadata or {}), **layout_metadata, **self.file_metadata(format)}
+        save_safetensors(state, path, metadata=merged)
+
+    def load_weights(
+        self,
+        source: str | os.PathLike | Mapping[str, torch.Tensor],
+        name_map_inverse: NameMap | None = None,
+    ) -> dict[str, str]:
+        """Load an adapter file (any layout) into this network, for resume or continued training. Every
+        module of the file must be one of ours and every one of ours must be in the file. Names are
+        resolved with the network's own name map; `name_map_inverse` (original -> diffusers name) is
+        a fallback for original-layout files when the network was built without one (kohya files
+        with original names need the forward map). alpha is taken from the file. Returns the file's
+        metadata ({} for a dict)."""
+        modules, metadata = read_modules(source, {adapter.kind for adapter in self})
+        where = describe_source(source)
+        fused = getattr(self.name_map, "fused", ())
+        modules = expand_fused(modules, fused, metadata, self.prefix, KOHYA_PREFIXES)
+        for stem, name in self._resolve_file_modules(modules, where, name_map_inverse).items():
+            self[name].load(modules[stem], where)
+        return metadata
 
     def _resolve_file_modules(
         self, stems: Iterable[str], source: str, name_map_inverse: NameMap | None = None

@@ -136,8 +136,7 @@ class NetworkTrainer:
 
         from tuner.cache.plan import open_training_data
         from tuner.memory import apply_memory_settings
-        from tuner.networks.lora import LoRANetwork
-        from tuner.networks.targets import TargetSpec
+        from tuner.networks.factory import build_network
         from tuner.optim import build_optimizer, build_scheduler
         from tuner.timesteps import add_noise, flow_loss, flow_target, sampler_from_config
         from tuner.trainers.checkpoints import Checkpoints
@@ -169,32 +168,24 @@ class NetworkTrainer:
         )  # fmt: skip
 
         nc = cfg.network
-        lora = LoRANetwork.apply_to(
-            model,
-            TargetSpec(self.default_targets, nc.include, nc.exclude),
-            rank=nc.rank,
-            alpha=nc.alpha,
-            dropout=nc.dropout,
-            rank_dropout=nc.rank_dropout,
-            module_dropout=nc.module_dropout,
-            name_map=self.export_name,
-        )
-        lora.to(accelerator.device)
+        # the adapter (LoRA / LoHa / LoKr, optionally DoRA) or, for a full fine-tune, the weights themselves
+        trained = build_network(model, self.default_targets, nc, self.export_name, seed=tc.seed)
+        trained.to(accelerator.device)
         if nc.network_weights:
-            lora.load_weights(nc.network_weights, self.import_name)
-        optimizer = build_optimizer(
-            tc.optimizer,
-            lora.param_groups(tc.learning_rate, nc.loraplus_lr_ratio),
-            tc.learning_rate,
-            tc.optimizer_args,
-        )
+            trained.load_weights(nc.network_weights, self.import_name)
+        optimizer = trained.prepare_optimizer(
+            build_optimizer(
+                tc.optimizer, trained.param_groups(tc.learning_rate, nc.loraplus_lr_ratio), tc.learning_rate,
+                tc.optimizer_args,
+            )
+        )  # fmt: skip
         batches_per_epoch = data.batches_per_epoch()
         steps_per_epoch = math.ceil(batches_per_epoch / tc.gradient_accumulation_steps)
         total_steps = tc.max_steps or tc.epochs * steps_per_epoch
         scheduler = build_scheduler(
             tc.lr_scheduler, optimizer, tc.lr_warmup_steps, total_steps, num_cycles=tc.lr_num_cycles
         )
-        network, optimizer, scheduler = accelerator.prepare(lora, optimizer, scheduler)
+        network, optimizer, scheduler = accelerator.prepare(trained, optimizer, scheduler)
         sampler = sampler_from_config(cfg.timesteps)
         checkpoints = Checkpoints(out, cfg.save, accelerator)
 
@@ -204,7 +195,7 @@ class NetworkTrainer:
             pos = Position(**checkpoints.load(resume))
             log(f"resumed from {checkpoints.resolve(resume)} at step {pos.step}, epoch {pos.epoch + 1}")
 
-        self._print_summary(log, lora, data, total_steps, steps_per_epoch, accelerator, memory.summary())
+        self._print_summary(log, trained, data, total_steps, steps_per_epoch, accelerator, memory.summary())
         if cfg.log.tensorboard:
             accelerator.init_trackers("tuner", config=_flat_scalars(cfg))
 
@@ -298,19 +289,24 @@ class NetworkTrainer:
     ) -> None:
         cfg, tc = self.cfg, self.cfg.train
         trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
+        nc = cfg.network
+        full = nc.type == "full"
+        what = "a full fine-tune" if full else (
+            f"a {nc.type}{' + DoRA' if nc.dora else ''} (rank {nc.rank}, alpha {nc.alpha})"
+        )  # fmt: skip
         batch = data.summary()
         log(
             "\n".join(
                 [
-                    f"tuner: training a {cfg.network.type} (rank {cfg.network.rank}, alpha {cfg.network.alpha}) "
-                    f"on {self.architecture}",
+                    f"tuner: training {what} on {self.architecture}",
                     f"  trainable parameters  {trainable:,} in {len(network)} modules",
                     f"  data                  {batch['samples']} samples, {batch['batches_per_epoch']} batches/epoch, "
                     f"buckets {', '.join(batch['buckets'])}",
                     f"  steps                 {total_steps} ({steps_per_epoch}/epoch), effective batch "
                     f"{batch['batch_size']} × {tc.gradient_accumulation_steps} accumulation × "
                     f"{accelerator.num_processes} process(es)",
-                    f"  precision             base {cfg.model.dtype}, autocast {tc.mixed_precision}, adapter fp32",
+                    f"  precision             base {cfg.model.dtype}, autocast {tc.mixed_precision}"
+                    + ("" if full else ", adapter fp32"),
                     f"  memory                gradient checkpointing {'on' if tc.gradient_checkpointing else 'off'}; "
                     f"{memory}",
                     f"  device                {accelerator.device}",

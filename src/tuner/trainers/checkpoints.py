@@ -47,7 +47,11 @@ class Checkpoints:
         if acc.is_main_process:
             meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
             acc.unwrap_model(network).save(
-                adapter, export_name, dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta
+                adapter,
+                export_name,
+                dtype=_SAVE_DTYPES[self.cfg.precision],
+                metadata=meta,
+                format=self.cfg.format,
             )
         if self.cfg.save_state:  # the final state too, so a finished run can be extended later
             self._save_state(pos)

@@ -1,0 +1,177 @@
+"""Each architecture's adapter key data: diffusers <-> original module names, and its fused layers.
+
+An adapter file is portable only if its module names are the ones the loader expects. For the file
+tools (`tuner lora info|convert|merge`), which work without loading a model, every architecture supplies
+a table, as data:
+
+- `renames`: (diffusers pattern, original pattern) pairs, `{i}` standing for a block index, e.g.
+  `("blocks.{i}.attn1.to_q", "blocks.{i}.self_attn.q")` for Wan. A pattern also matches a longer dotted
+  name (`...to_q.weight`), so the same table renames full checkpoints.
+- `fused`: layers the original release keeps as one matrix and diffusers splits (see `fused.py`), e.g.
+  FLUX's `double_blocks.{i}.img_attn.qkv` = rows of `transformer_blocks.{i}.attn.to_q / to_k / to_v`.
+
+An `ArchitectureKeys` is itself a name map (diffusers -> original, `KeyError` outside the table), so a
+trainer can pass it wherever a `NameMap` is expected, and its fused layers come along.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+from tuner.errors import CheckpointError
+from tuner.networks.delta import ModuleWeights
+from tuner.networks.formats import FUSED_METADATA, layout_of
+from tuner.networks.fused import FusedLayer, split
+from tuner.networks.keys import COMFY_PREFIX, DIFFUSERS_PREFIXES, KOHYA_PREFIXES
+
+
+@dataclass(frozen=True)
+class ArchitectureKeys:
+    """One architecture's module names in both layouts, and its fused layers."""
+
+    name: str
+    renames: tuple[tuple[str, str], ...]
+    """(diffusers pattern, original pattern); `{i}` is a block index."""
+    fused: tuple[FusedLayer, ...] = ()
+
+    @cached_property
+    def _to_original(self) -> list[tuple[re.Pattern[str], str]]:
+        return [(_compile(d), o) for d, o in self.renames]
+
+    @cached_property
+    def _to_diffusers(self) -> list[tuple[re.Pattern[str], str]]:
+        return [(_compile(o), d) for d, o in self.renames]
+
+    @cached_property
+    def _from_kohya(self) -> list[tuple[re.Pattern[str], str]]:
+        # kohya stems replace every "." by "_"; written from original names (musubi) or diffusers names.
+        pairs = [(_compile(o.replace(".", "_"), rest=False), d) for d, o in self.renames]
+        return pairs + [(_compile(d.replace(".", "_"), rest=False), d) for d, _ in self.renames]
+
+    def __call__(self, diffusers_name: str) -> str:
+        """The original name of a diffusers module (or tensor key); `KeyError` outside the table."""
+        return _rename(diffusers_name, self._to_original, f"{self.name} original")
+
+    def to_diffusers(self, original_name: str) -> str:
+        return _rename(original_name, self._to_diffusers, f"{self.name} diffusers")
+
+    def from_kohya(self, body: str) -> str:
+        """The diffusers name of a kohya stem without its `lora_unet_` prefix."""
+        found = {_fill(d, m) for p, d in self._from_kohya if (m := p.fullmatch(body))}
+        if len(found) != 1:
+            why = "fits several modules" if found else "matches no module"
+            raise KeyError(f"kohya name {body!r} {why} of {self.name}")
+        return found.pop()
+
+    def fused_layer(self, body: str, kohya: bool = False) -> tuple[FusedLayer, str, list[str]] | None:
+        """(layer, original name, part names) when a stem body names one of the fused layers."""
+        for layer in self.fused:
+            if (found := layer.resolve(body, kohya)) is not None:
+                return layer, *found
+        return None
+
+
+def _compile(pattern: str, rest: bool = True) -> re.Pattern[str]:
+    body = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)")
+    return re.compile(body + (r"(?P<rest>\..+)?" if rest else ""))
+
+
+def _fill(target: str, m: re.Match[str]) -> str:
+    groups = m.groupdict()
+    return target.replace("{i}", groups.get("i") or "") + (groups.get("rest") or "")
+
+
+def _rename(name: str, rules: list[tuple[re.Pattern[str], str]], direction: str) -> str:
+    for pattern, target in rules:
+        if m := pattern.fullmatch(name):
+            return _fill(target, m)
+    raise KeyError(f"no rule maps {name!r} to the {direction} layout")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The registry: a plain dict of builders, so nothing model-specific is imported until asked for.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _wan() -> ArchitectureKeys:
+    from tuner.models.wan_keys import TRANSFORMER_RULES
+
+    return ArchitectureKeys("wan", TRANSFORMER_RULES)  # Wan's original release fuses nothing
+
+
+ARCHITECTURE_KEYS: dict[str, Callable[[], ArchitectureKeys]] = {"wan": _wan}
+
+
+def architecture_keys(name: str) -> ArchitectureKeys:
+    if name not in ARCHITECTURE_KEYS:
+        raise CheckpointError(
+            f"no adapter key table for architecture {name!r}; known: {sorted(ARCHITECTURE_KEYS)}"
+        )
+    return ARCHITECTURE_KEYS[name]()
+
+
+def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where: str) -> ArchitectureKeys:
+    """The architecture of an adapter file: from tuner's metadata, else the one table that names every
+    module of the file."""
+    if arch := metadata.get("tuner.architecture"):
+        return architecture_keys(arch)
+    stems = list(stems)
+    fitting = [keys for keys in map(architecture_keys, ARCHITECTURE_KEYS) if _names_all(stems, keys)]
+    if len(fitting) != 1:
+        why = "fit several" if fitting else "fit none"
+        raise CheckpointError(
+            f"{where}: cannot tell the architecture: its module names {why} of {sorted(ARCHITECTURE_KEYS)}; "
+            "pass --arch"
+        )
+    return fitting[0]
+
+
+def _names_all(stems: list[str], keys: ArchitectureKeys) -> bool:
+    try:
+        for stem in stems:
+            _names_of_stem(stem, keys)
+    except KeyError:
+        return False
+    return True
+
+
+def canonical_modules(
+    modules: Mapping[str, ModuleWeights], keys: ArchitectureKeys, metadata: Mapping[str, str], where: str
+) -> dict[str, ModuleWeights]:
+    """The modules of a file keyed by diffusers module name, whatever layout their stems are in; fused
+    layers are split into their parts."""
+    records = json.loads(metadata.get(FUSED_METADATA, "{}"))
+    out: dict[str, ModuleWeights] = {}
+    for stem, weights in modules.items():
+        try:
+            found = _names_of_stem(stem, keys)
+        except KeyError as e:
+            raise CheckpointError(f"{where}: module {stem!r} is not a module of {keys.name} ({e})") from None
+        if isinstance(found, str):
+            pieces = {found: weights}
+        else:
+            layer, original, parts = found
+            pieces = split(weights, parts, layer, records.get(original))
+        for name, piece in pieces.items():
+            if name in out:
+                raise CheckpointError(f"{where}: module {name} is stored twice (under several names)")
+            out[name] = piece
+    return out
+
+
+def _names_of_stem(stem: str, keys: ArchitectureKeys) -> str | tuple[FusedLayer, str, list[str]]:
+    """The diffusers name a stem stands for, or (layer, original, parts) for a fused layer."""
+    layout = layout_of(stem)
+    if layout == "diffusers":
+        return next(stem.removeprefix(p) for p in DIFFUSERS_PREFIXES if stem.startswith(p))
+    if layout == "comfy":
+        original = stem.removeprefix(COMFY_PREFIX)
+        return keys.fused_layer(original) or keys.to_diffusers(original)
+    if layout == "kohya":
+        body = next(stem.removeprefix(p) for p in KOHYA_PREFIXES if stem.startswith(p))
+        return keys.fused_layer(body, kohya=True) or keys.from_kohya(body)
+    raise KeyError(f"unknown stem layout of {stem!r}")

@@ -1,0 +1,60 @@
+"""`tuner lora convert`: rewrite an adapter file in another key layout (comfy, diffusers, kohya).
+
+The file is read in whatever layout it is in, renamed to diffusers module names with the architecture's
+table (`networks/architectures.py`; from `--arch`, the file's `tuner.architecture`, or the one table
+that names every module), and written in the target layout (`networks/formats.py`). Nothing is
+approximated: comfy <-> kohya only renames; the diffusers layout folds alpha into lora_B and writes LoHa
+and LoKr in their exact LoRA form, and tuner's metadata lets the way back restore alpha.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+
+from tuner.io import save_safetensors
+from tuner.networks.architectures import architecture_keys, canonical_modules, detect_architecture
+from tuner.networks.formats import FOLDED_ALPHA, describe_modules, layout_state, parse_modules
+from tuner.networks.fused import FUSED_METADATA
+from tuner.networks.keys import describe_source, read_safetensors
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Metadata that describes one layout and is rewritten for the new one.
+_LAYOUT_METADATA = (FOLDED_ALPHA, FUSED_METADATA, "lora_adapter_metadata", "tuner.format", "tuner.trained_as")
+
+
+def convert_adapter(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    to: str,
+    *,
+    arch: str | None = None,
+    dtype: str | None = None,
+) -> int:
+    """Write `src` in layout `to` to `dst` (atomically); returns the number of modules. `dtype` recasts
+    the tensors (default: the file's own)."""
+    where = describe_source(src)
+    tensors, metadata = read_safetensors(src)
+    modules = parse_modules(tensors, metadata, where)
+    keys = architecture_keys(arch) if arch else detect_architecture(modules, metadata, where)
+    canonical = canonical_modules(modules, keys, metadata, where)
+    save_dtype = DTYPES[dtype] if dtype else _file_dtype(tensors)
+    state, layout_metadata = layout_state(canonical, to, keys, dtype=save_dtype)
+    kept = {k: v for k, v in metadata.items() if k not in _LAYOUT_METADATA}
+    out_metadata = {
+        **kept,
+        **layout_metadata,
+        **describe_modules(canonical, to),
+        "tuner.format": to,
+        "tuner.architecture": keys.name,
+    }
+    save_safetensors(state, dst, metadata=out_metadata)
+    return len(canonical)
+
+
+def _file_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype most of the file's matrices are stored in."""
+    dtypes = Counter(t.dtype for t in tensors.values() if t.ndim == 2)
+    return dtypes.most_common(1)[0][0] if dtypes else torch.float32
