@@ -35,13 +35,24 @@ class TrainingSample:
 
 
 class TrainingData:
+    """The batches of every epoch. With several processes (DDP), process `rank` of `world` takes every
+    world-th batch of the shared plan; when the count does not divide, the last round wraps around to
+    the first batches, so every process steps the same number of times and no batch is left out."""
+
     def __init__(
-        self, samples: list[TrainingSample], specs: tuple[DatasetSpec, ...], seed: int, num_workers: int
+        self,
+        samples: list[TrainingSample],
+        specs: tuple[DatasetSpec, ...],
+        seed: int,
+        num_workers: int,
+        rank: int = 0,
+        world: int = 1,
     ):
         self.samples = samples
         self.specs = {s.index: s for s in specs}
         self.seed = seed
         self.num_workers = num_workers
+        self.rank, self.world = rank, world
         self.by_dataset: dict[int, dict[str, list[TrainingSample]]] = defaultdict(lambda: defaultdict(list))
         for s in samples:
             self.by_dataset[s.dataset_index][s.bucket_key] += [s] * self.specs[s.dataset_index].num_repeats
@@ -71,8 +82,15 @@ class TrainingData:
         random.Random(f"{self.seed}/{epoch}").shuffle(batches)
         return batches
 
+    def local_plan(self, epoch: int) -> list[list[tuple[str, str, str]]]:
+        """This process's share of the epoch's batches."""
+        plan = self.plan_epoch(epoch)
+        rounds = -(-len(plan) // self.world)
+        return [plan[(i * self.world + self.rank) % len(plan)] for i in range(rounds)]
+
     def batches_per_epoch(self) -> int:
-        return len(self.plan_epoch(0))
+        """Batches each process steps through per epoch."""
+        return len(self.local_plan(0))
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Batches of `epoch` from index `start` on (to resume mid-epoch)."""
@@ -84,7 +102,7 @@ class TrainingData:
                     for cache_dir, latent_key, text_key in batch
                     for key in (latent_key, text_key)
                 ]
-                for batch in self.plan_epoch(epoch)[start:]
+                for batch in self.local_plan(epoch)[start:]
             ]
         )
         # A private generator: creating a loader must not draw from the global RNG, or a run resumed

@@ -102,7 +102,7 @@ def require_cached(store: CacheStore, keys: list[str], what: str, command: str, 
         )
 
 
-def open_training_data(trainer, cfg, log: Callable[[str], None] = print):
+def open_training_data(trainer, cfg, log: Callable[[str], None] = print, rank: int = 0, world: int = 1):
     """Plan the datasets, check that the cache is complete and current, and return the batches."""
     from tuner.cache.batches import TrainingData, TrainingSample
 
@@ -128,7 +128,7 @@ def open_training_data(trainer, cfg, log: Callable[[str], None] = print):
                     dataset_index=plan.spec.index,
                 )
             )
-    return TrainingData(samples, cfg.datasets, cfg.train.seed, cfg.data.num_workers)
+    return TrainingData(samples, cfg.datasets, cfg.train.seed, cfg.data.num_workers, rank, world)
 
 
 def torch_device(name: str) -> torch.device:

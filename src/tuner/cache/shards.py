@@ -110,7 +110,7 @@ class ShardReader:
 
     def view(self, location: TensorLocation) -> torch.Tensor:
         """The tensor at `location` (found in this shard by any process), backed by this map."""
-        count = location.nbytes // location.dtype.itemsize
+        count = math.prod(location.shape)
         if count == 0:  # frombuffer refuses empty slices
             return torch.empty(location.shape, dtype=location.dtype)
         flat = torch.frombuffer(self._map, dtype=location.dtype, count=count, offset=location.offset)
@@ -118,14 +118,14 @@ class ShardReader:
 
     def prefetch(self, location: TensorLocation) -> None:
         """Bring the tensor's bytes into the OS page cache, reading them from disk if they are not
-        there yet; returns when they are. Copies nothing into this process."""
+        there yet; returns when they are. Copies no tensor data into this process."""
         if location.nbytes == 0:
             return
         if hasattr(mmap, "MADV_WILLNEED"):  # not on Windows
             # One readahead request for the whole range instead of one per page fault below.
             start = location.offset - location.offset % mmap.PAGESIZE
             self._map.madvise(mmap.MADV_WILLNEED, start, location.offset + location.nbytes - start)
-        # Read one byte of every page: each fault waits for its page to arrive (and maps up to 16
-        # neighbours with it), so on return the range is cached.
+        # Read one byte of every page: each fault waits for its page to arrive (the kernel maps
+        # cached neighbours along with it, so this is a few dozen faults per MiB).
         with memoryview(self._map) as pages:
             bytes(pages[location.offset : location.offset + location.nbytes : mmap.PAGESIZE])

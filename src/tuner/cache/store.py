@@ -101,7 +101,7 @@ class CacheStore:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
-        self._forget_locations()
+        self._forget_maps()
 
     def __getstate__(self) -> dict:
         # Pickled for spawn-started workers: only the address travels, the state is reopened there.
@@ -234,7 +234,7 @@ class CacheStore:
     def _missing_error(self, key: str) -> CacheError:
         return CacheError(f"cache store {self.root} has no entry {key}; run caching to encode it")
 
-    def _forget_locations(self) -> None:
+    def _forget_maps(self) -> None:
         self._handles.clear()
         self._rows = None
 
@@ -320,7 +320,7 @@ class CacheStore:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             lock.release()
-            self._forget_locations()
+            self._forget_maps()
         return deleted
 
     def _compact(self, conn: sqlite3.Connection, compact_below: float, max_shard_bytes: int) -> None:
