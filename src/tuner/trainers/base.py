@@ -153,7 +153,8 @@ class NetworkTrainer:
         set_seed(tc.seed)
         if not accelerator.is_main_process:  # one summary and one "saved" line, not one per process
             log = _silent
-        data = open_training_data(self, cfg)  # stops here, naming the command, if the cache is stale
+        # stops here, naming the command to run, if the cache is missing anything or stale
+        data = open_training_data(self, cfg, log, accelerator.process_index, accelerator.num_processes)
         model = self.load_transformer(DTYPES[cfg.model.dtype])
         model.requires_grad_(False)
         if tc.gradient_checkpointing:
@@ -185,7 +186,12 @@ class NetworkTrainer:
         scheduler = build_scheduler(
             tc.lr_scheduler, optimizer, tc.lr_warmup_steps, total_steps, num_cycles=tc.lr_num_cycles
         )
-        network, optimizer, scheduler = accelerator.prepare(trained, optimizer, scheduler)
+        # The adapter is not wrapped in DDP: the base model's forward calls it, never DDP's forward, so
+        # DDP would not synchronize it. Its gradients are averaged explicitly at each optimizer step, and
+        # it is registered so that accelerate's saved state includes it.
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+        accelerator.register_for_checkpointing(trained)
+        network = trained
         sampler = sampler_from_config(cfg.timesteps)
         checkpoints = Checkpoints(out, cfg.save, accelerator)
 
@@ -225,6 +231,7 @@ class NetworkTrainer:
                 pos.batch += 1
                 if not last_of_group:
                     continue
+                _average_gradients(network, accelerator)
                 if tc.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(network.parameters(), tc.max_grad_norm)
                 optimizer.step()
@@ -314,6 +321,20 @@ class NetworkTrainer:
                 ]
             )
         )
+
+
+def _average_gradients(network: nn.Module, accelerator) -> None:
+    """Average the trainable gradients over processes with one all-reduce of a flat buffer."""
+    if accelerator.num_processes == 1:
+        return
+    grads = [p.grad for p in network.parameters() if p.requires_grad and p.grad is not None]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    torch.distributed.all_reduce(flat)
+    flat /= accelerator.num_processes
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _silent(_: str) -> None:
