@@ -104,6 +104,7 @@ def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path
         ["generate", "--config", c, "--prompt", "a red circle moving left on a black background",
          "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "64x48", "--frames", "9" if video else "1",
          "--steps", "8", "--guidance", "3.0", "--device", "cpu",
+         *(["--control", str(out / "data" / "controls" / "image_000.png")] * fixture(architecture).controls),
          "--out", str(out / "samples" / ("demo.mp4" if video else "demo.png"))],
     ):  # fmt: skip
         print(f"== tuner {' '.join(argv)}")

@@ -50,10 +50,30 @@ def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[Data
             )
         items, problems = discover_items(spec)
         jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps)
+        _check_controls(trainer, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
         for problem in problems + more:
             log(f"warning: {problem}")
     return plans
+
+
+def _check_controls(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
+    """Edit models need their control images; the others must not be given any."""
+    low, high = trainer.control_images
+    for job in jobs:
+        n = len(job.control_paths)
+        if not low <= n <= high:
+            if high == 0:
+                fix = f"{trainer.architecture} takes no control images: remove control_directory"
+            else:
+                fix = (
+                    f"{trainer.architecture} needs {low}"
+                    + (f" to {high}" if high > low else "")
+                    + " per item"
+                )
+            raise ConfigError(
+                f"{cfg.data.dataset_config}: datasets[{spec.index}]: {job.source} has {n} control image(s); {fix}."
+            )
 
 
 def latent_encoder(trainer) -> EncoderIdentity:
@@ -68,9 +88,12 @@ def latent_encoder(trainer) -> EncoderIdentity:
 
 def text_encoder(trainer) -> EncoderIdentity:
     cfg = trainer.cfg
+    # every file that shapes the text embeddings: both encoders (FLUX.1 has CLIP-L and T5) and tokenizers
+    parts = [trainer.weights_path("text_encoder")]
+    parts += [p for p in (cfg.model.text_encoder_2, cfg.model.tokenizer, cfg.model.tokenizer_2) if p]
     return EncoderIdentity(
         architecture=f"{trainer.architecture}-text",
-        weights_fingerprint=fingerprint_weights(trainer.weights_path("text_encoder")),
+        weights_fingerprint="+".join(fingerprint_weights(p) for p in parts),
         dtype=cfg.cache.text_encoder_dtype,
         format_version=trainer.cache_format_version,
     )

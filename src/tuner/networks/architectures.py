@@ -103,7 +103,18 @@ def _wan() -> ArchitectureKeys:
     return ArchitectureKeys("wan", TRANSFORMER_RULES)  # Wan's original release fuses nothing
 
 
-ARCHITECTURE_KEYS: dict[str, Callable[[], ArchitectureKeys]] = {"wan": _wan}
+def _flux() -> ArchitectureKeys:
+    from tuner.models.flux_keys import FLUX_KEYS
+
+    return FLUX_KEYS  # BFL's release fuses q/k/v (and linear1 in the single blocks)
+
+
+# FLUX.1 Kontext has the same module names as FLUX.1-dev; files say which in their metadata.
+ARCHITECTURE_KEYS: dict[str, Callable[[], ArchitectureKeys]] = {
+    "wan": _wan,
+    "flux": _flux,
+    "flux_kontext": _flux,
+}
 
 
 def architecture_keys(name: str) -> ArchitectureKeys:
@@ -120,7 +131,9 @@ def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where
     if arch := metadata.get("tuner.architecture"):
         return architecture_keys(arch)
     stems = list(stems)
-    fitting = [keys for keys in map(architecture_keys, ARCHITECTURE_KEYS) if _names_all(stems, keys)]
+    # one entry per distinct table: architectures that share module names (FLUX.1 and Kontext) are one
+    tables = list({id(keys): keys for keys in map(architecture_keys, ARCHITECTURE_KEYS)}.values())
+    fitting = [keys for keys in tables if _names_all(stems, keys)]
     if len(fitting) != 1:
         why = "fit several" if fitting else "fit none"
         raise CheckpointError(

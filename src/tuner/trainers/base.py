@@ -52,6 +52,7 @@ class NetworkTrainer:
     frame_remainder: ClassVar[int] = 0
     model_fps: ClassVar[float] = 16.0
     supports_video: ClassVar[bool] = False  # image-only models refuse video datasets at load time
+    control_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) control images per item (edit models)
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
     default_targets: ClassVar[tuple[str, ...]]  # regexes over diffusers module names
     cache_format_version: ClassVar[int] = 1

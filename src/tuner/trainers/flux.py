@@ -97,6 +97,7 @@ class FluxKontextTrainer(FluxTrainer):
     """FLUX.1 Kontext: the dev network, given the reference image (`control_0`) after the target."""
 
     architecture = "flux_kontext"
+    control_images = (1, 1)
 
     def references(self, cond: dict) -> tuple[torch.Tensor, ...]:
         controls = sorted(k for k in cond if k.startswith("control_"))
