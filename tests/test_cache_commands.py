@@ -108,3 +108,19 @@ def test_corrupt_image_is_named_or_skipped(project, capsys):
     dataset.write_text(dataset.read_text().replace("[general]\n", '[general]\non_error = "skip"\n'))
     code, out = run(capsys, "cache", "latents", "--config", project)
     assert code == 0 and "image_002.png" in out and summary(out) == (5, 0, 0)
+
+
+def test_edit_text_entries_follow_their_control_images(tmp_path, capsys):
+    """Qwen-Image-Edit's text encoder sees the control images: editing one re-encodes that item's text."""
+    from tuner.fixtures import write_fixture
+
+    write_fixture("qwen_image_edit", tmp_path / "model")
+    config = make_project(tmp_path / "p", tmp_path / "model", architecture="qwen_image_edit")
+    encoded, _, _ = summary(run(capsys, "cache", "text", "--config", config)[1])
+    assert encoded == 8  # 4 items × (caption, empty caption), each with its own control image
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (9, 9, 9)).save(config.parent / "data" / "controls" / "image_002.png")
+    assert summary(run(capsys, "cache", "text", "--config", config)[1]) == (2, 6, 0)
+    code, out = run(capsys, "cache", "latents", "--config", config, "--set", "model.architecture=qwen_image")
+    assert code == 2 and "takes no control images" in out

@@ -18,7 +18,7 @@ from tuner.networks.lora import LoRANetwork, apply_lora_file
 from tuner.networks.targets import TargetSpec
 from tuner.trainers import trainer_class
 
-ARCHITECTURES = ["wan", "flux", "flux_kontext"]
+ARCHITECTURES = ["wan", "flux", "flux_kontext", "qwen_image", "qwen_image_edit"]
 
 # Losses of the first three steps (seed 42, fixture seed 0); a change means the loss, the noise or
 # timestep draws, the data order or the model inputs changed. Update only on purpose.
@@ -26,6 +26,8 @@ GOLDEN = {
     "wan": [2.632645, 2.480175, 2.591850],
     "flux": [2.229714, 2.185270, 2.334428],
     "flux_kontext": [2.204003, 2.171700, 2.301706],
+    "qwen_image": [2.288748, 2.228434, 2.346780],
+    "qwen_image_edit": [2.315597, 2.306841, 2.347120],
 }
 
 

@@ -65,17 +65,28 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     device = torch_device(opts.device)
     dtype = DTYPES[cfg.model.dtype]
 
+    low, high = trainer.control_images
+    if not low <= len(opts.controls) <= high:
+        raise ConfigError(f"--control: {trainer.architecture} takes {low} to {high} control images, "
+                          f"got {len(opts.controls)}.")  # fmt: skip
+    control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
+
     encoder = trainer.load_text_encoder(device, cfg.cache.text_encoder_dtype)
+    # edit models whose text encoder sees the control images get them for both prompts, as in training
+    seen = {"controls": [control_pixels]} if trainer.text_uses_controls else {}
     with torch.no_grad():
-        cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p]))
+        cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p], **seen))
                         for p in (opts.prompt, opts.negative_prompt))  # fmt: skip
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
     _free(encoder)
 
     vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
-    if opts.controls:
-        controls = encode_controls(trainer, vae, opts.controls, opts.width, opts.height, device)
+    if control_pixels:
+        vae_dtype = next(vae.parameters()).dtype
+        with torch.no_grad():
+            controls = {f"control_{i}": trainer.encode_pixels(vae, px.unsqueeze(0).to(device, vae_dtype))
+                        for i, px in enumerate(control_pixels)}  # fmt: skip
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
 
     model = trainer.load_transformer(dtype).eval()
@@ -106,17 +117,13 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     return out
 
 
-def encode_controls(trainer, vae, paths, width: int, height: int, device) -> dict[str, torch.Tensor]:
-    """Control images resized and center-cropped to the output size, encoded like the training cache."""
+def load_control_image(path: str, width: int, height: int) -> torch.Tensor:
+    """A control image resized and center-cropped to the output size, as caching does: [3, 1, H, W]."""
     from tuner.data.buckets import resize_and_crop
     from tuner.data.media import read_image, to_tensor
 
-    pixels = []
-    for path in paths:
-        array, _ = resize_and_crop(read_image(path), (width, height))
-        pixels.append(to_tensor(array).unsqueeze(0).to(device, next(vae.parameters()).dtype))
-    with torch.no_grad():
-        return {f"control_{i}": trainer.encode_pixels(vae, px) for i, px in enumerate(pixels)}
+    array, _ = resize_and_crop(read_image(path), (width, height))
+    return to_tensor(array)
 
 
 def write_media(pixels: torch.Tensor, out: str | Path, fps: float) -> Path:

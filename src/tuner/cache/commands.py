@@ -17,12 +17,13 @@ from tqdm.auto import tqdm
 from tuner.cache.plan import (
     LATENT,
     TEXT,
+    TextRequest,
     latent_encoder,
     latent_key,
     plan_datasets,
     stores_of,
     text_encoder,
-    text_key,
+    text_requests,
     torch_device,
 )
 from tuner.data.jobs import load_control_pixels, load_job_pixels
@@ -105,25 +106,31 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
     encoded = reused = pruned = 0
     te = None
     for cache_dir, store in stores_of(plans, readonly=False).items():
-        wanted = {}
+        wanted: dict[str, TextRequest] = {}
         for plan in plans:
             if plan.spec.cache_directory == cache_dir:
-                wanted.update({text_key(c, encoder, max_len): c for c in plan.captions()})
+                wanted.update(text_requests(trainer, store, plan, encoder, max_len)[1])
         missing = set(store.missing(list(wanted)))
         reused += len(wanted) - len(missing)
         if missing and te is None:
             te = trainer.load_text_encoder(dev, cfg.cache.text_encoder_dtype)
-        todo = sorted(missing, key=lambda k: wanted[k])
+        todo = sorted(missing, key=lambda k: (wanted[k].caption, k))
         with (
             store.writer() as writer,
             tqdm(total=len(todo), desc=f"text → {cache_dir}", unit="caption") as bar,
         ):
             for chunk in _chunks(todo, batch_size):
+                requests = [wanted[k] for k in chunk]
+                captions = [r.caption for r in requests]
                 with torch.no_grad():
-                    outputs = trainer.encode_text(te, [wanted[k] for k in chunk])
-                for key, out in zip(chunk, outputs):
+                    if trainer.text_uses_controls:
+                        controls = [load_control_pixels(r.job) for r in requests]
+                        outputs = trainer.encode_text(te, captions, controls=controls)
+                    else:
+                        outputs = trainer.encode_text(te, captions)
+                for key, request, out in zip(chunk, requests, outputs):
                     tensors = {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
-                    writer.put(key, TEXT, tensors, {"encoder": encoder.label(), "caption": wanted[key]})
+                    writer.put(key, TEXT, tensors, {"encoder": encoder.label(), "caption": request.caption})
                 encoded += len(chunk)
                 bar.update(len(chunk))
         if prune:

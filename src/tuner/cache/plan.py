@@ -32,11 +32,6 @@ class DatasetPlan:
     jobs: list[LatentJob]
     problems: list[str] = field(default_factory=list)
 
-    def captions(self) -> list[str]:
-        captions = dict.fromkeys(job.caption for job in self.jobs)
-        captions.setdefault("", None)  # caption dropout trains on the empty caption
-        return list(captions)
-
 
 def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[DatasetPlan]:
     """Discover and probe every dataset; report problems (missing captions, skipped files) by name."""
@@ -104,8 +99,43 @@ def latent_key(store: CacheStore, job: LatentJob, encoder: EncoderIdentity) -> s
     return entry_key(LATENT, source, job.params(), encoder)
 
 
-def text_key(caption: str, encoder: EncoderIdentity, max_length: int) -> str:
-    return entry_key(TEXT, caption, {"max_length": max_length}, encoder)
+def text_key(caption: str, encoder: EncoderIdentity, max_length: int, controls: dict | None = None) -> str:
+    params = {"max_length": max_length, **({"controls": controls} if controls else {})}
+    return entry_key(TEXT, caption, params, encoder)
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """One text-encoder input: a caption, and the job whose control images the encoder also sees
+    (edit models whose text encoder is a vision-language model); None otherwise."""
+
+    caption: str
+    job: LatentJob | None = None
+
+
+def text_requests(
+    trainer, store: CacheStore, plan: DatasetPlan, encoder: EncoderIdentity, max_length: int
+) -> tuple[list[tuple[str, str]], dict[str, TextRequest]]:
+    """(text key, empty-caption key) for each job of `plan`, and what each key encodes.
+
+    Usually a text entry depends on the caption alone and is shared by every item with that caption.
+    When the architecture's text encoder also looks at the control images, the entry is keyed by their
+    contents and crops too, and the empty caption (for caption dropout) is encoded with them as well."""
+    per_job, requests = [], {}
+    for job in plan.jobs:
+        controls = None
+        if trainer.text_uses_controls:
+            controls = {
+                "sources": [store.hash_source(p) for p in job.control_paths],
+                "crops": job.params()["controls"],
+            }
+        keys = []
+        for caption in (job.caption, ""):
+            key = text_key(caption, encoder, max_length, controls)
+            requests.setdefault(key, TextRequest(caption, job if controls else None))
+            keys.append(key)
+        per_job.append((keys[0], keys[1]))
+    return per_job, requests
 
 
 def stores_of(plans: list[DatasetPlan], readonly: bool) -> dict[str, CacheStore]:
@@ -137,16 +167,16 @@ def open_training_data(trainer, cfg, log: Callable[[str], None] = print, rank: i
     for plan in plans:
         store = stores[plan.spec.cache_directory]
         lat_keys = [latent_key(store, job, lat_enc) for job in plan.jobs]
-        txt_keys = {c: text_key(c, txt_enc, max_len) for c in plan.captions()}
+        txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
-        require_cached(store, list(txt_keys.values()), "text", "cache text", cfg)
-        for job, key in zip(plan.jobs, lat_keys):
+        require_cached(store, list(requests), "text", "cache text", cfg)
+        for job, key, (text, empty) in zip(plan.jobs, lat_keys, txt_keys):
             samples.append(
                 TrainingSample(
                     cache_dir=plan.spec.cache_directory,
                     latent_key=key,
-                    text_key=txt_keys[job.caption],
-                    empty_text_key=txt_keys[""],
+                    text_key=text,
+                    empty_text_key=empty,
                     bucket_key=job.bucket_key,
                     dataset_index=plan.spec.index,
                 )

@@ -16,6 +16,7 @@ trainer can pass it wherever a `NameMap` is expected, and its fused layers come 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -109,7 +110,15 @@ def _flux() -> ArchitectureKeys:
     return FLUX_KEYS  # BFL's release fuses q/k/v (and linear1 in the single blocks)
 
 
-# FLUX.1 Kontext has the same module names as FLUX.1-dev; files say which in their metadata.
+@functools.cache  # one table object, so detection sees qwen_image and qwen_image_edit as one
+def _qwen_image() -> ArchitectureKeys:
+    from tuner.models.qwen_image import KEY_RULES
+
+    return ArchitectureKeys("qwen_image", KEY_RULES)  # the release already uses diffusers names
+
+
+# FLUX.1 Kontext has the same module names as FLUX.1-dev, and Qwen-Image-Edit as Qwen-Image; files say
+# which in their metadata.
 ARCHITECTURE_KEYS: dict[str, Callable[[], ArchitectureKeys]] = {
     "wan": _wan,
     "flux": _flux,

@@ -5,6 +5,8 @@ A plain dict, so that reading a config (which checks the name) imports no model 
 
 ARCHITECTURES: dict[str, str] = {
     "wan": "tuner.trainers.wan:WanTrainer",
+    "qwen_image": "tuner.trainers.qwen_image:QwenImageTrainer",
+    "qwen_image_edit": "tuner.trainers.qwen_image:QwenImageEditTrainer",
     "flux": "tuner.trainers.flux:FluxTrainer",
     "flux_kontext": "tuner.trainers.flux:FluxKontextTrainer",
 }

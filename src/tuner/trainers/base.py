@@ -53,6 +53,9 @@ class NetworkTrainer:
     model_fps: ClassVar[float] = 16.0
     supports_video: ClassVar[bool] = False  # image-only models refuse video datasets at load time
     control_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) control images per item (edit models)
+    text_uses_controls: ClassVar[bool] = (
+        False  # the text encoder also sees the control images (Qwen-Image-Edit)
+    )
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
     default_targets: ClassVar[tuple[str, ...]]  # regexes over diffusers module names
     cache_format_version: ClassVar[int] = 1
@@ -87,8 +90,11 @@ class NetworkTrainer:
             out[f"control_{i}"] = self.encode_pixels(vae, control)
         return out
 
-    def encode_text(self, encoder, captions: list[str]) -> list[dict[str, torch.Tensor]]:
-        """Captions → one dict of tensors per caption, as stored in the cache."""
+    def encode_text(
+        self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """Captions → one dict of tensors per caption, as stored in the cache. With
+        `text_uses_controls`, `controls` holds each caption's control images ([3, 1, H, W] in [-1, 1])."""
         raise NotImplementedError
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:

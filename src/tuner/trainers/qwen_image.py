@@ -1,0 +1,102 @@
+"""Qwen-Image (text-to-image) and Qwen-Image-Edit (one or more control images) on diffusers'
+QwenImageTransformer2DModel.
+
+Latents: AutoencoderKLQwenImage (the Wan 2.1 VAE architecture), 8× spatial compression, 16 channels,
+one frame, normalized per channel. The transformer packs 2×2 latent patches into tokens, so pixel
+sides are multiples of 16. Text: Qwen2.5-VL hidden states stored at their true length; a batch is
+padded to its longest caption with a mask, as the pipelines batch prompts. Qwen-Image-Edit appends the
+control images' latents (`control_0`, `control_1`, ...) as extra image tokens and also shows the
+control images to the VL model with the prompt (`tuner.models.qwen_image_text`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.models import qwen_image, qwen_image_text
+from tuner.trainers.base import DTYPES, NetworkTrainer
+
+# Default adapter targets: the attention projections of both streams and both MLPs of every block.
+# The modulation layers (img_mod / txt_mod), the embedders and the output head are left alone.
+QWEN_IMAGE_TARGETS = (
+    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+    r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
+)
+
+
+class QwenImageTrainer(NetworkTrainer):
+    architecture = "qwen_image"
+    spatial_step = 16
+    latent_patch = (1, 2, 2)
+    default_targets = QWEN_IMAGE_TARGETS
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return qwen_image.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return qwen_image.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> qwen_image_text.QwenTextEncoder:
+        encoder = qwen_image_text.load_text_encoder(
+            self.weights_path("text_encoder"),
+            self.cfg.model.tokenizer or None,
+            DTYPES.get(dtype, torch.bfloat16),
+        )
+        if dtype in ("fp8", "int8", "nf4"):
+            from tuner.memory import quantize_text_encoder
+
+            quantize_text_encoder(encoder.model, dtype, device)
+        return encoder.to(device)
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        return qwen_image.encode_images(vae, pixels)
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return qwen_image.decode_latents(vae, latents)
+
+    def encode_text(self, encoder, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        embeds = qwen_image_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+        return [{"prompt_embeds": e} for e in embeds]
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        rows = [entry["prompt_embeds"] for entry in entries]
+        length = max(r.shape[0] for r in rows)
+        embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
+        mask = torch.zeros(len(rows), length, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            embeds[i, : r.shape[0]] = r
+            mask[i, : r.shape[0]] = True
+        return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        controls = []
+        while f"control_{len(controls)}" in cond:
+            controls.append(cond[f"control_{len(controls)}"])
+        return qwen_image.predict_velocity(
+            model, noisy, t, cond["prompt_embeds"], cond.get("prompt_mask"), controls
+        )
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        factor = qwen_image.VAE_FACTOR
+        return (qwen_image.LATENT_CHANNELS, 1, height // factor, width // factor)
+
+    # export_name / import_name: the release's module names are diffusers' (the base class's identity).
+
+
+class QwenImageEditTrainer(QwenImageTrainer):
+    """Qwen-Image-Edit-2509 / 2511. The control latents come with the batch (`control_<i>`); the prompt is
+    encoded with the edit template, and with the control images when they are given."""
+
+    architecture = "qwen_image_edit"
+    control_images = (1, 3)  # Edit-2509/2511 take up to three "Picture N" inputs
+    text_uses_controls = True  # the Qwen2.5-VL prompt encoder looks at the control images too
+
+    def encode_text(
+        self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """`controls`: each caption's control images ([3, 1, H, W] in [-1, 1]); None encodes the prompt
+        alone (the pipeline's path without images)."""
+        images = controls if controls is not None else [[] for _ in captions]
+        embeds = qwen_image_text.encode_edit_prompts(encoder, captions, images)
+        return [{"prompt_embeds": e} for e in embeds]
