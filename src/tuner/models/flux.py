@@ -30,7 +30,6 @@ from typing import NamedTuple, TypeVar
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 from transformers import (
-    AutoTokenizer,
     CLIPTextConfig,
     CLIPTextModel,
     PreTrainedTokenizerBase,
@@ -60,6 +59,7 @@ from tuner.models.loading import (
     cast_like_from_pretrained_,
     load_diffusers_folder,
     load_tensors,
+    load_tokenizer,
     normalize_shapes,
     normalize_state_dict,
     read_folder_config,
@@ -309,9 +309,9 @@ def load_text_encoders(
     t5, found_2 = _load_t5(t5_path, dtype)
     return TextEncoders(
         clip,
-        _load_tokenizer(clip_tokenizer or found, clip_path, "CLIP (the tokenizer/ folder of FLUX.1)"),
+        load_tokenizer(clip_tokenizer or found, clip_path, "CLIP (the tokenizer/ folder of FLUX.1)"),
         t5,
-        _load_tokenizer(t5_tokenizer or found_2, t5_path, "T5 (the tokenizer_2/ folder of FLUX.1)"),
+        load_tokenizer(t5_tokenizer or found_2, t5_path, "T5 (the tokenizer_2/ folder of FLUX.1)"),
     )
 
 
@@ -367,21 +367,6 @@ def _from_pretrained(model_cls: type, folder: Path, dtype: torch.dtype, model_ty
 
 def _sibling(folder: Path, name: str) -> Path | None:
     return folder.parent / name if (folder.parent / name).is_dir() else None
-
-
-def _load_tokenizer(path: str | Path | None, model_path: str | Path, what: str) -> PreTrainedTokenizerBase:
-    if path is None:
-        raise CheckpointError(
-            f"{model_path}: no tokenizer next to this text encoder. Set the tokenizer path to a folder with "
-            f"the {what}."
-        )
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: the tokenizer path must be a folder (with tokenizer.json).")
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot be loaded as a tokenizer: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tuner.errors import CheckpointError
 
@@ -295,3 +296,19 @@ def _corrupt(path: Path, why: str) -> CheckpointError:
     return CheckpointError(
         f"{path}: not a readable checkpoint ({why}). The file is damaged or incomplete; download it again."
     )
+
+
+def load_tokenizer(path: str | Path | None, model_path: str | Path, what: str) -> PreTrainedTokenizerBase:  # noqa: F821
+    """A tokenizer from a local folder, with errors that say which tokenizer `model_path` needs."""
+    if path is None:
+        raise CheckpointError(
+            f"{model_path}: no tokenizer next to this text encoder. Set the tokenizer path to a folder with "
+            f"the {what}."
+        )
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: the tokenizer path must be a folder (with tokenizer.json).")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be loaded as a tokenizer: {e}") from None

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import (
-    AutoTokenizer,
     PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -51,6 +50,7 @@ from tuner.models.loading import (
     assert_materialized,
     cast_like_from_pretrained_,
     load_tensors,
+    load_tokenizer,
     normalize_state_dict,
     read_folder_config,
     resolve_folder,
@@ -182,15 +182,10 @@ def load_text_encoder(
             tokenizer_path = folder.parent / "tokenizer"
     else:
         model = _load_single_file(Path(path), dtype)
-    if tokenizer_path is None:
-        raise CheckpointError(
-            f"{path}: no tokenizer next to this text encoder. Set the tokenizer path to the tokenizer/ (or "
-            "processor/) folder of a Qwen-Image diffusers release."
-        )
-    tokenizer_path = Path(tokenizer_path)
-    return QwenTextEncoder(
-        model.eval(), _load_tokenizer(tokenizer_path), _load_image_processor(tokenizer_path)
+    tokenizer = load_tokenizer(
+        tokenizer_path, path, "Qwen2.5-VL tokenizer (the tokenizer/ folder of Qwen-Image)"
     )
+    return QwenTextEncoder(model.eval(), tokenizer, _load_image_processor(Path(tokenizer_path)))
 
 
 def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
@@ -214,17 +209,6 @@ def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
     assert_materialized(model, path)
     cast_like_from_pretrained_(model, dtype)
     return model
-
-
-def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{path}: the tokenizer path must be a folder (with tokenizer.json or vocab.json)."
-        )
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot be loaded as a tokenizer: {e}") from None
 
 
 def _load_image_processor(tokenizer_path: Path) -> Qwen2VLImageProcessorPil:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, UMT5Config, UMT5EncoderModel
+from transformers import PreTrainedTokenizerBase, UMT5Config, UMT5EncoderModel
 
 from tuner.errors import CheckpointError
 from tuner.models.identify import (
@@ -39,6 +39,7 @@ from tuner.models.loading import (
     load_diffusers_single_file,
     load_tensors,
     load_tensors_of,
+    load_tokenizer,
     normalize_state_dict,
     read_folder_config,
     resolve_folder,
@@ -257,23 +258,8 @@ def load_text_encoder(
         state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), _TIED_EMBEDDING)
         config = UMT5Config.from_pretrained(variant.config_dir)
         model = UMT5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    if tokenizer_path is None:
-        raise CheckpointError(
-            f"{path}: no tokenizer next to this text encoder. Set the tokenizer path to a folder with the "
-            "UMT5 tokenizer (the tokenizer/ folder of a Wan 2.1 diffusers release, or google/umt5-xxl)."
-        )
-    return model.eval(), _load_tokenizer(Path(tokenizer_path))
-
-
-def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    if not path.is_dir():
-        raise CheckpointError(
-            f"{path}: the tokenizer path must be a folder (with tokenizer.json or spiece.model)."
-        )
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot be loaded as a tokenizer: {e}") from None
+    what = "UMT5 tokenizer (the tokenizer/ folder of a Wan 2.1 diffusers release, or google/umt5-xxl)"
+    return model.eval(), load_tokenizer(tokenizer_path, path, what)
 
 
 # ---------------------------------------------------------------------------------------------------
