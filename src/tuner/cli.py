@@ -172,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, default=81, help="frame count (1 for an image)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (1 disables)")
-    p.add_argument("--shift", type=float, default=3.0, help="sampling flow shift")
+    p.add_argument(
+        "--shift",
+        type=float,
+        default=None,
+        help="sampling flow shift (default: the model's; resolution-dependent for FLUX and Qwen)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True, help="output .mp4 or .png")

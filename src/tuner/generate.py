@@ -38,7 +38,7 @@ class GenerateOptions:
     frames: int = 81
     steps: int = 30
     guidance_scale: float = 5.0
-    shift: float = 3.0
+    shift: float | None = None  # None: the architecture's default (resolution-dependent for FLUX / Qwen)
     seed: int = 0
     device: str = "auto"
 
@@ -100,13 +100,15 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         network.to(device)
         log(f"lora {path} × {strength}: {len(network)} modules")
     generator = torch.Generator().manual_seed(opts.seed)
-    noise = torch.randn((1, *trainer.latent_shape(opts.width, opts.height, opts.frames)), generator=generator)
+    shape = trainer.latent_shape(opts.width, opts.height, opts.frames)
+    noise = torch.randn((1, *shape), generator=generator)
+    shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
 
     def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
         return trainer.predict(model, x.to(dtype), t / 1000, c).float()
 
     with torch.no_grad():
-        latents = euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, opts.shift), cond, uncond,
+        latents = euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
                                opts.guidance_scale, progress=True)  # fmt: skip
     _free(model)
 

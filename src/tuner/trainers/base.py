@@ -53,9 +53,8 @@ class NetworkTrainer:
     model_fps: ClassVar[float] = 16.0
     supports_video: ClassVar[bool] = False  # image-only models refuse video datasets at load time
     control_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) control images per item (edit models)
-    text_uses_controls: ClassVar[bool] = (
-        False  # the text encoder also sees the control images (Qwen-Image-Edit)
-    )
+    text_uses_controls: ClassVar[bool] = False  # the text encoder also sees the control images (Qwen-Edit)
+    sample_shift: ClassVar[float | str] = 3.0  # generate's default flow shift, or a RESOLUTION_SHIFTS name
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
     default_targets: ClassVar[tuple[str, ...]]  # regexes over diffusers module names
     cache_format_version: ClassVar[int] = 1
@@ -278,6 +277,16 @@ class NetworkTrainer:
         accelerator.end_training()
         log(f"saved {final}")
         return final
+
+    def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
+        """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
+        resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count."""
+        from tuner.timesteps import RESOLUTION_SHIFTS
+
+        if isinstance(self.sample_shift, str):
+            tokens = math.prod(latent_shape[1:]) // math.prod(self.latent_patch)
+            return math.exp(RESOLUTION_SHIFTS[self.sample_shift].mu(tokens))
+        return float(self.sample_shift)
 
     def seq_len(self, latents: torch.Tensor) -> int:
         """Tokens per sample (for resolution-dependent timestep shifts)."""

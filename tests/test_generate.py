@@ -1,0 +1,44 @@
+"""Pieces of `tuner generate` that need no model: sampling shift defaults, output files, argument checks."""
+
+import math
+
+import av
+import pytest
+import torch
+from PIL import Image
+
+from project import make_project, run
+from tuner.generate import write_media
+from tuner.trainers import trainer_class
+
+
+@pytest.mark.parametrize(
+    "arch, size, expected",
+    [
+        ("wan", (832, 480, 81), 3.0),
+        ("flux", (1024, 1024, 1), math.exp(1.15)),  # 4096 image tokens: FLUX's max_shift
+        ("flux", (512, 512, 1), math.exp(0.5 + (1024 - 256) * (1.15 - 0.5) / (4096 - 256))),
+        ("qwen_image", (1024, 1024, 1), math.exp(0.5 + (4096 - 256) * (0.9 - 0.5) / (8192 - 256))),
+    ],
+)
+def test_default_sample_shift_follows_the_model(arch, size, expected):
+    trainer = trainer_class(arch)(cfg=None)
+    assert trainer.default_sample_shift(trainer.latent_shape(*size)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_write_media_png_and_mp4(tmp_path):
+    video = torch.rand(3, 5, 32, 48) * 2 - 1
+    out = write_media(video, tmp_path / "v.mp4", fps=16)
+    with av.open(str(out)) as c:
+        frames = list(c.decode(video=0))
+    assert len(frames) == 5 and (frames[0].width, frames[0].height) == (48, 32)
+    png = write_media(video[:, :1], tmp_path / "i.mp4", fps=16)  # one frame becomes a PNG
+    assert png.suffix == ".png" and Image.open(png).size == (48, 32)
+
+
+def test_control_count_is_checked_before_loading(tmp_path, wan_model, capsys):
+    config = make_project(tmp_path, wan_model)
+    image = tmp_path / "data" / "images" / "image_000.png"
+    code, out = run(capsys, "generate", "--config", config, "--prompt", "x", "--control", image, "--size", "64x48",
+                    "--frames", "1", "--out", tmp_path / "o.png")  # fmt: skip
+    assert code == 2 and "control" in out
