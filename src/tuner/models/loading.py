@@ -33,7 +33,9 @@ KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 # Keys of ComfyUI's legacy "scaled fp8" files: a marker tensor and a per-weight scale.
 _SCALED_FP8_MARKER = "scaled_fp8"
-_SCALE_SUFFIXES = (".scale_weight", ".scale_input")
+# ComfyUI's fp8 files: the older layout has `<layer>.scale_weight` (+ a `scaled_fp8` marker), the newer
+# one `<layer>.weight_scale` with a `<layer>.comfy_quant` description; input scales are for fp8 matmul.
+_SCALE_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
 
 _TORCH_PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 
@@ -156,17 +158,18 @@ def normalize_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[i
 def normalize_state_dict(
     state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Strip prefixes and dequantize ComfyUI "scaled fp8" weights (weight * scale_weight) into `dtype`."""
+    """Strip prefixes and dequantize ComfyUI's fp8 weights (weight × its scale, both layouts) into `dtype`."""
     renamed = {k: state_dict[stored] for k, stored in strip_known_prefixes(state_dict).items()}
-    if _SCALED_FP8_MARKER not in renamed and not any(k.endswith(".scale_weight") for k in renamed):
+    if not any(_is_scale_key(k) for k in renamed):
         return renamed
     out = {}
     for key, value in renamed.items():
         if _is_scale_key(key):
             continue
-        scale = (
-            renamed.get(key.removesuffix(".weight") + ".scale_weight") if key.endswith(".weight") else None
-        )
+        scale = None
+        if key.endswith(".weight"):
+            stem = key.removesuffix(".weight")
+            scale = renamed.get(stem + ".scale_weight", renamed.get(stem + ".weight_scale"))
         if scale is not None:
             value = (value.to(torch.float32) * scale.to(torch.float32)).to(dtype)
         out[key] = value
