@@ -197,7 +197,6 @@ class NetworkTrainer:
         # it is registered so that accelerate's saved state includes it.
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
         accelerator.register_for_checkpointing(trained)
-        network = trained
         sampler = sampler_from_config(cfg.timesteps)
         checkpoints = Checkpoints(out, cfg.save, accelerator)
 
@@ -237,9 +236,9 @@ class NetworkTrainer:
                 pos.batch += 1
                 if not last_of_group:
                     continue
-                _average_gradients(network, accelerator)
+                _average_gradients(trained, accelerator)
                 if tc.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(network.parameters(), tc.max_grad_norm)
+                    accelerator.clip_grad_norm_(trained.parameters(), tc.max_grad_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -251,8 +250,12 @@ class NetworkTrainer:
                 last_step_end = time.perf_counter()
                 lr = scheduler.get_last_lr()[0]
                 progress.update(1)
+                # refresh=False: the bar redraws on its own clock (mininterval), not on every step
                 progress.set_postfix(
-                    loss=f"{step_loss:.4f}", avg=f"{sum(recent) / len(recent):.4f}", lr=f"{lr:.2e}"
+                    loss=f"{step_loss:.4f}",
+                    avg=f"{sum(recent) / len(recent):.4f}",
+                    lr=f"{lr:.2e}",
+                    refresh=False,
                 )
                 if cfg.log.tensorboard and pos.step % cfg.log.every_n_steps == 0:
                     accelerator.log(
@@ -261,7 +264,7 @@ class NetworkTrainer:
                 if pos.step >= total_steps:
                     break
                 if cfg.save.every_n_steps and pos.step % cfg.save.every_n_steps == 0:
-                    checkpoints.save(network, pos, metadata, self.export_name)
+                    checkpoints.save(trained, pos, metadata, self.export_name)
             else:  # the epoch ran out
                 pos.epoch, pos.batch = pos.epoch + 1, 0
                 if (
@@ -269,11 +272,11 @@ class NetworkTrainer:
                     and pos.epoch % cfg.save.every_n_epochs == 0
                     and pos.step < total_steps
                 ):
-                    checkpoints.save(network, pos, metadata, self.export_name)
+                    checkpoints.save(trained, pos, metadata, self.export_name)
 
         # ---- finish ----
         progress.close()
-        final = checkpoints.save(network, pos, metadata, self.export_name, final=True)
+        final = checkpoints.save(trained, pos, metadata, self.export_name, final=True)
         accelerator.end_training()
         log(f"saved {final}")
         return final
