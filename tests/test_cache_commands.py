@@ -124,3 +124,19 @@ def test_edit_text_entries_follow_their_control_images(tmp_path, capsys):
     assert summary(run(capsys, "cache", "text", "--config", config)[1]) == (2, 6, 0)
     code, out = run(capsys, "cache", "latents", "--config", config, "--set", "model.architecture=qwen_image")
     assert code == 2 and "takes no control images" in out
+
+
+def test_a_new_transformer_in_the_pipeline_folder_keeps_the_latents(tmp_path, wan_model, capsys):
+    """The VAE's identity is its own component folder, not the whole pipeline root it was given."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(wan_model, model)
+    project = make_project(tmp_path / "p", model)
+    run(capsys, "cache", "latents", "--config", project)
+    weights = next((model / "diffusers" / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)  # a different transformer, same VAE
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)
+    vae = next((model / "diffusers" / "vae").glob("*.safetensors"))
+    vae.write_bytes(vae.read_bytes()[:-8] + b"\x00" * 8)  # a different VAE
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1])[0] == 6

@@ -71,11 +71,25 @@ def _check_controls(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> N
             )
 
 
+_TEXT_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "processor")
+
+
+def _fingerprint(path: str, components: tuple[str, ...]) -> str:
+    """Fingerprint of what an encoder loads from `path`: for a diffusers pipeline root only the named
+    component folders, so retraining-irrelevant parts (a new transformer) do not invalidate the cache."""
+    root = Path(path)
+    if root.is_dir() and not (root / "config.json").is_file():
+        found = [root / c for c in components if (root / c).is_dir()]
+        if found:
+            return "+".join(fingerprint_weights(f) for f in found)
+    return fingerprint_weights(root)
+
+
 def latent_encoder(trainer) -> EncoderIdentity:
     cfg = trainer.cfg
     return EncoderIdentity(
         architecture=f"{trainer.architecture}-vae",
-        weights_fingerprint=fingerprint_weights(trainer.weights_path("vae")),
+        weights_fingerprint=_fingerprint(trainer.weights_path("vae"), ("vae",)),
         dtype=cfg.model.vae_dtype,
         format_version=trainer.cache_format_version,
     )
@@ -88,7 +102,7 @@ def text_encoder(trainer) -> EncoderIdentity:
     parts += [p for p in (cfg.model.text_encoder_2, cfg.model.tokenizer, cfg.model.tokenizer_2) if p]
     return EncoderIdentity(
         architecture=f"{trainer.architecture}-text",
-        weights_fingerprint="+".join(fingerprint_weights(p) for p in parts),
+        weights_fingerprint="+".join(_fingerprint(p, _TEXT_FOLDERS) for p in parts),
         dtype=cfg.cache.text_encoder_dtype,
         format_version=trainer.cache_format_version,
     )
