@@ -28,6 +28,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests scripts benchmarks
+	$(BIN)/python -m ruff format --check src tests scripts benchmarks
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)

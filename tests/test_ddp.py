@@ -29,7 +29,16 @@ def test_two_processes_train_in_sync(tmp_path, wan_model):
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).parent / "torchrun"
     worker = Path(__file__).parent / "ddp_worker.py"
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), str(worker), str(config), str(out)]
+    cmd = [
+        str(torchrun),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(worker),
+        str(config),
+        str(out),
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
