@@ -56,7 +56,7 @@ class CacheConfig:
         "Precision of the text encoder while caching: fp8 stores its weights as float8 with scales; int8 / nf4 "
         "use bitsandbytes.",
     )
-    text_max_length: int = option(512, "Longest caption in tokens; longer ones are cut with a warning.", ge=1)
+    text_max_length: int = option(512, "Longest caption in tokens; longer captions are cut to it.", ge=1)
 
 
 @dataclass(frozen=True)

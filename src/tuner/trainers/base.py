@@ -207,6 +207,8 @@ class NetworkTrainer:
             log(f"resumed from {checkpoints.resolve(resume)} at step {pos.step}, epoch {pos.epoch + 1}")
 
         self._print_summary(log, trained, data, total_steps, steps_per_epoch, accelerator, memory.summary())
+        for note in data.warnings():  # short buckets train as smaller batches; say so once
+            log(f"note: {note}")
         if cfg.log.tensorboard:
             accelerator.init_trackers("tuner", config=_flat_scalars(cfg))
 
