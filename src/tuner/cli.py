@@ -7,6 +7,7 @@ Errors the user can fix (`TunerError`) print as one message without a traceback 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # diffusers imports bitsandbytes, whose CPU backend logs a harmless "Failed to load CPU
+    # gemm_4bit_forward" on every start; keep it from looking like an error of ours
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
