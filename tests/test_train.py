@@ -205,3 +205,10 @@ def test_fp8_base_trains_and_block_swap_needs_cuda(cached_project, tmp_path, cap
     code, out = run(capsys, "train", "--config", cached_project, "--set", "memory.blocks_to_swap=1",
                     "--set", f"save.output_dir='{tmp_path / 'b'}'")  # fmt: skip
     assert code == 2 and "CUDA" in out and "memory.blocks_to_swap" in out
+
+
+def test_resume_with_another_adapter_is_refused_by_name(cached_project, tmp_path, capsys):
+    train(cached_project, tmp_path / "out", "train.max_steps=2")
+    code, out = run(capsys, "train", "--config", cached_project, "--resume", "latest", "--set",
+                    f"save.output_dir='{tmp_path / 'out'}'", "--set", "network.rank=4")  # fmt: skip
+    assert code == 2 and "network.rank: saved 8, now 4" in out and "new save.output_dir" in out

@@ -198,7 +198,9 @@ class NetworkTrainer:
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
         accelerator.register_for_checkpointing(trained)
         sampler = sampler_from_config(cfg.timesteps)
-        checkpoints = Checkpoints(out, cfg.save, accelerator)
+        identity = {"architecture": self.architecture, **{f"network.{k}": v for k, v in asdict(nc).items()
+                                                           if k != "network_weights"}}  # fmt: skip
+        checkpoints = Checkpoints(out, cfg.save, accelerator, identity)
 
         # ---- resume ----
         pos = Position()

@@ -29,14 +29,17 @@ from tuner.io import write_text
 
 STATE_DIR = "state"
 POSITION = "position.json"
+IDENTITY = "run.json"
 _STEP = re.compile(r"step(\d+)$")
 
 
 class Checkpoints:
-    def __init__(self, out_dir: Path, save_cfg, accelerator):
+    def __init__(self, out_dir: Path, save_cfg, accelerator, identity: dict | None = None):
         self.out = Path(out_dir)
         self.cfg = save_cfg
         self.accelerator = accelerator
+        # what a resumed run must share with the saved one (architecture, adapter shape and targets)
+        self.identity = identity or {}
 
     # ---- saving ----
     def save(self, network, pos, metadata: dict, export_name, final: bool = False) -> Path:
@@ -72,6 +75,7 @@ class Checkpoints:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()
         if acc.is_main_process:
+            write_text(tmp / IDENTITY, json.dumps(self.identity, sort_keys=True, indent=1))
             write_text(tmp / POSITION, json.dumps(asdict(pos)))  # last: marks the folder complete
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -114,8 +118,23 @@ class Checkpoints:
 
     def load(self, resume: str) -> dict:
         path = self.resolve(resume)
+        self._check_identity(path)
         self.accelerator.load_state(str(path))
         return json.loads((path / POSITION).read_text())
+
+    def _check_identity(self, path: Path) -> None:
+        """Refuse, with the differences named, a state saved by a run with another adapter or model."""
+        if not (path / IDENTITY).is_file():
+            return
+        saved = json.loads((path / IDENTITY).read_text())
+        now = json.loads(json.dumps(self.identity))  # tuples become lists, as in the file
+        changed = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(saved.keys() | now.keys())
+                   if saved.get(k) != now.get(k)]  # fmt: skip
+        if changed:
+            raise CheckpointError(
+                f"--resume {path}: this state was saved with other settings ({'; '.join(changed)}). Resume "
+                "with the settings it was saved with, or train into a new save.output_dir."
+            )
 
 
 _SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
