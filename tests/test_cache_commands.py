@@ -1,5 +1,6 @@
 """`tuner cache latents|text|info` on the tiny Wan fixture: incremental, invalidating, resumable."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,36 @@ def test_a_new_transformer_in_the_pipeline_folder_keeps_the_latents(tmp_path, wa
     vae = next((model / "diffusers" / "vae").glob("*.safetensors"))
     vae.write_bytes(vae.read_bytes()[:-8] + b"\x00" * 8)  # a different VAE
     assert summary(run(capsys, "cache", "latents", "--config", project)[1])[0] == 6
+
+
+def test_file_that_fails_to_decode_while_caching_is_skipped_and_left_out(project, capsys, monkeypatch):
+    """A video whose frames break mid-stream passes probing but fails at encode time."""
+    from tuner.cache import commands
+    from tuner.errors import DataError
+
+    real = commands.load_job_pixels
+
+    def broken_video(job):
+        if job.source.endswith("video_001.mp4"):
+            raise DataError(f"{job.source}: corrupt frame 7")
+        return real(job)
+
+    monkeypatch.setattr(commands, "load_job_pixels", broken_video)
+    code, out = run(capsys, "cache", "latents", "--config", project)
+    assert code == 2 and "video_001.mp4: corrupt frame 7" in out
+
+    dataset = project.parent / "dataset.toml"
+    dataset.write_text(dataset.read_text().replace("[general]\n", '[general]\non_error = "skip"\n'))
+    code, out = run(capsys, "cache", "latents", "--config", project)
+    assert (
+        code == 0 and "skipped: " in out and re.search(r"encoded \d+, reused \d+, pruned 0, skipped 1", out)
+    )
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)  # remembered
+    run(capsys, "cache", "text", "--config", project)
+    from project import cfg
+    from tuner.cache.plan import open_training_data
+    from tuner.trainers.wan import WanTrainer
+
+    notes = []
+    data = open_training_data(WanTrainer(cfg(project)), cfg(project), notes.append)
+    assert len(data.samples) == 5 and any("left out" in n and "video_001.mp4" in n for n in notes)

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tuner.cache.plan import (
+    FAILED,
     LATENT,
     TEXT,
     TextRequest,
@@ -27,6 +28,7 @@ from tuner.cache.plan import (
     torch_device,
 )
 from tuner.data.jobs import load_control_pixels, load_job_pixels
+from tuner.errors import DataError
 from tuner.trainers import trainer_class
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,54 +45,67 @@ def _chunks(items: list, size: int):
 
 def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_size: int | None = None,
                   log: Callable[[str], None] = print) -> tuple[int, int, int]:  # fmt: skip
-    """Encode the latents of every dataset item that is not cached yet; return (encoded, reused, pruned)."""
+    """Encode the latents of every dataset item that is not cached yet; return (encoded, reused, pruned).
+
+    A file that cannot be decoded stops the command (`on_error = "stop"`), or is reported and recorded
+    as a failed entry (`"skip"`), which training then leaves out; fixing the file changes its key, so
+    the next run encodes it."""
     trainer = trainer_class(cfg.model.architecture)(cfg)
     plans = plan_datasets(trainer, cfg, log)
+    specs = {plan.spec.index: plan.spec for plan in plans}
     encoder = latent_encoder(trainer)
     batch_size = batch_size or cfg.cache.batch_size
     dev = torch_device(device or cfg.cache.device)
-    encoded = reused = pruned = 0
+    vae_dtype = DTYPES[cfg.model.vae_dtype]
+    encoded = reused = pruned = skipped = 0
     vae = None
     for cache_dir, store in stores_of(plans, readonly=False).items():
         todo: dict[str, object] = {}
-        expected: set[str] = set()
         for plan in plans:
-            if plan.spec.cache_directory != cache_dir:
-                continue
-            for job in plan.jobs:
-                key = latent_key(store, job, encoder)
-                expected.add(key)
-                if key not in todo:
-                    todo[key] = job
+            if plan.spec.cache_directory == cache_dir:
+                for job in plan.jobs:
+                    todo.setdefault(latent_key(store, job, encoder), job)
         missing = set(store.missing(list(todo)))
         reused += len(todo) - len(missing)
         by_bucket: dict[str, list] = defaultdict(list)
         for key in missing:
             by_bucket[todo[key].bucket_key].append((key, todo[key]))
         if missing and vae is None:
-            vae = trainer.load_vae(dev, DTYPES[cfg.model.vae_dtype]).eval()
+            vae = trainer.load_vae(dev, vae_dtype).eval()
         with (
             store.writer() as writer,
             tqdm(total=len(missing), desc=f"latents → {cache_dir}", unit="item") as bar,
         ):
             for bucket in sorted(by_bucket):
                 for chunk in _chunks(sorted(by_bucket[bucket], key=lambda kj: kj[1].source), batch_size):
-                    vae_dtype = DTYPES[cfg.model.vae_dtype]
-                    pixels = torch.stack([load_job_pixels(job) for _, job in chunk]).to(dev, vae_dtype)
+                    loaded = []
+                    for key, job in chunk:
+                        try:
+                            loaded.append((key, job, load_job_pixels(job), load_control_pixels(job)))
+                        except DataError as e:
+                            if specs[job.dataset_index].on_error == "stop":
+                                raise
+                            log(f"skipped: {e}")
+                            meta = {"source": job.source, "error": str(e), "encoder": encoder.label()}
+                            writer.put(key, FAILED, {"failed": torch.zeros(0)}, meta)
+                            skipped += 1
+                            bar.update(1)
+                    if not loaded:
+                        continue
+                    pixels = torch.stack([item[2] for item in loaded]).to(dev, vae_dtype)
                     # jobs of one bucket key have the same number of controls, so they stack too
-                    per_job = [load_control_pixels(job) for _, job in chunk]
-                    controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*per_job)]
+                    controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*(item[3] for item in loaded))]
                     with torch.no_grad():
                         latents = trainer.encode_latents(vae, pixels, controls)
-                    for i, (key, job) in enumerate(chunk):
+                    for i, (key, job, _, _) in enumerate(loaded):
                         tensors = {name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()}
                         meta = {"bucket": job.bucket_key, "encoder": encoder.label(), "source": job.source}
                         writer.put(key, LATENT, tensors, meta)
-                    encoded += len(chunk)
-                    bar.update(len(chunk))
+                    encoded += len(loaded)
+                    bar.update(len(loaded))
         if prune:
-            pruned += store.prune(expected | set(store.keys(TEXT)))
-    log(_summary(encoded, reused, pruned))
+            pruned += store.prune(set(todo) | set(store.keys(TEXT)))
+    log(_summary(encoded, reused, pruned) + (f", skipped {skipped}" if skipped else ""))
     return encoded, reused, pruned
 
 

@@ -21,9 +21,10 @@ from tuner.config.dataset import DatasetSpec
 from tuner.data.datasets import discover_items
 from tuner.data.frames import FrameRule
 from tuner.data.jobs import LatentJob, plan_latent_jobs
-from tuner.errors import ConfigError
+from tuner.errors import CacheError, ConfigError
 
 LATENT, TEXT = "latent", "text"
+FAILED = "failed"  # a source that could not be decoded while caching with on_error = "skip"
 
 
 @dataclass
@@ -158,8 +159,6 @@ def stores_of(plans: list[DatasetPlan], readonly: bool) -> dict[str, CacheStore]
 
 def require_cached(store: CacheStore, keys: list[str], what: str, command: str, cfg) -> None:
     """Raise CacheError naming the command to run when any key is not in the store."""
-    from tuner.errors import CacheError
-
     missing = store.missing(keys)
     if missing:
         raise CacheError(
@@ -184,7 +183,16 @@ def open_training_data(trainer, cfg, log: Callable[[str], None] = print, rank: i
         txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
         require_cached(store, list(requests), "text", "cache text", cfg)
+        failed = set(store.keys(FAILED))
         for job, key, (text, empty) in zip(plan.jobs, lat_keys, txt_keys):
+            if key in failed:
+                if plan.spec.on_error == "stop":
+                    raise CacheError(
+                        f"{job.source} could not be decoded when it was cached: {store.meta(key)['error']} "
+                        'Fix or remove the file and run caching again, or set on_error = "skip".'
+                    )
+                log(f"warning: left out {job.source}: {store.meta(key)['error']}")
+                continue
             samples.append(
                 TrainingSample(
                     cache_dir=plan.spec.cache_directory,
