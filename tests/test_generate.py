@@ -42,3 +42,18 @@ def test_control_count_is_checked_before_loading(tmp_path, wan_model, capsys):
     code, out = run(capsys, "generate", "--config", config, "--prompt", "x", "--control", image, "--size", "64x48",
                     "--frames", "1", "--out", tmp_path / "o.png")  # fmt: skip
     assert code == 2 and "control" in out
+
+
+def test_qwen_true_cfg_keeps_each_token_at_the_conditional_norm():
+    from tuner.models.qwen_image import pack_latents
+
+    trainer = trainer_class("qwen_image")(cfg=None)
+    gen = torch.Generator().manual_seed(0)
+    v_cond, v_uncond = (torch.randn(1, 16, 1, 8, 6, generator=gen) for _ in range(2))
+    out = trainer.combine_guidance(v_cond, v_uncond, 4.0)
+    assert out.shape == v_cond.shape
+    torch.testing.assert_close(pack_latents(out).norm(dim=-1), pack_latents(v_cond).norm(dim=-1))
+    plain = v_uncond + 4.0 * (v_cond - v_uncond)  # same direction as plain guidance, per token
+    cos = torch.nn.functional.cosine_similarity(pack_latents(out), pack_latents(plain), dim=-1)
+    torch.testing.assert_close(cos, torch.ones_like(cos))
+    torch.testing.assert_close(trainer_class("wan")(cfg=None).combine_guidance(v_cond, v_uncond, 4.0), plain)

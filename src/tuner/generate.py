@@ -109,7 +109,8 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
 
     with torch.no_grad():
         latents = euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
-                               opts.guidance_scale, progress=True)  # fmt: skip
+                               opts.guidance_scale, progress=True,
+                               combine=trainer.combine_guidance)  # fmt: skip
     _free(model)
 
     with torch.no_grad():

@@ -96,13 +96,15 @@ def euler_sample(
     progress: bool = False,
     *,
     batch_cfg: bool = True,
+    combine: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Integrate from `noise` (the latent at sigmas[0]) to sigmas[-1]; returns latents in noise's dtype.
 
     `cond` / `uncond` are passed to `model_fn` untouched (a tensor, a dict of tensors, ...). The
     unconditional pass runs only when `guidance_scale != 1`; it shares a call with the conditional
     one unless `batch_cfg` is False or the two cannot be stacked (see `_stack`). No randomness is
-    drawn: the same noise gives the same latents.
+    drawn: the same noise gives the same latents. `combine(v_cond, v_uncond, scale)` replaces the plain
+    guidance formula for models whose pipelines rescale it (Qwen-Image).
     """
     use_cfg = guidance_scale != 1.0
     if use_cfg and uncond is None:
@@ -128,6 +130,9 @@ def euler_sample(
             else:
                 v_cond = model_fn(x_in, t, cond).float()
                 v_uncond = model_fn(x_in, t, uncond).float()
-            v = v_uncond + guidance_scale * (v_cond - v_uncond)
+            if combine is not None:
+                v = combine(v_cond, v_uncond, guidance_scale)
+            else:
+                v = v_uncond + guidance_scale * (v_cond - v_uncond)
         x = x + (times[i + 1] - times[i]) * v
     return x.to(noise.dtype)

@@ -285,6 +285,10 @@ class NetworkTrainer:
         log(f"saved {final}")
         return final
 
+    def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance as the model's own pipeline applies it (plain by default)."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
     def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
         """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
         resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count."""

@@ -84,6 +84,15 @@ class QwenImageTrainer(NetworkTrainer):
 
     # export_name / import_name: the release's module names are diffusers' (the base class's identity).
 
+    def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Qwen-Image's "true CFG": the guided velocity is rescaled, token by token, to the norm of the
+        conditional one (norms over each packed 2×2 token's channels, as the pipeline computes them)."""
+        guided = v_uncond + scale * (v_cond - v_uncond)
+        height, width = guided.shape[-2:]
+        cond_tokens, guided_tokens = qwen_image.pack_latents(v_cond), qwen_image.pack_latents(guided)
+        ratio = cond_tokens.norm(dim=-1, keepdim=True) / guided_tokens.norm(dim=-1, keepdim=True)
+        return qwen_image.unpack_latents(guided_tokens * ratio, height, width)
+
 
 class QwenImageEditTrainer(QwenImageTrainer):
     """Qwen-Image-Edit-2509 / 2511. The control latents come with the batch (`control_<i>`); the prompt is
