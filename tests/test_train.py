@@ -212,3 +212,24 @@ def test_resume_with_another_adapter_is_refused_by_name(cached_project, tmp_path
     code, out = run(capsys, "train", "--config", cached_project, "--resume", "latest", "--set",
                     f"save.output_dir='{tmp_path / 'out'}'", "--set", "network.rank=4")  # fmt: skip
     assert code == 2 and "network.rank: saved 8, now 4" in out and "new save.output_dir" in out
+
+
+def test_samples_during_training_do_not_change_training(cached_project, tmp_path):
+    sample = ("sample.prompts=['a red circle', 'a blue square']", "sample.every_n_steps=2", "sample.at_start=true",
+              "sample.width=64", "sample.height=48", "sample.frames=9", "sample.steps=2")  # fmt: skip
+    common = ("train.max_steps=4", "network.dropout=0.1")
+    with_samples = train(cached_project, tmp_path / "a", *common, *sample)
+    without = train(cached_project, tmp_path / "b", *common)
+    assert with_samples.history == without.history  # no RNG drawn, adapters back in train mode
+    names = sorted(p.name for p in (tmp_path / "a" / "samples").iterdir())
+    assert names == [f"demo_lora-step{s:06d}-{i:02d}.mp4" for s in (0, 2, 4) for i in (0, 1)]
+    a = _weights(tmp_path / "a" / "demo_lora.safetensors")
+    b = _weights(tmp_path / "b" / "demo_lora.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sample_settings_are_checked_before_training(cached_project, tmp_path, capsys):
+    code, out = run(capsys, "train", "--config", cached_project, "--set", "sample.prompts=['x']",
+                    "--set", "sample.every_n_steps=1", "--set", "sample.frames=8",
+                    "--set", f"save.output_dir='{tmp_path}'")  # fmt: skip
+    assert code == 2 and "frames 8" in out and "4N+1" in out

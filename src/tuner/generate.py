@@ -1,7 +1,8 @@
 """`tuner generate`: text → image or video with the base model and any number of LoRAs.
 
 The models are loaded one at a time (text encoder, then transformer, then VAE) and each is dropped
-before the next, so inference needs no more memory than the largest of them. LoRAs attach as forward
+before the next, so inference needs no more memory than the largest of them. The same pieces draw
+the samples `tuner train` makes along the way (`[sample]`). LoRAs attach as forward
 patches with a strength each; any of the layouts tuner reads (comfy, kohya, diffusers) works.
 """
 
@@ -43,52 +44,89 @@ class GenerateOptions:
     device: str = "auto"
 
 
-def _free(*objects) -> None:
-    del objects
+def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
-    trainer = trainer_class(cfg.model.architecture)(cfg)
-    step = trainer.spatial_step
+def check_options(trainer, opts: GenerateOptions) -> None:
+    """Size, frame count and control images the architecture accepts (before anything is loaded)."""
+    arch, step = trainer.architecture, trainer.spatial_step
     if opts.width % step or opts.height % step:
-        raise ConfigError(f"--size {opts.width}x{opts.height}: both sides must be multiples of {step} for "
-                          f"{trainer.architecture}.")  # fmt: skip
+        raise ConfigError(
+            f"size {opts.width}x{opts.height}: both sides must be multiples of {step} for {arch}."
+        )
     if not trainer.valid_frame_count(opts.frames):
-        raise ConfigError(f"--frames {opts.frames}: {trainer.architecture} takes "
-                          f"{trainer.frame_multiple}N+{trainer.frame_remainder} frames.")  # fmt: skip
-    for path, _ in opts.loras:
-        if not Path(path).is_file():
-            raise ConfigError(f"--lora {path}: file not found.")
-    device = torch_device(opts.device)
-    dtype = DTYPES[cfg.model.dtype]
-
+        raise ConfigError(
+            f"frames {opts.frames}: {arch} takes {trainer.frame_multiple}N+{trainer.frame_remainder} frames."
+        )
     low, high = trainer.control_images
     if not low <= len(opts.controls) <= high:
-        raise ConfigError(f"--control: {trainer.architecture} takes {low} to {high} control images, "
-                          f"got {len(opts.controls)}.")  # fmt: skip
-    control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
+        raise ConfigError(f"control images: {arch} takes {low} to {high}, got {len(opts.controls)}.")
 
+
+def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict, dict]:
+    """(cond, uncond) for one prompt: text embeddings, plus the encoded control images of edit models.
+    Loads the text encoder and, for controls, the VAE, and drops each before returning."""
+    control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
     encoder = trainer.load_text_encoder(device, cfg.cache.text_encoder_dtype)
     # edit models whose text encoder sees the control images get them for both prompts, as in training
     seen = {"controls": [control_pixels]} if trainer.text_uses_controls else {}
     with torch.no_grad():
         cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p], **seen))
                         for p in (opts.prompt, opts.negative_prompt))  # fmt: skip
+    del encoder
+    _release_memory()
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
-    _free(encoder)
-
-    vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
     if control_pixels:
+        vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
         vae_dtype = next(vae.parameters()).dtype
         with torch.no_grad():
             controls = {f"control_{i}": trainer.encode_pixels(vae, px.unsqueeze(0).to(device, vae_dtype))
                         for i, px in enumerate(control_pixels)}  # fmt: skip
+        del vae
+        _release_memory()
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
+    return cond, uncond
 
+
+def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: dict, device, dtype,
+                   progress: bool = True) -> torch.Tensor:  # fmt: skip
+    """Denoise from the seed's noise to latents [1, ...] with the model as it is (adapters attached)."""
+    shape = trainer.latent_shape(opts.width, opts.height, opts.frames)
+    noise = torch.randn((1, *shape), generator=torch.Generator().manual_seed(opts.seed))
+    shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
+
+    def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
+        return trainer.predict(model, x.to(dtype), t / 1000, c).float()
+
+    with torch.no_grad():
+        return euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
+                            opts.guidance_scale, progress=progress, combine=trainer.combine_guidance)  # fmt: skip
+
+
+def decode_and_write(trainer, cfg, latents: torch.Tensor, out: str | Path, device) -> Path:
+    """Load the VAE, decode, write the PNG or mp4, drop the VAE."""
+    vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
+    with torch.no_grad():
+        pixels = trainer.decode_latents(vae, latents)[0]
+    del vae
+    _release_memory()
+    return write_media(pixels, out, trainer.model_fps)
+
+
+def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
+    trainer = trainer_class(cfg.model.architecture)(cfg)
+    check_options(trainer, opts)
+    for path, _ in opts.loras:
+        if not Path(path).is_file():
+            raise ConfigError(f"--lora {path}: file not found.")
+    device = torch_device(opts.device)
+    dtype = DTYPES[cfg.model.dtype]
+
+    cond, uncond = encode_conditions(trainer, cfg, opts, device)
     model = trainer.load_transformer(dtype).eval()
     # the same memory switches as training (block swap, fp8, attention); activations need no offload
     settings = replace(cfg.memory, activation_offload=False)
@@ -99,23 +137,10 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         network = apply_lora_file(model, path, strength, name_map=trainer.export_name)
         network.to(device)
         log(f"lora {path} × {strength}: {len(network)} modules")
-    generator = torch.Generator().manual_seed(opts.seed)
-    shape = trainer.latent_shape(opts.width, opts.height, opts.frames)
-    noise = torch.randn((1, *shape), generator=generator)
-    shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
-
-    def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
-        return trainer.predict(model, x.to(dtype), t / 1000, c).float()
-
-    with torch.no_grad():
-        latents = euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
-                               opts.guidance_scale, progress=True,
-                               combine=trainer.combine_guidance)  # fmt: skip
-    _free(model)
-
-    with torch.no_grad():
-        pixels = trainer.decode_latents(vae, latents)[0]
-    out = write_media(pixels, opts.out, trainer.model_fps)
+    latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)
+    del model
+    _release_memory()
+    out = decode_and_write(trainer, cfg, latents, opts.out, device)
     log(f"wrote {out}")
     return out
 

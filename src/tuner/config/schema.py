@@ -154,6 +154,22 @@ class SaveConfig:
 
 
 @dataclass(frozen=True)
+class SampleConfig:
+    prompts: tuple[str, ...] = option((), "Prompts drawn during training, one file each, to watch it learn.")
+    negative_prompt: str = option("", "Negative prompt of the samples (used when guidance != 1).")
+    controls: tuple[str, ...] = option((), "Control images given with every prompt (edit models).", path=True)
+    every_n_steps: int = option(0, "Draw the samples every N optimizer steps; 0 disables.", ge=0)
+    at_start: bool = option(False, "Also draw them before the first step (the base model's output).")
+    width: int = option(512, "Sample width in pixels.", ge=16)
+    height: int = option(512, "Sample height in pixels.", ge=16)
+    frames: int = option(1, "Sample frame count (1 for an image).", ge=1)
+    steps: int = option(20, "Sampling steps.", ge=1)
+    guidance: float = option(1.0, "Classifier-free guidance scale; 1 disables the unconditional pass.", ge=0)
+    shift: float = option(0.0, "Sampling flow shift; 0 uses the model's default.", ge=0)
+    seed: int = option(0, "Seed of the samples' noise (the same every time, so samples compare).")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     tensorboard: bool = option(True, "Write TensorBoard scalars to <output_dir>/logs.")
     every_n_steps: int = option(1, "Log scalars every N optimizer steps.", ge=1)
@@ -220,6 +236,7 @@ class TrainingFile:
     train: TrainConfig = option(factory=TrainConfig, doc="Optimizer, schedule and loop.")
     save: SaveConfig = option(factory=SaveConfig, doc="What is saved and when.")
     log: LogConfig = option(factory=LogConfig, doc="Progress and TensorBoard logging.")
+    sample: SampleConfig = option(factory=SampleConfig, doc="Images or videos drawn while training.")
     memory: MemorySettings = option(
         factory=MemorySettings,
         doc="Fitting big models in small GPUs: block swap, activation offload, fp8, attention.",

@@ -202,6 +202,13 @@ class NetworkTrainer:
                                                            if k != "network_weights"}}  # fmt: skip
         checkpoints = Checkpoints(out, cfg.save, accelerator, identity)
 
+        samples = None
+        sc = cfg.sample
+        if sc.prompts and (sc.every_n_steps or sc.at_start) and accelerator.is_main_process:
+            from tuner.trainers.samples import TrainingSamples
+
+            samples = TrainingSamples(self, cfg, accelerator.device, out / "samples")
+
         # ---- resume ----
         pos = Position()
         if resume:
@@ -216,6 +223,8 @@ class NetworkTrainer:
 
         # ---- loop ----
         metadata = self.adapter_metadata(data)
+        if samples and sc.at_start and pos.step == 0:
+            samples.draw(model, trained, 0, log)
         progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         recent: list[float] = []
         last_step_end = time.perf_counter()
@@ -265,6 +274,10 @@ class NetworkTrainer:
                     accelerator.log(
                         {"loss": step_loss, "lr": lr, "step_seconds": self.step_seconds[-1]}, step=pos.step
                     )
+                if sc.every_n_steps and pos.step % sc.every_n_steps == 0 and sc.prompts:
+                    if samples:
+                        samples.draw(model, trained, pos.step, log)
+                    accelerator.wait_for_everyone()
                 if pos.step >= total_steps:
                     break
                 if cfg.save.every_n_steps and pos.step % cfg.save.every_n_steps == 0:

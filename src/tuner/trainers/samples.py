@@ -1,0 +1,53 @@
+"""Samples drawn while training: the configured prompts, rendered with the model as it is being trained.
+
+The prompts (and any control images) are encoded once, before the first step, and the text encoder is
+dropped again; at each sampling step the adapters switch to eval mode (no dropout), the latents are
+denoised by the same code `tuner generate` uses, and the VAE is loaded just long enough to decode.
+Nothing here draws from the global random state, so a run with samples trains exactly like one without.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tuner.generate import GenerateOptions, check_options, decode_and_write, encode_conditions, sample_latents
+from tuner.trainers.base import DTYPES
+
+
+class TrainingSamples:
+    def __init__(self, trainer, cfg, device: torch.device, out_dir: Path):
+        self.trainer, self.cfg, self.device = trainer, cfg, device
+        self.out_dir = out_dir
+        sc = cfg.sample
+        self.options = [
+            GenerateOptions(
+                prompt=prompt, out="", negative_prompt=sc.negative_prompt, controls=sc.controls, width=sc.width,
+                height=sc.height, frames=sc.frames, steps=sc.steps, guidance_scale=sc.guidance,
+                shift=sc.shift or None, seed=sc.seed,
+            )
+            for prompt in sc.prompts
+        ]  # fmt: skip
+        for opts in self.options:
+            check_options(trainer, opts)  # a wrong size fails now, not after hours of training
+        self.conditions = [encode_conditions(trainer, cfg, opts, device) for opts in self.options]
+
+    def draw(self, model: nn.Module, trained: nn.Module, step: int, log: Callable[[str], None]) -> list[Path]:
+        """Render every prompt at `step`; return the files written."""
+        was_training = trained.training
+        trained.eval()
+        written = []
+        dtype = DTYPES[self.cfg.model.dtype]
+        for i, (opts, (cond, uncond)) in enumerate(zip(self.options, self.conditions)):
+            latents = sample_latents(
+                self.trainer, model, opts, cond, uncond, self.device, dtype, progress=False
+            )
+            suffix = ".png" if opts.frames == 1 else ".mp4"
+            out = self.out_dir / f"{self.cfg.save.output_name}-step{step:06d}-{i:02d}{suffix}"
+            written.append(decode_and_write(self.trainer, self.cfg, latents, out, self.device))
+        trained.train(was_training)
+        log(f"samples at step {step}: {', '.join(str(p) for p in written)}")
+        return written
