@@ -161,7 +161,7 @@ def test_sampler_from_config_section():
 
     section = SimpleNamespace(mode="logit_normal", logit_mean=0.3, loss_weighting="cosmap")
     assert sampler_from_config(section) == TimestepSampler("logit_normal", logit_mean=0.3)
-    default = TimestepConfig()  # every field the trainer's config carries is understood
+    default = TimestepConfig(mode="shift")  # every field the trainer's config carries is understood
     assert sampler_from_config(default).discrete_flow_shift == default.discrete_flow_shift
 
 
@@ -223,3 +223,15 @@ def test_plot_histogram_writes_a_png(tmp_path):
         colors = image.convert("RGB").getcolors(maxcolors=100_000)
     assert len(colors) > 3  # background, axes, bars, text
     assert [p.name for p in tmp_path.iterdir()] == ["hist.png"]  # no temporary left behind
+
+
+def test_auto_mode_is_the_architectures_usual_sampler():
+    from tuner.config.schema import TimestepConfig
+    from tuner.trainers import trainer_class
+
+    class Cfg:
+        timesteps = TimestepConfig()
+
+    assert TimestepConfig().mode == "auto"
+    modes = {arch: trainer_class(arch)(Cfg).timestep_sampler().mode for arch in ("wan", "flux", "qwen_image")}
+    assert modes == {"wan": "shift", "flux": "flux_shift", "qwen_image": "qwen_shift"}

@@ -63,10 +63,12 @@ def _cache_info(args) -> None:
 
 
 def _timesteps(args) -> None:
-    from tuner.timesteps import plot_histogram, sampler_from_config
+    from tuner.timesteps import plot_histogram
+    from tuner.trainers import trainer_class
 
     cfg = _load(args)
-    plot_histogram(sampler_from_config(cfg.timesteps), args.out, seq_len=args.seq_len)
+    sampler = trainer_class(cfg.model.architecture)(cfg).timestep_sampler()
+    plot_histogram(sampler, args.out, seq_len=args.seq_len)
     print(f"wrote {args.out}")
 
 

@@ -98,8 +98,10 @@ class NetworkConfig:
 
 @dataclass(frozen=True)
 class TimestepConfig:
-    mode: Literal["uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift"] = option(
-        "shift", "How training timesteps t in [0, 1] are drawn."
+    mode: Literal["auto", "uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift"] = option(
+        "auto",
+        "How training timesteps t in [0, 1] are drawn; auto is the model's usual choice (shift for Wan, "
+        "flux_shift for FLUX.1, qwen_shift for Qwen-Image).",
     )
     sigmoid_scale: float = option(
         1.0, "Scale of the normal inside the sigmoid (sigmoid and shift modes).", gt=0

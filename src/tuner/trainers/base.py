@@ -54,6 +54,7 @@ class NetworkTrainer:
     supports_video: ClassVar[bool] = False  # image-only models refuse video datasets at load time
     control_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) control images per item (edit models)
     text_uses_controls: ClassVar[bool] = False  # the text encoder also sees the control images (Qwen-Edit)
+    timestep_mode: ClassVar[str] = "shift"  # what timesteps.mode = "auto" means for this model
     sample_shift: ClassVar[float | str] = 3.0  # generate's default flow shift, or a RESOLUTION_SHIFTS name
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
     default_targets: ClassVar[tuple[str, ...]]  # regexes over diffusers module names
@@ -144,7 +145,7 @@ class NetworkTrainer:
         from tuner.memory import apply_memory_settings
         from tuner.networks.factory import build_network
         from tuner.optim import build_optimizer, build_scheduler
-        from tuner.timesteps import add_noise, flow_loss, flow_target, sampler_from_config
+        from tuner.timesteps import add_noise, flow_loss, flow_target
         from tuner.trainers.checkpoints import Checkpoints
 
         cfg, tc = self.cfg, self.cfg.train
@@ -197,7 +198,7 @@ class NetworkTrainer:
         # it is registered so that accelerate's saved state includes it.
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
         accelerator.register_for_checkpointing(trained)
-        sampler = sampler_from_config(cfg.timesteps)
+        sampler = self.timestep_sampler()
         identity = {"architecture": self.architecture, **{f"network.{k}": v for k, v in asdict(nc).items()
                                                            if k != "network_weights"}}  # fmt: skip
         checkpoints = Checkpoints(out, cfg.save, accelerator, identity)
@@ -301,6 +302,17 @@ class NetworkTrainer:
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance as the model's own pipeline applies it (plain by default)."""
         return v_uncond + scale * (v_cond - v_uncond)
+
+    def timestep_sampler(self):
+        """The configured training-timestep sampler, with mode "auto" resolved to this model's usual one."""
+        from dataclasses import replace
+
+        from tuner.timesteps import sampler_from_config
+
+        section = self.cfg.timesteps
+        if section.mode == "auto":
+            section = replace(section, mode=self.timestep_mode)
+        return sampler_from_config(section)
 
     def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
         """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's

@@ -32,7 +32,7 @@ FLUX_TARGETS = (
 
 class FluxTrainer(NetworkTrainer):
     architecture = "flux"
-    sample_shift = "flux_shift"
+    sample_shift = timestep_mode = "flux_shift"
     spatial_step = 16
     latent_patch = (2, 2)
     default_targets = FLUX_TARGETS

@@ -27,7 +27,7 @@ QWEN_IMAGE_TARGETS = (
 
 class QwenImageTrainer(NetworkTrainer):
     architecture = "qwen_image"
-    sample_shift = "qwen_shift"
+    sample_shift = timestep_mode = "qwen_shift"
     spatial_step = 16
     latent_patch = (1, 2, 2)
     default_targets = QWEN_IMAGE_TARGETS
