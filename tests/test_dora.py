@@ -161,5 +161,12 @@ def test_cli_trains_dora_saves_and_reloads(tmp_path, wan_model):
     model = WanTransformer3DModel.from_pretrained(wan_model / "diffusers" / "transformer").eval()
     network = apply_adapter_file(model, adapter, name_map=original_module_name)
     assert all(isinstance(a, DoRAModule) for a in network) and len(network) == 20
-    more = [*sets, "--set", f"network.network_weights='{adapter}'", "--set", "save.output_name='again'"]
+    # continuing from the weights is a new run: it trains into its own output_dir
+    more = [
+        *sets,
+        "--set",
+        f"network.network_weights='{adapter}'",
+        "--set",
+        f"save.output_dir='{tmp_path / 'again'}'",
+    ]
     assert main(["train", "--config", str(config), *more]) == 0

@@ -233,3 +233,11 @@ def test_sample_settings_are_checked_before_training(cached_project, tmp_path, c
                     "--set", "sample.every_n_steps=1", "--set", "sample.frames=8",
                     "--set", f"save.output_dir='{tmp_path}'")  # fmt: skip
     assert code == 2 and "frames 8" in out and "4N+1" in out
+
+
+def test_a_new_run_never_overwrites_a_saved_one(cached_project, tmp_path, capsys):
+    train(cached_project, tmp_path / "out", "train.max_steps=2")
+    code, out = run(
+        capsys, "train", "--config", cached_project, "--set", f"save.output_dir='{tmp_path / 'out'}'"
+    )
+    assert code == 2 and "already holds a training run" in out and "--resume latest" in out

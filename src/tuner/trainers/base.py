@@ -212,6 +212,12 @@ class NetworkTrainer:
 
         # ---- resume ----
         pos = Position()
+        if not resume and checkpoints.complete_states():
+            raise CheckpointError(
+                f"{out} already holds a training run (saved states up to "
+                f"{checkpoints.complete_states()[-1].name}); starting over would mix with and then delete them. "
+                "Continue it with --resume latest, or set another save.output_dir."
+            )
         if resume:
             pos = Position(**checkpoints.load(resume))
             log(f"resumed from {checkpoints.resolve(resume)} at step {pos.step}, epoch {pos.epoch + 1}")
