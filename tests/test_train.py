@@ -241,3 +241,26 @@ def test_a_new_run_never_overwrites_a_saved_one(cached_project, tmp_path, capsys
         capsys, "train", "--config", cached_project, "--set", f"save.output_dir='{tmp_path / 'out'}'"
     )
     assert code == 2 and "already holds a training run" in out and "--resume latest" in out
+
+
+def test_validation_loss_on_a_held_out_dataset(cached_project, tmp_path):
+    dataset = cached_project.parent / "dataset_val.toml"
+    text = (cached_project.parent / "dataset.toml").read_text()
+    dataset.write_text(
+        text.replace('video_directory = "data/videos"', 'video_directory = "data/videos"\nvalidation = true')
+    )
+    with_val = train(cached_project, tmp_path / "a", f"data.dataset_config='{dataset}'", "train.max_steps=4",
+                     "train.validate_every_n_steps=2")  # fmt: skip
+    assert [step for step, _ in with_val.val_history] == [2, 4]
+    assert all(0 < loss < 10 for _, loss in with_val.val_history)
+    assert with_val.val_history[0][1] != with_val.val_history[1][1]  # the adapter changed in between
+    # the held-out videos are not trained on, and validating draws no randomness from training
+    without = train(cached_project, tmp_path / "b", f"data.dataset_config='{dataset}'", "train.max_steps=4")
+    assert without.history == with_val.history and without.val_history[-1][0] == 4
+
+
+def test_validate_every_needs_a_validation_dataset(cached_project):
+    from tuner.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no \\[\\[datasets\\]\\] table with validation = true"):
+        cfg(cached_project, "train.validate_every_n_steps=5")

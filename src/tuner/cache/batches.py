@@ -47,12 +47,14 @@ class TrainingData:
         num_workers: int,
         rank: int = 0,
         world: int = 1,
+        caption_dropout: bool = True,
     ):
         self.samples = samples
         self.specs = {s.index: s for s in specs}
         self.seed = seed
         self.num_workers = num_workers
         self.rank, self.world = rank, world
+        self.caption_dropout = caption_dropout
         self.by_dataset: dict[int, dict[str, list[TrainingSample]]] = defaultdict(lambda: defaultdict(list))
         for s in samples:
             self.by_dataset[s.dataset_index][s.bucket_key] += [s] * self.specs[s.dataset_index].num_repeats
@@ -72,10 +74,11 @@ class TrainingData:
             spec = self.specs[index]
             for b, batch in enumerate(plan_batches(buckets, spec.batch_size, self.seed + index, epoch)):
                 drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
+                rate = spec.caption_dropout_rate if self.caption_dropout else 0.0
                 batches.append(
                     [
                         (s.cache_dir, s.latent_key,
-                         s.empty_text_key if drop.random() < spec.caption_dropout_rate else s.text_key)
+                         s.empty_text_key if drop.random() < rate else s.text_key)
                         for s in batch.items
                     ]
                 )  # fmt: skip

@@ -168,8 +168,11 @@ def require_cached(store: CacheStore, keys: list[str], what: str, command: str, 
         )
 
 
-def open_training_data(trainer, cfg, log: Callable[[str], None] = print, rank: int = 0, world: int = 1):
-    """Plan the datasets, check that the cache is complete and current, and return the batches."""
+def open_training_data(
+    trainer, cfg, log: Callable[[str], None] = print, rank: int = 0, world: int = 1, validation: bool = False
+):
+    """Plan the datasets, check that the cache is complete and current, and return the batches of the
+    training datasets, or with `validation` those of the held-out ones (no caption dropout)."""
     from tuner.cache.batches import TrainingData, TrainingSample
 
     plans = plan_datasets(trainer, cfg, log)
@@ -178,6 +181,8 @@ def open_training_data(trainer, cfg, log: Callable[[str], None] = print, rank: i
     max_len = cfg.cache.text_max_length
     samples: list[TrainingSample] = []
     for plan in plans:
+        if plan.spec.validation != validation:
+            continue
         store = stores[plan.spec.cache_directory]
         lat_keys = [latent_key(store, job, lat_enc) for job in plan.jobs]
         txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
@@ -203,7 +208,18 @@ def open_training_data(trainer, cfg, log: Callable[[str], None] = print, rank: i
                     dataset_index=plan.spec.index,
                 )
             )
-    return TrainingData(samples, cfg.datasets, cfg.train.seed, cfg.data.num_workers, rank, world)
+    if not samples:
+        which = "validation = true" if validation else "training (validation = false)"
+        raise ConfigError(f"{cfg.data.dataset_config}: no {which} dataset has any item left to use.")
+    return TrainingData(
+        samples,
+        cfg.datasets,
+        cfg.train.seed,
+        cfg.data.num_workers,
+        rank,
+        world,
+        caption_dropout=not validation,
+    )
 
 
 def torch_device(name: str) -> torch.device:

@@ -96,4 +96,9 @@ def load_config(
             f"{did_you_mean(file.model.architecture, ARCHITECTURES)} Known: {', '.join(sorted(ARCHITECTURES))}."
         )
     datasets = load_datasets(file.data.dataset_config, check_paths)
+    if file.train.validate_every_n_steps and not any(d.validation for d in datasets):
+        raise ConfigError(
+            f"{path}: key 'train.validate_every_n_steps' is set, but {file.data.dataset_config} has no "
+            "[[datasets]] table with validation = true."
+        )
     return Config(file=file, datasets=tuple(datasets), path=path)

@@ -88,6 +88,9 @@ class DatasetEntry(SharedOptions):
         "Folder of control/reference images paired with items by file stem (name, name_0, name_1...).",
         path=True,
     )
+    validation: bool = option(
+        False, "Hold this dataset out of training and report its loss (train.validate_every_n_steps)."
+    )
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class DatasetSpec:
     frame_sample: int
     max_frames: int
     source_fps: float | None
+    validation: bool = False
 
 
 SOURCE_KEYS = ("image_directory", "image_jsonl_file", "video_directory", "video_jsonl_file")
@@ -172,6 +176,7 @@ def resolve_datasets(
                 source=src,
                 source_is_manifest=src_key.endswith("jsonl_file"),
                 control_directory=entry.control_directory,
+                validation=entry.validation,
                 **{**merged, "resolution": tuple(merged["resolution"])},
             )
         )

@@ -137,6 +137,18 @@ class TrainConfig:
     mixed_precision: Literal["no", "bf16", "fp16"] = option("bf16", "Autocast precision of the forward pass.")
     gradient_checkpointing: bool = option(False, "Recompute block activations in backward to save memory.")
     seed: int = option(42, "Seed of weights init, noise, timesteps and data order.")
+    validate_every_n_steps: int = option(
+        0,
+        "Loss on the validation datasets every N steps (and at the end); 0 = at the end only, if any.",
+        ge=0,
+    )
+    validation_timesteps: tuple[float, ...] = option(
+        (0.25, 0.5, 0.75), "Fixed timesteps the validation loss averages over (same noise every time)."
+    )
+
+    def __post_init__(self) -> None:
+        if not self.validation_timesteps or not all(0 <= t <= 1 for t in self.validation_timesteps):
+            raise ConfigError("key 'train.validation_timesteps': give one or more values in [0, 1].")
 
 
 @dataclass(frozen=True)

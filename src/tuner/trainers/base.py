@@ -64,6 +64,7 @@ class NetworkTrainer:
         self.cfg = cfg
         self.history: list[float] = []  # loss of each optimizer step, for tests and callers
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
+        self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
 
     # --- what an architecture implements -------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -162,6 +163,9 @@ class NetworkTrainer:
             log = _silent
         # stops here, naming the command to run, if the cache is missing anything or stale
         data = open_training_data(self, cfg, log, accelerator.process_index, accelerator.num_processes)
+        held_out = None
+        if any(spec.validation for spec in cfg.datasets):
+            held_out = open_training_data(self, cfg, log, validation=True)
         model = self.load_transformer(DTYPES[cfg.model.dtype])
         model.requires_grad_(False)
         if tc.gradient_checkpointing:
@@ -240,11 +244,9 @@ class NetworkTrainer:
             for batch in data.epoch(pos.epoch, start=pos.batch):
                 group = accum[pos.batch]
                 gen = torch.Generator().manual_seed(_mix(tc.seed, pos.epoch, pos.batch))
-                x0 = batch["latents"].to(accelerator.device)
+                x0, cond = self._inputs(batch, accelerator.device)
                 noise = torch.randn(x0.shape, generator=gen).to(x0)
                 t = sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
-                cond = {**self.collate_text(batch["text"]), **batch["extra"]}
-                cond = {k: v.to(accelerator.device) for k, v in cond.items()}
                 last_of_group = pos.batch == group[1] - 1
                 with accelerator.autocast():
                     pred = self.predict(model, add_noise(x0, noise, t).to(DTYPES[cfg.model.dtype]), t, cond)
@@ -285,6 +287,13 @@ class NetworkTrainer:
                     if samples:
                         samples.draw(model, trained, pos.step, log)
                     accelerator.wait_for_everyone()
+                every = tc.validate_every_n_steps
+                if held_out and ((every and pos.step % every == 0) or pos.step >= total_steps):
+                    val_loss = self.validation_loss(model, trained, held_out, accelerator)
+                    self.val_history.append((pos.step, val_loss))
+                    log(f"step {pos.step}: validation loss {val_loss:.4f}")
+                    if cfg.log.tensorboard:
+                        accelerator.log({"val_loss": val_loss}, step=pos.step)
                 if pos.step >= total_steps:
                     break
                 if cfg.save.every_n_steps and pos.step % cfg.save.every_n_steps == 0:
@@ -329,6 +338,35 @@ class NetworkTrainer:
             tokens = math.prod(latent_shape[1:]) // math.prod(self.latent_patch)
             return math.exp(RESOLUTION_SHIFTS[self.sample_shift].mu(tokens))
         return float(self.sample_shift)
+
+    def _inputs(self, batch: dict, device) -> tuple[torch.Tensor, dict]:
+        """A cached batch as model inputs on `device`: clean latents, and cond (text + extra latents)."""
+        cond = {**self.collate_text(batch["text"]), **batch["extra"]}
+        return batch["latents"].to(device), {k: v.to(device) for k, v in cond.items()}
+
+    def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
+        """Mean flow-matching loss on the held-out batches at fixed timesteps with fixed noise, so values
+        at different steps compare. Draws nothing from the global random state."""
+        from tuner.timesteps import add_noise, flow_loss, flow_target
+
+        cfg = self.cfg
+        trained.eval()
+        losses = []
+        with torch.no_grad():
+            for i, batch in enumerate(held_out.epoch(0)):
+                x0, cond = self._inputs(batch, accelerator.device)
+                for j, t_value in enumerate(cfg.train.validation_timesteps):
+                    noise = torch.randn(
+                        x0.shape, generator=torch.Generator().manual_seed(_mix(cfg.train.seed, i, j))
+                    )
+                    t = torch.full((x0.shape[0],), t_value, device=x0.device)
+                    noisy = add_noise(x0, noise.to(x0), t).to(DTYPES[cfg.model.dtype])
+                    with accelerator.autocast():
+                        pred = self.predict(model, noisy, t, cond)
+                    target = flow_target(x0, noise.to(x0)).float()
+                    losses.append(flow_loss(pred.float(), target, t, cfg.timesteps.loss_weighting).item())
+        trained.train()
+        return sum(losses) / len(losses)
 
     def seq_len(self, latents: torch.Tensor) -> int:
         """Tokens per sample (for resolution-dependent timestep shifts)."""
