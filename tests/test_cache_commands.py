@@ -166,6 +166,8 @@ def test_file_that_fails_to_decode_while_caching_is_skipped_and_left_out(project
         code == 0 and "skipped: " in out and re.search(r"encoded \d+, reused \d+, pruned 0, skipped 1", out)
     )
     assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)  # remembered
+    code, out = run(capsys, "cache", "info", project.parent / "cache")
+    assert "1 source(s) failed to decode" in out and "video_001.mp4: " in out and "corrupt frame 7" in out
     run(capsys, "cache", "text", "--config", project)
     from project import cfg
     from tuner.cache.plan import open_training_data

@@ -57,9 +57,17 @@ def _cache_text(args) -> None:
 
 
 def _cache_info(args) -> None:
+    from tuner.cache.plan import FAILED
     from tuner.cache.store import CacheStore, format_info
 
-    print(format_info(CacheStore(args.dir, readonly=True).info()))
+    store = CacheStore(args.dir, readonly=True)
+    print(format_info(store.info()))
+    failed = store.keys(FAILED)
+    if failed:
+        print(f"  {len(failed)} source(s) failed to decode (fix or remove them, then run caching again):")
+        for key in failed:
+            meta = store.meta(key)
+            print(f"    {meta.get('source')}: {meta.get('error')}")
 
 
 def _timesteps(args) -> None:
