@@ -264,3 +264,13 @@ def test_validate_every_needs_a_validation_dataset(cached_project):
 
     with pytest.raises(ConfigError, match="no \\[\\[datasets\\]\\] table with validation = true"):
         cfg(cached_project, "train.validate_every_n_steps=5")
+
+
+def test_an_image_to_video_checkpoint_is_refused_by_name(cached_project, tmp_path, wan_model, capsys):
+    from diffusers import WanTransformer3DModel
+
+    config = WanTransformer3DModel.load_config(wan_model / "diffusers" / "transformer")
+    WanTransformer3DModel.from_config({**config, "in_channels": 36}).save_pretrained(tmp_path / "i2v")
+    code, out = run(capsys, "train", "--config", cached_project, "--set", f"model.transformer='{tmp_path / 'i2v'}'",
+                    "--set", f"save.output_dir='{tmp_path / 'out'}'")  # fmt: skip
+    assert code == 2 and "image-to-video" in out and "i2v" in out

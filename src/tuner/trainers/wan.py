@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuner.errors import CheckpointError
 from tuner.models import wan
 from tuner.trainers.base import DTYPES, NetworkTrainer
 
@@ -32,7 +33,13 @@ class WanTrainer(NetworkTrainer):
     default_targets = WAN_TARGETS
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
-        return wan.load_transformer(self.weights_path("transformer"), dtype)
+        model = wan.load_transformer(self.weights_path("transformer"), dtype)
+        if model.config.in_channels != 16:  # i2v models take 36 channels: noise + first-frame latents + mask
+            raise CheckpointError(
+                f"{self.cfg.model.transformer}: an image-to-video Wan checkpoint ({model.config.in_channels} input "
+                "channels); architecture 'wan' trains text-to-video. Use a T2V checkpoint."
+            )
+        return model
 
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         return wan.load_vae(self.weights_path("vae"), dtype).to(device)
