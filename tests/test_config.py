@@ -167,3 +167,10 @@ def test_every_example_toml_loads():
         load_config(path, check_paths=False)
     for path in datasets:
         assert load_datasets(path, check_paths=False)
+
+
+def test_full_fine_tune_refuses_memory_settings_for_frozen_weights(tmp_path):
+    for setting in ("[memory]\nfp8_base = true\n", "[memory]\nblocks_to_swap = 4\n"):
+        path = write(tmp_path, BASE + '[network]\ntype = "full"\n' + setting)
+        with pytest.raises(ConfigError, match=r"train.toml: key 'network.type': a full fine-tune"):
+            load_config(path)

@@ -258,3 +258,11 @@ class TrainingFile:
 
     def __post_init__(self) -> None:
         check_save_format(self.network.dora, self.save.format)
+        if self.network.type == "full" and (self.memory.fp8_base or self.memory.blocks_to_swap != 0):
+            # block swap and fp8 storage are for frozen weights: a swapped-out or fp8 copy of a weight
+            # being trained would silently lose its updates
+            raise ConfigError(
+                "key 'network.type': a full fine-tune trains the weights that memory.fp8_base and "
+                "memory.blocks_to_swap expect frozen; turn those off (use gradient checkpointing, "
+                "activation_offload and an 8-bit or Adafactor optimizer instead)."
+            )
