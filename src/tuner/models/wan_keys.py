@@ -20,6 +20,8 @@ from collections.abc import Mapping
 
 import torch
 
+from tuner.networks.architectures import ArchitectureKeys
+
 # ---------------------------------------------------------------------------------------------------
 # Transformer: (diffusers name, original name); `{i}` is a block index. A rule matches a whole dotted
 # name or its leading part (so `blocks.0.attn1.to_q.weight` uses the `blocks.{i}.attn1.to_q` rule).
@@ -62,21 +64,8 @@ TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
 )
 
 
-def _compile(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + r"(?P<rest>\..+)?$")
-
-
-_TO_ORIGINAL = [(_compile(d), o) for d, o in TRANSFORMER_RULES]
-_TO_DIFFUSERS = [(_compile(o), d) for d, o in TRANSFORMER_RULES]
-
-
-def _rename(name: str, rules: list[tuple[re.Pattern, str]], direction: str) -> str:
-    for pattern, target in rules:
-        m = pattern.match(name)
-        if m:
-            index = m.groupdict().get("i") or ""
-            return target.replace("{i}", index) + (m["rest"] or "")
-    raise KeyError(f"no Wan key rule maps {name!r} to the {direction} layout")
+# The rule engine is the one every architecture uses (`tuner.networks.architectures`).
+WAN_KEYS = ArchitectureKeys("wan", TRANSFORMER_RULES)
 
 
 def original_module_name(diffusers_name: str) -> str:
@@ -85,12 +74,12 @@ def original_module_name(diffusers_name: str) -> str:
     `blocks.0.attn1.to_q` -> `blocks.0.self_attn.q`; `proj_out.weight` -> `head.head.weight`.
     Raises KeyError for names outside the table (for example fused `to_qkv` projections).
     """
-    return _rename(diffusers_name, _TO_ORIGINAL, "original")
+    return WAN_KEYS(diffusers_name)
 
 
 def diffusers_module_name(original_name: str) -> str:
     """The inverse of `original_module_name`."""
-    return _rename(original_name, _TO_DIFFUSERS, "diffusers")
+    return WAN_KEYS.to_diffusers(original_name)
 
 
 def transformer_to_original(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -99,9 +99,9 @@ def _rename(name: str, rules: list[tuple[re.Pattern[str], str]], direction: str)
 
 
 def _wan() -> ArchitectureKeys:
-    from tuner.models.wan_keys import TRANSFORMER_RULES
+    from tuner.models.wan_keys import WAN_KEYS
 
-    return ArchitectureKeys("wan", TRANSFORMER_RULES)  # Wan's original release fuses nothing
+    return WAN_KEYS  # Wan's original release fuses nothing
 
 
 def _flux() -> ArchitectureKeys:
