@@ -38,3 +38,25 @@ def summary(output: str) -> tuple[int, int, int]:
 
 def cfg(config: Path, *overrides: str):
     return load_config(config, list(overrides))
+
+
+def wan_inputs(seed: int = 1, batch: int = 1, dtype=None) -> dict:
+    """Fixed keyword inputs for a tiny-fixture-shaped WanTransformer3DModel (for output comparisons)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.float32
+    return {
+        "hidden_states": torch.randn(batch, 16, 2, 8, 8, generator=g).to(dtype),
+        "timestep": torch.tensor([500.0] * batch),
+        "encoder_hidden_states": torch.randn(batch, 8, 64, generator=g).to(dtype),
+        "return_dict": False,
+    }
+
+
+def output(model):
+    """The model's output on `wan_inputs()`, without gradients."""
+    import torch
+
+    with torch.no_grad():
+        return model(**wan_inputs())[0]

@@ -18,6 +18,7 @@ import torch
 from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 from torch import nn
 
+from project import wan_inputs
 from tuner.errors import TunerError
 from tuner.fixtures.weights import fill_random_
 from tuner.networks import LoRANetwork, TargetSpec
@@ -43,16 +44,6 @@ def tiny_wan(num_layers: int = 4, seed: int = 0) -> WanTransformer3DModel:
         )  # fmt: skip
     fill_random_(model, seed)
     return model.eval().requires_grad_(False)
-
-
-def wan_inputs(seed: int = 1, batch: int = 1) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(batch, 16, 2, 8, 8, generator=g),
-        "timestep": torch.tensor([500.0] * batch),
-        "encoder_hidden_states": torch.randn(batch, 8, 64, generator=g),
-        "return_dict": False,
-    }
 
 
 def add_lora(model: nn.Module, targets=WAN_TARGETS, seed: int = 3) -> LoRANetwork:

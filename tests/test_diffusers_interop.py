@@ -14,6 +14,7 @@ import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 
+from project import output
 from tuner.errors import TunerError
 from tuner.models.wan import original_module_name
 from tuner.networks import LoHaNetwork, LoKrNetwork, LoRANetwork, TargetSpec, apply_adapter_file
@@ -23,21 +24,6 @@ from tuner.trainers.wan import WAN_TARGETS
 pytest.importorskip("peft")
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
-
-
-def wan_inputs() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return {
-        "hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 8, 64, generator=g),
-        "return_dict": False,
-    }
-
-
-def output(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**wan_inputs())[0]
 
 
 def perturb(network, std: float = 0.05) -> None:

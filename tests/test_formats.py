@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from project import output
 from tuner.errors import CheckpointError, TunerError
 from tuner.models.loading import read_tensor_shapes
 from tuner.models.wan import original_module_name
@@ -58,21 +59,6 @@ def perturb(network, seed: int = 0, std: float = 0.05) -> None:
     with torch.no_grad():
         for p in network.parameters():
             p.add_(torch.randn(p.shape, generator=g) * std)
-
-
-def wan_inputs() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return {
-        "hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 8, 64, generator=g),
-        "return_dict": False,
-    }
-
-
-def output(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**wan_inputs())[0]
 
 
 def deltas(path) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ from diffusers import WanTransformer3DModel
 from safetensors import safe_open
 from torch import nn
 
+from project import wan_inputs
 from tuner.errors import ConfigError
 from tuner.models import wan
 from tuner.models.loading import read_tensor_shapes
@@ -36,16 +37,6 @@ def network_config(**changes) -> SimpleNamespace:
         "factor": -1, "decompose_both": False, "full_matrix": False, "stochastic_rounding": False,
     }  # fmt: skip
     return SimpleNamespace(**{**defaults, **changes})
-
-
-def wan_inputs() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return {
-        "hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 8, 64, generator=g),
-        "return_dict": False,
-    }
 
 
 # --- the full network -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from project import wan_inputs
 from tuner.errors import CheckpointError, TunerError
 from tuner.networks import LoRANetwork, TargetSpec, apply_lora_file, find_targets, load_lora_file
 
@@ -59,16 +60,6 @@ def tiny_wan(seed: int = 0) -> WanTransformer3DModel:
         rope_max_seq_len=32,
     )
     return model.eval().requires_grad_(False)
-
-
-def wan_inputs(seed: int = 1, dtype: torch.dtype = torch.float32) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g).to(dtype),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 8, 64, generator=g).to(dtype),
-        "return_dict": False,
-    }
 
 
 def run(model: nn.Module, inputs: dict) -> torch.Tensor:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from project import output
 from tuner.errors import CheckpointError
 from tuner.models import wan
 from tuner.networks import LoRANetwork, TargetSpec, apply_adapter_file
@@ -30,21 +31,6 @@ def lora_cli(*argv) -> None:
 
 def single_file(wan_model):
     return wan_model / "single" / "wan2.1_t2v_tiny.safetensors"
-
-
-def wan_inputs() -> dict:
-    g = torch.Generator().manual_seed(1)
-    return {
-        "hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, 8, 64, generator=g),
-        "return_dict": False,
-    }
-
-
-def output(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**wan_inputs())[0]
 
 
 def base_model(wan_model):
