@@ -13,7 +13,8 @@ import torch
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
-from test_blockswap import add_lora, tiny_wan, wan_inputs
+from project import wan_inputs
+from test_blockswap import add_lora, tiny_wan
 from tuner import attention
 from tuner.errors import TunerError
 

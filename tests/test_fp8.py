@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from test_blockswap import add_lora, tiny_wan, wan_inputs
+from project import wan_inputs
+from test_blockswap import add_lora, tiny_wan
 from tuner import fp8
 from tuner.errors import CheckpointError, TunerError
 from tuner.models.wan_keys import diffusers_module_name, transformer_to_original

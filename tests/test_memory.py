@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from transformers import UMT5Config, UMT5EncoderModel
 
-from test_blockswap import add_lora, tiny_wan, train_step, wan_inputs
+from project import wan_inputs
+from test_blockswap import add_lora, tiny_wan, train_step
 from test_fp8 import write_comfy_fp8
 from tuner import attention, fp8
 from tuner.errors import ConfigError, TunerError
