@@ -176,3 +176,19 @@ def test_file_that_fails_to_decode_while_caching_is_skipped_and_left_out(project
     notes = []
     data = open_training_data(WanTrainer(cfg(project)), cfg(project), notes.append)
     assert len(data.samples) == 5 and any("left out" in n and "video_001.mp4" in n for n in notes)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "nf4"])
+def test_text_encoder_in_lower_precision_is_another_encoder(project, capsys, precision):
+    """cache.text_encoder_dtype quantizes the encoder; its entries never mix with the bf16 ones."""
+    encoded, _, _ = summary(run(capsys, "cache", "text", "--config", project)[1])
+    override = ("--set", f"cache.text_encoder_dtype={precision}")
+    code, out = run(capsys, "cache", "text", "--config", project, *override)
+    assert code == 0 and summary(out) == (encoded, 0, 0)
+    from project import cfg
+    from tuner.cache.store import CacheStore
+
+    store = CacheStore(project.parent / "cache", readonly=True)
+    encoders = {store.meta(k)["encoder"].split("/")[1] for k in store.keys("text")}
+    assert encoders == {"bf16", precision}
+    assert cfg(project, f"cache.text_encoder_dtype={precision}").cache.text_encoder_dtype == precision

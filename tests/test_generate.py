@@ -57,3 +57,37 @@ def test_qwen_true_cfg_keeps_each_token_at_the_conditional_norm():
     cos = torch.nn.functional.cosine_similarity(pack_latents(out), pack_latents(plain), dim=-1)
     torch.testing.assert_close(cos, torch.ones_like(cos))
     torch.testing.assert_close(trainer_class("wan")(cfg=None).combine_guidance(v_cond, v_uncond, 4.0), plain)
+
+
+@pytest.mark.slow
+def test_several_loras_add_up_with_their_strengths(tmp_path, wan_model, capsys):
+    """Two copies of a LoRA at 1.0 each act as one at 2.0; strength 0 is the base model."""
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    config = make_project(tmp_path, wan_model)
+    lora = tmp_path / "lora.safetensors"
+    tensors = load_file(str(wan_model / "single" / "wan2.1_t2v_tiny.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for key, w in tensors.items():
+        if key.startswith("blocks.") and ".self_attn.q.weight" in key:
+            stem = "diffusion_model." + key.removesuffix(".weight")
+            weights[f"{stem}.lora_A.weight"] = torch.randn(4, w.shape[1], generator=gen) * 0.3
+            weights[f"{stem}.lora_B.weight"] = torch.randn(w.shape[0], 4, generator=gen) * 0.3
+            weights[f"{stem}.alpha"] = torch.tensor(4.0)
+    save_file(weights, str(lora))
+
+    def draw(name: str, *loras: str) -> np.ndarray:
+        args = [a for spec in loras for a in ("--lora", spec)]
+        code, out = run(capsys, "generate", "--config", config, "--prompt", "a red circle", "--size", "64x48",
+                        "--frames", "1", "--steps", "3", "--guidance", "1", "--device", "cpu",
+                        "--out", tmp_path / name, *args)  # fmt: skip
+        assert code == 0, out
+        return np.asarray(Image.open(tmp_path / name), dtype=np.int16)
+
+    base = draw("base.png")
+    assert np.abs(draw("zero.png", f"{lora}:0") - base).max() == 0
+    double = draw("double.png", f"{lora}:2")
+    assert np.abs(double - base).max() > 0
+    assert np.abs(draw("two.png", f"{lora}:1", f"{lora}:1") - double).max() <= 1

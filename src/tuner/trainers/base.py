@@ -124,6 +124,21 @@ class NetworkTrainer:
         raise NotImplementedError
 
     # --- shared helpers --------------------------------------------------------------------------
+    @staticmethod
+    def text_encoder_load_dtype(precision: str) -> torch.dtype:
+        """The dtype to load a text encoder in for `cache.text_encoder_dtype`: as named, or bf16 before
+        fp8 / int8 / nf4 quantization."""
+        return DTYPES.get(precision, torch.bfloat16)
+
+    @staticmethod
+    def place_text_encoder(model: nn.Module, precision: str, device: torch.device) -> nn.Module:
+        """Quantize a loaded text encoder when `precision` asks for it (fp8 / int8 / nf4), then move it."""
+        if precision in ("fp8", "int8", "nf4"):
+            from tuner.memory import quantize_text_encoder
+
+            quantize_text_encoder(model, precision, device)
+        return model.to(device)
+
     def valid_frame_count(self, n: int) -> bool:
         return n >= 1 and (n - self.frame_remainder) % self.frame_multiple == 0
 

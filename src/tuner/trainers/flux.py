@@ -18,7 +18,7 @@ from torch import nn
 from tuner.errors import ConfigError
 from tuner.models import flux
 from tuner.models.flux_keys import FLUX_KEYS
-from tuner.trainers.base import DTYPES, NetworkTrainer
+from tuner.trainers.base import NetworkTrainer
 
 # Default adapter targets: the attention and MLP linears of both streams in the double blocks, and
 # q/k/v, MLP input and output of the single blocks (together these are the original fused `qkv` and
@@ -53,14 +53,10 @@ class FluxTrainer(NetworkTrainer):
             m.text_encoder_2 or None,
             m.tokenizer or None,
             m.tokenizer_2 or None,
-            DTYPES.get(dtype, torch.bfloat16),
+            self.text_encoder_load_dtype(dtype),
         )
         for model in (encoders.clip, encoders.t5):
-            if dtype in ("fp8", "int8", "nf4"):
-                from tuner.memory import quantize_text_encoder
-
-                quantize_text_encoder(model, dtype, device)
-            model.to(device)
+            self.place_text_encoder(model, dtype, device)
         return encoders
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tuner.models import qwen_image, qwen_image_text
-from tuner.trainers.base import DTYPES, NetworkTrainer
+from tuner.trainers.base import NetworkTrainer
 
 # Default adapter targets: the attention projections of both streams and both MLPs of every block.
 # The modulation layers (img_mod / txt_mod), the embedders and the output head are left alone.
@@ -42,12 +42,9 @@ class QwenImageTrainer(NetworkTrainer):
         encoder = qwen_image_text.load_text_encoder(
             self.weights_path("text_encoder"),
             self.cfg.model.tokenizer or None,
-            DTYPES.get(dtype, torch.bfloat16),
+            self.text_encoder_load_dtype(dtype),
         )
-        if dtype in ("fp8", "int8", "nf4"):
-            from tuner.memory import quantize_text_encoder
-
-            quantize_text_encoder(encoder.model, dtype, device)
+        self.place_text_encoder(encoder.model, dtype, device)
         return encoder.to(device)
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from torch import nn
 
 from tuner.errors import CheckpointError
 from tuner.models import wan
-from tuner.trainers.base import DTYPES, NetworkTrainer
+from tuner.trainers.base import NetworkTrainer
 
 # Default adapter targets: every linear layer of the attention and FFN inside the blocks (the
 # condition embedders, time projection and output head are left alone).
@@ -48,13 +48,9 @@ class WanTrainer(NetworkTrainer):
         model, tokenizer = wan.load_text_encoder(
             self.weights_path("text_encoder"),
             self.cfg.model.tokenizer or None,
-            DTYPES.get(dtype, torch.bfloat16),
+            self.text_encoder_load_dtype(dtype),
         )
-        if dtype in ("fp8", "int8", "nf4"):
-            from tuner.memory import quantize_text_encoder
-
-            quantize_text_encoder(model, dtype, device)
-        return model.to(device), tokenizer
+        return self.place_text_encoder(model, dtype, device), tokenizer
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         return wan.encode_video(vae, pixels)
