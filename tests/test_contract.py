@@ -14,7 +14,8 @@ from project import cfg, make_project, run
 from tuner.cache.plan import open_training_data
 from tuner.fixtures import fixture, write_fixture
 from tuner.models.loading import read_tensor_shapes
-from tuner.networks.lora import LoRANetwork, apply_lora_file
+from tuner.networks.factory import apply_adapter_file
+from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
 from tuner.trainers import trainer_class
 
@@ -96,7 +97,7 @@ def test_save_load_round_trip(case, tmp_path):
         expected = trainer.predict(model, noisy, t, cond)
     network.remove()
     fresh = trainer.load_transformer(torch.float32).eval()
-    apply_lora_file(fresh, path, 1.0, name_map=trainer.export_name)
+    apply_adapter_file(fresh, path, 1.0, name_map=trainer.export_name)
     with torch.no_grad():
         got = trainer.predict(fresh, noisy, t, cond)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,7 @@ from torch import nn
 
 from project import wan_inputs
 from tuner.errors import CheckpointError, TunerError
-from tuner.networks import LoRANetwork, TargetSpec, apply_lora_file, find_targets, load_lora_file
+from tuner.networks import LoRANetwork, TargetSpec, apply_adapter_file, find_targets, load_lora_file
 
 WAN_TARGETS = (
     r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)",
@@ -337,7 +337,7 @@ def test_save_load_round_trip_reproduces_outputs(tmp_path):
 
     # inference path: rank and alpha come from the file
     infer_model = tiny_wan()
-    loaded = apply_lora_file(infer_model, path, multiplier=1.0, name_map=wan_name_map)
+    loaded = apply_adapter_file(infer_model, path, multiplier=1.0, name_map=wan_name_map)
     assert not loaded.training and not loaded.trainable_parameters()
     assert torch.equal(run(infer_model, wan_inputs()), expected)
 
@@ -420,7 +420,7 @@ def test_kohya_and_peft_layouts_map_onto_the_same_modules(tmp_path):
     save_file(_to_peft(network), str(tmp_path / "peft.safetensors"))
     for name in ("kohya", "peft"):
         fresh_model = tiny_wan()
-        loaded = apply_lora_file(fresh_model, tmp_path / f"{name}.safetensors", name_map=wan_name_map)
+        loaded = apply_adapter_file(fresh_model, tmp_path / f"{name}.safetensors", name_map=wan_name_map)
         assert sorted(loaded.names()) == sorted(network.names())
         torch.testing.assert_close(run(fresh_model, wan_inputs()), expected, atol=1e-6, rtol=1e-6)
         resumed_model = tiny_wan()
@@ -445,7 +445,7 @@ def test_peft_alpha_from_diffusers_metadata(tmp_path):
         metadata={"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": 1, "transformer.r": 4})},
     )
     fresh = mlp()
-    apply_lora_file(fresh, tmp_path / "peft.safetensors")
+    apply_adapter_file(fresh, tmp_path / "peft.safetensors")
     torch.testing.assert_close(fresh(x), expected)
 
 

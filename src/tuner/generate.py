@@ -21,7 +21,7 @@ from PIL import Image
 from tuner.cache.plan import torch_device
 from tuner.errors import ConfigError
 from tuner.memory import apply_memory_settings
-from tuner.networks.lora import apply_lora_file
+from tuner.networks.factory import apply_adapter_file
 from tuner.sampling import euler_sample, flow_sigmas
 from tuner.trainers import trainer_class
 from tuner.trainers.base import DTYPES
@@ -134,7 +134,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         model, settings, device, fp8_source=cfg.model.transformer, name_map=trainer.import_name
     )
     for path, strength in opts.loras:
-        network = apply_lora_file(model, path, strength, name_map=trainer.export_name)
+        network = apply_adapter_file(model, path, strength, name_map=trainer.export_name)
         network.to(device)
         log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)

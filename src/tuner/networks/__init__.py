@@ -36,7 +36,6 @@ _EXPORTS = {
     "StochasticRounding": "full",
     "TargetSpec": "targets",
     "apply_adapter_file": "factory",
-    "apply_lora_file": "lora",
     "build_network": "factory",
     "find_targets": "targets",
     "identity_name_map": "keys",

@@ -164,19 +164,3 @@ def load_lora_file(path: str | os.PathLike) -> tuple[dict[str, LoRAWeights], dic
     file's metadata. (`formats.read_modules` reads every adapter type.)"""
     modules, metadata = read_modules(path, {LORA})
     return {s: LoRAWeights(w.tensors["down"], w.tensors["up"], w.alpha) for s, w in modules.items()}, metadata
-
-
-def apply_lora_file(
-    model: nn.Module,
-    path: str | os.PathLike,
-    multiplier: float = 1.0,
-    name_map: NameMap | None = None,
-    prefix: str = COMFY_PREFIX,
-    dtype: torch.dtype = torch.float32,
-    name_map_inverse: NameMap | None = None,
-) -> AdapterNetwork:
-    """Attach the adapter stored in `path` (LoRA, and also LoHa, LoKr or DoRA: see
-    `factory.apply_adapter_file`) to `model` for inference."""
-    from tuner.networks.factory import apply_adapter_file  # the factory builds every adapter type
-
-    return apply_adapter_file(model, path, multiplier, name_map, prefix, dtype, name_map_inverse)
