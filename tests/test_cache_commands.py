@@ -192,3 +192,11 @@ def test_text_encoder_in_lower_precision_is_another_encoder(project, capsys, pre
     encoders = {store.meta(k)["encoder"].split("/")[1] for k in store.keys("text")}
     assert encoders == {"bf16", precision}
     assert cfg(project, f"cache.text_encoder_dtype={precision}").cache.text_encoder_dtype == precision
+
+
+def test_items_sharing_a_caption_share_one_text_entry(project, capsys):
+    for i in range(4):
+        (project.parent / "data" / "images" / f"image_{i:03d}.txt").write_text("the same caption")
+    videos = {(project.parent / "data" / "videos" / f"video_{i:03d}.txt").read_text() for i in range(2)}
+    # one entry for the shared caption, one per distinct video caption, one for the empty caption
+    assert summary(run(capsys, "cache", "text", "--config", project)[1]) == (1 + len(videos) + 1, 0, 0)

@@ -12,7 +12,6 @@ from tuner.data import (
     load_control_pixels,
     load_job_pixels,
     plan_latent_jobs,
-    plan_text_jobs,
 )
 from tuner.errors import ConfigError, DataError
 from tuner.fixtures.dataset import write_videos
@@ -247,11 +246,3 @@ def test_load_job_pixels_shape_and_range(tmp_path):
     image(tmp_path / "i" / "a.png", size=(60, 200))  # the file changed after planning
     with pytest.raises(DataError, match="a.png: its size changed since"):
         load_job_pixels(ijob)
-
-
-def test_text_jobs_dedupe_captions(tmp_path):
-    for stem, caption in [("a", "same"), ("b", "same"), ("c", "other")]:
-        image(tmp_path / f"{stem}.png", caption=caption)
-    items, _ = discover_items(make_spec(tmp_path))
-    assert [j.caption for j in plan_text_jobs(items)] == ["same", "other"]
-    assert [j.caption for j in plan_text_jobs(items, include_empty=True)] == ["same", "other", ""]

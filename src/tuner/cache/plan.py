@@ -226,7 +226,3 @@ def torch_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def dataset_source(spec: DatasetSpec) -> str:
-    return str(Path(spec.source))

@@ -23,11 +23,9 @@ from tuner.data.datasets import Item, discover_items
 from tuner.data.frames import FrameRule, frame_windows, resample_indices, video_windows
 from tuner.data.jobs import (
     LatentJob,
-    TextJob,
     load_control_pixels,
     load_job_pixels,
     plan_latent_jobs,
-    plan_text_jobs,
 )
 from tuner.data.media import VideoInfo, probe_image, probe_video, read_image, read_video_frames, to_tensor
 
@@ -37,7 +35,6 @@ __all__ = [
     "FrameRule",
     "Item",
     "LatentJob",
-    "TextJob",
     "VideoInfo",
     "bucket_sizes",
     "choose_bucket",
@@ -49,7 +46,6 @@ __all__ = [
     "plan_batches",
     "plan_crop",
     "plan_latent_jobs",
-    "plan_text_jobs",
     "probe_image",
     "probe_video",
     "read_image",

@@ -17,7 +17,7 @@ part of a job: repeating an item reuses the same latent; training applies it whe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -85,24 +85,6 @@ class LatentJob:
             "controls": [{"resize": list(c.resized), "crop": list(c.box)} for c in self.control_crops],
             "pixel_pipeline": PIXEL_PIPELINE_VERSION,
         }
-
-
-@dataclass(frozen=True)
-class TextJob:
-    """One text-encoder encode: a caption (shared by every item that uses it)."""
-
-    caption: str
-
-    def params(self) -> dict:
-        return {"caption": self.caption}
-
-
-def plan_text_jobs(items: Iterable[Item], include_empty: bool = False) -> list[TextJob]:
-    """One job per distinct caption, in first-seen order; include_empty adds "" (for caption dropout)."""
-    captions = dict.fromkeys(it.caption for it in items)
-    if include_empty:
-        captions.setdefault("", None)
-    return [TextJob(c) for c in captions]
 
 
 # ---------------------------------------------------------------- planning
