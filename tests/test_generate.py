@@ -91,3 +91,13 @@ def test_several_loras_add_up_with_their_strengths(tmp_path, wan_model, capsys):
     double = draw("double.png", f"{lora}:2")
     assert np.abs(double - base).max() > 0
     assert np.abs(draw("two.png", f"{lora}:1", f"{lora}:1") - double).max() <= 1
+
+
+def test_generate_takes_the_memory_switches(tmp_path, wan_model, capsys):
+    config = make_project(tmp_path, wan_model)
+    out = tmp_path / "fp8.png"
+    code, log = run(capsys, "generate", "--config", config, "--prompt", "x", "--size", "64x48", "--frames", "1",
+                    "--steps", "2", "--guidance", "1", "--device", "cpu", "--set", "memory.fp8_base=true",
+                    "--set", "memory.attention=sdpa_math", "--out", out)  # fmt: skip
+    assert code == 0, log
+    assert Image.open(out).size == (64, 48)

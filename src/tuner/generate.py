@@ -127,7 +127,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     dtype = DTYPES[cfg.model.dtype]
 
     cond, uncond = encode_conditions(trainer, cfg, opts, device)
-    model = trainer.load_transformer(dtype).eval()
+    model = trainer.load_transformer(dtype).eval().requires_grad_(False)
     # the same memory switches as training (block swap, fp8, attention); activations need no offload
     settings = replace(cfg.memory, activation_offload=False)
     apply_memory_settings(
