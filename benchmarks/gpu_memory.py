@@ -35,7 +35,9 @@ from diffusers import WanTransformer3DModel
 from tuner.memory import MemorySettings, apply_memory_settings
 from tuner.networks import LoRANetwork, TargetSpec
 from tuner.offload import FakeTransfer
-from tuner.trainers.wan import WAN_TARGETS
+from tuner.registry import ARCHITECTURES  # noqa: E402
+
+WAN_TARGETS = ARCHITECTURES["wan"].default_targets
 
 CONFIGS = (
     Path(__file__).resolve().parent.parent / "src" / "tuner" / "models" / "configs" / "wan" / "transformer"

@@ -43,4 +43,4 @@ def test_fixtures_command_writes_both_layouts(tmp_path, capsys):
     assert (tmp_path / "m" / "diffusers" / "model_index.json").is_file()
     assert (tmp_path / "m" / "single" / "wan2.1_t2v_tiny.safetensors").is_file()
     code, out = run(capsys, "fixtures", "nope", tmp_path / "n")
-    assert code == 2 and "known:" in out and "wan" in out
+    assert code == 2 and "known:" in out.lower() and "wan" in out

@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from project import cfg, make_project, run
 from tuner.cache.plan import open_training_data
-from tuner.fixtures import fixture, write_fixture
+from tuner.demo import data_kinds
+from tuner.fixtures import write_fixture
 from tuner.models.loading import read_tensor_shapes
 from tuner.networks.factory import apply_adapter_file
 from tuner.networks.lora import LoRANetwork
@@ -61,7 +62,7 @@ def _setup(case):
 
 def _lora(trainer, model, seed=0) -> LoRANetwork:
     network = LoRANetwork.apply_to(model, TargetSpec(trainer.default_targets), rank=4, alpha=2,
-                                   name_map=trainer.export_name)  # fmt: skip
+                                   name_map=trainer.keys)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     for adapter in network:  # a trained-looking adapter: up is zero at init
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
@@ -92,12 +93,12 @@ def test_save_load_round_trip(case, tmp_path):
     trainer, model, noisy, t, cond = _setup(case)
     network = _lora(trainer, model)
     path = tmp_path / "lora.safetensors"
-    network.save(path, trainer.export_name)
+    network.save(path, trainer.keys)
     with torch.no_grad():
         expected = trainer.predict(model, noisy, t, cond)
     network.remove()
     fresh = trainer.load_transformer(torch.float32).eval()
-    apply_adapter_file(fresh, path, 1.0, name_map=trainer.export_name)
+    apply_adapter_file(fresh, path, 1.0, name_map=trainer.keys)
     with torch.no_grad():
         got = trainer.predict(fresh, noisy, t, cond)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -109,7 +110,7 @@ def test_exported_keys_match_original_layout(case, tmp_path):
     original = {k.removeprefix("model.diffusion_model."): v for k, v in
                 read_tensor_shapes(paths["transformer_file"]).items()}  # fmt: skip
     path = tmp_path / "lora.safetensors"
-    _lora(trainer, model).save(path, trainer.export_name)
+    _lora(trainer, model).save(path, trainer.keys)
     with safe_open(str(path), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     stems = {k.removesuffix(".lora_A.weight") for k in shapes if k.endswith(".lora_A.weight")}
@@ -139,11 +140,11 @@ def test_cli_cache_train_generate(case, tmp_path, capsys):
                     "--set", "train.max_steps=2")  # fmt: skip
     assert code == 0, log
     lora = out / "demo_lora.safetensors"
-    spec = fixture(arch)
-    sample = tmp_path / ("sample.mp4" if spec.video else "sample.png")
-    extra = ["--control", str(config.parent / "data" / "controls" / "image_000.png")] * spec.controls
+    video, controls = data_kinds(arch)
+    sample = tmp_path / ("sample.mp4" if video else "sample.png")
+    extra = ["--control", str(config.parent / "data" / "controls" / "image_000.png")] * controls
     code, log = run(capsys, "generate", "--config", config, "--prompt", "a red circle", "--lora", f"{lora}:0.8",
-                    "--size", "64x48", "--frames", "9" if spec.video else "1", "--steps", "2", "--device", "cpu",
+                    "--size", "64x48", "--frames", "9" if video else "1", "--steps", "2", "--device", "cpu",
                     "--out", sample, *extra)  # fmt: skip
     assert code == 0, log
     assert Path(sample).is_file() and Path(sample).stat().st_size > 0

@@ -19,7 +19,9 @@ from tuner.errors import TunerError
 from tuner.models.wan import original_module_name
 from tuner.networks import LoHaNetwork, LoKrNetwork, LoRANetwork, TargetSpec, apply_adapter_file
 from tuner.networks.keys import read_safetensors
-from tuner.trainers.wan import WAN_TARGETS
+from tuner.registry import ARCHITECTURES
+
+WAN_TARGETS = ARCHITECTURES["wan"].default_targets
 
 pytest.importorskip("peft")
 

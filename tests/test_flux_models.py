@@ -23,6 +23,7 @@ from tuner.models.flux_keys import (
 from tuner.models.identify import check_keys, pick_variant
 from tuner.models.loading import load_tensors
 from tuner.networks.targets import TargetSpec, find_targets
+from tuner.registry import ARCHITECTURES
 from tuner.trainers.flux import FluxKontextTrainer, FluxTrainer
 
 
@@ -201,7 +202,7 @@ def test_adapter_names_cover_the_default_targets(paths):
     """Every default target is either renamed one to one or a part of a fused layer."""
     model = flux.load_transformer(paths["transformer_file"], torch.float32)
     original = set(load_tensors(paths["transformer_file"]))
-    names = list(find_targets(model, TargetSpec(FluxTrainer.default_targets)))
+    names = list(find_targets(model, TargetSpec(ARCHITECTURES["flux"].default_targets)))
     assert len(names) == 17  # 12 linears in the double block, 5 in the single block
     for name in names:
         fused = [layer for layer in FLUX_KEYS.fused if layer.part_of(name)]

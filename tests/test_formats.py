@@ -28,8 +28,10 @@ from tuner.networks import (
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.formats import read_modules
 from tuner.networks.fused import FusedLayer
+from tuner.registry import ARCHITECTURES
 from tuner.tools.convert import convert_adapter
-from tuner.trainers.wan import WAN_TARGETS
+
+WAN_TARGETS = ARCHITECTURES["wan"].default_targets
 
 # Every layer the users train, plus layers outside the defaults, to check their names too.
 ALL_LINEARS = TargetSpec(WAN_TARGETS, include=(r"proj_out", r"condition_embedder\..*"))

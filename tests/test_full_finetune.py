@@ -26,7 +26,9 @@ from tuner.networks import (
 )
 from tuner.networks.full import stochastic_round_
 from tuner.optim import build_optimizer
-from tuner.trainers.wan import WAN_TARGETS
+from tuner.registry import ARCHITECTURES
+
+WAN_TARGETS = ARCHITECTURES["wan"].default_targets
 
 
 def network_config(**changes) -> SimpleNamespace:

@@ -18,8 +18,10 @@ from tuner.errors import CheckpointError
 from tuner.models import wan
 from tuner.networks import LoRANetwork, TargetSpec, apply_adapter_file
 from tuner.networks.formats import read_modules
+from tuner.registry import ARCHITECTURES
 from tuner.tools import add_lora_commands
-from tuner.trainers.wan import WAN_TARGETS
+
+WAN_TARGETS = ARCHITECTURES["wan"].default_targets
 
 
 def lora_cli(*argv) -> None:

@@ -88,7 +88,7 @@ def test_swapping_needs_cuda_unless_a_transfer_is_given():
 
 def test_block_lists_are_known_per_class():
     assert block_lists_of(tiny_wan()) == ("blocks",)
-    with pytest.raises(TunerError, match="no block lists are known for Linear"):
+    with pytest.raises(TunerError, match="no architecture record names Linear"):
         block_lists_of(nn.Linear(2, 2))
 
 

@@ -21,6 +21,7 @@ from tuner.fixtures.qwen_image import write_qwen_image_edit_fixture, write_qwen_
 from tuner.models import qwen_image, qwen_image_text
 from tuner.models.identify import pick_variant
 from tuner.models.wan_keys import vae_key_to_original
+from tuner.registry import ARCHITECTURES
 from tuner.trainers.qwen_image import QwenImageEditTrainer, QwenImageTrainer
 
 CAPTIONS = ["a red circle moving left", "a small dog walks on the beach at sunset"]
@@ -346,7 +347,9 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     from tuner.networks.targets import TargetSpec
 
     model = qwen_image.load_transformer(fx["diffusers"], torch.float32)
-    network = LoRANetwork.apply_to(model, TargetSpec(QwenImageTrainer.default_targets), rank=4, alpha=2)
+    network = LoRANetwork.apply_to(
+        model, TargetSpec(ARCHITECTURES["qwen_image"].default_targets), rank=4, alpha=2
+    )
     gen = torch.Generator().manual_seed(0)
     for adapter in network:
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)

@@ -110,11 +110,20 @@ def _generate(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tuner", description=__doc__.splitlines()[0])
+    from tuner.registry import describe_architectures
+
+    known = f"architectures (model.architecture in a config):\n{describe_architectures()}"
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="tuner", description=__doc__.splitlines()[0], epilog=known, formatter_class=raw
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("fixtures", help="write a tiny random-weight model in the real checkpoint layouts")
-    p.add_argument("architecture", help="architecture name, e.g. wan")
+    p = sub.add_parser(
+        "fixtures", help="write a tiny random-weight model in the real checkpoint layouts", epilog=known,
+        formatter_class=raw,
+    )  # fmt: skip
+    p.add_argument("architecture", help="architecture name (listed below)")
     p.add_argument("dir", help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_fixtures)

@@ -15,6 +15,7 @@ from pathlib import Path
 from tuner.cli import main as tuner
 from tuner.fixtures import fixture, write_fixture
 from tuner.fixtures.dataset import write_demo_dataset
+from tuner.registry import ARCHITECTURES, trainer_class
 
 IMAGES_TOML = """\
 [general]
@@ -73,18 +74,25 @@ keep_last = 2
 """
 
 
+def data_kinds(architecture: str) -> tuple[bool, int]:
+    """(whether the architecture trains on video, control images per item) for its demo data."""
+    trainer = trainer_class(architecture)
+    return trainer.supports_video, trainer.control_images[0]
+
+
 def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture: str = "wan") -> Path:
     """Write the fixture (unless `model` points at one), the dataset and both TOMLs; return the config."""
     spec = fixture(architecture)
+    video, controls = data_kinds(architecture)
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if model is None:
         model = out / "model"
         print(f"== fixture: tiny {architecture} in its checkpoint layouts → {model}")
         write_fixture(architecture, model)
-    print(f"== dataset: generated images{' and videos' if spec.video else ''} → {out / 'data'}")
-    write_demo_dataset(out / "data", videos=2 if spec.video else 0, controls=spec.controls)
-    dataset = IMAGES_TOML + (CONTROLS_TOML if spec.controls else "") + (VIDEOS_TOML if spec.video else "")
+    print(f"== dataset: generated images{' and videos' if video else ''} → {out / 'data'}")
+    write_demo_dataset(out / "data", videos=2 if video else 0, controls=controls)
+    dataset = IMAGES_TOML + (CONTROLS_TOML if controls else "") + (VIDEOS_TOML if video else "")
     (out / "dataset.toml").write_text(dataset)
     config = out / "train.toml"
     section = spec.model_section.format(root=Path(model).resolve())
@@ -95,7 +103,7 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
 def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path]:
     out = out.resolve()
     config = prepare(out, steps, architecture=architecture)
-    video = fixture(architecture).video
+    video, controls = data_kinds(architecture)
     c = str(config)
     for argv in (
         ["cache", "latents", "--config", c],
@@ -104,7 +112,7 @@ def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path
         ["generate", "--config", c, "--prompt", "a red circle moving left on a black background",
          "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "64x48", "--frames", "9" if video else "1",
          "--steps", "8", "--guidance", "3.0", "--device", "cpu",
-         *(["--control", str(out / "data" / "controls" / "image_000.png")] * fixture(architecture).controls),
+         *(["--control", str(out / "data" / "controls" / "image_000.png")] * controls),
          "--out", str(out / "samples" / ("demo.mp4" if video else "demo.png"))],
     ):  # fmt: skip
         print(f"== tuner {' '.join(argv)}")
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="demo_out")
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--architecture", default="wan")
+    parser.add_argument("--architecture", default="wan", choices=list(ARCHITECTURES))
     args = parser.parse_args(argv)
     run(Path(args.out), args.steps, args.architecture)
     return 0

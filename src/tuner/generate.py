@@ -19,12 +19,12 @@ import torch
 from PIL import Image
 
 from tuner.cache.plan import torch_device
+from tuner.dtypes import DTYPES
 from tuner.errors import ConfigError
 from tuner.memory import apply_memory_settings
 from tuner.networks.factory import apply_adapter_file
 from tuner.sampling import euler_sample, flow_sigmas
 from tuner.trainers import trainer_class
-from tuner.trainers.base import DTYPES
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict
     control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
     encoder = trainer.load_text_encoder(device, cfg.cache.text_encoder_dtype)
     # edit models whose text encoder sees the control images get them for both prompts, as in training
-    seen = {"controls": [control_pixels]} if trainer.text_uses_controls else {}
+    seen = [control_pixels] if trainer.text_uses_controls else None
     with torch.no_grad():
-        cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p], **seen))
+        cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p], seen))
                         for p in (opts.prompt, opts.negative_prompt))  # fmt: skip
     del encoder
     _release_memory()
@@ -131,10 +131,15 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     # the same memory switches as training (block swap, fp8, attention); activations need no offload
     settings = replace(cfg.memory, activation_offload=False)
     apply_memory_settings(
-        model, settings, device, fp8_source=cfg.model.transformer, name_map=trainer.import_name
+        model,
+        settings,
+        device,
+        block_lists=trainer.record.block_lists,
+        fp8_source=cfg.model.transformer,
+        name_map=trainer.keys.to_diffusers,
     )
     for path, strength in opts.loras:
-        network = apply_adapter_file(model, path, strength, name_map=trainer.export_name)
+        network = apply_adapter_file(model, path, strength, name_map=trainer.keys)
         network.to(device)
         log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)

@@ -32,25 +32,6 @@ from tuner.offload import BlockSwap, CheckpointBlocks, Transfer, transfer_for
 
 logger = logging.getLogger(__name__)
 
-# Block lists per diffusers class, in execution order (what block swap and checkpointing iterate over).
-BLOCK_LISTS: dict[str, tuple[str, ...]] = {
-    "WanTransformer3DModel": ("blocks",),
-    "WanVACETransformer3DModel": ("blocks",),
-    "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "Flux2Transformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "ChromaTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "HunyuanVideoTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "QwenImageTransformer2DModel": ("transformer_blocks",),
-    "SD3Transformer2DModel": ("transformer_blocks",),
-    "LTXVideoTransformer3DModel": ("transformer_blocks",),
-    "CosmosTransformer3DModel": ("transformer_blocks",),
-    "HunyuanVideo15Transformer3DModel": ("transformer_blocks",),
-    "ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "layers"),
-    "Lumina2Transformer2DModel": ("noise_refiner", "context_refiner", "layers"),
-    "Kandinsky5Transformer3DModel": ("text_transformer_blocks", "visual_transformer_blocks"),
-    "HiDreamImageTransformer2DModel": ("double_stream_blocks", "single_stream_blocks"),
-}
-
 SwapMode = Literal["full", "h2d_only"]
 TEXT_ENCODER_QUANT = ("fp8", "int8", "nf4")
 
@@ -86,14 +67,17 @@ class MemoryHandle:
 
 
 def block_lists_of(model: nn.Module) -> tuple[str, ...]:
-    """The block-list attribute names of a known diffusers model class."""
+    """The block-list attribute names of a model whose class an architecture record names."""
+    from tuner.registry import ARCHITECTURES
+
     name = type(model).__name__
-    if name not in BLOCK_LISTS:
-        raise TunerError(
-            f"no block lists are known for {name}; pass block_lists= (the attribute names of its "
-            "nn.ModuleList of transformer blocks, in execution order)"
-        )
-    return BLOCK_LISTS[name]
+    for record in ARCHITECTURES.values():
+        if record.model_class == name:
+            return record.block_lists
+    raise TunerError(
+        f"no architecture record names {name}; pass block_lists= (the attribute names of its "
+        "nn.ModuleList of transformer blocks, in execution order)"
+    )
 
 
 def apply_memory_settings(
@@ -110,7 +94,7 @@ def apply_memory_settings(
     """Attach fp8 storage, the attention backend, activation offload and block swap to a frozen `model`
     and place it on `device` (see the module docstring).
 
-    `block_lists` defaults to the model class's entry in `BLOCK_LISTS`. `fp8_source` is the checkpoint the
+    `block_lists` defaults to those of the architecture record naming the model's class. `fp8_source` is the checkpoint the
     model came from: when it is a ComfyUI fp8 file its fp8 layers keep their exact stored values
     (`name_map` turns its layer names into the model's). `probe_forwards`: with blocks_to_swap = "auto",
     the forward passes measured before N is chosen (training: the gradient-accumulation steps, so an
@@ -168,6 +152,21 @@ def _refuse_adapters(model: nn.Module) -> None:
 
 
 # --- text encoders ----------------------------------------------------------------------------------
+
+
+def text_encoder_dtype(precision: str) -> torch.dtype:
+    """The dtype to load a text encoder in for `cache.text_encoder_dtype`: as named, or bf16 before
+    fp8 / int8 / nf4 quantization."""
+    from tuner.dtypes import DTYPES
+
+    return DTYPES.get(precision, torch.bfloat16)
+
+
+def place_text_encoder(model: nn.Module, precision: str, device: torch.device | str) -> nn.Module:
+    """Quantize a loaded text encoder when `precision` asks for it (fp8 / int8 / nf4), then move it."""
+    if precision in TEXT_ENCODER_QUANT:
+        quantize_text_encoder(model, precision, device)
+    return model.to(device)
 
 
 def quantize_text_encoder(model: nn.Module, mode: str, device: torch.device | str = "cpu") -> int:

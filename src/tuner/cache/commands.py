@@ -28,10 +28,9 @@ from tuner.cache.plan import (
     torch_device,
 )
 from tuner.data.jobs import load_control_pixels, load_job_pixels
+from tuner.dtypes import DTYPES
 from tuner.errors import DataError
 from tuner.trainers import trainer_class
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _summary(encoded: int, reused: int, pruned: int) -> str:
@@ -138,11 +137,10 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                 requests = [wanted[k] for k in chunk]
                 captions = [r.caption for r in requests]
                 with torch.no_grad():
+                    controls = None
                     if trainer.text_uses_controls:
                         controls = [load_control_pixels(r.job) for r in requests]
-                        outputs = trainer.encode_text(te, captions, controls=controls)
-                    else:
-                        outputs = trainer.encode_text(te, captions)
+                    outputs = trainer.encode_text(te, captions, controls)
                 for key, request, out in zip(chunk, requests, outputs):
                     tensors = {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
                     writer.put(key, TEXT, tensors, {"encoder": encoder.label(), "caption": request.caption})

@@ -88,13 +88,12 @@ def load_config(
     for override in overrides:
         apply_override(data, override)
     file = parse_section(TrainingFile, data, str(path), "", path.parent)
-    from tuner.trainers import ARCHITECTURES  # a plain dict; importing it loads no model code
+    from tuner.registry import architecture  # plain data; importing it loads no model code
 
-    if file.model.architecture not in ARCHITECTURES:
-        raise ConfigError(
-            f"{path}: key 'model.architecture': unknown architecture {file.model.architecture!r}."
-            f"{did_you_mean(file.model.architecture, ARCHITECTURES)} Known: {', '.join(sorted(ARCHITECTURES))}."
-        )
+    try:
+        architecture(file.model.architecture)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: key 'model.architecture': {e}") from None
     datasets = load_datasets(file.data.dataset_config, check_paths)
     if file.train.validate_every_n_steps and not any(d.validation for d in datasets):
         raise ConfigError(

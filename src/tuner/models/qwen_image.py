@@ -58,6 +58,7 @@ from tuner.models.loading import (
     resolve_folder,
 )
 from tuner.models.wan_keys import vae_key_to_original
+from tuner.networks.architectures import ArchitectureKeys
 
 __all__ = [
     "TRANSFORMER_VARIANTS",
@@ -135,7 +136,8 @@ LINEAR_MODULES = (
     "img_in", "txt_in", "time_text_embed.timestep_embedder.linear_1",
     "time_text_embed.timestep_embedder.linear_2", "norm_out.linear", "proj_out",
 )  # fmt: skip
-KEY_RULES: tuple[tuple[str, str], ...] = tuple((name, name) for name in LINEAR_MODULES)
+QWEN_IMAGE_KEYS = ArchitectureKeys("qwen_image", tuple((name, name) for name in LINEAR_MODULES))
+"""The adapter key table (Qwen-Image and Qwen-Image-Edit): the identity over the linear layers."""
 
 _TRANSFORMER_WHAT = "Qwen-Image transformer"
 _TRANSFORMER_MARKERS = ("img_in.weight", "txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")

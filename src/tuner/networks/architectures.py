@@ -16,10 +16,9 @@ trainer can pass it wherever a `NameMap` is expected, and its fused layers come 
 
 from __future__ import annotations
 
-import functools
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -94,44 +93,20 @@ def _rename(name: str, rules: list[tuple[re.Pattern[str], str]], direction: str)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The registry: a plain dict of builders, so nothing model-specific is imported until asked for.
+# The tables of the registered architectures (`tuner.registry`), imported only when asked for.
 # ---------------------------------------------------------------------------------------------------
 
 
-def _wan() -> ArchitectureKeys:
-    from tuner.models.wan_keys import WAN_KEYS
-
-    return WAN_KEYS  # Wan's original release fuses nothing
-
-
-def _flux() -> ArchitectureKeys:
-    from tuner.models.flux_keys import FLUX_KEYS
-
-    return FLUX_KEYS  # BFL's release fuses q/k/v (and linear1 in the single blocks)
-
-
-@functools.cache  # one table object, so detection sees qwen_image and qwen_image_edit as one
-def _qwen_image() -> ArchitectureKeys:
-    from tuner.models.qwen_image import KEY_RULES
-
-    return ArchitectureKeys("qwen_image", KEY_RULES)  # the release already uses diffusers names
-
-
-# FLUX.1 Kontext has the same module names as FLUX.1-dev, and Qwen-Image-Edit as Qwen-Image; files say
-# which in their metadata.
-ARCHITECTURE_KEYS: dict[str, Callable[[], ArchitectureKeys]] = {
-    "wan": _wan,
-    "flux": _flux,
-    "flux_kontext": _flux,
-}
-
-
 def architecture_keys(name: str) -> ArchitectureKeys:
-    if name not in ARCHITECTURE_KEYS:
+    """The key table of architecture `name` (FLUX.1 Kontext shares FLUX.1's, Qwen-Image-Edit Qwen-Image's:
+    a file says which in its metadata)."""
+    from tuner.registry import ARCHITECTURES
+
+    if name not in ARCHITECTURES:
         raise CheckpointError(
-            f"no adapter key table for architecture {name!r}; known: {sorted(ARCHITECTURE_KEYS)}"
+            f"no adapter key table for architecture {name!r}; known: {', '.join(ARCHITECTURES)}"
         )
-    return ARCHITECTURE_KEYS[name]()
+    return ARCHITECTURES[name].key_table()
 
 
 def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where: str) -> ArchitectureKeys:
@@ -139,14 +114,16 @@ def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where
     module of the file."""
     if arch := metadata.get("tuner.architecture"):
         return architecture_keys(arch)
+    from tuner.registry import ARCHITECTURES
+
     stems = list(stems)
     # one entry per distinct table: architectures that share module names (FLUX.1 and Kontext) are one
-    tables = list({id(keys): keys for keys in map(architecture_keys, ARCHITECTURE_KEYS)}.values())
+    tables = list({id(keys): keys for keys in map(architecture_keys, ARCHITECTURES)}.values())
     fitting = [keys for keys in tables if _names_all(stems, keys)]
     if len(fitting) != 1:
         why = "fit several" if fitting else "fit none"
         raise CheckpointError(
-            f"{where}: cannot tell the architecture: its module names {why} of {sorted(ARCHITECTURE_KEYS)}; "
+            f"{where}: cannot tell the architecture: its module names {why} of {', '.join(ARCHITECTURES)}; "
             "pass --arch"
         )
     return fitting[0]

@@ -14,13 +14,13 @@ from collections import Counter
 
 import torch
 
+from tuner.dtypes import DTYPES
 from tuner.io import save_safetensors
 from tuner.networks.architectures import architecture_keys, canonical_modules, detect_architecture
 from tuner.networks.formats import FOLDED_ALPHA, describe_modules, layout_state, parse_modules
 from tuner.networks.fused import FUSED_METADATA
 from tuner.networks.keys import describe_source, read_safetensors
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Metadata that describes one layout and is rewritten for the new one.
 _LAYOUT_METADATA = (FOLDED_ALPHA, FUSED_METADATA, "lora_adapter_metadata", "tuner.format", "tuner.trained_as")
 
@@ -48,7 +48,8 @@ def convert_adapter(
         **layout_metadata,
         **describe_modules(canonical, to),
         "tuner.format": to,
-        "tuner.architecture": keys.name,
+        # the file's own architecture when it names one (Kontext and Edit share their base's table)
+        "tuner.architecture": arch or metadata.get("tuner.architecture") or keys.name,
     }
     save_safetensors(state, dst, metadata=out_metadata)
     return len(canonical)

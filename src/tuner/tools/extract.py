@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, TunerError
 from tuner.io import save_safetensors
 from tuner.networks.architectures import architecture_keys, canonical_modules, detect_architecture
@@ -26,8 +27,6 @@ from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.formats import describe_modules, layout_state
 from tuner.networks.keys import COMFY_PREFIX
 from tuner.tools.checkpoint import read_checkpoint
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def extract_lora(

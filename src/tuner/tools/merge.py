@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError
 from tuner.io import save_safetensors
 from tuner.networks.architectures import architecture_keys, canonical_modules, detect_architecture
@@ -29,8 +30,6 @@ from tuner.networks.delta import ModuleWeights
 from tuner.networks.formats import layout_of, original_modules, read_modules
 from tuner.networks.keys import COMFY_PREFIX, KOHYA_PREFIXES
 from tuner.tools.checkpoint import Checkpoint, quantize_scaled_fp8, read_checkpoint
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def merge_adapters(

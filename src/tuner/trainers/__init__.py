@@ -1,20 +1,9 @@
-"""The architecture registry: name → "module:Class" of its trainer.
+"""The trainers: one `NetworkTrainer` subclass per architecture family (`base.py` holds the loop).
 
-A plain dict, so that reading a config (which checks the name) imports no model code.
+Which class trains an architecture is part of its record (`tuner.registry`); `trainer_class(name)`
+imports it.
 """
 
-ARCHITECTURES: dict[str, str] = {
-    "wan": "tuner.trainers.wan:WanTrainer",
-    "qwen_image": "tuner.trainers.qwen_image:QwenImageTrainer",
-    "qwen_image_edit": "tuner.trainers.qwen_image:QwenImageEditTrainer",
-    "flux": "tuner.trainers.flux:FluxTrainer",
-    "flux_kontext": "tuner.trainers.flux:FluxKontextTrainer",
-}
+from tuner.registry import trainer_class
 
-
-def trainer_class(name: str):
-    """Import and return the trainer class registered under `name`."""
-    import importlib
-
-    module, cls = ARCHITECTURES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+__all__ = ["trainer_class"]

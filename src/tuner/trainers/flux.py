@@ -16,18 +16,9 @@ import torch
 from torch import nn
 
 from tuner.errors import ConfigError
+from tuner.memory import place_text_encoder, text_encoder_dtype
 from tuner.models import flux
-from tuner.models.flux_keys import FLUX_KEYS
 from tuner.trainers.base import NetworkTrainer
-
-# Default adapter targets: the attention and MLP linears of both streams in the double blocks, and
-# q/k/v, MLP input and output of the single blocks (together these are the original fused `qkv` and
-# `linear1` layers, so the export can fuse them). Modulations, norms and embedders are left alone.
-FLUX_TARGETS = (
-    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-    r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
-    r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
-)
 
 
 class FluxTrainer(NetworkTrainer):
@@ -35,10 +26,6 @@ class FluxTrainer(NetworkTrainer):
     sample_shift = timestep_mode = "flux_shift"
     spatial_step = 16
     latent_patch = (2, 2)
-    default_targets = FLUX_TARGETS
-    # A name map (diffusers -> BFL names) that also declares the fused layers, which the adapter
-    # exporter writes as one fused adapter each (see tuner.networks.fused).
-    export_name = FLUX_KEYS
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return flux.load_transformer(self.weights_path("transformer"), dtype)
@@ -53,10 +40,10 @@ class FluxTrainer(NetworkTrainer):
             m.text_encoder_2 or None,
             m.tokenizer or None,
             m.tokenizer_2 or None,
-            self.text_encoder_load_dtype(dtype),
+            text_encoder_dtype(dtype),
         )
         for model in (encoders.clip, encoders.t5):
-            self.place_text_encoder(model, dtype, device)
+            place_text_encoder(model, dtype, device)
         return encoders
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -67,7 +54,9 @@ class FluxTrainer(NetworkTrainer):
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return flux.decode_latents(vae, latents).unsqueeze(2)
 
-    def encode_text(self, encoder: flux.TextEncoders, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+    def encode_text(
+        self, encoder: flux.TextEncoders, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
         return flux.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -85,9 +74,6 @@ class FluxTrainer(NetworkTrainer):
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, height // 8, width // 8)
-
-    def import_name(self, original_name: str) -> str:
-        return FLUX_KEYS.to_diffusers(original_name)
 
 
 class FluxKontextTrainer(FluxTrainer):

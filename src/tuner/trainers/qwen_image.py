@@ -14,15 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuner.memory import place_text_encoder, text_encoder_dtype
 from tuner.models import qwen_image, qwen_image_text
 from tuner.trainers.base import NetworkTrainer
-
-# Default adapter targets: the attention projections of both streams and both MLPs of every block.
-# The modulation layers (img_mod / txt_mod), the embedders and the output head are left alone.
-QWEN_IMAGE_TARGETS = (
-    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-    r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
-)
 
 
 class QwenImageTrainer(NetworkTrainer):
@@ -30,7 +24,6 @@ class QwenImageTrainer(NetworkTrainer):
     sample_shift = timestep_mode = "qwen_shift"
     spatial_step = 16
     latent_patch = (1, 2, 2)
-    default_targets = QWEN_IMAGE_TARGETS
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return qwen_image.load_transformer(self.weights_path("transformer"), dtype)
@@ -42,9 +35,9 @@ class QwenImageTrainer(NetworkTrainer):
         encoder = qwen_image_text.load_text_encoder(
             self.weights_path("text_encoder"),
             self.cfg.model.tokenizer or None,
-            self.text_encoder_load_dtype(dtype),
+            text_encoder_dtype(dtype),
         )
-        self.place_text_encoder(encoder.model, dtype, device)
+        place_text_encoder(encoder.model, dtype, device)
         return encoder.to(device)
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -53,7 +46,7 @@ class QwenImageTrainer(NetworkTrainer):
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return qwen_image.decode_latents(vae, latents)
 
-    def encode_text(self, encoder, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+    def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         embeds = qwen_image_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
         return [{"prompt_embeds": e} for e in embeds]
 
@@ -79,8 +72,6 @@ class QwenImageTrainer(NetworkTrainer):
         factor = qwen_image.VAE_FACTOR
         return (qwen_image.LATENT_CHANNELS, 1, height // factor, width // factor)
 
-    # export_name / import_name: the release's module names are diffusers' (the base class's identity).
-
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Qwen-Image's "true CFG": the guided velocity is rescaled, token by token, to the norm of the
         conditional one (norms over each packed 2×2 token's channels, as the pipeline computes them)."""
@@ -102,8 +93,7 @@ class QwenImageEditTrainer(QwenImageTrainer):
     def encode_text(
         self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None = None
     ) -> list[dict[str, torch.Tensor]]:
-        """`controls`: each caption's control images ([3, 1, H, W] in [-1, 1]); None encodes the prompt
-        alone (the pipeline's path without images)."""
+        """None for `controls` encodes the prompt alone (the pipeline's path without images)."""
         images = controls if controls is not None else [[] for _ in captions]
         embeds = qwen_image_text.encode_edit_prompts(encoder, captions, images)
         return [{"prompt_embeds": e} for e in embeds]

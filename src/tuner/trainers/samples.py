@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tuner.dtypes import DTYPES
 from tuner.generate import GenerateOptions, check_options, decode_and_write, encode_conditions, sample_latents
-from tuner.trainers.base import DTYPES
 
 
 class TrainingSamples:

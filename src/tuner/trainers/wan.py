@@ -12,15 +12,9 @@ import torch
 from torch import nn
 
 from tuner.errors import CheckpointError
+from tuner.memory import place_text_encoder, text_encoder_dtype
 from tuner.models import wan
 from tuner.trainers.base import NetworkTrainer
-
-# Default adapter targets: every linear layer of the attention and FFN inside the blocks (the
-# condition embedders, time projection and output head are left alone).
-WAN_TARGETS = (
-    r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)",
-    r"blocks\.\d+\.ffn\.net\.(0\.proj|2)",
-)
 
 
 class WanTrainer(NetworkTrainer):
@@ -30,7 +24,6 @@ class WanTrainer(NetworkTrainer):
     model_fps = 16.0
     supports_video = True
     latent_patch = (1, 2, 2)
-    default_targets = WAN_TARGETS
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         model = wan.load_transformer(self.weights_path("transformer"), dtype)
@@ -48,9 +41,9 @@ class WanTrainer(NetworkTrainer):
         model, tokenizer = wan.load_text_encoder(
             self.weights_path("text_encoder"),
             self.cfg.model.tokenizer or None,
-            self.text_encoder_load_dtype(dtype),
+            text_encoder_dtype(dtype),
         )
-        return self.place_text_encoder(model, dtype, device), tokenizer
+        return place_text_encoder(model, dtype, device), tokenizer
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         return wan.encode_video(vae, pixels)
@@ -58,7 +51,7 @@ class WanTrainer(NetworkTrainer):
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return wan.decode_latents(vae, latents)
 
-    def encode_text(self, encoder, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+    def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         model, tokenizer = encoder
         embeds = wan.encode_prompts(model, tokenizer, captions, self.cfg.cache.text_max_length)
         return [{"context": e} for e in embeds]
@@ -82,9 +75,3 @@ class WanTrainer(NetworkTrainer):
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, (frames - 1) // 4 + 1, height // 8, width // 8)
-
-    def export_name(self, module_name: str) -> str:
-        return wan.original_module_name(module_name)
-
-    def import_name(self, original_name: str) -> str:
-        return wan.diffusers_module_name(original_name)

@@ -1,0 +1,184 @@
+"""The architecture records: everything shared code needs to know about an architecture, in one place.
+
+An architecture is one `Architecture` record in `ARCHITECTURES`. The training loop, the cache commands,
+generation, the adapter file tools (`tuner lora ...`), memory settings, fixtures, the demo and the
+contract test suite all read it from here; nothing else keeps a per-architecture table. Adding an
+architecture means writing its pieces (see `docs/architectures.md`) and registering one record;
+`tests/test_registry.py` fails while any piece is missing, and the contract suite then runs every user
+path on its fixture.
+
+The record is plain data. Code it points to (the trainer class, the key table, the fixture) is named as
+`"module:attribute"` and imported only when asked for, so reading a config or printing `--help` loads no
+model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import ConfigError
+
+CONFIGS = Path(__file__).parent / "models" / "configs"
+SAVE_LAYOUTS = ("comfy", "diffusers", "kohya")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture (a config's `model.architecture`)."""
+
+    name: str
+    """The config name, e.g. `wan`."""
+    title: str
+    """What it trains, in a few words (shown by `tuner --help` and `tuner fixtures --help`)."""
+    trainer: str
+    """`module:Class` of its `NetworkTrainer` subclass."""
+    keys: str
+    """`module:attribute` of its adapter key table (`ArchitectureKeys`): diffusers <-> original module
+    names and the fused layers. Architectures with the same module names point to the same table."""
+    fixture: str
+    """`module:attribute` of its tiny random-weight `Fixture` (written in the release's layouts)."""
+    model_class: str
+    """The diffusers class of its transformer."""
+    block_lists: tuple[str, ...]
+    """The transformer's `nn.ModuleList`s of blocks, in execution order (block swap, checkpointing,
+    fp8 storage)."""
+    default_targets: tuple[str, ...]
+    """Regexes over diffusers module names of the linear layers an adapter trains by default."""
+    configs: str
+    """Folder under `tuner/models/configs` with the diffusers configs of every shipped variant (a
+    `transformer/` folder holding a `tiny` variant and at least one real one)."""
+    save_format: str
+    """The layout `save.format = "auto"` writes: one that ComfyUI and diffusers both load."""
+
+    def trainer_class(self) -> type:
+        return _resolve(self.trainer)
+
+    def key_table(self) -> Any:
+        """The `ArchitectureKeys` of this architecture."""
+        return _resolve(self.keys)
+
+    def load_fixture(self) -> Any:
+        """The `Fixture` of this architecture."""
+        return _resolve(self.fixture)
+
+    @property
+    def variant_dir(self) -> Path:
+        return CONFIGS / self.configs
+
+
+def _resolve(ref: str) -> Any:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The records
+# ---------------------------------------------------------------------------------------------------
+
+_WAN = Architecture(
+    name="wan",
+    title="Wan 2.1 text-to-video (1.3B, 14B)",
+    trainer="tuner.trainers.wan:WanTrainer",
+    keys="tuner.models.wan_keys:WAN_KEYS",
+    fixture="tuner.fixtures.wan:FIXTURE",
+    model_class="WanTransformer3DModel",
+    block_lists=("blocks",),
+    # every linear layer of the attention and FFN inside the blocks (the condition embedders, time
+    # projection and output head are left alone)
+    default_targets=(
+        r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)",
+        r"blocks\.\d+\.ffn\.net\.(0\.proj|2)",
+    ),
+    configs="wan",
+    save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
+)
+
+_FLUX = Architecture(
+    name="flux",
+    title="FLUX.1 dev text-to-image",
+    trainer="tuner.trainers.flux:FluxTrainer",
+    keys="tuner.models.flux_keys:FLUX_KEYS",
+    fixture="tuner.fixtures.flux:FIXTURE",
+    model_class="FluxTransformer2DModel",
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP input and
+    # output of the single blocks: together the original fused `qkv` and `linear1` layers, so the export
+    # can fuse them. Modulations, norms and embedders are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+        r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
+    ),
+    configs="flux",
+    # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
+    # the comfy layout's `diffusion_model.` FLUX names with only a warning)
+    save_format="kohya",
+)
+
+_QWEN_IMAGE = Architecture(
+    name="qwen_image",
+    title="Qwen-Image text-to-image",
+    trainer="tuner.trainers.qwen_image:QwenImageTrainer",
+    keys="tuner.models.qwen_image:QWEN_IMAGE_KEYS",
+    fixture="tuner.fixtures.qwen_image:FIXTURE",
+    model_class="QwenImageTransformer2DModel",
+    block_lists=("transformer_blocks",),
+    # the attention projections of both streams and both MLPs of every block; the modulation layers
+    # (img_mod / txt_mod), the embedders and the output head are left alone
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
+    ),
+    configs="qwen_image",
+    save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
+)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    record.name: record
+    for record in (
+        _WAN,
+        _FLUX,
+        # FLUX.1 Kontext: the dev network given a reference image; same module names
+        replace(
+            _FLUX,
+            name="flux_kontext",
+            title="FLUX.1 Kontext dev image editing (one reference image)",
+            trainer="tuner.trainers.flux:FluxKontextTrainer",
+            fixture="tuner.fixtures.flux:KONTEXT_FIXTURE",
+        ),
+        _QWEN_IMAGE,
+        # Qwen-Image-Edit 2509 / 2511: the same network given one to three control images
+        replace(
+            _QWEN_IMAGE,
+            name="qwen_image_edit",
+            title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",
+            trainer="tuner.trainers.qwen_image:QwenImageEditTrainer",
+            fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
+        ),
+    )
+}
+
+
+def architecture(name: str) -> Architecture:
+    """The record of `name`, or a `ConfigError` listing the known ones."""
+    if name not in ARCHITECTURES:
+        from tuner.config.fields import did_you_mean
+
+        raise ConfigError(
+            f"unknown architecture {name!r}.{did_you_mean(name, ARCHITECTURES)} Known: {', '.join(ARCHITECTURES)}."
+        )
+    return ARCHITECTURES[name]
+
+
+def trainer_class(name: str) -> type:
+    """Import and return the trainer class of architecture `name`."""
+    return architecture(name).trainer_class()
+
+
+def describe_architectures() -> str:
+    """One line per architecture, for help texts."""
+    width = max(map(len, ARCHITECTURES))
+    return "\n".join(f"  {name:<{width}}  {record.title}" for name, record in ARCHITECTURES.items())

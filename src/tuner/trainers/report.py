@@ -1,0 +1,64 @@
+"""What a training run tells: the start-up summary, the metadata saved with every adapter, and the config
+scalars logged to TensorBoard."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from tuner.config import Config
+
+
+def summary(trainer, network, data, total_steps: int, steps_per_epoch: int, accelerator, memory: str) -> str:
+    """The lines printed before the first step: what trains, on what data, for how long, where."""
+    cfg, tc, nc = trainer.cfg, trainer.cfg.train, trainer.cfg.network
+    trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
+    full = nc.type == "full"
+    what = "a full fine-tune" if full else (
+        f"a {nc.type}{' + DoRA' if nc.dora else ''} (rank {nc.rank}, alpha {nc.alpha})"
+    )  # fmt: skip
+    batch = data.summary()
+    return "\n".join(
+        [
+            f"tuner: training {what} on {trainer.architecture}",
+            f"  trainable parameters  {trainable:,} in {len(network)} modules",
+            f"  data                  {batch['samples']} samples, {batch['batches_per_epoch']} batches/epoch, "
+            f"buckets {', '.join(batch['buckets'])}",
+            f"  steps                 {total_steps} ({steps_per_epoch}/epoch), effective batch "
+            f"{batch['batch_size']} × {tc.gradient_accumulation_steps} accumulation × "
+            f"{accelerator.num_processes} process(es)",
+            f"  precision             base {cfg.model.dtype}, autocast {tc.mixed_precision}"
+            + ("" if full else ", adapter fp32"),
+            f"  memory                gradient checkpointing {'on' if tc.gradient_checkpointing else 'off'}; "
+            f"{memory}",
+            f"  device                {accelerator.device}",
+            f"  output                {cfg.save.output_dir}",
+        ]
+    )
+
+
+def adapter_metadata(trainer, data) -> dict[str, str]:
+    """What a saved adapter records about how it was trained."""
+    from tuner.cache.keys import fingerprint_weights
+
+    cfg = trainer.cfg
+    return {
+        "tuner.architecture": trainer.architecture,
+        "tuner.base_model": Path(cfg.model.transformer).name,
+        "tuner.base_model_fingerprint": fingerprint_weights(cfg.model.transformer),
+        "tuner.dataset": json.dumps(data.summary()),
+        "tuner.training": json.dumps(
+            {**asdict(cfg.train), "timesteps": asdict(cfg.timesteps), "network": asdict(cfg.network)}
+        ),
+    }
+
+
+def flat_scalars(cfg: Config) -> dict[str, int | float | str | bool]:
+    """The scalar settings of the train, network and timesteps sections, for TensorBoard's hparams."""
+    flat = {}
+    for section in ("train", "network", "timesteps"):
+        for k, v in asdict(getattr(cfg, section)).items():
+            if isinstance(v, int | float | str | bool):
+                flat[f"{section}.{k}"] = v
+    return flat

@@ -1,0 +1,73 @@
+"""Every registered architecture declares every piece shared code needs (`tuner.registry`).
+
+A new architecture that lacks a piece fails here, before the contract suite (tests/test_contract.py)
+runs every user path on its fixture.
+"""
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import diffusers
+import pytest
+
+from tuner.fixtures import Fixture
+from tuner.networks.architectures import ArchitectureKeys, architecture_keys
+from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS, Architecture, architecture
+from tuner.trainers.base import NetworkTrainer
+
+DOCS = Path(__file__).parents[1] / "docs" / "architectures.md"
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_record_is_complete(name):
+    record = ARCHITECTURES[name]
+    assert record.name == name and record.title
+    trainer = record.trainer_class()
+    assert issubclass(trainer, NetworkTrainer) and trainer.architecture == name
+    for method in ("load_transformer", "load_vae", "load_text_encoder", "encode_pixels", "encode_text",
+                   "collate_text", "predict", "decode_latents", "latent_shape"):  # fmt: skip
+        assert getattr(trainer, method) is not getattr(NetworkTrainer, method), f"{name} lacks {method}"
+    assert isinstance(record.key_table(), ArchitectureKeys)
+    assert architecture_keys(name) is record.key_table()
+    fixture = record.load_fixture()
+    assert isinstance(fixture, Fixture) and f'architecture = "{name}"' in fixture.model_section
+    assert hasattr(diffusers, record.model_class), record.model_class
+    assert record.block_lists and all(re.fullmatch(r"[a-z_]+", b) for b in record.block_lists)
+    assert record.default_targets
+    for pattern in record.default_targets:
+        re.compile(pattern)
+    variants = {
+        p.name for p in (record.variant_dir / "transformer").iterdir() if (p / "config.json").is_file()
+    }
+    assert "tiny" in variants and len(variants) >= 2, f"{name}: ship the real variants' configs too"
+    assert record.save_format in SAVE_LAYOUTS
+
+
+def test_architectures_sharing_a_model_share_its_tables():
+    """Kontext is FLUX.1's network, Qwen-Image-Edit Qwen-Image's: one key table each, so a file's module
+    names identify the family and its metadata the member."""
+    assert architecture_keys("flux_kontext") is architecture_keys("flux")
+    assert architecture_keys("qwen_image_edit") is architecture_keys("qwen_image")
+
+
+def test_unknown_architecture_is_named_with_a_suggestion():
+    with pytest.raises(Exception, match="Did you mean 'flux'.*Known: wan"):
+        architecture("flx")
+
+
+def test_reading_the_registry_imports_no_model_code():
+    code = (
+        "import sys, tuner.registry, tuner.config, tuner.cli; tuner.cli.build_parser(); "
+        "print([m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_docs_checklist_names_every_piece_of_the_record():
+    text = DOCS.read_text()
+    for field in dataclasses.fields(Architecture):
+        assert f"`{field.name}`" in text, f"docs/architectures.md does not explain the record's {field.name}"
