@@ -483,3 +483,17 @@ def test_diffusers_reads_our_file_as_an_original_layout_wan_lora(tmp_path):
     other = tiny_wan()
     other.load_lora_adapter(state, prefix="transformer")
     torch.testing.assert_close(run(other, wan_inputs()), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_layer_without_a_release_name_is_refused_before_training():
+    """An adapter the release's layout cannot name would fail at the save after training; the network
+    refuses it when it is built instead."""
+    from tuner.config.schema import NetworkConfig
+    from tuner.errors import ConfigError
+    from tuner.networks.architectures import ArchitectureKeys
+    from tuner.networks.factory import build_network
+
+    only_attention = ArchitectureKeys("test", (("blocks.{i}.attn1.to_q", "blocks.{i}.self_attn.q"),))
+    cfg = NetworkConfig(include=(r"blocks\.0\.attn1\.to_q", r"proj_out"))
+    with pytest.raises(ConfigError, match="proj_out has no name in the release's layout"):
+        build_network(tiny_wan(), (), cfg, only_attention)

@@ -136,8 +136,10 @@ LINEAR_MODULES = (
     "img_in", "txt_in", "time_text_embed.timestep_embedder.linear_1",
     "time_text_embed.timestep_embedder.linear_2", "norm_out.linear", "proj_out",
 )  # fmt: skip
-QWEN_IMAGE_KEYS = ArchitectureKeys("qwen_image", tuple((name, name) for name in LINEAR_MODULES))
-"""The adapter key table (Qwen-Image and Qwen-Image-Edit): the identity over the linear layers."""
+QWEN_IMAGE_KEYS = ArchitectureKeys(
+    "qwen_image", tuple((name, name) for name in LINEAR_MODULES), same_names=True
+)
+"""The key table of Qwen-Image and Qwen-Image-Edit: the release's names are diffusers'."""
 
 _TRANSFORMER_WHAT = "Qwen-Image transformer"
 _TRANSFORMER_MARKERS = ("img_in.weight", "txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from tuner.errors import CheckpointError
@@ -37,6 +37,9 @@ class ArchitectureKeys:
     renames: tuple[tuple[str, str], ...]
     """(diffusers pattern, original pattern); `{i}` is a block index."""
     fused: tuple[FusedLayer, ...] = ()
+    same_names: bool = False
+    """The release uses diffusers' names (Qwen-Image): a name outside `renames` maps to itself. The
+    renames still list the linear layers, so kohya stems (dots turned into underscores) read back."""
 
     @cached_property
     def _to_original(self) -> list[tuple[re.Pattern[str], str]]:
@@ -54,9 +57,13 @@ class ArchitectureKeys:
 
     def __call__(self, diffusers_name: str) -> str:
         """The original name of a diffusers module (or tensor key); `KeyError` outside the table."""
+        if self.same_names:
+            return diffusers_name
         return _rename(diffusers_name, self._to_original, f"{self.name} original")
 
     def to_diffusers(self, original_name: str) -> str:
+        if self.same_names:
+            return original_name
         return _rename(original_name, self._to_diffusers, f"{self.name} diffusers")
 
     def from_kohya(self, body: str) -> str:
@@ -130,6 +137,9 @@ def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where
 
 
 def _names_all(stems: list[str], keys: ArchitectureKeys) -> bool:
+    """Whether the table names every stem; a table that passes unknown names through (`same_names`)
+    only counts the names it lists, or it would fit every file."""
+    keys = replace(keys, same_names=False)
     try:
         for stem in stems:
             _names_of_stem(stem, keys)

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from tuner.errors import ConfigError
 from tuner.networks.base import AdapterModule, AdapterNetwork
 from tuner.networks.delta import LOHA, LOKR, LORA, ModuleWeights
 from tuner.networks.dora import DoRAModule
@@ -67,9 +68,30 @@ def build_network(
     }
     if cfg.type == "lokr":
         lokr = {"factor": cfg.factor, "decompose_both": cfg.decompose_both, "full_matrix": cfg.full_matrix}
-        return LoKrNetwork.apply_to(model, spec, cfg.rank, cfg.alpha, **lokr, **common)
-    network_class = LoHaNetwork if cfg.type == "loha" else LoRANetwork
-    return network_class.apply_to(model, spec, cfg.rank, cfg.alpha, **common)
+        network = LoKrNetwork.apply_to(model, spec, cfg.rank, cfg.alpha, **lokr, **common)
+    else:
+        network_class = LoHaNetwork if cfg.type == "loha" else LoRANetwork
+        network = network_class.apply_to(model, spec, cfg.rank, cfg.alpha, **common)
+    _check_exportable(network, name_map)
+    return network
+
+
+def _check_exportable(network: AdapterNetwork, name_map: NameMap | None) -> None:
+    """Every adapted layer needs a name in the release's layout, or the file could not be saved after
+    training: find out now, before the first step."""
+    if name_map is None:
+        return
+    fused = getattr(name_map, "fused", ())
+    for name in network.names():
+        if any(layer.part_of(name) for layer in fused):
+            continue  # saved as part of the release's fused layer
+        try:
+            name_map(name)
+        except KeyError:
+            raise ConfigError(
+                f"network.include: {name} has no name in the release's layout, so an adapter on it could not "
+                "be saved for ComfyUI; leave it out of network.include"
+            ) from None
 
 
 # ---------------------------------------------------------------------------------------------------
