@@ -17,7 +17,7 @@ from torch import nn
 
 from tuner.errors import ConfigError
 from tuner.models import flux
-from tuner.models.flux_keys import FLUX_KEYS
+from tuner.models.flux_keys import FLUX_LAYOUT
 from tuner.trainers.base import NetworkTrainer
 
 # Default adapter targets: the attention and MLP linears of both streams in the double blocks, and
@@ -38,7 +38,8 @@ class FluxTrainer(NetworkTrainer):
     default_targets = FLUX_TARGETS
     # A name map (diffusers -> BFL names) that also declares the fused layers, which the adapter
     # exporter writes as one fused adapter each (see tuner.networks.fused).
-    export_name = FLUX_KEYS
+    export_name = FLUX_LAYOUT
+    import_name = FLUX_LAYOUT.inverse  # whole BFL checkpoints (fp8 files, full fine-tunes) convert through it
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return flux.load_transformer(self.weights_path("transformer"), dtype)
@@ -85,9 +86,6 @@ class FluxTrainer(NetworkTrainer):
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, height // 8, width // 8)
-
-    def import_name(self, original_name: str) -> str:
-        return FLUX_KEYS.to_diffusers(original_name)
 
 
 class FluxKontextTrainer(FluxTrainer):
