@@ -6,6 +6,7 @@
 - `memory.fp8_base` on a ComfyUI fp8 file, in both of ComfyUI's layouts, keeps the file's exact fp8
   values (fused layers split into their parts with the layer's scale), and the model's output equals
   the output with the dequantized weights to float rounding.
+- An export that fails leaves the saved state behind, and `--resume latest` finishes the run.
 
 These belong to the contract suite (`tests/test_contract.py`) and use the same tiny fixtures.
 """
@@ -143,3 +144,44 @@ def test_fp8_base_keeps_a_comfyui_fp8_file_exact(case, tmp_path, layout):
         # fp8's own error with one scale per tensor: 0.009 (Qwen-Image) to 0.04 (FLUX) on these inputs
         assert relative_error(out, trainer.predict(reference, noisy, t, cond)) < 0.06
 
+
+# --- a failing export ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_failing_export_leaves_the_state_and_resume_finishes_the_run(tmp_path, monkeypatch):
+    """Issue #21: a FLUX full fine-tune whose export failed lost the whole run. The state is saved before
+    the export now: `--resume latest` then writes the same file an uninterrupted run writes."""
+    from tuner.cli import main
+
+    write_fixture("flux", tmp_path / "model")
+    config = make_project(tmp_path / "project", tmp_path / "model", architecture="flux")
+    assert main(["cache", "latents", "--config", str(config)]) == 0
+    assert main(["cache", "text", "--config", str(config)]) == 0
+    sets = ["network.type='full'", "train.max_steps=2", "log.tensorboard=false"]
+
+    def train(out: Path, *extra: str) -> int:
+        overrides = [*sets, f"save.output_dir='{out}'"]
+        return main(["train", "--config", str(config), *extra, *(a for s in overrides for a in ("--set", s))])
+
+    assert train(tmp_path / "a") == 0
+    with monkeypatch.context() as patch:
+
+        def export_fails(*args, **kwargs):
+            raise RuntimeError("export failed")
+
+        patch.setattr(FullNetwork, "save", export_fails)
+        with pytest.raises(RuntimeError, match="export failed"):
+            train(tmp_path / "b")
+    assert (tmp_path / "b" / "state" / "step000002" / "position.json").is_file()
+    assert not (tmp_path / "b" / "demo_lora.safetensors").exists()
+
+    assert train(tmp_path / "b", "--resume", "latest") == 0
+    straight, resumed = (
+        load_file(tmp_path / "a" / "demo_lora.safetensors"),
+        load_file(tmp_path / "b" / "demo_lora.safetensors"),
+    )
+    assert straight.keys() == set(
+        original_shapes(tmp_path / "model" / "single" / "flux1-dev_tiny.safetensors")
+    )
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
