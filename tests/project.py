@@ -60,3 +60,17 @@ def output(model):
 
     with torch.no_grad():
         return model(**wan_inputs())[0]
+
+
+def contract_inputs(trainer, seed: int = 0):
+    """(noisy latents, t, cond) for `trainer.predict`: the first cached training batch of the project
+    the trainer's config describes, noised halfway with fixed noise."""
+    import torch
+
+    from tuner.cache.plan import open_training_data
+
+    batch = next(iter(open_training_data(trainer, trainer.cfg, log=lambda s: None).epoch(0)))
+    cond = {**trainer.collate_text(batch["text"]), **batch["extra"]}
+    x0 = batch["latents"]
+    noisy = 0.5 * x0 + 0.5 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
+    return noisy, torch.full((x0.shape[0],), 0.5), cond

@@ -60,7 +60,7 @@ def _setup(case):
 
 def _lora(trainer, model, seed=0) -> LoRANetwork:
     network = LoRANetwork.apply_to(model, TargetSpec(trainer.default_targets), rank=4, alpha=2,
-                                   name_map=trainer.keys)  # fmt: skip
+                                   name_map=trainer.layout)  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     for adapter in network:  # a trained-looking adapter: up is zero at init
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
@@ -91,12 +91,12 @@ def test_save_load_round_trip(case, tmp_path):
     trainer, model, noisy, t, cond = _setup(case)
     network = _lora(trainer, model)
     path = tmp_path / "lora.safetensors"
-    network.save(path, trainer.keys)
+    network.save(path, trainer.layout)
     with torch.no_grad():
         expected = trainer.predict(model, noisy, t, cond)
     network.remove()
     fresh = trainer.load_transformer(torch.float32).eval()
-    apply_adapter_file(fresh, path, 1.0, name_map=trainer.keys)
+    apply_adapter_file(fresh, path, 1.0, name_map=trainer.layout)
     with torch.no_grad():
         got = trainer.predict(fresh, noisy, t, cond)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -108,7 +108,7 @@ def test_exported_keys_match_original_layout(case, tmp_path):
     original = {k.removeprefix("model.diffusion_model."): v for k, v in
                 read_tensor_shapes(paths["transformer_file"]).items()}  # fmt: skip
     path = tmp_path / "lora.safetensors"
-    _lora(trainer, model).save(path, trainer.keys)
+    _lora(trainer, model).save(path, trainer.layout)
     with safe_open(str(path), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     stems = {k.removesuffix(".lora_A.weight") for k in shapes if k.endswith(".lora_A.weight")}
@@ -161,11 +161,11 @@ def test_two_adapters_add_up(case, tmp_path):
     network = _lora(trainer, model)
     with torch.no_grad():
         want = trainer.predict(model, noisy, t, cond)
-    network.save(path, trainer.keys)
+    network.save(path, trainer.layout)
     network.remove()
     with torch.no_grad():
         base = trainer.predict(model, noisy, t, cond)
-        halves = [apply_adapter_file(model, path, 0.5, name_map=trainer.keys) for _ in range(2)]
+        halves = [apply_adapter_file(model, path, 0.5, name_map=trainer.layout) for _ in range(2)]
         torch.testing.assert_close(trainer.predict(model, noisy, t, cond), want, rtol=1e-5, atol=1e-5)
         for half in halves:
             half.set_multiplier(0.0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import cfg, run
+from project import cfg, contract_inputs, run
 from tuner.demo import data_kinds
 from tuner.errors import ConfigError
 from tuner.networks.factory import apply_adapter_file
@@ -29,18 +29,6 @@ def _train(config: Path, out: Path, *overrides: str, resume: str | None = None):
     )
     trainer.train(resume=resume, log=lambda s: None)
     return trainer
-
-
-def _inputs(trainer, seed: int = 0):
-    """Fixed model inputs shaped like the fixture's training latents, without the cache."""
-    gen = torch.Generator().manual_seed(seed)
-    from tuner.cache.plan import open_training_data
-
-    batch = next(iter(open_training_data(trainer, trainer.cfg, log=lambda s: None).epoch(0)))
-    cond = {**trainer.collate_text(batch["text"]), **batch["extra"]}
-    x0 = batch["latents"]
-    noisy = 0.5 * x0 + 0.5 * torch.randn(x0.shape, generator=gen)
-    return noisy, torch.full((x0.shape[0],), 0.5), cond
 
 
 def _output(trainer, model, inputs) -> torch.Tensor:
@@ -118,9 +106,9 @@ def test_lora_info_and_convert_to_every_layout_and_back(trained, tmp_path, capsy
     code, log = run(capsys, "lora", "info", lora)
     assert code == 0 and trainer.architecture in log, log
     original = load_file(lora)
-    inputs = _inputs(trainer)
+    inputs = contract_inputs(trainer)
     model = _fresh(trainer)
-    apply_adapter_file(model, lora, 1.0, name_map=trainer.keys)
+    apply_adapter_file(model, lora, 1.0, name_map=trainer.layout)
     want = _output(trainer, model, inputs)
     saved_as = (
         trainer.cfg.save.format if trainer.cfg.save.format in SAVE_LAYOUTS else trainer.record.save_format
@@ -136,7 +124,7 @@ def test_lora_info_and_convert_to_every_layout_and_back(trained, tmp_path, capsy
         for key in original:
             assert torch.equal(returned[key], original[key]), (layout, key)
         model = _fresh(trainer)
-        apply_adapter_file(model, there, 1.0, name_map=trainer.keys)
+        apply_adapter_file(model, there, 1.0, name_map=trainer.layout)
         torch.testing.assert_close(_output(trainer, model, inputs), want, rtol=1e-5, atol=1e-5)
 
 
@@ -146,9 +134,9 @@ def test_lora_merge_and_extract(trained, tmp_path, capsys):
     trainer, lora, paths = trained
     single = paths["transformer_file"]
     merged, extracted = tmp_path / "merged.safetensors", tmp_path / "extracted.safetensors"
-    inputs = _inputs(trainer)
+    inputs = contract_inputs(trainer)
     model = _fresh(trainer)
-    apply_adapter_file(model, lora, 1.0, name_map=trainer.keys)
+    apply_adapter_file(model, lora, 1.0, name_map=trainer.layout)
     want = _output(trainer, model, inputs)
 
     code, log = run(capsys, "lora", "merge", "--model", single, "--lora", lora, "--out", merged)
@@ -159,7 +147,7 @@ def test_lora_merge_and_extract(trained, tmp_path, capsys):
                     "--out", extracted)  # fmt: skip
     assert code == 0, log
     model = _fresh(trainer)
-    apply_adapter_file(model, extracted, 1.0, name_map=trainer.keys)
+    apply_adapter_file(model, extracted, 1.0, name_map=trainer.layout)
     torch.testing.assert_close(_output(trainer, model, inputs), want, rtol=1e-3, atol=1e-3)
 
 
@@ -173,8 +161,8 @@ NETWORKS = {
 
 
 # Known defects being fixed (strict: the mark must go when they pass): FLUX DoRA cannot be fused at
-# save, FLUX full fine-tunes cannot be renamed to the BFL layout.
-KNOWN = {(a, n) for a in ("flux", "flux_kontext") for n in ("dora", "full")}
+# save.
+KNOWN = {(a, "dora") for a in ("flux", "flux_kontext")}
 
 
 @pytest.mark.parametrize("network", list(NETWORKS))
@@ -198,14 +186,14 @@ def test_every_adapter_type_trains_and_saves_or_is_refused_up_front(
     assert code == 0, log
     saved = tmp_path / "demo_lora.safetensors"
     assert saved.is_file() and (tmp_path / "state").is_dir()
-    inputs = _inputs(trainer)
+    inputs = contract_inputs(trainer)
     if network == "full":
         model = _fresh(trainer, saved)  # the whole model, in the layout users load
         changed = not torch.equal(_output(trainer, model, inputs), _output(trainer, _fresh(trainer), inputs))
     else:
         model = _fresh(trainer)
         base = _output(trainer, model, inputs)
-        adapter = apply_adapter_file(model, saved, 1.0, name_map=trainer.keys)
+        adapter = apply_adapter_file(model, saved, 1.0, name_map=trainer.layout)
         assert len(adapter) > 0
         changed = not torch.equal(_output(trainer, model, inputs), base)
     assert changed, "one step of training left the model as it was"

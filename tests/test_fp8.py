@@ -164,12 +164,21 @@ def test_fp8_checkpoint_round_trip(tmp_path):
 
 
 def write_comfy_fp8(model: nn.Module, path, layout: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The model's block linears per-tensor quantized in one of ComfyUI's two fp8 layouts, original Wan
+    """A Wan model's block linears per-tensor quantized in one of ComfyUI's two fp8 layouts, original Wan
     names with the `model.diffusion_model.` prefix; returns {original layer: (w8, scale)}."""
+    return write_comfy_fp8_state(transformer_to_original(model.state_dict()), path, layout)
+
+
+def write_comfy_fp8_state(
+    original: dict[str, torch.Tensor], path, layout: str, quantized=lambda key: key.startswith("blocks.")
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A state dict in the original release's layout written as one of ComfyUI's two fp8 layouts (see
+    `tuner.fp8`): the 2-D weights whose key `quantized` accepts are per-tensor quantized; keys get the
+    `model.diffusion_model.` prefix. Returns {original layer: (w8, scale)}."""
     tensors, layers = {}, {}
-    for key, value in transformer_to_original(model.state_dict()).items():
+    for key, value in original.items():
         stem = key.removesuffix(".weight")
-        if key.startswith("blocks.") and key.endswith(".weight") and value.ndim == 2:
+        if key.endswith(".weight") and value.ndim == 2 and quantized(key):
             scale = value.abs().max().float() / 448
             w8 = (value / scale).to(torch.float8_e4m3fn)
             layers[stem] = (w8, scale)

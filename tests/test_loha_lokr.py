@@ -89,18 +89,43 @@ def test_lokr_update_is_a_kronecker_product_and_its_forward_never_builds_it():
 
 
 def test_lokr_modes_and_their_file_keys(tmp_path):
-    for kind, keys, has_alpha in (
-        ("lokr", {"lokr_w1", "lokr_w2_a", "lokr_w2_b"}, True),
-        ("lokr_both", {"lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b"}, True),
-        ("lokr_full", {"lokr_w1", "lokr_w2"}, False),  # scale 1: loaders ignore alpha without a rank
+    for kind, keys in (
+        ("lokr", {"lokr_w1", "lokr_w2_a", "lokr_w2_b"}),
+        ("lokr_both", {"lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b"}),
+        ("lokr_full", {"lokr_w1", "lokr_w2"}),
     ):
         network = NETWORKS[kind](mlp())
         network.save(tmp_path / f"{kind}.safetensors")
         suffixes = {k.rsplit(".", 1)[1] for k in load_file(tmp_path / f"{kind}.safetensors")}
-        assert suffixes == keys | ({"alpha"} if has_alpha else set()), kind
+        assert suffixes == keys | {"alpha"}, kind
     assert network["0"].scale == 1.0
     with pytest.raises(TunerError, match="exclude each other"):
         LoKrNetwork.apply_to(mlp(), SPEC, 4, decompose_both=True, full_matrix=True)
+
+
+@pytest.mark.parametrize("layout", ["comfy", "kohya"])
+def test_full_matrix_lokr_writes_the_alpha_of_its_scale(tmp_path, layout):
+    """Issue #21: without `alpha` keys LyCORIS's `create_lycoris_from_weights` fails on float(None). Both
+    factors full means no rank and scale 1 (LyCORIS and ComfyUI ignore alpha then): alpha 1 says so."""
+    network = NETWORKS["lokr_full"](mlp())  # configured with alpha 2.0, which a full-matrix LoKr ignores
+    perturb(network)
+    path = tmp_path / f"{layout}.safetensors"
+    network.save(path, format=layout)
+    tensors = load_file(path)
+    stems = {k.rsplit(".", 1)[0] for k in tensors}
+    assert len(stems) == 2
+    for stem in stems:  # `diffusion_model.0` / `lora_unet_0`: the module is the stem's last character
+        assert tensors[f"{stem}.alpha"].dtype == torch.float32 and tensors[f"{stem}.alpha"].item() == 1.0
+        # LyCORIS's functional math for two full factors: ΔW = w1 ⊗ w2, scale 1 whatever alpha says
+        delta = torch.kron(tensors[f"{stem}.lokr_w1"], tensors[f"{stem}.lokr_w2"])
+        assert torch.equal(delta, network[stem[-1]].delta_weight())
+    model, base, x = mlp(), mlp(), inputs()
+    loaded = apply_adapter_file(model, path)
+    with torch.no_grad():
+        for name in ("0", "2"):
+            base.get_submodule(name).weight.add_(network[name].delta_weight())
+        torch.testing.assert_close(model(x), base(x), atol=1e-5, rtol=1e-5)
+    assert all(module.scale == 1.0 for module in loaded)
 
 
 def test_hadamard_linear_gradients():

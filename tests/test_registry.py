@@ -14,6 +14,7 @@ import diffusers
 import pytest
 
 from tuner.fixtures import Fixture
+from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys, architecture_keys
 from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS, Architecture, architecture
 from tuner.trainers.base import NetworkTrainer
@@ -30,6 +31,7 @@ def test_record_is_complete(name):
     for method in ("load_transformer", "load_vae", "load_text_encoder", "encode_pixels", "encode_text",
                    "collate_text", "predict", "decode_latents", "latent_shape"):  # fmt: skip
         assert getattr(trainer, method) is not getattr(NetworkTrainer, method), f"{name} lacks {method}"
+    assert isinstance(record.checkpoint_layout(), CheckpointLayout)
     assert isinstance(record.key_table(), ArchitectureKeys)
     assert architecture_keys(name) is record.key_table()
     fixture = record.load_fixture()

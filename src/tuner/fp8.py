@@ -327,9 +327,14 @@ def load_comfy_fp8_weights(
 ) -> list[str]:
     """Store the linear layers of `model` that a ComfyUI fp8 file holds in fp8 with the file's exact
     values and scales (no dequantize / requantize round trip). `name_map` turns the file's layer names
-    (original release layout, e.g. `blocks.0.self_attn.q`) into `model`'s (`blocks.0.attn1.to_q`).
-    Only fp8 layers are touched; load the rest as usual. Returns the model names of the layers."""
+    (original release layout, e.g. `blocks.0.self_attn.q`) into `model`'s (`blocks.0.attn1.to_q`); when
+    it is an architecture layout's `inverse` (`tuner.models.layouts`), a fused layer (FLUX's
+    `img_attn.qkv`) is split into its parts: each gets its rows of the stored fp8 weight and the layer's
+    per-tensor scale, which is exact. Only fp8 layers are touched; load the rest as usual. Returns the
+    model names of the layers."""
     from safetensors import safe_open
+
+    from tuner.models.layouts import diffusers_tensors
 
     if Path(path).suffix != ".safetensors":
         return []
@@ -337,18 +342,24 @@ def load_comfy_fp8_weights(
         keys = [k for k in f.keys() if k.endswith(_COMFY_SCALE_SUFFIXES) or k.endswith(".weight")]
         scale_stems = {k.rsplit(".", 1)[0] for k in keys if k.endswith(_COMFY_SCALE_SUFFIXES)}
         tensors = {k: f.get_tensor(k) for k in keys if k.rsplit(".", 1)[0] in scale_stems}
-    layers = read_comfy_fp8(tensors)
     modules = dict(model.named_modules())
     done = []
-    for stem, (w8, scale) in layers.items():
-        name = name_map(stem) if name_map else stem
-        module = modules.get(name)
-        if not isinstance(module, nn.Linear) or tuple(module.weight.shape) != tuple(w8.shape):
+    for stem, (w8, scale) in read_comfy_fp8(tensors).items():
+        try:
+            parts = diffusers_tensors(f"{stem}.weight", w8, name_map)
+        except KeyError as e:
             raise CheckpointError(
-                f"{path}: fp8 layer {stem!r} has no matching linear layer {name!r} in the model"
-            )
-        store_linear_fp8(module, w8, scale, fp8_matmul=fp8_matmul, name=name)
-        done.append(name)
+                f"{path}: fp8 layer {stem!r} has no name in the model's layout ({e})"
+            ) from None
+        for key, rows in parts.items():
+            name = key.removesuffix(".weight")
+            module = modules.get(name)
+            if not isinstance(module, nn.Linear) or tuple(module.weight.shape) != tuple(rows.shape):
+                raise CheckpointError(
+                    f"{path}: fp8 layer {stem!r} has no matching linear layer {name!r} in the model"
+                )
+            store_linear_fp8(module, rows, scale.clone(), fp8_matmul=fp8_matmul, name=name)
+            done.append(name)
     return done
 
 

@@ -136,10 +136,10 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         device,
         block_lists=trainer.record.block_lists,
         fp8_source=cfg.model.transformer,
-        name_map=trainer.keys.to_diffusers,
+        name_map=trainer.layout.inverse,
     )
     for path, strength in opts.loras:
-        network = apply_adapter_file(model, path, strength, name_map=trainer.keys)
+        network = apply_adapter_file(model, path, strength, name_map=trainer.layout)
         network.to(device)
         log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)

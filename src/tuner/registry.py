@@ -35,9 +35,10 @@ class Architecture:
     """What it trains, in a few words (shown by `tuner --help` and `tuner fixtures --help`)."""
     trainer: str
     """`module:Class` of its `NetworkTrainer` subclass."""
-    keys: str
-    """`module:attribute` of its adapter key table (`ArchitectureKeys`): diffusers <-> original module
-    names and the fused layers. Architectures with the same module names point to the same table."""
+    layout: str
+    """`module:attribute` of its `CheckpointLayout`: the release's single-file layout relative to
+    diffusers'. Its `keys` (`ArchitectureKeys`: module renames and fused layers) name adapters in saved
+    files. Architectures with the same network point to the same layout."""
     fixture: str
     """`module:attribute` of its tiny random-weight `Fixture` (written in the release's layouts)."""
     model_class: str
@@ -56,9 +57,14 @@ class Architecture:
     def trainer_class(self) -> type:
         return _resolve(self.trainer)
 
+    def checkpoint_layout(self) -> Any:
+        """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the
+        fused layers), `.inverse` for the way back, and whole-checkpoint conversion."""
+        return _resolve(self.layout)
+
     def key_table(self) -> Any:
-        """The `ArchitectureKeys` of this architecture."""
-        return _resolve(self.keys)
+        """The `ArchitectureKeys` of this architecture (what adapter files are named by)."""
+        return self.checkpoint_layout().keys
 
     def load_fixture(self) -> Any:
         """The `Fixture` of this architecture."""
@@ -82,7 +88,7 @@ _WAN = Architecture(
     name="wan",
     title="Wan 2.1 text-to-video (1.3B, 14B)",
     trainer="tuner.trainers.wan:WanTrainer",
-    keys="tuner.models.wan_keys:WAN_KEYS",
+    layout="tuner.models.wan_keys:WAN_LAYOUT",
     fixture="tuner.fixtures.wan:FIXTURE",
     model_class="WanTransformer3DModel",
     block_lists=("blocks",),
@@ -100,7 +106,7 @@ _FLUX = Architecture(
     name="flux",
     title="FLUX.1 dev text-to-image",
     trainer="tuner.trainers.flux:FluxTrainer",
-    keys="tuner.models.flux_keys:FLUX_KEYS",
+    layout="tuner.models.flux_keys:FLUX_LAYOUT",
     fixture="tuner.fixtures.flux:FIXTURE",
     model_class="FluxTransformer2DModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
@@ -122,7 +128,7 @@ _QWEN_IMAGE = Architecture(
     name="qwen_image",
     title="Qwen-Image text-to-image",
     trainer="tuner.trainers.qwen_image:QwenImageTrainer",
-    keys="tuner.models.qwen_image:QWEN_IMAGE_KEYS",
+    layout="tuner.models.qwen_image:QWEN_IMAGE_LAYOUT",
     fixture="tuner.fixtures.qwen_image:FIXTURE",
     model_class="QwenImageTransformer2DModel",
     block_lists=("transformer_blocks",),

@@ -14,7 +14,9 @@ the original layout (BFL's `flux/model.py`, matched against diffusers' converter
 
 The transformer tables are data, read in both directions. `FLUX_KEYS` is the adapter name map
 (`tuner.networks.architectures.ArchitectureKeys`): one-to-one renames plus the fused layers, whose
-adapters the exporter fuses exactly (see `tuner.networks.fused`). The VAE is the LDM autoencoder layout
+adapters the exporter fuses exactly (see `tuner.networks.fused`). `FLUX_LAYOUT` adds the tensors only a
+whole checkpoint has (norm scales, the final modulation) and converts whole state dicts both ways (see
+`tuner.models.layouts`): loading BFL's single file, saving a full fine-tune in it. The VAE is the LDM autoencoder layout
 (`ae.safetensors`), mapped by index arithmetic: the original decoder lists its levels bottom-up.
 """
 
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
+from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
 
@@ -85,14 +88,14 @@ FUSED_LAYERS: tuple[FusedLayer, ...] = (
     ),
 )
 
-# RMSNorms of q and k: diffusers `<module>.weight` is original `<module>.scale`.
+# Tensors whose own name changes: the q/k RMSNorms' diffusers `weight` is the original `scale`.
 NORM_RULES: tuple[tuple[str, str], ...] = (
-    ("transformer_blocks.{i}.attn.norm_q", "double_blocks.{i}.img_attn.norm.query_norm"),
-    ("transformer_blocks.{i}.attn.norm_k", "double_blocks.{i}.img_attn.norm.key_norm"),
-    ("transformer_blocks.{i}.attn.norm_added_q", "double_blocks.{i}.txt_attn.norm.query_norm"),
-    ("transformer_blocks.{i}.attn.norm_added_k", "double_blocks.{i}.txt_attn.norm.key_norm"),
-    ("single_transformer_blocks.{i}.attn.norm_q", "single_blocks.{i}.norm.query_norm"),
-    ("single_transformer_blocks.{i}.attn.norm_k", "single_blocks.{i}.norm.key_norm"),
+    ("transformer_blocks.{i}.attn.norm_q.weight", "double_blocks.{i}.img_attn.norm.query_norm.scale"),
+    ("transformer_blocks.{i}.attn.norm_k.weight", "double_blocks.{i}.img_attn.norm.key_norm.scale"),
+    ("transformer_blocks.{i}.attn.norm_added_q.weight", "double_blocks.{i}.txt_attn.norm.query_norm.scale"),
+    ("transformer_blocks.{i}.attn.norm_added_k.weight", "double_blocks.{i}.txt_attn.norm.key_norm.scale"),
+    ("single_transformer_blocks.{i}.attn.norm_q.weight", "single_blocks.{i}.norm.query_norm.scale"),
+    ("single_transformer_blocks.{i}.attn.norm_k.weight", "single_blocks.{i}.norm.key_norm.scale"),
 )
 
 # The final modulation: same matrix, row halves swapped. Not in FLUX_KEYS: an adapter on it would need
@@ -102,87 +105,14 @@ FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 FLUX_KEYS = ArchitectureKeys("flux", TRANSFORMER_RULES, FUSED_LAYERS)
 """The adapter name map (diffusers module name -> original), carrying the fused layers."""
 
-_NORMS = ArchitectureKeys("flux q/k norms", NORM_RULES)
+FLUX_LAYOUT = CheckpointLayout(FLUX_KEYS, NORM_RULES, (FINAL_MODULATION,))
+"""The whole transformer checkpoint, both directions, at any hidden size; also usable as the adapter
+name map (it is FLUX_KEYS'), and `FLUX_LAYOUT.inverse` as the loaders' original -> diffusers map."""
 
-
-def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
-    first, second = tensor.chunk(2, dim=0)
-    return torch.cat([second, first])
-
-
-def _fused_part(module: str) -> tuple[str, int, int] | None:
-    """(original fused module, part index, number of parts) for a diffusers module in a fused layer."""
-    for layer in FUSED_LAYERS:
-        if (hit := layer.part_of(module)) is not None:
-            return hit[0], hit[1], len(layer.parts)
-    return None
-
-
-def _fused_rows(module: str, rows: int) -> dict[str, int] | None:
-    """{diffusers part: its row count} when `module` is an original fused layer of `rows` rows."""
-    for layer in FUSED_LAYERS:
-        if (found := layer.resolve(module)) is not None:
-            proportions = layer.proportions or (1,) * len(layer.parts)
-            unit, rest = divmod(rows, sum(proportions))
-            if rest:
-                raise KeyError(f"{module}: {rows} rows do not split into parts {proportions}")
-            return {part: unit * p for part, p in zip(found[1], proportions)}
-    return None
-
-
-def transformer_key_to_original(key: str) -> str:
-    """Original key of a diffusers state-dict key; the parts of a fused layer give the fused key."""
-    module, leaf = key.rsplit(".", 1)
-    if (hit := _fused_part(module)) is not None:
-        return f"{hit[0]}.{leaf}"
-    if module == FINAL_MODULATION[0]:
-        return f"{FINAL_MODULATION[1]}.{leaf}"
-    try:
-        return f"{_NORMS(module)}.scale"
-    except KeyError:
-        return FLUX_KEYS(key)
-
-
-def transformer_to_original(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A diffusers FluxTransformer2DModel state dict in BFL's layout (fused rows concatenated)."""
-    out: dict[str, torch.Tensor] = {}
-    pending: dict[str, list[torch.Tensor | None]] = {}
-    for key, value in state_dict.items():
-        module, leaf = key.rsplit(".", 1)
-        if (hit := _fused_part(module)) is not None:
-            fused, index, count = hit
-            pending.setdefault(f"{fused}.{leaf}", [None] * count)[index] = value
-        elif module == FINAL_MODULATION[0]:
-            out[f"{FINAL_MODULATION[1]}.{leaf}"] = _swap_halves(value)
-        else:
-            out[transformer_key_to_original(key)] = value
-    for key, parts in pending.items():
-        if any(p is None for p in parts):
-            raise KeyError(f"{key}: the state dict lacks some of the layers it fuses")
-        out[key] = torch.cat(parts)
-    return out
-
-
-def transformer_to_diffusers(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A BFL FLUX.1 state dict (no prefix) in diffusers' layout, for any hidden size.
-
-    Fused rows are split by the layer's proportions (q, k, v equal; the single blocks' MLP 4×) into new
-    tensors; other tensors are passed through. Raises KeyError for a key outside the layout.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_dict.items():
-        module, leaf = key.rsplit(".", 1)
-        if (parts := _fused_rows(module, value.shape[0])) is not None:
-            # copies, not views: parameters sharing one storage cannot be saved with safetensors
-            for part, chunk in zip(parts, value.split(list(parts.values()))):
-                out[f"{part}.{leaf}"] = chunk.clone()
-        elif module == FINAL_MODULATION[1]:
-            out[f"{FINAL_MODULATION[0]}.{leaf}"] = _swap_halves(value)
-        elif leaf == "scale":
-            out[f"{_NORMS.to_diffusers(module)}.weight"] = value
-        else:
-            out[FLUX_KEYS.to_diffusers(key)] = value
-    return out
+# diffusers key -> BFL key; diffusers state dict -> BFL's; BFL's -> diffusers'
+transformer_key_to_original = FLUX_LAYOUT.key_to_original
+transformer_to_original = FLUX_LAYOUT.to_original
+transformer_to_diffusers = FLUX_LAYOUT.to_diffusers
 
 
 # ---------------------------------------------------------------------------------------------------

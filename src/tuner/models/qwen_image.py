@@ -44,6 +44,7 @@ from tuner.models.identify import (
     pick_variant,
     wrong_architecture,
 )
+from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     as_file_list,
     assert_materialized,
@@ -140,6 +141,7 @@ QWEN_IMAGE_KEYS = ArchitectureKeys(
     "qwen_image", tuple((name, name) for name in LINEAR_MODULES), same_names=True
 )
 """The key table of Qwen-Image and Qwen-Image-Edit: the release's names are diffusers'."""
+QWEN_IMAGE_LAYOUT = CheckpointLayout(QWEN_IMAGE_KEYS)
 
 _TRANSFORMER_WHAT = "Qwen-Image transformer"
 _TRANSFORMER_MARKERS = ("img_in.weight", "txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")

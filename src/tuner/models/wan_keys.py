@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 
 # ---------------------------------------------------------------------------------------------------
@@ -66,6 +67,8 @@ TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
 
 # The rule engine is the one every architecture uses (`tuner.networks.architectures`).
 WAN_KEYS = ArchitectureKeys("wan", TRANSFORMER_RULES)
+# Whole checkpoints (`tuner.models.layouts`): Wan's release only renames, so the table is all it needs.
+WAN_LAYOUT = CheckpointLayout(WAN_KEYS)
 
 
 def original_module_name(diffusers_name: str) -> str:
@@ -82,9 +85,8 @@ def diffusers_module_name(original_name: str) -> str:
     return WAN_KEYS.to_diffusers(original_name)
 
 
-def transformer_to_original(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A diffusers WanTransformer3DModel state dict with the official release's key names."""
-    return {original_module_name(k): v for k, v in state_dict.items()}
+# A diffusers WanTransformer3DModel state dict with the official release's key names.
+transformer_to_original = WAN_LAYOUT.to_original
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -202,8 +202,11 @@ def module_tensors(weights: ModuleWeights, layout: str, dtype: torch.dtype) -> d
     else:
         out = dict(weights.tensors)
     out = {k: v.detach().to(device="cpu", dtype=dtype) for k, v in out.items()}
-    if layout != "diffusers" and weights.rank is not None:
-        out["alpha"] = torch.tensor(weights.alpha or float(weights.rank), dtype=torch.float32)
+    if layout != "diffusers":
+        # Every module gets an explicit alpha (LyCORIS's loader requires one): alpha / rank is the scale,
+        # and a LoKr with two full factors has no rank and scale 1, which alpha 1 states.
+        alpha = 1.0 if weights.rank is None else weights.alpha or float(weights.rank)
+        out["alpha"] = torch.tensor(alpha, dtype=torch.float32)
     if weights.dora_scale is not None:
         magnitude = weights.dora_scale.detach().to(device="cpu", dtype=torch.float32)
         if layout == "diffusers":

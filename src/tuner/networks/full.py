@@ -3,7 +3,9 @@
 There is no adapter: `FullNetwork` is the model itself behind the interface the trainer uses for adapter
 networks (parameter groups, save, load, `len`). It saves the whole transformer in the original
 release's single-file layout (`blocks.0.self_attn.q.weight`, ..., what ComfyUI and the official code
-load), or in diffusers' key names with `format = "diffusers"`.
+load), converted by the architecture's `tuner.models.layouts.CheckpointLayout` (FLUX's q, k and v are
+joined into one `qkv` tensor, as the release has them), or in diffusers' key names with
+`format = "diffusers"`.
 
 Memory: weights, gradients and optimizer state for every parameter. In bf16 that is 2 + 2 bytes per
 parameter plus the state: AdamW keeps two moments (8 bytes in fp32), 8-bit AdamW 2 bytes, Adafactor
@@ -37,7 +39,8 @@ from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
 from tuner.io import save_safetensors
-from tuner.networks.keys import NameMap, describe_source, identity_name_map, read_safetensors
+from tuner.models.layouts import diffusers_state_dict, original_state_dict
+from tuner.networks.keys import NameMap, describe_source, read_safetensors
 
 _LOW_BITS = 1 << 16
 
@@ -156,17 +159,25 @@ class FullNetwork(nn.Module):
     def file_state_dict(
         self, name_map: NameMap | None = None, dtype: torch.dtype = torch.float32, format: str = "comfy"
     ) -> dict[str, torch.Tensor]:
-        """The model's weights on the CPU, floating ones in `dtype`, under original names (comfy,
-        kohya) or diffusers names (diffusers). Cast while copying to the CPU: casting on the GPU first
-        would need a second copy of the model there."""
+        """The model's weights on the CPU, floating ones in `dtype`, in the original release's layout
+        (comfy, kohya: converted by `name_map`, which may be the architecture's `CheckpointLayout`, so
+        fused layers are joined) or under diffusers names (diffusers). Cast while copying to the CPU:
+        casting on the GPU first would need a second copy of the model there."""
         if format not in ("comfy", "kohya", "diffusers"):
             raise TunerError(f"unknown save format {format!r}; choose comfy, diffusers or kohya")
-        rename = identity_name_map if format == "diffusers" else (name_map or identity_name_map)
-        state = {}
-        for key, tensor in self.model.state_dict().items():
-            value = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
-            state[rename_key(key, rename)] = value
-        return state
+        state = {
+            key: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
+            for key, tensor in self.model.state_dict().items()
+        }
+        if format == "diffusers":
+            return state
+        try:
+            return original_state_dict(state, name_map)
+        except KeyError as e:
+            raise CheckpointError(
+                f"cannot write the model in its original layout ({e}); save.format = 'diffusers' writes "
+                "diffusers' names"
+            ) from None
 
     def save(
         self,
@@ -178,7 +189,8 @@ class FullNetwork(nn.Module):
         format: str = "comfy",
     ) -> None:
         """Write the whole transformer atomically as one .safetensors file in the original layout
-        (`format` comfy or kohya: both mean the original release's names here) or diffusers' names."""
+        (`format` comfy or kohya: both mean the original release's single file here, what ComfyUI and
+        the official code load) or diffusers' names."""
         merged = {**(metadata or {}), "tuner.network_type": "full", "tuner.format": format}
         save_safetensors(self.file_state_dict(name_map, dtype, format), path, metadata=merged)
 
@@ -186,8 +198,10 @@ class FullNetwork(nn.Module):
     def load_weights(
         self, source: str | os.PathLike | Mapping[str, torch.Tensor], name_map_inverse: NameMap | None = None
     ) -> dict[str, str]:
-        """Continue from a saved model file (original or diffusers names, ComfyUI prefixes and scaled fp8
-        allowed); every weight must be present. Returns the file's metadata."""
+        """Continue from a saved model file (original layout or diffusers names, ComfyUI prefixes and
+        scaled fp8 allowed; `name_map_inverse` converts the original layout, see
+        `tuner.models.layouts.diffusers_state_dict`); every weight must be present. Returns the file's
+        metadata."""
         from tuner.models.loading import normalize_state_dict
 
         if isinstance(source, Mapping):
@@ -199,9 +213,7 @@ class FullNetwork(nn.Module):
         where = describe_source(source)
         if not set(tensors) <= set(own):
             try:
-                tensors = {
-                    rename_key(k, name_map_inverse or identity_name_map): v for k, v in tensors.items()
-                }
+                tensors = diffusers_state_dict(tensors, name_map_inverse)
             except KeyError as e:
                 raise CheckpointError(f"{where}: a key has no name in this model's layout ({e})") from None
         missing = sorted(set(own) - set(tensors))
@@ -212,13 +224,3 @@ class FullNetwork(nn.Module):
             )
         self.model.load_state_dict(tensors)
         return metadata
-
-
-def rename_key(key: str, name_map: NameMap) -> str:
-    """A tensor key through a module-name map: the whole key if the map knows it (Wan's tables do),
-    else its module part with the parameter name kept (`<module>.weight`)."""
-    try:
-        return name_map(key)
-    except KeyError:
-        module, _, leaf = key.rpartition(".")
-        return f"{name_map(module)}.{leaf}"

@@ -87,9 +87,9 @@ class NetworkTrainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.record = registry.architecture(self.architecture)
-        # diffusers module name -> the release's (a name map carrying the fused layers); `.to_diffusers`
-        # goes back. Saved adapters use the release's names, so they load in ComfyUI.
-        self.keys = self.record.key_table()
+        # diffusers module name -> the release's (a name map carrying the fused layers); `.inverse` goes
+        # back. Saved adapters and full fine-tunes use the release's names, so they load in ComfyUI.
+        self.layout = self.record.checkpoint_layout()
         self.history: list[float] = []  # loss of each optimizer step, for tests and callers
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
         self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
@@ -192,7 +192,7 @@ class NetworkTrainer:
                 run.pos.epoch, run.pos.batch = run.pos.epoch + 1, 0
                 self._maybe_save(run, epoch_end=True)
         run.progress.close()
-        final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.keys, final=True)
+        final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.layout, final=True)
         run.accelerator.end_training()
         run.log(f"saved {final}")
         return final
@@ -233,15 +233,15 @@ class NetworkTrainer:
         # model on the device; the adapter comes after, so it is never quantized or swapped
         memory = apply_memory_settings(
             model, cfg.memory, accelerator.device, block_lists=self.record.block_lists,
-            fp8_source=cfg.model.transformer, name_map=self.keys.to_diffusers,
+            fp8_source=cfg.model.transformer, name_map=self.layout.inverse,
             probe_forwards=tc.gradient_accumulation_steps,
         )  # fmt: skip
 
         # the adapter (LoRA / LoHa / LoKr, optionally DoRA) or, for a full fine-tune, the weights themselves
-        trained = build_network(model, self.default_targets, nc, self.keys, seed=tc.seed)
+        trained = build_network(model, self.default_targets, nc, self.layout, seed=tc.seed)
         trained.to(accelerator.device)
         if nc.network_weights:
-            trained.load_weights(nc.network_weights, self.keys.to_diffusers)
+            trained.load_weights(nc.network_weights, self.layout.inverse)
         optimizer = trained.prepare_optimizer(
             build_optimizer(
                 tc.optimizer, trained.param_groups(tc.learning_rate, nc.loraplus_lr_ratio), tc.learning_rate,
@@ -356,7 +356,7 @@ class NetworkTrainer:
         due = (sc.every_n_epochs and pos.epoch % sc.every_n_epochs == 0 and pos.step < run.total_steps
                if epoch_end else sc.every_n_steps and pos.step % sc.every_n_steps == 0)  # fmt: skip
         if due:
-            run.checkpoints.save(run.trained, pos, run.metadata, self.keys)
+            run.checkpoints.save(run.trained, pos, run.metadata, self.layout)
 
     def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
         """Mean flow-matching loss on the held-out batches at fixed timesteps with fixed noise, so values

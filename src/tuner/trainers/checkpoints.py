@@ -7,10 +7,11 @@ Layout of `save.output_dir`:
     state/step000250/                  accelerate state (adapter, optimizer, scheduler, RNG) +
                                        position.json (step, epoch, batch within the epoch)
 
-A state folder is written under a hidden temporary name and renamed into place only after everything
-in it (position.json last) is on disk, so a run killed mid-save leaves the previous state usable and a
-half-written one is never taken for complete: `--resume latest` only considers folders that hold a
-position.json.
+The state is saved before the adapter (or full model) file: writing that file converts key names and
+fuses layers, and if it fails the run must still be resumable. A state folder is written under a hidden
+temporary name and renamed into place only after everything in it (position.json last) is on disk, so a
+run killed mid-save leaves the previous state usable and a half-written one is never taken for
+complete: `--resume latest` only considers folders that hold a position.json.
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ class Checkpoints:
 
     # ---- saving ----
     def save(self, network, pos, metadata: dict, export_name, final: bool = False) -> Path:
-        """Save the adapter (and the full state) for position `pos`; return the adapter path."""
+        """Save the full state (when `save.save_state`), then the adapter, for position `pos`; return the
+        adapter path. The state goes first: exporting converts names and fuses layers, and an export
+        that fails must leave the run resumable (`--resume latest`), never lose it."""
         acc = self.accelerator
         name = self.cfg.output_name if final else f"{self.cfg.output_name}-step{pos.step:06d}"
         adapter = self.out / f"{name}.safetensors"
+        if self.cfg.save_state:  # the final state too, so a finished run can be extended later
+            self._save_state(pos)
         if acc.is_main_process:
             meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
             acc.unwrap_model(network).save(
@@ -56,9 +61,6 @@ class Checkpoints:
                 metadata=meta,
                 format=self.cfg.format,
             )
-        if self.cfg.save_state:  # the final state too, so a finished run can be extended later
-            self._save_state(pos)
-        if acc.is_main_process:
             self._keep_last()
         acc.wait_for_everyone()
         return adapter
