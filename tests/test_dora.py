@@ -122,10 +122,10 @@ def test_file_keys_and_round_trip(tmp_path):
 
 
 def test_config_refuses_dora_with_the_diffusers_layout():
-    check_save_format(dora=False, save_format="diffusers")
-    check_save_format(dora=True, save_format="kohya")
+    check_save_format(dora=False, layout="diffusers")
+    check_save_format(dora=True, layout="kohya")
     with pytest.raises(ConfigError, match="save.format"):
-        check_save_format(dora=True, save_format="diffusers")
+        check_save_format(dora=True, layout="diffusers")
 
 
 def test_continuing_a_plain_lora_as_dora_keeps_its_output(tmp_path):
