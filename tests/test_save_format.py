@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
-from project import run
+from project import make_project, run
 from tuner.config import load_config
 from tuner.errors import ConfigError
 from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS, resolve_save_format
@@ -52,3 +53,22 @@ def test_check_accepts_flux_dora_in_auto_and_refuses_it_in_diffusers(tmp_path, c
     bad = write_config(tmp_path / "bad", "flux", '[network]\ndora = true\n[save]\nformat = "diffusers"\n')
     code, out = run(capsys, "check", "--config", bad)
     assert code == 2 and "network.dora = true cannot be saved with save.format = 'diffusers'" in out
+
+
+@pytest.mark.slow
+def test_a_flux_dora_run_saves_its_adapter_and_state(tmp_path, capsys):
+    """A FLUX.1 DoRA run used to train to its last step and then write nothing (the fused layers)."""
+    from tuner.fixtures import write_fixture
+
+    write_fixture("flux", tmp_path / "model")
+    config = make_project(tmp_path / "project", tmp_path / "model", steps=2, architecture="flux")
+    for what in ("latents", "text"):
+        assert run(capsys, "cache", what, "--config", config)[0] == 0
+    code, log = run(capsys, "train", "--config", config, "--set", "network.dora=true",
+                    "--set", "log.tensorboard=false")  # fmt: skip
+    assert code == 0, log
+    out = config.parent / "output"
+    adapter = load_file(out / "demo_lora.safetensors")
+    assert any(k.endswith(".dora_scale") for k in adapter)
+    assert any(k.startswith("lora_unet_") for k in adapter)  # FLUX's auto layout: kohya
+    assert (out / "state" / "step000002" / "position.json").is_file()
