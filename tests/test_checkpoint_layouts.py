@@ -69,7 +69,7 @@ def test_full_fine_tune_saves_the_default_layout_and_loads_back(case, tmp_path):
     trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     path = tmp_path / "full.safetensors"
-    assert trainer.cfg.save.format == "comfy"  # the default
+    assert trainer.cfg.save.format == trainer.record.save_format  # the default, "auto", resolved
     network.save(path, trainer.layout, format=trainer.cfg.save.format)
     assert original_shapes(path) == original_shapes(case[2]["transformer_file"])  # the release's layout
     fixture = {k.removeprefix(COMFY_PREFIX): v for k, v in load_tensors(case[2]["transformer_file"]).items()}

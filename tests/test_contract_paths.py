@@ -160,20 +160,13 @@ NETWORKS = {
 }
 
 
-# Known defects being fixed (strict: the mark must go when they pass): FLUX DoRA cannot be fused at
-# save.
-KNOWN = {(a, "dora") for a in ("flux", "flux_kontext")}
-
-
 @pytest.mark.parametrize("network", list(NETWORKS))
 def test_every_adapter_type_trains_and_saves_or_is_refused_up_front(
     contract, network, tmp_path, capsys, request
 ):
     """Trains one step and saves a file that loads back, or is refused by `tuner check` and by training
     with the same reason, before any step."""
-    arch, config, _ = contract
-    if (arch, network) in KNOWN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known defect, being fixed"))
+    _, config, _ = contract
     overrides = NETWORKS[network]
     sets = [arg for o in overrides for arg in ("--set", o)]
     code, log = run(capsys, "check", "--config", config, *sets)

@@ -122,10 +122,10 @@ def test_file_keys_and_round_trip(tmp_path):
 
 
 def test_config_refuses_dora_with_the_diffusers_layout():
-    check_save_format(dora=False, save_format="diffusers")
-    check_save_format(dora=True, save_format="kohya")
+    check_save_format(dora=False, layout="diffusers")
+    check_save_format(dora=True, layout="kohya")
     with pytest.raises(ConfigError, match="save.format"):
-        check_save_format(dora=True, save_format="diffusers")
+        check_save_format(dora=True, layout="diffusers")
 
 
 def test_continuing_a_plain_lora_as_dora_keeps_its_output(tmp_path):
@@ -170,3 +170,120 @@ def test_cli_trains_dora_saves_and_reloads(tmp_path, wan_model):
         f"save.output_dir='{tmp_path / 'again'}'",
     ]
     assert main(["train", "--config", str(config), *more]) == 0
+
+
+# --- FLUX.1: column-wise DoRA on the parts of fused layers ----------------------------------------
+# FLUX's release keeps q/k/v in one `qkv` layer (and q/k/v/MLP-in in `linear1`). A per-column DoRA of
+# to_q alone has no exact fused form, so those parts are written apart, under names ComfyUI maps onto
+# the fused weight's rows; everything must read them back exactly.
+
+
+@pytest.fixture(scope="module")
+def flux_paths(tmp_path_factory):
+    from tuner.fixtures import write_fixture
+
+    return write_fixture("flux", tmp_path_factory.mktemp("flux_model"))
+
+
+def flux_model(paths):
+    from tuner.models import flux
+
+    return flux.load_transformer(paths["diffusers"], torch.float32).eval().requires_grad_(False)
+
+
+def flux_output(model) -> torch.Tensor:
+    from tuner.models import flux
+
+    g = torch.Generator().manual_seed(1)
+    noisy, t5, pooled = (
+        torch.randn(1, 16, 4, 4, generator=g),
+        torch.randn(1, 7, 64, generator=g),
+        torch.randn(1, 32, generator=g),
+    )
+    with torch.no_grad():
+        return flux.predict_velocity(model, noisy, torch.tensor([0.5]), t5, pooled, 1.0)
+
+
+def flux_dora(model) -> LoRANetwork:
+    from tuner.registry import ARCHITECTURES
+
+    record = ARCHITECTURES["flux"]
+    network = LoRANetwork.apply_to(
+        model, TargetSpec(record.default_targets), 4, 2.0, dora=True, name_map=record.key_table()
+    )
+    perturb(network, std=0.05)
+    return network
+
+
+@pytest.mark.parametrize("layout", ["auto", "comfy"])
+def test_flux_dora_is_saved_apart_and_reads_back_exactly(layout, flux_paths, tmp_path):
+    """A FLUX DoRA run used to train to the end and then fail to save (nothing written)."""
+    from tuner.registry import ARCHITECTURES, resolve_save_format
+
+    keys = ARCHITECTURES["flux"].key_table()
+    model = flux_model(flux_paths)
+    network = flux_dora(model)
+    expected = flux_output(model)
+    path = tmp_path / "dora.safetensors"
+    network.save(path, format=resolve_save_format("flux", layout))
+
+    state = load_file(path)
+    part = (
+        "lora_transformer_transformer_blocks_0_attn_to_q"
+        if layout == "auto"  # kohya: FLUX's auto layout
+        else "transformer.transformer_blocks.0.attn.to_q"
+    )
+    assert state[f"{part}.dora_scale"].shape == (1, 64) and state[f"{part}.alpha"].item() == 2.0
+    assert not any("qkv" in k or "linear1" in k for k in state)  # no inexact fused adapter
+    plain = (
+        "lora_unet_double_blocks_0_img_attn_proj"
+        if layout == "auto"
+        else "diffusion_model.double_blocks.0.img_attn.proj"
+    )
+    assert f"{plain}.dora_scale" in state  # layers the release does not fuse keep their original names
+
+    fresh = flux_model(flux_paths)
+    loaded = apply_adapter_file(fresh, path, name_map=keys)
+    assert len(loaded) == len(network) and all(isinstance(a, DoRAModule) for a in loaded)
+    torch.testing.assert_close(flux_output(fresh), expected, atol=1e-5, rtol=1e-5)
+    loaded.remove()
+    flux_dora(fresh).load_weights(path)  # continue training from it
+    torch.testing.assert_close(flux_output(fresh), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_flux_dora_file_tools(flux_paths, tmp_path, capsys):
+    """`tuner lora info / convert / merge` read the parts written apart; convert round trips bit for bit."""
+    from tuner.cli import main
+    from tuner.errors import TunerError
+    from tuner.models import flux
+    from tuner.networks.keys import read_safetensors
+    from tuner.tools.convert import convert_adapter
+
+    model = flux_model(flux_paths)
+    network = flux_dora(model)
+    expected = flux_output(model)
+    network.save(tmp_path / "kohya.safetensors", format="kohya", metadata={"tuner.architecture": "flux"})
+
+    assert main(["lora", "info", str(tmp_path / "kohya.safetensors")]) == 0
+    info = capsys.readouterr().out
+    assert "format     kohya" in info and "type       LoRA + DoRA" in info
+    assert main(["lora", "convert", str(tmp_path / "kohya.safetensors"), str(tmp_path / "comfy.safetensors"),
+                 "--to", "comfy"]) == 0  # fmt: skip
+    assert (
+        convert_adapter(tmp_path / "comfy.safetensors", tmp_path / "back.safetensors", "auto")[1] == "kohya"
+    )
+    before, after = load_file(tmp_path / "kohya.safetensors"), load_file(tmp_path / "back.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(TunerError, match="column-wise DoRA"):
+        convert_adapter(tmp_path / "kohya.safetensors", tmp_path / "peft.safetensors", "diffusers")
+
+    merged = tmp_path / "merged.safetensors"
+    assert main(["lora", "merge", "--model", str(flux_paths["transformer_file"]),
+                 "--lora", str(tmp_path / "comfy.safetensors"), "--out", str(merged)]) == 0  # fmt: skip
+    merged_model = flux.load_transformer(merged, torch.float32).eval()
+    torch.testing.assert_close(flux_output(merged_model), expected, atol=1e-5, rtol=1e-5)
+
+    extracted = tmp_path / "extracted.safetensors"
+    assert main(["lora", "extract", "--base", str(flux_paths["transformer_file"]), "--tuned", str(merged),
+                 "--rank", "2", "--format", "auto", "--out", str(extracted)]) == 0  # fmt: skip
+    assert read_safetensors(extracted)[1]["tuner.format"] == "kohya"  # FLUX's auto layout

@@ -340,20 +340,23 @@ def test_edit_fixture_is_an_edit_plus_pipeline_folder(tmp_path):
 
 
 def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
-    """The comfy export (`diffusion_model.` + release names, with `.alpha`) is what diffusers' Qwen-Image
-    LoRA loader reads too, with the same result."""
+    """What training writes by default (the auto layout, comfy: `diffusion_model.` + release names, with
+    `.alpha`) is what diffusers' Qwen-Image LoRA loader reads too, with the same result."""
     pytest.importorskip("peft")
     from tuner.networks.lora import LoRANetwork
     from tuner.networks.targets import TargetSpec
+    from tuner.registry import resolve_save_format
 
+    record = ARCHITECTURES["qwen_image"]
     model = qwen_image.load_transformer(fx["diffusers"], torch.float32)
     network = LoRANetwork.apply_to(
-        model, TargetSpec(ARCHITECTURES["qwen_image"].default_targets), rank=4, alpha=2
+        model, TargetSpec(record.default_targets), rank=4, alpha=2, name_map=record.key_table()
     )
     gen = torch.Generator().manual_seed(0)
     for adapter in network:
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
-    network.save(tmp_path / "lora.safetensors")
+    network.save(tmp_path / "lora.safetensors", format=resolve_save_format("qwen_image", "auto"))
+    assert "diffusion_model.transformer_blocks.0.attn.to_q.alpha" in load_file(tmp_path / "lora.safetensors")
     trainer = QwenImageTrainer.__new__(QwenImageTrainer)
     noisy, t = torch.randn(1, 16, 1, 6, 8, generator=gen), torch.tensor([0.5])
     cond = {"prompt_embeds": torch.randn(1, 7, 64, generator=gen)}

@@ -23,6 +23,8 @@ from tuner.errors import ConfigError
 
 CONFIGS = Path(__file__).parent / "models" / "configs"
 SAVE_LAYOUTS = ("comfy", "diffusers", "kohya")
+SAVE_FORMATS = ("auto", *SAVE_LAYOUTS)
+"""What `save.format` (and the file tools' `--to` / `--format`) accept: a layout, or "auto"."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,15 @@ def architecture(name: str) -> Architecture:
 def trainer_class(name: str) -> type:
     """Import and return the trainer class of architecture `name`."""
     return architecture(name).trainer_class()
+
+
+def resolve_save_format(name: str, format: str) -> str:
+    """The key layout `format` means for architecture `name`: "auto" is the record's `save_format` (the
+    layout ComfyUI and diffusers both load); a layout stands for itself. `ConfigError` for an unknown
+    architecture or format."""
+    if format not in SAVE_FORMATS:
+        raise ConfigError(f"unknown adapter format {format!r}; choose one of {', '.join(SAVE_FORMATS)}")
+    return architecture(name).save_format if format == "auto" else format
 
 
 def describe_architectures() -> str:

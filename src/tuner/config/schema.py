@@ -6,12 +6,13 @@ it in sync, so this file is the single source of truth for what a config may say
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from tuner.config.fields import option
 from tuner.errors import ConfigError, TunerError
 from tuner.networks.options import check_network_options, check_save_format
+from tuner.registry import resolve_save_format
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 SwapMode = Literal["full", "h2d_only"]
@@ -160,10 +161,11 @@ class SaveConfig:
     keep_last: int = option(0, "Keep only the last K saves (adapters and states); 0 keeps all.", ge=0)
     save_state: bool = option(True, "Also save the full training state next to each adapter, for resume.")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "Dtype of saved adapter weights.")
-    format: Literal["comfy", "diffusers", "kohya"] = option(
-        "comfy",
-        "Key layout of saved adapters: comfy (original names, loads natively in ComfyUI), diffusers (PEFT, alpha "
-        "folded in), kohya.",
+    format: Literal["auto", "comfy", "diffusers", "kohya"] = option(
+        "auto",
+        "Key layout of saved adapters: auto (the one ComfyUI and diffusers both load: comfy for Wan and "
+        "Qwen-Image, kohya for FLUX.1; resolved when the config is read), comfy (original names with "
+        "`diffusion_model.`), diffusers (PEFT, alpha folded in), kohya (`lora_unet_` + original names).",
     )
 
 
@@ -257,7 +259,14 @@ class TrainingFile:
     )
 
     def __post_init__(self) -> None:
-        check_save_format(self.network.dora, self.save.format)
+        # "auto" becomes the architecture's layout here, so `tuner check`, training and the files agree
+        try:
+            layout = resolve_save_format(self.model.architecture, self.save.format)
+        except ConfigError as e:
+            raise ConfigError(f"key 'model.architecture': {e}") from None
+        if layout != self.save.format:
+            object.__setattr__(self, "save", replace(self.save, format=layout))  # frozen: set once, here
+        check_save_format(self.network.dora, layout)
         if self.network.type == "full" and (self.memory.fp8_base or self.memory.blocks_to_swap != 0):
             # block swap and fp8 storage are for frozen weights: a swapped-out or fp8 copy of a weight
             # being trained would silently lose its updates

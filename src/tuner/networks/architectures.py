@@ -51,9 +51,11 @@ class ArchitectureKeys:
 
     @cached_property
     def _from_kohya(self) -> list[tuple[re.Pattern[str], str]]:
-        # kohya stems replace every "." by "_"; written from original names (musubi) or diffusers names.
+        # kohya stems replace every "." by "_"; written from original names (musubi) or diffusers names
+        # (OneTrainer's `lora_transformer_`, and tuner's for the parts of a fused layer written apart).
         pairs = [(_compile(o.replace(".", "_"), rest=False), d) for d, o in self.renames]
-        return pairs + [(_compile(d.replace(".", "_"), rest=False), d) for d, _ in self.renames]
+        diffusers = [d for d, _ in self.renames] + [p for layer in self.fused for p in layer.parts]
+        return pairs + [(_compile(d.replace(".", "_"), rest=False), d) for d in diffusers]
 
     def __call__(self, diffusers_name: str) -> str:
         """The original name of a diffusers module (or tensor key); `KeyError` outside the table."""

@@ -15,7 +15,22 @@ multiplied into lora_B and every loader applies the same update. tuner records t
 its metadata (`tuner.folded_alpha`), so converting back restores the original tensors: bit for bit when
 s is a power of two (alpha = rank, rank / 2, 1 with a power-of-two rank...), else to fp32 rounding.
 PEFT knows only per-row DoRA magnitudes; a per-column DoRA (tuner's own, see `dora.py`) has no exact
-diffusers form and is refused there.
+diffusers form and is refused there. In the comfy and kohya layouts the parts of a fused layer (FLUX's
+`qkv`, `linear1`) are written as one fused adapter, except when they carry per-column DoRA: then each
+part is written under its diffusers name (`transformer.<name>` in comfy files, `lora_transformer_<name
+with "_">` in kohya files), names ComfyUI maps onto the fused weight's rows (see `fused.py`).
+
+Where the layouts load (measured; `save.format = "auto"` picks, per architecture, one that loads in
+both ComfyUI and diffusers' `load_lora_weights`, see `Architecture.save_format`):
+
+- Wan 2.1: comfy in both (diffusers converts original-layout Wan files itself). ComfyUI does not map
+  diffusers' Wan names.
+- FLUX.1: kohya in both (diffusers' kohya FLUX converter splits the fused layers again); comfy loads in
+  ComfyUI only (diffusers ignores it with a warning); diffusers in both.
+- Qwen-Image: comfy in both (the release's module names are diffusers' own).
+
+diffusers takes LoRA only (LoHa and LoKr load there only in the diffusers layout, as their exact LoRA
+form) and drops `dora_scale` with a warning.
 
 Files are read strictly: every key must be a known adapter tensor, so a file of another kind (or a conv
 adapter) is refused with the keys named instead of being half-loaded.
@@ -42,7 +57,7 @@ from tuner.networks.delta import (
     to_lora,
     validate,
 )
-from tuner.networks.fused import FUSED_METADATA, fuse, group_parts
+from tuner.networks.fused import FUSED_METADATA, FusedParts, fusable, fuse, group_parts
 from tuner.networks.keys import (
     COMFY_PREFIX,
     DIFFUSERS_PREFIXES,
@@ -57,7 +72,7 @@ from tuner.networks.keys import (
 Layout = Literal["comfy", "diffusers", "kohya"]
 LAYOUTS: tuple[str, ...] = ("comfy", "diffusers", "kohya")
 FOLDED_ALPHA = "tuner.folded_alpha"
-KOHYA_PREFIX = KOHYA_PREFIXES[0]
+KOHYA_PREFIX, KOHYA_TRANSFORMER_PREFIX = KOHYA_PREFIXES  # original names, diffusers names
 DIFFUSERS_PREFIX = DIFFUSERS_PREFIXES[0]
 
 # File suffix -> role. Several suffixes may share a role; longer suffixes first, so
@@ -218,13 +233,14 @@ def module_tensors(weights: ModuleWeights, layout: str, dtype: torch.dtype) -> d
 
 def original_modules(
     modules: Mapping[str, ModuleWeights], name_map: NameMap | None = None
-) -> tuple[dict[str, ModuleWeights], dict[str, list]]:
+) -> tuple[dict[str, ModuleWeights | FusedParts], dict[str, list]]:
     """The modules under their original-release names (what comfy and kohya stems are made of): the
     name map renames, and the fused layers it declares (a `fused` attribute, see `fused.py`) are built
-    from their parts. Also returns the fused layers' split records for the metadata."""
+    from their parts, or kept as `FusedParts` when no fused adapter is exact. Also returns the fused
+    layers' split records for the metadata."""
     name_map = name_map or identity_name_map
     groups, plain = group_parts(list(modules), getattr(name_map, "fused", ()))
-    out: dict[str, ModuleWeights] = {}
+    out: dict[str, ModuleWeights | FusedParts] = {}
     owner: dict[str, str] = {}
     for name in plain:
         original = name_map(name)
@@ -234,7 +250,11 @@ def original_modules(
         out[original] = modules[name]
     records = {}
     for original, parts in groups.items():
-        out[original], records[original] = fuse([modules[p] for p in parts if p])
+        weights = [modules[p] for p in parts if p]
+        if fusable(weights):
+            out[original], records[original] = fuse(weights)
+        else:
+            out[original] = FusedParts(original, {p: modules[p] for p in parts if p})
     return out, records
 
 
@@ -262,13 +282,28 @@ def layout_state(
         metadata[FOLDED_ALPHA] = uniform_or_json(folded)
         return state, metadata
     originals, records = original_modules(modules, name_map)
+    stems: dict[str, ModuleWeights] = {}
     for original, weights in originals.items():
-        stem = prefix + original if layout == "comfy" else KOHYA_PREFIX + original.replace(".", "_")
+        if isinstance(weights, FusedParts):
+            stems |= {part_stem(name, layout): part for name, part in weights.parts.items()}
+        elif layout == "comfy":
+            stems[prefix + original] = weights
+        else:
+            stems[KOHYA_PREFIX + original.replace(".", "_")] = weights
+    for stem, weights in stems.items():
         for suffix, tensor in module_tensors(weights, layout, dtype).items():
             state[f"{stem}.{suffix}"] = tensor
     if records:
         metadata[FUSED_METADATA] = json.dumps(records)
     return state, metadata
+
+
+def part_stem(name: str, layout: str) -> str:
+    """The stem of a fused layer's part written apart (`FusedParts`): its diffusers name, spelled as the
+    layout's other keys are (ComfyUI maps both spellings onto the fused weight's rows for FLUX)."""
+    if layout == "kohya":
+        return KOHYA_TRANSFORMER_PREFIX + name.replace(".", "_")
+    return DIFFUSERS_PREFIX + name
 
 
 def _fold(lora: ModuleWeights, name: str) -> ModuleWeights:

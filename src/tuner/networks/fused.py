@@ -14,8 +14,13 @@ and with ΔW_p = s_p · B_p A_p this is itself a LoRA of rank r_q + r_k + r_v:
 since the up row-block of q only meets the down rows of q. Parts with different scales s_p are made
 exact by folding s_p into their up block (the fused alpha then gives scale 1); with one shared scale
 nothing is folded and the fused alpha is s · (r_q + r_k + r_v). LoHa and LoKr parts are first written in
-their exact LoRA form (`delta.to_lora`). Row-wise DoRA magnitudes stack like the rows; column-wise ones
-mix the parts and cannot be fused exactly.
+their exact LoRA form (`delta.to_lora`). Row-wise DoRA magnitudes stack like the rows.
+
+Column-wise DoRA (tuner's own, see `dora.py`) cannot be fused: each part normalises its columns over its
+own rows, a fused DoRA over all rows together. Such a group is kept apart (`FusedParts`) and written as
+one adapter per part under its diffusers name: ComfyUI maps FLUX's diffusers module names onto row
+slices of the fused weight (`transformer.<name>`, `lora_transformer_<name with "_">`) and applies each
+adapter, DoRA included, to its own slice, which is exactly what the parts compute.
 
 Each architecture supplies its fused layers as data (`FusedLayer`), alongside its name map (see
 `architectures.py`). Reading goes the other way: a fused adapter is split into one per part. The split
@@ -112,6 +117,41 @@ def group_parts(
     return groups, plain
 
 
+@dataclass
+class FusedParts:
+    """The parts of a fused layer kept as separate adapters, because no one adapter of the fused layer
+    computes exactly what they do (see `fusable`). It updates the fused weight row block by row block."""
+
+    original: str
+    """The fused layer's original name."""
+    parts: dict[str, ModuleWeights]
+    """By diffusers module name, in row order."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in) of the fused weight."""
+        shapes = [weights.shape for weights in self.parts.values()]
+        return sum(rows for rows, _ in shapes), shapes[0][1]
+
+    def effective_delta(self, weight: torch.Tensor | None) -> torch.Tensor:
+        """What the parts add to the fused `weight` at strength 1 (fp32): each its own rows."""
+        deltas, row = [], 0
+        for weights in self.parts.values():
+            rows = weights.shape[0]
+            deltas.append(weights.effective_delta(None if weight is None else weight[row : row + rows]))
+            row += rows
+        return torch.cat(deltas)
+
+
+def fusable(parts: Sequence[ModuleWeights]) -> bool:
+    """Whether one adapter of the fused layer computes exactly what `parts` do: none carries DoRA, or
+    all carry per-row magnitudes (which stack like the rows)."""
+    magnitudes = [p.dora_scale for p in parts]
+    return all(m is None for m in magnitudes) or all(
+        m is not None and dora_norm_dim(m) == 1 for m in magnitudes
+    )
+
+
 def fuse(parts: Sequence[ModuleWeights]) -> tuple[ModuleWeights, list[list]]:
     """The exact adapter of the fused layer whose row blocks the `parts` adapt; and what `split` needs to
     undo it ([rank, rows, alpha] per part)."""
@@ -136,8 +176,8 @@ def _stack_magnitudes(magnitudes: list[torch.Tensor | None]) -> torch.Tensor | N
         return None
     if any(m is None or dora_norm_dim(m) != 1 for m in magnitudes):
         raise TunerError(
-            "a fused layer can carry DoRA only when all its parts have per-row magnitudes; column-wise "
-            "DoRA normalises over the fused rows together and has no exact fused form"
+            "a fused layer can carry DoRA only when all its parts have per-row magnitudes; write parts with "
+            "column-wise DoRA apart (FusedParts)"
         )
     return torch.cat([m.float() for m in magnitudes])
 

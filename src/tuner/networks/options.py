@@ -34,10 +34,11 @@ def check_network_options(cfg: Any) -> None:
         raise ConfigError(f"network.factor must be -1 (automatic) or a positive size, got {cfg.factor}")
 
 
-def check_save_format(dora: bool, save_format: str) -> None:
-    """tuner's DoRA normalises columns, which the diffusers (PEFT) layout cannot express."""
-    if dora and save_format == "diffusers":
+def check_save_format(dora: bool, layout: str) -> None:
+    """tuner's DoRA normalises columns, which the diffusers (PEFT) layout cannot express. `layout` is the
+    resolved one (`tuner.registry.resolve_save_format`), never "auto"."""
+    if dora and layout == "diffusers":
         raise ConfigError(
             "network.dora = true cannot be saved with save.format = 'diffusers' (PEFT's DoRA normalises rows, "
-            "tuner's columns, as ComfyUI and LyCORIS files do); use 'comfy' or 'kohya'"
+            "tuner's columns, as ComfyUI and LyCORIS files do); use 'auto', 'comfy' or 'kohya'"
         )

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 
 from tuner.errors import ConfigError
+from tuner.registry import SAVE_FORMATS
 
-FORMATS = ("comfy", "diffusers", "kohya")
+_AUTO_HELP = "key layout; auto: the one training writes by default for the architecture (ComfyUI and diffusers load it)"
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 
 
@@ -27,7 +28,7 @@ def add_lora_commands(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="rewrite an adapter file in another key layout")
     p.add_argument("src", metavar="IN")
     p.add_argument("dst", metavar="OUT")
-    p.add_argument("--to", required=True, choices=FORMATS)
+    p.add_argument("--to", required=True, choices=SAVE_FORMATS, help=_AUTO_HELP)
     _arch_arg(p)
     p.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default=None, help="tensor precision (default: the input's)"
@@ -55,7 +56,7 @@ def add_lora_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tuned", required=True, help="the fine-tuned (or merged) model single file")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--format", choices=FORMATS, default="comfy")
+    p.add_argument("--format", choices=SAVE_FORMATS, default="comfy", help=_AUTO_HELP)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp32")
     p.add_argument("--device", default="cpu", help="where the SVDs run, e.g. cuda")
     p.add_argument(
@@ -93,8 +94,8 @@ def _info(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     from tuner.tools.convert import convert_adapter
 
-    count = convert_adapter(args.src, args.dst, args.to, arch=args.arch, dtype=args.dtype)
-    print(f"wrote {args.dst}: {count} modules in the {args.to} layout")
+    count, layout = convert_adapter(args.src, args.dst, args.to, arch=args.arch, dtype=args.dtype)
+    print(f"wrote {args.dst}: {count} modules in the {layout} layout")
 
 
 def _merge(args: argparse.Namespace) -> None:

@@ -1,4 +1,5 @@
-"""`tuner lora convert`: rewrite an adapter file in another key layout (comfy, diffusers, kohya).
+"""`tuner lora convert`: rewrite an adapter file in another key layout (comfy, diffusers, kohya, or auto:
+the one training writes by default for the file's architecture, which ComfyUI and diffusers both load).
 
 The file is read in whatever layout it is in, renamed to diffusers module names with the architecture's
 table (`networks/architectures.py`; from `--arch`, the file's `tuner.architecture`, or the one table
@@ -20,6 +21,7 @@ from tuner.networks.architectures import architecture_keys, canonical_modules, d
 from tuner.networks.formats import FOLDED_ALPHA, describe_modules, layout_state, parse_modules
 from tuner.networks.fused import FUSED_METADATA
 from tuner.networks.keys import describe_source, read_safetensors
+from tuner.registry import resolve_save_format
 
 # Metadata that describes one layout and is rewritten for the new one.
 _LAYOUT_METADATA = (FOLDED_ALPHA, FUSED_METADATA, "lora_adapter_metadata", "tuner.format", "tuner.trained_as")
@@ -32,27 +34,30 @@ def convert_adapter(
     *,
     arch: str | None = None,
     dtype: str | None = None,
-) -> int:
-    """Write `src` in layout `to` to `dst` (atomically); returns the number of modules. `dtype` recasts
-    the tensors (default: the file's own)."""
+) -> tuple[int, str]:
+    """Write `src` in layout `to` ("auto": the architecture's `save_format`) to `dst` (atomically);
+    returns the number of modules and the layout written. `dtype` recasts the tensors (default: the
+    file's own)."""
     where = describe_source(src)
     tensors, metadata = read_safetensors(src)
     modules = parse_modules(tensors, metadata, where)
     keys = architecture_keys(arch) if arch else detect_architecture(modules, metadata, where)
     canonical = canonical_modules(modules, keys, metadata, where)
+    # the file's own architecture when it names one (Kontext and Edit share their base's table)
+    architecture = arch or metadata.get("tuner.architecture") or keys.name
+    layout = resolve_save_format(architecture, to)
     save_dtype = DTYPES[dtype] if dtype else _file_dtype(tensors)
-    state, layout_metadata = layout_state(canonical, to, keys, dtype=save_dtype)
+    state, layout_metadata = layout_state(canonical, layout, keys, dtype=save_dtype)
     kept = {k: v for k, v in metadata.items() if k not in _LAYOUT_METADATA}
     out_metadata = {
         **kept,
         **layout_metadata,
-        **describe_modules(canonical, to),
-        "tuner.format": to,
-        # the file's own architecture when it names one (Kontext and Edit share their base's table)
-        "tuner.architecture": arch or metadata.get("tuner.architecture") or keys.name,
+        **describe_modules(canonical, layout),
+        "tuner.format": layout,
+        "tuner.architecture": architecture,
     }
     save_safetensors(state, dst, metadata=out_metadata)
-    return len(canonical)
+    return len(canonical), layout
 
 
 def _file_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:

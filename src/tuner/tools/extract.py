@@ -26,6 +26,7 @@ from tuner.networks.architectures import architecture_keys, canonical_modules, d
 from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.formats import describe_modules, layout_state
 from tuner.networks.keys import COMFY_PREFIX
+from tuner.registry import resolve_save_format
 from tuner.tools.checkpoint import read_checkpoint
 
 
@@ -42,7 +43,8 @@ def extract_lora(
     threshold: float = 0.0,
 ) -> dict[str, int]:
     """Write the rank-`rank` LoRA of `tuned - base`; modules whose largest change is at most
-    `threshold` are left out. Returns counts of extracted modules and of other changed tensors."""
+    `threshold` are left out. `format` is a layout, or "auto" (the architecture's `save_format`).
+    Returns counts of extracted modules and of other changed tensors."""
     if rank < 1:
         raise TunerError(f"--rank must be at least 1, got {rank}")
     base_ckpt, tuned_ckpt = read_checkpoint(base), read_checkpoint(tuned)
@@ -67,11 +69,15 @@ def extract_lora(
         modules[key.removesuffix(".weight")] = _low_rank(diff, rank)
     if not modules:
         raise TunerError(f"{tuned} has no weight matrix that differs from {base} by more than {threshold}")
+    stems = {COMFY_PREFIX + name: weights for name, weights in modules.items()}
+    keys = None
+    if format == "auto":  # the layout training writes by default for this architecture
+        keys = architecture_keys(arch) if arch else detect_architecture(stems, {}, str(tuned))
+        format = resolve_save_format(arch or keys.name, format)
     if format == "comfy":
         state, layout_metadata = layout_state(modules, "comfy", dtype=DTYPES[dtype])
     else:  # kohya and diffusers go through the architecture's names
-        stems = {COMFY_PREFIX + name: weights for name, weights in modules.items()}
-        keys = architecture_keys(arch) if arch else detect_architecture(stems, {}, str(tuned))
+        keys = keys or (architecture_keys(arch) if arch else detect_architecture(stems, {}, str(tuned)))
         canonical = canonical_modules(stems, keys, {}, str(tuned))
         state, layout_metadata = layout_state(canonical, format, keys, dtype=DTYPES[dtype])
     metadata = {

@@ -10,7 +10,8 @@ weight matrices are written as scaled fp8 (see `checkpoint.py`).
 Adapters may be in any layout. comfy and kohya stems name original modules and are looked up in the
 checkpoint itself (kohya's underscores are matched against the checkpoint's module names, so no table
 is needed); diffusers stems need the architecture's name table (`--arch`, or the adapter's metadata, or
-the one table that fits), which also fuses q/k/v adapters for originals that keep them as one matrix.
+the one table that fits), which also fuses q/k/v adapters for originals that keep them as one matrix
+(parts with column-wise DoRA are applied to their own rows of it, as ComfyUI does).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tuner.io import save_safetensors
 from tuner.networks.architectures import architecture_keys, canonical_modules, detect_architecture
 from tuner.networks.delta import ModuleWeights
 from tuner.networks.formats import layout_of, original_modules, read_modules
+from tuner.networks.fused import FusedParts
 from tuner.networks.keys import COMFY_PREFIX, KOHYA_PREFIXES
 from tuner.tools.checkpoint import Checkpoint, quantize_scaled_fp8, read_checkpoint
 
@@ -76,12 +78,15 @@ def merge_adapters(
     return changed
 
 
-def _original_modules(path: str, checkpoint: Checkpoint, arch: str | None) -> dict[str, ModuleWeights]:
-    """The adapter's modules by the checkpoint's (original) module names."""
+def _original_modules(
+    path: str, checkpoint: Checkpoint, arch: str | None
+) -> dict[str, ModuleWeights | FusedParts]:
+    """The adapter's modules by the checkpoint's (original) module names; the parts of a fused layer
+    that carry column-wise DoRA stay apart (`FusedParts`) and update the fused weight's rows each."""
     modules, metadata = read_modules(path)
     names = checkpoint.modules()
     kohya_index = _kohya_index(names)
-    out: dict[str, ModuleWeights] = {}
+    out: dict[str, ModuleWeights | FusedParts] = {}
     via_table: dict[str, ModuleWeights] = {}
     for stem, weights in modules.items():
         layout = layout_of(stem)
