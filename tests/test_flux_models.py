@@ -309,3 +309,19 @@ def test_kontext_needs_exactly_one_reference():
         with pytest.raises(ConfigError, match="exactly one reference"):
             trainer.references(cond)
     assert _trainer(FluxTrainer, guidance=1.0, text_length=8).references({"control_0": reference}) == ()
+
+
+def test_a_fused_layer_adapted_in_part_is_refused_before_training(paths):
+    """Excluding v of a double block leaves its fused qkv half adapted; that file could not be saved in
+    the release's layout, so the network refuses it when it is built, not at the end of the run."""
+    from tuner.config.schema import NetworkConfig
+    from tuner.networks.factory import build_network
+
+    model = flux.load_transformer(paths["transformer_file"], torch.float32)
+    targets = ARCHITECTURES["flux"].default_targets
+    cfg = NetworkConfig(exclude=(r"transformer_blocks\.0\.attn\.to_v",))
+    with pytest.raises(
+        ConfigError, match="kohya layout.*double_blocks.0.img_attn.qkv.*adapt all of them or none"
+    ):
+        build_network(model, targets, cfg, FLUX_LAYOUT, save_format="kohya")
+    build_network(model, targets, cfg, FLUX_LAYOUT, save_format="diffusers").remove()  # split names: fine

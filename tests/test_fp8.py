@@ -243,3 +243,29 @@ def test_lora_on_an_fp8_base_trains():
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     assert all(p.dtype == torch.float32 for p in lora.parameters())
+
+
+def test_an_fp8_time_embedding_is_kept_out_of_fp8_storage(wan_model, tmp_path):
+    """Some ComfyUI fp8 files store Wan's time embedding in fp8 too. diffusers' Wan casts the timestep to
+    that layer's weight dtype, so it must not stay in fp8 storage: it is loaded dequantized, as the
+    model's loader does without fp8_base, and the forward pass works."""
+    from tuner.memory import MemorySettings, apply_memory_settings
+    from tuner.models.wan import load_transformer
+    from tuner.models.wan_keys import WAN_LAYOUT
+
+    path = tmp_path / "wan_fp8_scaled.safetensors"
+    from tuner.models.loading import load_tensors, normalize_state_dict
+
+    single = next((wan_model / "single").glob("wan2.1_t2v_*.safetensors"))
+    original = normalize_state_dict(load_tensors(single), torch.float32)
+    written = write_comfy_fp8_state(original, path, "comfy_quant",
+                                    quantized=lambda key: key.startswith(("blocks.", "time_embedding.")))  # fmt: skip
+    assert any(stem.startswith("time_embedding.") for stem in written)
+    dequantized = load_transformer(str(path), torch.float32)
+    model = load_transformer(str(path), torch.float32).requires_grad_(False)
+    names = apply_memory_settings(
+        model, MemorySettings(fp8_base=True), "cpu", fp8_source=str(path), name_map=WAN_LAYOUT.inverse
+    ).fp8_layers
+    assert names and not any("time_embedder" in name for name in names)
+    with torch.no_grad():
+        assert relative_error(model(**wan_inputs())[0], dequantized(**wan_inputs())[0]) < 1e-5

@@ -61,6 +61,10 @@ FORMAT = "tuner.fp8.e4m3fn.block64"
 # Module-name fragments (lower case) of layers kept in high precision. Data, not code: a new architecture
 # whose modulation layer is called something else adds its fragment here.
 KEEP_HIGH_PRECISION = ("norm", "embed", "modulation", "_mod", "adaln", "time")
+# Layers whose weight dtype a model reads to cast its inputs: diffusers' Wan casts the timestep to the
+# time embedder's dtype, so an fp8 weight there would make the timestep fp8. Even when a ComfyUI fp8
+# file stores them in fp8, they are left as the loader put them (dequantized); they are tiny.
+READ_FOR_DTYPE = ("time_embedder",)
 
 # --- the numbers ----------------------------------------------------------------------------------
 
@@ -353,6 +357,8 @@ def load_comfy_fp8_weights(
             ) from None
         for key, rows in parts.items():
             name = key.removesuffix(".weight")
+            if any(fragment in name for fragment in READ_FOR_DTYPE):
+                continue
             module = modules.get(name)
             if not isinstance(module, nn.Linear) or tuple(module.weight.shape) != tuple(rows.shape):
                 raise CheckpointError(

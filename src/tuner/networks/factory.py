@@ -19,11 +19,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, TunerError
 from tuner.networks.base import AdapterModule, AdapterNetwork
 from tuner.networks.delta import LOHA, LOKR, LORA, ModuleWeights
 from tuner.networks.dora import DoRAModule
-from tuner.networks.formats import read_modules
+from tuner.networks.formats import layout_state, read_modules
 from tuner.networks.full import FullNetwork
 from tuner.networks.fused import expand_fused
 from tuner.networks.keys import COMFY_PREFIX, KOHYA_PREFIXES, ModuleNameIndex, NameMap, describe_source
@@ -50,11 +50,18 @@ class TrainableNetwork(Protocol):
 
 
 def build_network(
-    model: nn.Module, default_targets: Sequence[str], cfg: Any, name_map: NameMap | None, *, seed: int = 0
+    model: nn.Module,
+    default_targets: Sequence[str],
+    cfg: Any,
+    name_map: NameMap | None,
+    *,
+    seed: int = 0,
+    save_format: str | None = None,
 ) -> AdapterNetwork | FullNetwork:
     """The network the `[network]` section `cfg` describes, attached to `model` (adapters are fp32; the
     base model is left as it is, except that a full fine-tune makes its weights trainable). `seed`
-    seeds stochastic rounding."""
+    seeds stochastic rounding. With `save_format`, an adapter that could not be saved in that layout
+    is refused now rather than after training."""
     check_network_options(cfg)
     if cfg.type == "full":
         return FullNetwork(model, stochastic_rounding=cfg.stochastic_rounding, seed=seed)
@@ -72,26 +79,22 @@ def build_network(
     else:
         network_class = LoHaNetwork if cfg.type == "loha" else LoRANetwork
         network = network_class.apply_to(model, spec, cfg.rank, cfg.alpha, **common)
-    _check_exportable(network, name_map)
+    _check_exportable(network, name_map, save_format)
     return network
 
 
-def _check_exportable(network: AdapterNetwork, name_map: NameMap | None) -> None:
-    """Every adapted layer needs a name in the release's layout, or the file could not be saved after
-    training: find out now, before the first step."""
-    if name_map is None:
+def _check_exportable(network: AdapterNetwork, name_map: NameMap | None, save_format: str | None) -> None:
+    """Write the saved file's tensors once, now, and drop them: a layer the release's layout has no name
+    for, or a fused layer adapted only in part, would otherwise fail the save after training."""
+    if name_map is None or save_format is None:
         return
-    fused = getattr(name_map, "fused", ())
-    for name in network.names():
-        if any(layer.part_of(name) for layer in fused):
-            continue  # saved as part of the release's fused layer
-        try:
-            name_map(name)
-        except KeyError:
-            raise ConfigError(
-                f"network.include: {name} has no name in the release's layout, so an adapter on it could not "
-                "be saved for ComfyUI; leave it out of network.include"
-            ) from None
+    try:
+        layout_state(network.weights(), save_format, name_map, prefix=network.prefix)
+    except (KeyError, TunerError) as e:
+        raise ConfigError(
+            f"network.include / exclude: the adapter could not be saved in the {save_format} layout after "
+            f"training ({e.args[0] if e.args else e}); change the targets"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -238,7 +238,9 @@ class NetworkTrainer:
         )  # fmt: skip
 
         # the adapter (LoRA / LoHa / LoKr, optionally DoRA) or, for a full fine-tune, the weights themselves
-        trained = build_network(model, self.default_targets, nc, self.layout, seed=tc.seed)
+        trained = build_network(
+            model, self.default_targets, nc, self.layout, seed=tc.seed, save_format=cfg.save.format
+        )
         trained.to(accelerator.device)
         if nc.network_weights:
             trained.load_weights(nc.network_weights, self.layout.inverse)
