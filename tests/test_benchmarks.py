@@ -40,3 +40,12 @@ def test_train_overhead_smoke(bench, capsys):
     assert re.search(r"bare loop\s+\d+\.\d+ ms/step", out)
     assert re.search(r"tuner train\s+\d+\.\d+ ms/step", out)
     assert "device cpu" in out
+
+
+def test_cache_read_smoke(bench, capsys, tmp_path):
+    argv = ["--n", "24", "--workers", "2", "--shape", "4,2,8,8", "--rounds", "1", "--dir", str(tmp_path)]
+    bench("cache_read").main(argv)
+    out = capsys.readouterr().out
+    assert re.search(r"in-process .* ratio [0-9.]+x", out) and re.search(r"2 workers .* ratio [0-9.]+x", out)
+    assert len(ratios(out, "ratio")) == 2
+    assert list(tmp_path.iterdir()) == []  # it deletes what it wrote
