@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +50,9 @@ from tuner.optim import build_optimizer
 from tuner.timesteps import add_noise, flow_loss, flow_target
 from tuner.trainers.base import DTYPES
 from tuner.trainers.wan import WanTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when loaded by path (tests)
+from report import table  # noqa: E402
 
 DATASET_TOML = """\
 [general]
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 also autocasts")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--workers", type=int, default=0, help="tuner's data.num_workers")
+    parser.add_argument("--markdown", type=Path, help="also write the result as a markdown table here")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -214,6 +219,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"bare loop   {bare * 1000:8.2f} ms/step")
     print(f"tuner train {tuned * 1000:8.2f} ms/step")
     print(f"ratio       {tuned / bare:8.3f}  tuner/bare (target <= 1.05)")
+    if args.markdown:
+        setup = (
+            f"{ran_on}, {threads} threads, width {args.dim} × {args.layers} blocks, latents {list(latents)}"
+        )
+        cells = [f"{setup}, {dtype}", f"{bare * 1000:.2f}", f"{tuned * 1000:.2f}", f"{tuned / bare:.3f}"]
+        text = table(["setup", "bare loop ms/step", "tuner train ms/step", "tuner ÷ bare"], [cells])
+        runs = f"Median of {args.rounds} round(s) × {args.steps} steps after {args.warmup} warm-up."
+        args.markdown.write_text(f"{text}\n\n{runs}\n")
     return {"bare_seconds": bare, "tuner_seconds": tuned, "ratio": tuned / bare}
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import math
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -98,3 +100,67 @@ def test_gpu_memory_rows_never_write_the_shared_host_weights(bench):
     wan.run(swap=8, fp8_base=True, checkpointing="offload", steps=1)
     wan.run(swap=0, steps=1)
     assert all(torch.equal(before[name], t) for name, t in wan.host.items())
+
+
+@pytest.mark.slow
+def test_gpu_speed_smoke(bench, capsys, tmp_path):
+    result = bench("gpu_speed").main(["--tiny", "--steps", "1", "--markdown-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert len(ratios(out, "ratio")) == len(result) >= 2 + 1 + 4  # swap ×2, fp8 matmul, ≥2 backends × 2
+    assert "swap 4 of 8 blocks ÷ none" in result and "fp8 matmul on ÷ off" in result
+    assert result["sdpa training step ÷ sdpa"] == 1.0 and "sdpa_math forward ÷ sdpa" in result
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention.md", "fp8_matmul.md", "swap.md"]
+    assert all("NOT GPU measurements" in p.read_text() for p in tmp_path.iterdir())
+
+
+# --- the suite --------------------------------------------------------------------------------------
+
+SUITE = BENCHMARKS / "gpu_suite.sh"
+DOC = BENCHMARKS.parent / "docs" / "memory.md"
+
+
+def suite_phases() -> dict[str, list[str]]:
+    """{phase: its python arguments} as gpu_suite.sh runs them."""
+    text = SUITE.read_text().replace("\\\n", " ")
+    phases = re.findall(r"^phase (\S+) \d+ (.+)$", text, flags=re.MULTILINE)
+    return {name: shlex.split(args) for name, args in phases}
+
+
+def test_suite_is_valid_bash_and_fills_every_doc_section(bench):
+    subprocess.run(["bash", "-n", str(SUITE)], check=True)
+    phases = suite_phases()
+    assert set(phases) == {"memory-1.3B", "memory-14B", "swap", "fp8_matmul", "attention", "train-overhead"}
+    listed = re.search(r"for name in (.+); do", SUITE.read_text()).group(1).split()
+    assert listed == list(phases)
+    doc = DOC.read_text()
+    for name in [*phases, "environment"]:
+        assert f"<!-- gpu-suite:{name}:begin -->" in doc and f"<!-- gpu-suite:{name}:end -->" in doc
+
+
+@pytest.mark.slow
+def test_suite_arguments_parse_in_smoke_mode(bench, capsys, tmp_path):
+    """The 14B rows the suite asks for, run on the toy (which has the same block-count words)."""
+    argv = suite_phases()["memory-14B"]
+    assert argv[0] == "benchmarks/gpu_memory.py"
+    out = tmp_path / "memory-14B.md"
+    args = [str(out) if a == "$RESULTS/memory-14B.md" else a for a in argv[1:]]
+    rows = bench("gpu_memory").main([*args, "--tiny"])
+    assert [(r["blocks_to_swap"], r["fp8"], r["checkpointing"]) for r in rows][-1] == (8, True, "offload")
+    assert out.is_file()
+
+
+def test_report_replaces_sections_and_reruns_replace_them(bench, tmp_path):
+    report = bench("report")
+    doc = tmp_path / "memory.md"
+    doc.write_text(DOC.read_text())
+    (tmp_path / "swap.md").write_text("| a |\n|---|\n| 1 |\n")
+    argv = [str(doc), f"swap={tmp_path / 'swap.md'}", f"attention={tmp_path / 'missing.md'}"]
+    report.main([*argv, "--note", "attention=Stopped at the suite's 65 s limit"])
+    once = doc.read_text()
+    assert "<!-- gpu-suite:swap:begin -->\n| a |\n|---|\n| 1 |\n<!-- gpu-suite:swap:end -->" in once
+    assert "**Not measured**: Stopped at the suite's 65 s limit." in once
+    report.main([*argv, "--note", "attention=Stopped at the suite's 65 s limit"])
+    assert doc.read_text() == once  # a rerun replaces, it does not append
+    assert once.count("gpu-suite:") == DOC.read_text().count("gpu-suite:")
+    report.main([str(doc), "--environment"])
+    assert re.search(r"environment:begin -->\nMeasured \d{4}-\d\d-\d\d at commit \w+ on ", doc.read_text())
