@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     clock = tuner_loop(cfg, args.dim, args.layers)
                     ours.append(clock.median_step(args.warmup))
                 seen |= clock.seen
+            print(
+                f"round {round_}: bare loop {bares[-1] * 1000:.2f} ms/step, tuner train {ours[-1] * 1000:.2f} ms/step"
+            )
     if len(seen) != 1:
         raise SystemExit(f"the two loops did not run the same setup: {sorted(seen)}")
     ran_on, threads, latents, text, dtype, adapted = seen.pop()
