@@ -39,8 +39,8 @@ phase() {  # phase NAME LIMIT ARGS...: run `python ARGS...` under a time limit, 
   echo "== $name: exit $rc after $((SECONDS - start)) s"
   case $rc in
     0) ;;
-    124 | 137) notes+=(--note "$name=Stopped at the suite's ${limit} s limit; the rows below are those measured by then") ;;
-    *) notes+=(--note "$name=The script exited with status $rc (see the notes under the table and its log)"); failed=1 ;;
+    124 | 137) notes+=(--note "$name=Stopped at the suite's ${limit} s limit") ;;
+    *) notes+=(--note "$name=The script exited with status $rc (see the notes under the table, and $name.log)"); failed=1 ;;
   esac
 }
 

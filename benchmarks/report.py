@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         if not body:
             body = "**Not measured**" + (f": {note}." if note else ".")
         elif note:
-            body = f"**{note}.**\n\n{body}"
+            body = f"**{note}; the rows below are those measured by then.**\n\n{body}"
         doc = replace_section(doc, name, body)
     if args.environment:
         doc = replace_section(doc, "environment", environment())

@@ -154,12 +154,16 @@ def test_report_replaces_sections_and_reruns_replace_them(bench, tmp_path):
     doc = tmp_path / "memory.md"
     doc.write_text(DOC.read_text())
     (tmp_path / "swap.md").write_text("| a |\n|---|\n| 1 |\n")
+    (tmp_path / "fp8.md").write_text("| b |\n|---|\n| 2 |\n")
     argv = [str(doc), f"swap={tmp_path / 'swap.md'}", f"attention={tmp_path / 'missing.md'}"]
-    report.main([*argv, "--note", "attention=Stopped at the suite's 65 s limit"])
+    argv += [f"fp8_matmul={tmp_path / 'fp8.md'}", "--note", "attention=Stopped at the suite's 65 s limit"]
+    argv += ["--note", "fp8_matmul=Stopped at the suite's 40 s limit"]
+    report.main(argv)
     once = doc.read_text()
     assert "<!-- gpu-suite:swap:begin -->\n| a |\n|---|\n| 1 |\n<!-- gpu-suite:swap:end -->" in once
     assert "**Not measured**: Stopped at the suite's 65 s limit." in once
-    report.main([*argv, "--note", "attention=Stopped at the suite's 65 s limit"])
+    assert "limit; the rows below are those measured by then.**\n\n| b |" in once
+    report.main(argv)
     assert doc.read_text() == once  # a rerun replaces, it does not append
     assert once.count("gpu-suite:") == DOC.read_text().count("gpu-suite:")
     report.main([str(doc), "--environment"])
