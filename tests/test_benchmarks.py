@@ -126,6 +126,11 @@ def suite_phases() -> dict[str, list[str]]:
     return {name: shlex.split(args) for name, args in phases}
 
 
+def test_suite_time_limits_fit_eight_minutes():
+    limits = [int(n) for n in re.findall(r"^phase \S+ (\d+) ", SUITE.read_text(), flags=re.MULTILINE)]
+    assert len(limits) == 6 and sum(limits) <= 450  # leaves time for start-up, kill grace and the report
+
+
 def test_suite_is_valid_bash_and_fills_every_doc_section(bench):
     subprocess.run(["bash", "-n", str(SUITE)], check=True)
     phases = suite_phases()
