@@ -29,6 +29,7 @@ does not fit counts as infinite). The script exits with status 1 when one does n
 
     python benchmarks/gpu_memory.py                          # both models (needs a CUDA GPU)
     python benchmarks/gpu_memory.py --models 1.3B --checkpointing none plain offload
+    python benchmarks/gpu_memory.py --models 14B --rows 0/off/plain 0/on/plain all/on/offload
     python benchmarks/gpu_memory.py --tiny                   # smoke run on the CPU
 
 `--tiny` runs the same code on the CPU: an 8-block toy in fp32, with `FakeTransfer` standing in for the
