@@ -1,18 +1,34 @@
 """Seconds per training step through `tuner train` versus a bare PyTorch loop, in one process.
 
-Both train the same Wan transformer (random weights, a tiny-but-not-trivial config) with the same LoRA
-on the same cached batch shapes; the bare loop does forward, loss, backward and optimizer step and
-nothing else. Both report the median wall time of an optimizer step after a warm-up (tuner's loop
-records its step times; loading and cache checks are not counted, data loading is). The two are run
-alternately a few rounds, so machine load hits both alike. Prints both and the ratio (target: at
-most 1.05).
+The question: how much does tuner's loop (cache reads, seeded noise and timesteps, accelerate, logging)
+add to the work any training loop must do? The bare loop is that work and nothing else: it holds one
+batch on the device and runs forward, loss, backward, clipping and the optimizer step.
 
-    python benchmarks/train_overhead.py [--steps 30] [--dim 256] [--layers 4]
+What makes the comparison fair. Both loops
+- train the same Wan transformer (random weights from one seed; `--dim`, `--layers`) in the same dtype
+  and autocast, on the same device (CUDA when there is one), with the same intra-op thread count;
+- attach the same adapter: `build_network` from the same `[network]` section (type, rank, alpha,
+  targets), and build the optimizer with `build_optimizer` from the same `[train]` section;
+- draw timesteps from the trainer's own sampler (`NetworkTrainer.timestep_sampler`, which resolves
+  `timesteps.mode = "auto"`), call the model through the trainer's `predict` and use the same loss;
+- see batches of the same shape (one bucket, `--batch-size` items, read from the same cache);
+- are timed by the same clock: a forward pre-hook on the transformer that synchronizes the device and
+  reads `time.perf_counter()` at the start of every forward. A step is the time from one forward to
+  the next, so tuner's data loading and logging count, and its start-up and final save do not.
+The hook also records the device, thread count, input shapes and number of adapted layers each loop
+actually ran with, and the script stops if the two differ.
+
+The loops run alternately for `--rounds` rounds (so machine load hits both alike); each round reports
+the median step after `--warmup` steps. Prints both medians and the ratio tuner/bare (target: ≤ 1.05).
+
+    python benchmarks/train_overhead.py                                   # CPU or the first GPU
+    python benchmarks/train_overhead.py --steps 3 --warmup 1 --dim 64 --layers 1 --rounds 1   # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -20,101 +36,201 @@ import time
 from pathlib import Path
 
 import torch
+from diffusers import WanTransformer3DModel
+from diffusers.utils import logging as diffusers_logging
+from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tuner.cache.plan import open_training_data
+from tuner.cli import main as tuner
+from tuner.config import Config, load_config
+from tuner.demo import prepare
+from tuner.fixtures import write_fixture
+from tuner.networks.factory import build_network
+from tuner.optim import build_optimizer
+from tuner.timesteps import add_noise, flow_loss, flow_target
+from tuner.trainers.base import DTYPES
+from tuner.trainers.wan import WanTrainer
 
-from diffusers import WanTransformer3DModel  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when loaded by path (tests)
+from report import table  # noqa: E402
 
-from tuner.cli import main as tuner  # noqa: E402
-from tuner.config import load_config  # noqa: E402
-from tuner.demo import prepare  # noqa: E402
-from tuner.fixtures import write_fixture  # noqa: E402
-from tuner.networks.lora import LoRANetwork  # noqa: E402
-from tuner.networks.targets import TargetSpec  # noqa: E402
-from tuner.timesteps import add_noise, flow_loss, flow_target, sampler_from_config  # noqa: E402
-from tuner.trainers.wan import WanTrainer  # noqa: E402
+DATASET_TOML = """\
+[general]
+resolution = [{width}, {height}]
+batch_size = {batch_size}
+cache_directory = "cache"
+
+[[datasets]]
+image_directory = "data/images"
+num_repeats = {repeats}
+"""
+DEMO_IMAGES = 4  # what `tuner.demo.prepare` writes; all of them fall into one bucket
 
 
-def build_model(dim: int, layers: int) -> WanTransformer3DModel:
+def build_model(dim: int, layers: int, dtype: torch.dtype) -> WanTransformer3DModel:
+    """A Wan transformer with random weights from seed 0 (text_dim matches the fixture's text encoder)."""
     torch.manual_seed(0)
-    heads = dim // 64
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=64, in_channels=16, out_channels=16,
-        text_dim=64, freq_dim=64, ffn_dim=dim * 4, num_layers=layers, cross_attn_norm=True, rope_max_seq_len=64,
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=max(dim // 64, 1), attention_head_dim=min(dim, 64),
+        in_channels=16, out_channels=16, text_dim=64, freq_dim=64, ffn_dim=dim * 4, num_layers=layers,
+        cross_attn_norm=True, rope_max_seq_len=1024,
     )  # fmt: skip
+    return model.to(dtype)
 
 
-def tuner_seconds_per_step(config: Path, out: Path, steps: int, dim: int, layers: int) -> float:
-    WanTrainer.load_transformer = lambda self, dtype: build_model(dim, layers).to(dtype)
-    cfg = load_config(config, [f"train.max_steps={steps + 3}", f"save.output_dir='{out}'",
-                               "log.tensorboard=false", "save.every_n_steps=0", "save.save_state=false"])  # fmt: skip
-    trainer = WanTrainer(cfg)
-    trainer.train(log=lambda s: None)
-    return statistics.median(trainer.step_seconds[3:])
+class StepClock:
+    """Forward pre-hook on the transformer: synchronizes the device, then reads the clock. It also
+    notes what the loop really ran with, so the two loops can be checked to match."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+        self.seen: set[tuple] = set()
+
+    def attach(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs["hidden_states"]
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        self.marks.append(time.perf_counter())
+        if len(self.marks) == 1:  # once: walking the modules every step would add to both loops
+            adapted = sum(isinstance(m, nn.Linear) and "forward" in m.__dict__ for m in model.modules())
+            self.seen.add(
+                (str(x.device), torch.get_num_threads(), tuple(x.shape),
+                 tuple(kwargs["encoder_hidden_states"].shape), str(x.dtype), adapted)
+            )  # fmt: skip
+
+    def median_step(self, warmup: int) -> float:
+        steps = [b - a for a, b in zip(self.marks, self.marks[1:])][warmup:]
+        return statistics.median(steps)
 
 
-def bare_seconds_per_step(config: Path, steps: int, dim: int, layers: int) -> float:
-    cfg = load_config(config)
-    trainer = WanTrainer(cfg)
-    from tuner.cache.plan import open_training_data
+class BenchTrainer(WanTrainer):
+    """WanTrainer with a random-weight transformer of the benchmark's size, timed by `clock`."""
 
-    data = open_training_data(trainer, cfg, log=lambda s: None)
-    batch = next(iter(data.epoch(0)))
-    model = build_model(dim, layers)
-    model.requires_grad_(False)
-    network = LoRANetwork.apply_to(model, TargetSpec(WanTrainer.default_targets), rank=cfg.network.rank,
-                                   alpha=cfg.network.alpha)  # fmt: skip
-    optimizer = torch.optim.AdamW(network.parameters(), lr=1e-4)
-    sampler = sampler_from_config(cfg.timesteps)
-    x0 = batch["latents"]
-    cond = {**trainer.collate_text(batch["text"]), **batch["extra"]}
+    def __init__(self, cfg: Config, dim: int, layers: int, clock: StepClock):
+        super().__init__(cfg)
+        self.dim, self.layers, self.clock = dim, layers, clock
 
-    def step() -> None:
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        model = build_model(self.dim, self.layers, dtype)
+        self.clock.attach(model)
+        return model
+
+
+def tuner_loop(cfg: Config, dim: int, layers: int) -> StepClock:
+    """`tuner train`'s loop (the trainer the CLI builds, with the benchmark's transformer)."""
+    clock = StepClock()
+    BenchTrainer(cfg, dim, layers, clock).train(log=lambda s: None)
+    return clock
+
+
+def bare_loop(cfg: Config, dim: int, layers: int, steps: int, device: torch.device) -> StepClock:
+    """Forward, loss, backward, clip, step on one batch held on the device; nothing else."""
+    trainer = WanTrainer(cfg)  # for its model-specific calls only: collate_text, predict, timestep_sampler
+    tc = cfg.train
+    batch = next(iter(open_training_data(trainer, cfg, log=lambda s: None).epoch(0)))
+    x0 = batch["latents"].to(device)
+    cond = {k: v.to(device) for k, v in {**trainer.collate_text(batch["text"]), **batch["extra"]}.items()}
+    dtype = DTYPES[cfg.model.dtype]
+    model = build_model(dim, layers, dtype).to(device).requires_grad_(False)
+    model.train(tc.gradient_checkpointing)  # as the trainer sets it
+    network = build_network(model, trainer.default_targets, cfg.network, None, seed=tc.seed).to(device)
+    optimizer = build_optimizer(tc.optimizer, network.parameters(), tc.learning_rate, tc.optimizer_args)
+    sampler = trainer.timestep_sampler()
+    autocast = DTYPES.get(tc.mixed_precision)
+    clock = StepClock()
+    clock.attach(model)
+    for _ in range(steps):
         noise = torch.randn_like(x0)
-        t = sampler.sample(x0.shape[0])
-        pred = trainer.predict(model, add_noise(x0, noise, t), t, cond)
-        loss = flow_loss(pred, flow_target(x0, noise), t)
+        t = sampler.sample(x0.shape[0], device=device, seq_len=trainer.seq_len(x0))
+        with torch.autocast(device.type, autocast or dtype, enabled=autocast is not None):
+            pred = trainer.predict(model, add_noise(x0, noise, t).to(dtype), t, cond)
+        loss = flow_loss(pred.float(), flow_target(x0, noise).float(), t, cfg.timesteps.loss_weighting)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)
+        if tc.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(network.parameters(), tc.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-
-    times = []
-    for _ in range(steps + 3):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[3:])
+    return clock
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per loop and round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median reported)")
+    parser.add_argument("--dim", type=int, default=256, help="transformer width (heads of 64)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--resolution", default="128,96", help="image width,height (one bucket)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 also autocasts")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--workers", type=int, default=0, help="tuner's data.num_workers")
+    parser.add_argument("--markdown", type=Path, help="also write the result as a markdown table here")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    diffusers_logging.set_verbosity_error()  # the fp32-modules note on every `.to(dtype)`
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # what accelerate picks
+    width, height = (int(s) for s in args.resolution.split(","))
+    forwards = args.warmup + args.steps + 1  # n + 1 forward starts bound n steps
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_fixture("wan", root / "model")
         config = prepare(root / "project", model=root / "model")
-        # one bucket of 128x96 images, batch size 1 (the same shape in both loops)
+        # enough repeats that every timed step falls in the first epoch
+        repeats = math.ceil(forwards * args.batch_size / DEMO_IMAGES)
         (root / "project" / "dataset.toml").write_text(
-            '[general]\nresolution = [128, 96]\nbatch_size = 1\ncache_directory = "cache"\n'
-            '[[datasets]]\nimage_directory = "data/images"\n'
+            DATASET_TOML.format(width=width, height=height, batch_size=args.batch_size, repeats=repeats)
         )
         assert tuner(["cache", "latents", "--config", str(config)]) == 0
         assert tuner(["cache", "text", "--config", str(config)]) == 0
-        bares, ours_ = [], []
+        common = [
+            f"model.dtype='{args.dtype}'",
+            f"train.mixed_precision='{'no' if args.dtype == 'fp32' else args.dtype}'",
+            f"data.num_workers={args.workers}",
+        ]
+        bares, ours, seen = [], [], set()
         for round_ in range(args.rounds):
-            bares.append(bare_seconds_per_step(config, args.steps, args.dim, args.layers))
-            ours_.append(
-                tuner_seconds_per_step(config, root / f"out{round_}", args.steps, args.dim, args.layers)
+            cfg = load_config(config, [
+                *common, f"train.max_steps={forwards}", f"save.output_dir='{root / f'out{round_}'}'",
+                "log.tensorboard=false", "save.every_n_steps=0", "save.every_n_epochs=0", "save.save_state=false",
+            ])  # fmt: skip
+            # alternate which loop goes first, so a trend in machine load hits both alike
+            for which in ("bare", "tuner") if round_ % 2 == 0 else ("tuner", "bare"):
+                if which == "bare":
+                    clock = bare_loop(cfg, args.dim, args.layers, forwards, device)
+                    bares.append(clock.median_step(args.warmup))
+                else:
+                    clock = tuner_loop(cfg, args.dim, args.layers)
+                    ours.append(clock.median_step(args.warmup))
+                seen |= clock.seen
+            print(
+                f"round {round_}: bare loop {bares[-1] * 1000:.2f} ms/step, tuner train {ours[-1] * 1000:.2f} ms/step"
             )
-        bare, ours = statistics.median(bares), statistics.median(ours_)
-    print(f"bare loop   {bare * 1000:8.1f} ms/step")
-    print(f"tuner train {ours * 1000:8.1f} ms/step")
-    print(f"ratio       {ours / bare:8.3f}  (target <= 1.05)")
+    if len(seen) != 1:
+        raise SystemExit(f"the two loops did not run the same setup: {sorted(seen)}")
+    ran_on, threads, latents, text, dtype, adapted = seen.pop()
+    bare, tuned = statistics.median(bares), statistics.median(ours)
+    print(
+        f"device {ran_on}, {threads} threads, latents {list(latents)} {dtype}, text {list(text)}, "
+        f"{adapted} adapted layers, width {args.dim} × {args.layers} blocks"
+    )
+    print(f"median of {args.rounds} round(s) × {args.steps} steps after {args.warmup} warm-up")
+    print(f"bare loop   {bare * 1000:8.2f} ms/step")
+    print(f"tuner train {tuned * 1000:8.2f} ms/step")
+    print(f"ratio       {tuned / bare:8.3f}  tuner/bare (target <= 1.05)")
+    if args.markdown:
+        setup = (
+            f"{ran_on}, {threads} threads, width {args.dim} × {args.layers} blocks, latents {list(latents)}"
+        )
+        cells = [f"{setup}, {dtype}", f"{bare * 1000:.2f}", f"{tuned * 1000:.2f}", f"{tuned / bare:.3f}"]
+        text = table(["setup", "bare loop ms/step", "tuner train ms/step", "tuner ÷ bare"], [cells])
+        runs = f"Median of {args.rounds} round(s) × {args.steps} steps after {args.warmup} warm-up."
+        args.markdown.write_text(f"{text}\n\n{runs}\n")
+    return {"bare_seconds": bare, "tuner_seconds": tuned, "ratio": tuned / bare}
 
 
 if __name__ == "__main__":
