@@ -74,3 +74,24 @@ def contract_inputs(trainer, seed: int = 0):
     x0 = batch["latents"]
     noisy = 0.5 * x0 + 0.5 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
     return noisy, torch.full((x0.shape[0],), 0.5), cond
+
+
+def killed_at_first_save(monkeypatch, train) -> None:
+    """Run `train()` and kill it (an exception) right after its first checkpoint is written."""
+    import pytest
+
+    from tuner.trainers.checkpoints import Checkpoints
+
+    class Killed(Exception):
+        pass
+
+    save = Checkpoints.save
+
+    def save_then_die(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        raise Killed
+
+    monkeypatch.setattr(Checkpoints, "save", save_then_die)
+    with pytest.raises(Killed):
+        train()
+    monkeypatch.setattr(Checkpoints, "save", save)

@@ -26,6 +26,7 @@ from tuner.trainers import trainer_class
 # timestep draws, the data order or the model inputs changed. Update only on purpose.
 GOLDEN = {
     "wan": [2.632645, 2.480175, 2.591850],
+    "wan22_t2v": [2.428439, 2.537409, 2.436425],
     "flux": [2.200921, 2.212996, 2.052138],
     "flux_kontext": [2.174530, 2.207012, 2.044304],
     "qwen_image": [2.206476, 2.134087, 2.251362],

@@ -12,13 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import cfg, contract_inputs, run
+from project import cfg, contract_inputs, killed_at_first_save, run
 from tuner.demo import data_kinds
 from tuner.errors import ConfigError
 from tuner.networks.factory import apply_adapter_file
 from tuner.registry import SAVE_LAYOUTS
 from tuner.trainers import trainer_class
-from tuner.trainers.checkpoints import Checkpoints
 
 QUIET = ("log.tensorboard=false",)
 
@@ -78,20 +77,7 @@ def test_killed_and_resumed_run_equals_a_straight_one(contract, tmp_path, monkey
     common = ("train.max_steps=4", "train.gradient_accumulation_steps=2", "network.dropout=0.1",
               "save.every_n_steps=2", "save.every_n_epochs=0")  # fmt: skip
     _train(config, tmp_path / "straight", *common)
-
-    class Killed(Exception):
-        pass
-
-    save = Checkpoints.save
-
-    def save_then_die(self, *args, **kwargs):
-        save(self, *args, **kwargs)
-        raise Killed
-
-    monkeypatch.setattr(Checkpoints, "save", save_then_die)
-    with pytest.raises(Killed):
-        _train(config, tmp_path / "resumed", *common)
-    monkeypatch.setattr(Checkpoints, "save", save)
+    killed_at_first_save(monkeypatch, lambda: _train(config, tmp_path / "resumed", *common))
     resumed = _train(config, tmp_path / "resumed", *common, resume="latest")
     assert len(resumed.history) == 2  # steps 3 and 4 only
     straight = load_file(tmp_path / "straight" / "demo_lora.safetensors")

@@ -103,7 +103,8 @@ def _generate(args) -> None:
         raise ConfigError(f"--size {args.size!r}: expected WIDTHxHEIGHT, e.g. 832x480.") from None
     opts = GenerateOptions(
         prompt=args.prompt, out=args.out, negative_prompt=args.negative_prompt,
-        loras=tuple(parse_weighted_path(x) for x in args.lora), controls=tuple(args.control), width=width, height=height, frames=args.frames,
+        loras=tuple(parse_weighted_path(x) for x in args.lora),
+        loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), width=width, height=height, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed, device=args.device,
     )  # fmt: skip
     generate(_load(args), opts)
@@ -179,7 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FILE[:STRENGTH]",
-        help="LoRA file in comfy, kohya or diffusers layout, with an optional strength (repeatable)",
+        help="LoRA file in comfy, kohya or diffusers layout, with an optional strength (repeatable); for "
+        "two-expert models (Wan 2.2 A14B) the high-noise expert's (model.transformer)",
+    )
+    p.add_argument(
+        "--lora-2",
+        action="append",
+        default=[],
+        metavar="FILE[:STRENGTH]",
+        help="two-expert models: a LoRA for the low-noise expert (model.transformer_2) (repeatable)",
     )
     p.add_argument(
         "--control",

@@ -4,6 +4,10 @@ The models are loaded one at a time (text encoder, then transformer, then VAE) a
 before the next, so inference needs no more memory than the largest of them. The same pieces draw
 the samples `tuner train` makes along the way (`[sample]`). LoRAs attach as forward
 patches with a strength each; any of the layouts tuner reads (comfy, kohya, diffusers) works.
+
+Two-expert models (Wan 2.2 A14B, `tuner.experts`) load both experts and switch at the boundary; they
+take two LoRA lists, `loras` for the high-noise expert (`model.transformer`) and `loras_2` for the
+low-noise one (`model.transformer_2`), as ComfyUI loads them separately.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from PIL import Image
 from tuner.cache.plan import torch_device
 from tuner.dtypes import DTYPES
 from tuner.errors import ConfigError
-from tuner.memory import apply_memory_settings
 from tuner.networks.factory import apply_adapter_file
 from tuner.sampling import euler_sample, flow_sigmas
 from tuner.trainers import trainer_class
@@ -33,6 +36,7 @@ class GenerateOptions:
     out: str
     negative_prompt: str = ""
     loras: tuple[tuple[str, float], ...] = ()
+    loras_2: tuple[tuple[str, float], ...] = ()  # two-expert models: for model.transformer_2 (low noise)
     controls: tuple[str, ...] = ()  # control / reference images for edit models
     width: int = 832
     height: int = 480
@@ -120,28 +124,29 @@ def decode_and_write(trainer, cfg, latents: torch.Tensor, out: str | Path, devic
 def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
     trainer = trainer_class(cfg.model.architecture)(cfg)
     check_options(trainer, opts)
-    for path, _ in opts.loras:
+    two_experts = trainer.record.boundary is not None
+    if opts.loras_2 and not two_experts:
+        raise ConfigError(
+            f"--lora-2: {trainer.architecture} has one transformer; give its LoRAs with --lora."
+        )
+    for path, _ in (*opts.loras, *opts.loras_2):
         if not Path(path).is_file():
             raise ConfigError(f"--lora {path}: file not found.")
     device = torch_device(opts.device)
     dtype = DTYPES[cfg.model.dtype]
 
     cond, uncond = encode_conditions(trainer, cfg, opts, device)
-    model = trainer.load_transformer(dtype).eval().requires_grad_(False)
+    model = trainer.load_experts(dtype) if two_experts else trainer.load_transformer(dtype)
+    model.eval().requires_grad_(False)
     # the same memory switches as training (block swap, fp8, attention); activations need no offload
-    settings = replace(cfg.memory, activation_offload=False)
-    apply_memory_settings(
-        model,
-        settings,
-        device,
-        block_lists=trainer.record.block_lists,
-        fp8_source=cfg.model.transformer,
-        name_map=trainer.layout.inverse,
-    )
-    for path, strength in opts.loras:
-        network = apply_adapter_file(model, path, strength, name_map=trainer.layout)
-        network.to(device)
-        log(f"lora {path} × {strength}: {len(network)} modules")
+    trainer.apply_memory(model, replace(cfg.memory, activation_offload=False), device)
+    targets = [(model, opts.loras)] if not two_experts else [(model.transformer, opts.loras),
+                                                            (model.transformer_2, opts.loras_2)]  # fmt: skip
+    for target, loras in targets:
+        for path, strength in loras:
+            network = apply_adapter_file(target, path, strength, name_map=trainer.layout)
+            network.to(device)
+            log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)
     del model
     _release_memory()

@@ -55,6 +55,10 @@ class Architecture:
     `transformer/` folder holding a `tiny` variant and at least one real one)."""
     save_format: str
     """The layout `save.format = "auto"` writes: one that ComfyUI and diffusers both load."""
+    boundary: float | None = None
+    """Two-expert models (Wan 2.2 A14B): the release's t in [0, 1] where denoising switches from the
+    high-noise expert (`model.transformer`) to the low-noise one (`model.transformer_2`); None for models
+    with one transformer."""
 
     def trainer_class(self) -> type:
         return _resolve(self.trainer)
@@ -148,6 +152,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
         _WAN,
+        # Wan 2.2 T2V A14B: two Wan 2.1 14B-shaped experts, switched at t = 0.875 (the release's boundary)
+        replace(
+            _WAN,
+            name="wan22_t2v",
+            title="Wan 2.2 text-to-video A14B (high- and low-noise 14B experts)",
+            trainer="tuner.trainers.wan22:Wan22T2VTrainer",
+            fixture="tuner.fixtures.wan22:T2V_FIXTURE",
+            boundary=0.875,
+        ),
         _FLUX,
         # FLUX.1 Kontext: the dev network given a reference image; same module names
         replace(

@@ -29,6 +29,25 @@ class ModelConfig:
         "VAE checkpoint (single file or diffusers folder); needed by `cache latents` and `generate`.",
         path=True,
     )
+    transformer_2: str = option(
+        "",
+        "Second transformer of two-expert models (Wan 2.2 A14B: the low-noise expert; `transformer` is the "
+        "high-noise one, as in diffusers' pipeline folders).",
+        path=True,
+    )
+    expert: Literal["", "high", "low", "both"] = option(
+        "",
+        "Two-expert models: which expert trains: high (`transformer`, t >= boundary), low (`transformer_2`, "
+        "t < boundary) or both (one adapter file per expert). Required when both experts are given (high "
+        "when only `transformer` is); unset for other models.",
+    )
+    boundary: float = option(
+        0.0,
+        "Two-expert models: the t in [0, 1] where denoising switches experts; 0 means the release's "
+        "(0.875 for Wan 2.2 T2V A14B).",
+        ge=0,
+        lt=1,
+    )
     text_encoder: str = option("", "Text encoder checkpoint (single file or diffusers folder).", path=True)
     tokenizer: str = option("", "Tokenizer folder; defaults to the one beside the text encoder.", path=True)
     text_encoder_2: str = option(
@@ -267,6 +286,7 @@ class TrainingFile:
         if layout != self.save.format:
             object.__setattr__(self, "save", replace(self.save, format=layout))  # frozen: set once, here
         check_save_format(self.network.dora, layout)
+        _check_experts(self)
         if self.network.type == "full" and (self.memory.fp8_base or self.memory.blocks_to_swap != 0):
             # block swap and fp8 storage are for frozen weights: a swapped-out or fp8 copy of a weight
             # being trained would silently lose its updates
@@ -275,3 +295,58 @@ class TrainingFile:
                 "memory.blocks_to_swap expect frozen; turn those off (use gradient checkpointing, "
                 "activation_offload and an 8-bit or Adafactor optimizer instead)."
             )
+
+
+def _check_experts(file: TrainingFile) -> None:
+    """model.transformer_2 / expert / boundary: set for two-expert models (Wan 2.2 A14B), unset for others."""
+    from tuner.registry import architecture
+
+    m = file.model
+    record = architecture(m.architecture)
+    if record.boundary is None:
+        extra = [k for k in ("transformer_2", "expert", "boundary") if getattr(m, k)]
+        if extra:
+            raise ConfigError(
+                f"key 'model.{extra[0]}': {m.architecture} has one transformer; remove it (it is for "
+                "two-expert models such as wan22_t2v)."
+            )
+        return
+    if not m.expert and not m.transformer_2:  # one checkpoint given: it is the one that trains
+        m = replace(m, expert="high")
+        object.__setattr__(file, "model", m)  # frozen: set once, here (as save.format's "auto")
+    if not m.expert:
+        raise ConfigError(
+            f"key 'model.expert': {m.architecture} has two experts; choose which one trains: \"high\" "
+            '(model.transformer, the high-noise expert), "low" (model.transformer_2, the low-noise '
+            'expert) or "both" (one adapter file per expert).'
+        )
+    if m.expert in ("low", "both") and not m.transformer_2:
+        raise ConfigError(
+            f"key 'model.transformer_2': model.expert = {m.expert!r} trains the low-noise expert; set "
+            "model.transformer_2 to its checkpoint (e.g. wan2.2_t2v_low_noise_14B_fp16.safetensors)."
+        )
+    boundary = m.boundary or record.boundary
+    if m.expert != "both":
+        lo, hi = (boundary, 1.0) if m.expert == "high" else (0.0, boundary)
+        ts = file.timesteps
+        if ts.max_timestep <= lo or ts.min_timestep >= hi:
+            raise ConfigError(
+                f"key 'timesteps.min_timestep' / 'max_timestep': [{ts.min_timestep}, {ts.max_timestep}] lies "
+                f"outside the {m.expert}-noise expert's timesteps [{lo}, {hi}] (boundary {boundary})."
+            )
+        if file.sample.prompts and (file.sample.every_n_steps or file.sample.at_start):
+            raise ConfigError(
+                f"key 'sample.every_n_steps': samples of {m.architecture} need both experts, and "
+                f"model.expert = {m.expert!r} loads one; draw them with `tuner generate` and the saved "
+                'adapter, or train model.expert = "both".'
+            )
+    if m.expert == "both" and file.network.network_weights:
+        raise ConfigError(
+            "key 'network.network_weights': continuing from an adapter file is one expert at a time; train "
+            'model.expert = "high" or "low" with that expert\'s file.'
+        )
+    if m.expert == "both" and file.network.type == "full":
+        raise ConfigError(
+            "key 'network.type': a full fine-tune of both 14B experts at once is not supported; fine-tune "
+            'one expert at a time (model.expert = "high" or "low").'
+        )

@@ -13,8 +13,11 @@ Each loader takes either layout users have (see `tuner.models.loading`):
   tied `encoder.embed_tokens.weight`. A single file carries no tokenizer: pass `tokenizer_path`.
 
 Single files are recognised from tensor shapes (`tuner.models.identify`; the configs ship in
-`configs/wan/`). Wan 2.2 A14B experts have the 2.1 14B shapes and load as `t2v-14B`; other Wan 2.2
-models are reported as unknown variants. Not supported: the official Wan T5 file
+`configs/wan/`), and so are diffusers folders (from their config). Each variant belongs to the
+architectures that train it (`VARIANT_ARCHITECTURES`); a file of another one is refused with the
+architecture to use. Wan 2.2 T2V A14B experts have exactly the Wan 2.1 T2V 14B network, so their shapes
+cannot tell them apart (nor the high-noise expert from the low-noise one); the Wan 2.2 I2V A14B experts
+(36 input channels, no CLIP image layers) and TI2V-5B (48 channels) are told apart from Wan 2.1 I2V. Not supported: the official Wan T5 file
 (`models_t5_umt5-xxl-enc-bf16.pth`, Wan's own module names) and sharded single files without a folder.
 """
 
@@ -110,6 +113,28 @@ TRANSFORMER_VARIANTS = (
             "img_emb.emb_pos": None,  # present only in first-last-frame models
         },
     ),
+    Variant(  # either Wan 2.2 I2V A14B expert: noise + conditioning latents + mask in, no CLIP image layers
+        "i2v-A14B",
+        CONFIGS / "transformer" / "i2v-A14B",
+        {
+            "patch_embedding.weight": (5120, 36, 1, 2, 2),
+            "text_embedding.0.weight": (5120, 4096),
+            "blocks.39.ffn.0.weight": (13824, 5120),
+            "blocks.40.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(  # Wan 2.2 TI2V-5B: the 48-channel latents of the Wan 2.2 VAE
+        "ti2v-5B",
+        CONFIGS / "transformer" / "ti2v-5B",
+        {
+            "patch_embedding.weight": (3072, 48, 1, 2, 2),
+            "text_embedding.0.weight": (3072, 4096),
+            "blocks.29.ffn.0.weight": (14336, 3072),
+            "blocks.30.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
     Variant(  # the test fixture (tuner.fixtures.wan): 2 heads of 32, 2 blocks
         "tiny",
         CONFIGS / "transformer" / "tiny",
@@ -122,6 +147,17 @@ TRANSFORMER_VARIANTS = (
         },
     ),
 )
+
+# What each transformer variant is, and the architectures (`model.architecture`) that train it, first the
+# one to suggest. Names that are not registered yet are suggested as "not supported yet".
+VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "t2v-1.3B": ("a Wan 2.1 T2V 1.3B transformer", ("wan",)),
+    "t2v-14B": ("a Wan 2.1 T2V 14B transformer or a Wan 2.2 T2V A14B expert", ("wan", "wan22_t2v")),
+    "i2v-14B": ("a Wan 2.1 I2V / FLF2V 14B transformer", ("wan21_i2v",)),
+    "i2v-A14B": ("a Wan 2.2 I2V A14B expert", ("wan22_i2v",)),
+    "ti2v-5B": ("a Wan 2.2 TI2V-5B transformer", ("wan22_ti2v",)),
+    "tiny": ("the tiny test transformer", ("wan", "wan22_t2v")),
+}
 
 VAE_VARIANTS = (
     Variant(
@@ -206,20 +242,70 @@ TEXT_ENCODER_SPEC = SingleFileSpec(
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_transformer(path: str | Path, dtype: torch.dtype) -> WanTransformer3DModel:
-    """Load the Wan 2.1 transformer from a diffusers folder or a single file, in eval mode."""
-    folder = resolve_folder(path, "transformer")
+def load_transformer(
+    path: str | Path, dtype: torch.dtype, architecture: str = "wan", subfolder: str = "transformer"
+) -> WanTransformer3DModel:
+    """Load a Wan transformer from a diffusers folder (its `subfolder` when `path` is a pipeline root) or a
+    single file, in eval mode. A variant that `architecture` does not train is refused, naming the one
+    that does."""
+    folder = resolve_folder(path, subfolder)
     if folder is None:
         files = [Path(path)]
     elif read_folder_config(folder).get("_class_name") == "WanModel":
-        # The official release folder (Wan-AI/Wan2.1-T2V-*): original keys, sharded for 14B.
+        # The official release folder (Wan-AI/Wan2.1-T2V-*, Wan2.2-*/high_noise_model): original keys, sharded.
         files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
     else:
+        check_variant(folder_variant(folder), architecture, folder)
         return load_diffusers_folder(WanTransformer3DModel, folder, dtype, "WanTransformer3DModel")
     variant = identify_single_file(files, TRANSFORMER_SPEC)
+    where = files[0] if folder is None else folder
+    check_variant(variant.name, architecture, where)
     state_dict = normalize_state_dict(load_tensors_of(files), dtype)
-    return load_diffusers_single_file(
-        WanTransformer3DModel, state_dict, variant.config_dir, dtype, files[0] if folder is None else folder
+    return load_diffusers_single_file(WanTransformer3DModel, state_dict, variant.config_dir, dtype, where)
+
+
+# the config entries that tell the shipped variants apart
+_VARIANT_KEYS = (
+    "in_channels",
+    "num_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+    "ffn_dim",
+    "image_dim",
+)
+
+
+def folder_variant(folder: Path) -> str | None:
+    """The shipped transformer variant a diffusers folder's config describes, or None for another one."""
+    config = read_folder_config(folder)
+    for variant in TRANSFORMER_VARIANTS:
+        shipped = read_folder_config(variant.config_dir)
+        if all(config.get(k) == shipped.get(k) for k in _VARIANT_KEYS):
+            return variant.name
+    return None
+
+
+def transformer_variant(path: str | Path, subfolder: str = "transformer") -> str | None:
+    """The variant of a transformer checkpoint (file or folder), from headers or config only."""
+    folder = resolve_folder(path, subfolder)
+    if folder is not None and read_folder_config(folder).get("_class_name") != "WanModel":
+        return folder_variant(folder)
+    files = [Path(path)] if folder is None else sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+    return identify_single_file(files, TRANSFORMER_SPEC).name
+
+
+def check_variant(variant: str | None, architecture: str, where: str | Path) -> None:
+    """CheckpointError naming the right architecture when `architecture` does not train `variant`."""
+    if variant is None or architecture in VARIANT_ARCHITECTURES[variant][1]:
+        return
+    from tuner.registry import ARCHITECTURES
+
+    what, archs = VARIANT_ARCHITECTURES[variant]
+    fix = f'use architecture = "{archs[0]}"'
+    if archs[0] not in ARCHITECTURES:
+        fix += " (tuner does not support it yet)"
+    raise CheckpointError(
+        f"{where}: this is {what}, which architecture {architecture!r} does not train; {fix}."
     )
 
 

@@ -162,6 +162,30 @@ class NetworkTrainer:
             )
         return path
 
+    # --- placing and adapting the loaded model (overridden by two-expert models: one call per expert) --
+    def apply_memory(self, model: nn.Module, settings, device, probe_forwards: int = 1):
+        """`tuner.memory.apply_memory_settings` on what `load_transformer` returned; returns its handle."""
+        from tuner.memory import apply_memory_settings
+
+        return apply_memory_settings(
+            model, settings, device, block_lists=self.record.block_lists, fp8_source=self.cfg.model.transformer,
+            name_map=self.layout.inverse, probe_forwards=probe_forwards,
+        )  # fmt: skip
+
+    def build_trained(self, model: nn.Module):
+        """What trains (`tuner.networks.build_network` from the `[network]` section) on that model."""
+        from tuner.networks.factory import build_network
+
+        cfg = self.cfg
+        return build_network(
+            model,
+            self.default_targets,
+            cfg.network,
+            self.layout,
+            seed=cfg.train.seed,
+            save_format=cfg.save.format,
+        )
+
     # --- the one loss ------------------------------------------------------------------------------
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
              accelerator) -> torch.Tensor:  # fmt: skip
@@ -202,8 +226,6 @@ class NetworkTrainer:
         from accelerate.utils import set_seed
 
         from tuner.cache.plan import open_training_data
-        from tuner.memory import apply_memory_settings
-        from tuner.networks.factory import build_network
         from tuner.optim import build_optimizer, build_scheduler
         from tuner.trainers.checkpoints import Checkpoints
 
@@ -231,16 +253,10 @@ class NetworkTrainer:
         model.train(tc.gradient_checkpointing)
         # fp8 storage, attention backend, activation offload and block swap attach here and place the
         # model on the device; the adapter comes after, so it is never quantized or swapped
-        memory = apply_memory_settings(
-            model, cfg.memory, accelerator.device, block_lists=self.record.block_lists,
-            fp8_source=cfg.model.transformer, name_map=self.layout.inverse,
-            probe_forwards=tc.gradient_accumulation_steps,
-        )  # fmt: skip
+        memory = self.apply_memory(model, cfg.memory, accelerator.device, tc.gradient_accumulation_steps)
 
         # the adapter (LoRA / LoHa / LoKr, optionally DoRA) or, for a full fine-tune, the weights themselves
-        trained = build_network(
-            model, self.default_targets, nc, self.layout, seed=tc.seed, save_format=cfg.save.format
-        )
+        trained = self.build_trained(model)
         trained.to(accelerator.device)
         if nc.network_weights:
             trained.load_weights(nc.network_weights, self.layout.inverse)

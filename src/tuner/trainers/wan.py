@@ -26,7 +26,7 @@ class WanTrainer(NetworkTrainer):
     latent_patch = (1, 2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
-        model = wan.load_transformer(self.weights_path("transformer"), dtype)
+        model = wan.load_transformer(self.weights_path("transformer"), dtype, self.architecture)
         if model.config.in_channels != 16:  # i2v models take 36 channels: noise + first-frame latents + mask
             raise CheckpointError(
                 f"{self.cfg.model.transformer}: an image-to-video Wan checkpoint ({model.config.in_channels} input "
