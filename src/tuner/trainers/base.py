@@ -368,7 +368,8 @@ class NetworkTrainer:
         step_loss, lr = self.history[-1], run.scheduler.get_last_lr()[0]
         run.progress.update(1)
         # refresh=False: the bar redraws on its own clock (mininterval), not on every step
-        run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{sum(run.recent) / len(run.recent):.4f}",
+        finite = [v for v in run.recent if math.isfinite(v)]  # skipped NaN steps must not poison the mean
+        run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{sum(finite) / max(1, len(finite)):.4f}",
                                  lr=f"{lr:.2e}", refresh=False)  # fmt: skip
         if self.cfg.log.tensorboard and run.pos.step % self.cfg.log.every_n_steps == 0:
             metrics = {"loss": step_loss, "lr": lr, "step_seconds": self.step_seconds[-1]}

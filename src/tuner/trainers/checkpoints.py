@@ -143,15 +143,17 @@ class Checkpoints:
         """A save that failed for want of space or permission, said in one line with what is intact."""
         previous = [s for s in self.complete_states() if _step_of(s) < pos.step]
         intact = f"the previous state {previous[-1]} is intact" if previous else "no earlier state was saved"
-        where = e.filename or self.out
         if e.errno == errno.ENOSPC:
             need = self._save_bytes(network) / 2**20
             return CheckpointError(
-                f"no space left on {where}: need about {need:.0f} MB for a save (step {pos.step}); {intact}. "
+                f"no space left on {self.out}: need about {need:.0f} MB for a save (step {pos.step}); {intact}. "
                 "Free some space or set save.keep_last, then continue with --resume latest."
             )
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            return CheckpointError(f"cannot write {where} ({e.strerror}) at step {pos.step}; {intact}.")
+            where = (
+                Path(e.filename).parent if e.filename else self.out
+            )  # the folder; the file was a temporary
+            return CheckpointError(f"cannot write to {where} ({e.strerror}) at step {pos.step}; {intact}.")
         return CheckpointError(f"saving step {pos.step} failed: {e}; {intact}.")
 
     def _save_bytes(self, network) -> int:
