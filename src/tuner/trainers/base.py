@@ -5,14 +5,15 @@ checkpoints to load, how to encode a batch for the cache, how to call its model)
 loop. The loop reads top to bottom:
 
     setup      accelerator, seed, cached batches (checked for staleness), model, adapter, optimizer
-    resume     accelerate state + our position (step, epoch, batch within the epoch)
+    resume     saved state, checked against its manifest (trainers/checkpoints.py) + our position
     loop       _step: noise → x_t → predict → flow-matching loss → backward (accumulate) → clip → step
                then _log_step, _maybe_sample, _maybe_validate, _maybe_save
     finish     the final adapter (and state)
 
 Everything random in a step (noise, timesteps, caption dropout, batch order) comes from generators
 seeded by the config seed and the step's position, not from global RNG state. That is what makes a
-resumed run identical to an uninterrupted one; accelerate's saved RNG states cover the rest (dropout).
+resumed run identical to an uninterrupted one; the saved global RNG states cover the rest (dropout).
+A step whose loss or gradient is NaN or infinite is not applied, and stops the run (`_nonfinite_step`).
 """
 
 from __future__ import annotations
