@@ -22,6 +22,14 @@ def make_project(
     return config
 
 
+def make_cached_project(root: Path, model: Path, **kwargs) -> Path:
+    """`make_project`, then its latents and text cached through the CLI."""
+    config = make_project(root, model, **kwargs)
+    assert tuner(["cache", "latents", "--config", str(config)]) == 0
+    assert tuner(["cache", "text", "--config", str(config)]) == 0
+    return config
+
+
 def run(capsys, *argv: str) -> tuple[int, str]:
     """Run the tuner CLI; return (exit code, stdout + stderr)."""
     capsys.readouterr()

@@ -49,3 +49,9 @@ def test_two_processes_train_in_sync(tmp_path, wan_model):
     h0, h1 = torch.load(out / "history0.pt"), torch.load(out / "history1.pt")
     assert h0 != h1
     assert (out / "demo_lora.safetensors").is_file()
+    # the final state holds each process's random generators and checks out against its manifest
+    from tuner.trainers.state import verify
+
+    (final_state,) = (out / "state").iterdir()
+    verify(final_state)
+    assert {p.name for p in final_state.glob("rng_*.json")} == {"rng_0.json", "rng_1.json"}

@@ -24,3 +24,7 @@ class CacheError(TunerError):
 
 class CheckpointError(TunerError):
     """A model or adapter checkpoint cannot be loaded (wrong architecture, missing keys, corrupt)."""
+
+
+class TrainingError(TunerError):
+    """Training cannot go on (a loss or gradient that is NaN or infinite)."""

@@ -24,8 +24,9 @@ from PIL import Image
 
 from tuner.cache.plan import torch_device
 from tuner.dtypes import DTYPES
-from tuner.errors import ConfigError
+from tuner.errors import CheckpointError, ConfigError
 from tuner.networks.factory import apply_adapter_file
+from tuner.networks.keys import nonfinite_keys, read_safetensors
 from tuner.sampling import euler_sample, flow_sigmas
 from tuner.trainers import trainer_class
 
@@ -132,6 +133,11 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     for path, _ in (*opts.loras, *opts.loras_2):
         if not Path(path).is_file():
             raise ConfigError(f"--lora {path}: file not found.")
+        if bad := nonfinite_keys(read_safetensors(path)[0]):
+            raise CheckpointError(
+                f"--lora {path}: {len(bad)} tensors hold NaN or infinity (e.g. {bad[0]}); the file is damaged "
+                "(trained to NaN?) and would draw a black image. Use an earlier save."
+            )
     device = torch_device(opts.device)
     dtype = DTYPES[cfg.model.dtype]
 
@@ -148,6 +154,11 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
             network.to(device)
             log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)
+    if not torch.isfinite(latents).all():
+        raise CheckpointError(
+            "the model produced NaN or infinite values; nothing written. Likely a damaged checkpoint or "
+            "adapter, or fp16 overflow (use model.dtype = 'bf16')."
+        )
     del model
     _release_memory()
     out = decode_and_write(trainer, cfg, latents, opts.out, device)

@@ -6,7 +6,8 @@ raises one `ConfigError` naming the file, the dotted key and the fix for:
 
 - an unknown key (with a "did you mean"),
 - a value of the wrong type,
-- a value out of range or not among the allowed choices.
+- a value out of range or not among the allowed choices,
+- a number that is not finite (`inf`, `nan`), anywhere, optimizer arguments included.
 
 Validation happens here, at load time, so the training loop never meets a bad value.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -105,12 +107,15 @@ def _convert(tp: Any, value: Any, key: str, ctx: _Ctx, is_path: bool) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             _fail(ctx, key, f"expected a table, got {value!r}.")
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}", ctx)
         return dict(value)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             _fail(ctx, key, f"expected a table, got {value!r}.")
         return parse_section(tp, value, ctx.source, key, ctx.base_dir)
     if tp is Any:
+        _check_finite(value, key, ctx)
         return value
     if tp is bool:
         if not isinstance(value, bool):
@@ -123,6 +128,7 @@ def _convert(tp: Any, value: Any, key: str, ctx: _Ctx, is_path: bool) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             _fail(ctx, key, f"expected a number, got {value!r}.")
+        _check_finite(value, key, ctx)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -132,6 +138,18 @@ def _convert(tp: Any, value: Any, key: str, ctx: _Ctx, is_path: bool) -> Any:
             return str(p if p.is_absolute() else (ctx.base_dir / p))
         return value
     raise TypeError(f"unsupported config type {tp!r} for {key}")
+
+
+def _check_finite(value: Any, key: str, ctx: _Ctx) -> None:
+    """TOML has `inf` and `nan`; no setting means either (they train to NaN and save black adapters)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        _fail(ctx, key, f"{value!r} is not a finite number.")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{key}.{k}", ctx)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key}[{i}]", ctx)
 
 
 def _check_bounds(f: dataclasses.Field, value: Any, key: str, ctx: _Ctx) -> None:

@@ -142,7 +142,9 @@ class TimestepConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    learning_rate: float = option(1e-4, "Peak learning rate.", gt=0)
+    learning_rate: float = option(
+        1e-4, "Peak learning rate (at most 10: larger ones only train to NaN).", gt=0, le=10
+    )
     optimizer: str = option("adamw", "adamw, adamw8bit, adafactor, any torch.optim class, or a dotted path.")
     optimizer_args: dict[str, Any] = option(factory=dict, doc="Keyword arguments passed to the optimizer.")
     lr_scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts"] = option(
@@ -154,6 +156,12 @@ class TrainConfig:
     epochs: int = option(1, "Epochs to train when max_steps is 0.", ge=1)
     gradient_accumulation_steps: int = option(1, "Batches accumulated per optimizer step.", ge=1)
     max_grad_norm: float = option(1.0, "Gradient clipping norm; 0 disables clipping.", ge=0)
+    max_nonfinite_steps: int = option(
+        0,
+        "Steps with a NaN or infinite loss or gradient that are skipped (no update) before training stops; "
+        "0 stops at the first.",
+        ge=0,
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = option("bf16", "Autocast precision of the forward pass.")
     gradient_checkpointing: bool = option(False, "Recompute block activations in backward to save memory.")
     seed: int = option(42, "Seed of weights init, noise, timesteps and data order.")

@@ -94,6 +94,22 @@ def choose_bucket(
     return max(step, _floor_to(src_w * scale, step)), max(step, _floor_to(src_h * scale, step))
 
 
+UPSCALE_NOTE = 1.5  # an item scaled up more than this to cover its bucket is "much smaller" than it
+
+
+def upscale_note(scales: Sequence[float]) -> str | None:
+    """One line about the items (given by the scale each needs to cover its bucket) that are scaled up
+    by more than `UPSCALE_NOTE`, or None when there are none."""
+    big = [s for s in scales if s > UPSCALE_NOTE]
+    if not big:
+        return None
+    return (
+        f"{len(big)} of {len(scales)} items are much smaller than their bucket and are upscaled (up to "
+        f"{max(big):.1f}×), which blurs them; set bucket_no_upscale = true to train them at their own "
+        "size, or use a lower resolution."
+    )
+
+
 # ---------------------------------------------------------------- resize and crop
 
 

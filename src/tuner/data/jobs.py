@@ -27,7 +27,15 @@ import torch
 from PIL import Image
 
 from tuner.config.dataset import DatasetSpec, OnError
-from tuner.data.buckets import RESIZE_METHOD, Crop, apply_crop, choose_bucket, dataset_buckets, plan_crop
+from tuner.data.buckets import (
+    RESIZE_METHOD,
+    Crop,
+    apply_crop,
+    choose_bucket,
+    dataset_buckets,
+    plan_crop,
+    upscale_note,
+)
 from tuner.data.datasets import Item, describe
 from tuner.data.frames import ANY_COUNT, largest_valid, video_windows
 from tuner.data.media import (
@@ -129,6 +137,7 @@ def _jobs_for_item(
     model_fps: float | None,
     problems: list[str],
     mismatched_fps: set[float],
+    scales: list[float],
 ) -> list[LatentJob]:
     no_upscale = spec.bucket_no_upscale and spec.enable_bucket  # one fixed size means no per-item sizes
     if item.kind == "image":
@@ -153,6 +162,7 @@ def _jobs_for_item(
             )
     bucket = choose_bucket(w, h, buckets, no_upscale, step)
     crop = plan_crop(w, h, bucket)
+    scales.append(max(bucket[0] / w, bucket[1] / h))
     control_crops = _probe_controls(item, bucket, windows)
     return [
         LatentJob(
@@ -191,10 +201,11 @@ def plan_latent_jobs(
     jobs: list[LatentJob] = []
     problems: list[str] = []
     mismatched_fps: set[float] = set()
+    scales: list[float] = []  # per item: how much it is scaled to cover its bucket
     for item in items:
         try:
             jobs += _jobs_for_item(
-                spec, item, buckets, step, valid_frames, model_fps, problems, mismatched_fps
+                spec, item, buckets, step, valid_frames, model_fps, problems, mismatched_fps, scales
             )
         except DataError as e:
             if on_error == "stop":
@@ -207,6 +218,8 @@ def plan_latent_jobs(
             f"is not set, so frames are used as they are (motion plays at a different speed). "
             f"Set source_fps to drop frames to {model_fps:g} fps."
         )
+    if note := upscale_note(scales):
+        problems.append(f"{describe(spec)}: {note}")
     if items and not jobs:
         raise DataError(
             f"{describe(spec)}: none of its {len(items)} items could be used: " + " | ".join(problems[:3])

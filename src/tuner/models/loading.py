@@ -18,6 +18,7 @@ unknown variant, missing keys) raises `CheckpointError` naming the file and what
 from __future__ import annotations
 
 import json
+import pickle
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -114,6 +115,12 @@ def load_tensors(path: str | Path, mmap: bool = False) -> dict[str, torch.Tensor
         return load_file(str(path), device="cpu")
     except CheckpointError:
         raise
+    except pickle.UnpicklingError:  # weights_only refused it: the pickle names code, not just tensors
+        raise CheckpointError(
+            f"{path}: a pickled checkpoint that holds more than tensors. tuner does not load such files: "
+            "unpickling one can run any code it contains. Convert it to .safetensors where you trust it, or "
+            "use the .safetensors release of the model."
+        ) from None
     except Exception as e:  # the readers raise many types; all mean the file is unreadable
         raise _corrupt(path, f"{type(e).__name__}: {e}") from None
 

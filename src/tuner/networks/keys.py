@@ -48,10 +48,20 @@ def describe_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> s
     return "<state dict>" if isinstance(source, Mapping) else str(source)
 
 
+PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle")
+
+
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read all tensors (on CPU) and the string metadata of a .safetensors file."""
     if not Path(path).is_file():
         raise CheckpointError(f"adapter file {path} does not exist")
+    if is_pickle(path):
+        raise CheckpointError(
+            f"{path} is a pickled PyTorch file. tuner does not load pickled files: loading one can run any "
+            'code it contains. If you trust it, convert it once to .safetensors, e.g. python -c "import '
+            "torch; from safetensors.torch import save_file; "
+            f"save_file(torch.load('{path}', weights_only=True), '{Path(path).with_suffix('.safetensors')}')\""
+        )
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
@@ -59,6 +69,24 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
     except Exception as e:  # safetensors raises several unrelated types for a corrupt file
         raise CheckpointError(f"cannot read adapter file {path} as safetensors: {e}") from e
     return tensors, metadata
+
+
+def is_pickle(path: str | os.PathLike) -> bool:
+    """A file written by `torch.save` or `pickle`: by its name, or by its first bytes (a pickle protocol
+    marker, or the zip archive torch.save writes) where, read as safetensors' header length, they would
+    point past the end of the file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    marker = (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")) or head[
+        :4
+    ] == b"PK\x03\x04"
+    too_long = int.from_bytes(head.ljust(8, b"\0"), "little") + 8 > Path(path).stat().st_size
+    return Path(path).suffix.lower() in PICKLE_SUFFIXES or (marker and too_long)
+
+
+def nonfinite_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Keys of the floating-point tensors that hold NaN or infinity (a file trained to NaN)."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
 
 
 def split_keys(

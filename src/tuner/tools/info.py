@@ -2,7 +2,8 @@
 
 Layout, adapter type, rank and alpha are read from the tensors themselves, so files from any trainer
 are described the same way; tuner's own metadata (architecture, training settings) is shown as well.
-A full model file (tuner's full fine-tune) is described by its size.
+A full model file (tuner's full fine-tune) is described by its size. Tensors holding NaN or infinity are
+flagged first: such a file loads without complaint everywhere else and draws black images.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from tuner.networks.delta import KIND_NAMES
 from tuner.networks.formats import layout_of, parse_modules
-from tuner.networks.keys import describe_source, read_safetensors
+from tuner.networks.keys import describe_source, nonfinite_keys, read_safetensors
 
 _ADAPTER_KEY = re.compile(r"\.(lora_|hada_|lokr_|alpha$|dora_scale$)")
 _BLOCK_INDEX = re.compile(r"(?<=[._])\d+(?=[._])")
@@ -27,6 +28,7 @@ def describe_adapter(path: str | os.PathLike) -> dict[str, Any]:
     info: dict[str, Any] = {"file": str(path), "metadata": metadata}
     info["parameters"] = sum(t.numel() for t in tensors.values())
     info["dtypes"] = dict(Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values()))
+    info["nonfinite"] = nonfinite_keys(tensors)
     if metadata.get("tuner.network_type") == "full" or not any(_ADAPTER_KEY.search(k) for k in tensors):
         return {**info, "type": "model (not an adapter)", "tensors": len(tensors)}
     modules = parse_modules(tensors, metadata, describe_source(path))
@@ -56,6 +58,9 @@ def _counted(values) -> str:
 def format_info(info: dict[str, Any]) -> str:
     """`describe_adapter`'s summary as text."""
     lines = [f"{info['file']}"]
+    if bad := info.get("nonfinite"):
+        lines.append(f"  WARNING    {len(bad)} tensors hold NaN or infinity (e.g. {bad[0]}): this file is damaged "
+                     "(trained to NaN?) and draws black or noisy images; do not use it.")  # fmt: skip
     for key in ("format", "type", "modules", "tensors", "rank", "alpha"):
         if key in info:
             lines.append(f"  {key:10s} {info[key]}")

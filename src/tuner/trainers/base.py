@@ -5,14 +5,15 @@ checkpoints to load, how to encode a batch for the cache, how to call its model)
 loop. The loop reads top to bottom:
 
     setup      accelerator, seed, cached batches (checked for staleness), model, adapter, optimizer
-    resume     accelerate state + our position (step, epoch, batch within the epoch)
+    resume     saved state, checked against its manifest (trainers/checkpoints.py) + our position
     loop       _step: noise → x_t → predict → flow-matching loss → backward (accumulate) → clip → step
                then _log_step, _maybe_sample, _maybe_validate, _maybe_save
     finish     the final adapter (and state)
 
 Everything random in a step (noise, timesteps, caption dropout, batch order) comes from generators
 seeded by the config seed and the step's position, not from global RNG state. That is what makes a
-resumed run identical to an uninterrupted one; accelerate's saved RNG states cover the rest (dropout).
+resumed run identical to an uninterrupted one; the saved global RNG states cover the rest (dropout).
+A step whose loss or gradient is NaN or infinite is not applied, and stops the run (`_nonfinite_step`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 from tuner import registry
 from tuner.config import Config
 from tuner.dtypes import DTYPES
-from tuner.errors import CheckpointError
+from tuner.errors import CheckpointError, TrainingError
 from tuner.trainers import report
 
 
@@ -64,6 +65,7 @@ class _Run:
     log: Callable[[str], None]
     progress: Any = None
     recent: list[float] = field(default_factory=list)  # loss of every batch so far
+    skipped: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     last_step_end: float = field(default_factory=time.perf_counter)
 
 
@@ -227,10 +229,11 @@ class NetworkTrainer:
 
         from tuner.cache.plan import open_training_data
         from tuner.optim import build_optimizer, build_scheduler
-        from tuner.trainers.checkpoints import Checkpoints
+        from tuner.trainers.checkpoints import Checkpoints, check_output_dir
 
         cfg, tc, nc = self.cfg, self.cfg.train, self.cfg.network
         out = Path(cfg.save.output_dir)
+        check_output_dir(out)  # a file or a read-only folder is named now, not at the first save
         accelerator = Accelerator(
             mixed_precision=tc.mixed_precision,
             log_with="tensorboard" if cfg.log.tensorboard else None,
@@ -273,13 +276,15 @@ class NetworkTrainer:
             tc.lr_scheduler, optimizer, tc.lr_warmup_steps, total_steps, num_cycles=tc.lr_num_cycles
         )
         # The adapter is not wrapped in DDP: the base model's forward calls it, never DDP's forward, so
-        # DDP would not synchronize it. Its gradients are averaged explicitly at each optimizer step, and
-        # it is registered so that accelerate's saved state includes it.
+        # DDP would not synchronize it. Its gradients are averaged explicitly at each optimizer step.
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
-        accelerator.register_for_checkpointing(trained)
         identity = {"architecture": self.architecture, **{f"network.{k}": v for k, v in asdict(nc).items()
                                                            if k != "network_weights"}}  # fmt: skip
-        checkpoints = Checkpoints(out, cfg.save, accelerator, identity)
+        schedule = {"total_steps": total_steps, "train.learning_rate": tc.learning_rate,
+                    "train.lr_scheduler": tc.lr_scheduler, "train.lr_warmup_steps": tc.lr_warmup_steps,
+                    "train.lr_num_cycles": tc.lr_num_cycles}  # fmt: skip
+        parts = {"network": trained, "optimizer": optimizer, "scheduler": scheduler}
+        checkpoints = Checkpoints(out, cfg.save, accelerator, identity, parts, schedule)
         samples = None
         sc = cfg.sample
         if sc.prompts and (sc.every_n_steps or sc.at_start) and accelerator.is_main_process:
@@ -289,15 +294,19 @@ class NetworkTrainer:
 
         # ---- resume ----
         pos = Position()
-        if not resume and checkpoints.complete_states():
+        if not resume and checkpoints.states():
             raise CheckpointError(
                 f"{out} already holds a training run (saved states up to "
-                f"{checkpoints.complete_states()[-1].name}); starting over would mix with and then delete them. "
+                f"{checkpoints.states()[-1].name}); starting over would mix with and then delete them. "
                 "Continue it with --resume latest, or set another save.output_dir."
             )
         if resume:
             pos = Position(**checkpoints.load(resume))
-            log(f"resumed from {checkpoints.resolve(resume)} at step {pos.step}, epoch {pos.epoch + 1}")
+            path = checkpoints.resolve(resume)
+            log(f"resumed from {path} at step {pos.step}, epoch {pos.epoch + 1}")
+            if changes := checkpoints.schedule_changes(path):
+                log(f"note: the schedule changed since this state was saved ({'; '.join(changes)}); the "
+                    f"learning rate continues from step {pos.step} on the new schedule.")  # fmt: skip
 
         log(report.summary(self, trained, data, total_steps, steps_per_epoch, accelerator, memory.summary()))
         for note in data.warnings():  # short buckets train as smaller batches; say so once
@@ -325,19 +334,49 @@ class NetworkTrainer:
         t = run.sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
         loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
         run.accelerator.backward(loss / (end - start))
-        run.recent.append(loss.item())
+        run.recent.append(loss.item())  # the one sync per batch, for logging and the finite check
         pos.batch += 1
         if pos.batch != end:
             return False
         _average_gradients(run.trained, run.accelerator)
-        if tc.max_grad_norm > 0:
-            run.accelerator.clip_grad_norm_(run.trained.parameters(), tc.max_grad_norm)
-        run.optimizer.step()
+        grad_norm = _grad_norm(run.trained, run.accelerator, tc.max_grad_norm)
+        step_loss = sum(run.recent[-(end - start) :]) / (end - start)
+        if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
+            run.optimizer.step()
+        else:  # the update is skipped; the schedule and the data move on as if it had been taken
+            self._nonfinite_step(run, step_loss, grad_norm)
         run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         pos.step += 1
-        self.history.append(sum(run.recent[-(end - start) :]) / (end - start))
+        self.history.append(step_loss)
         return True
+
+    def _nonfinite_step(self, run: _Run, step_loss: float, grad_norm: float | None) -> None:
+        """Count a step whose loss or gradient is NaN or infinite (its update is skipped); past the allowed
+        count, stop the run without saving anything (the last save, if any, stays the newest)."""
+        tc, step = self.cfg.train, run.pos.step + 1
+        run.skipped += 1
+        what = f"loss {step_loss}" if not math.isfinite(step_loss) else f"gradient norm {grad_norm}"
+        if run.skipped <= tc.max_nonfinite_steps:
+            run.log(
+                f"step {step}: {what}; update skipped ({run.skipped} of {tc.max_nonfinite_steps} allowed)"
+            )
+            return
+        finite = [(i + 1, v) for i, v in enumerate(self.history) if math.isfinite(v)]
+        last = (
+            f"the last finite loss was {finite[-1][1]:.4f} at step {finite[-1][0]}"
+            if finite
+            else "no step had a finite loss"
+        )
+        states = run.checkpoints.complete_states()
+        saved = f"the last saved state is {states[-1]}" if states else "no state was saved"
+        nc = self.cfg.network
+        raise TrainingError(
+            f"step {step}: {what}; training stopped ({last}; {saved}). Likely causes: a learning rate too "
+            f"high for {tc.optimizer} (train.learning_rate = {tc.learning_rate:g}), a large adapter scale "
+            f"(network.alpha / rank = {nc.alpha:g} / {nc.rank}), fp16 overflow (use bf16), or damaged cached "
+            "latents. Set train.max_nonfinite_steps to skip a few such steps instead of stopping."
+        )
 
     def _log_step(self, run: _Run) -> None:
         now = time.perf_counter()
@@ -346,7 +385,8 @@ class NetworkTrainer:
         step_loss, lr = self.history[-1], run.scheduler.get_last_lr()[0]
         run.progress.update(1)
         # refresh=False: the bar redraws on its own clock (mininterval), not on every step
-        run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{sum(run.recent) / len(run.recent):.4f}",
+        finite = [v for v in run.recent if math.isfinite(v)]  # skipped NaN steps must not poison the mean
+        run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{sum(finite) / max(1, len(finite)):.4f}",
                                  lr=f"{lr:.2e}", refresh=False)  # fmt: skip
         if self.cfg.log.tensorboard and run.pos.step % self.cfg.log.every_n_steps == 0:
             metrics = {"loss": step_loss, "lr": lr, "step_seconds": self.step_seconds[-1]}
@@ -440,6 +480,21 @@ def _average_gradients(network: nn.Module, accelerator) -> None:
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def _grad_norm(network: nn.Module, accelerator, max_norm: float) -> float | None:
+    """Clip the gradients to `max_norm` (if > 0) and return their total norm, or None where a gradient
+    scaler (fp16) owns overflow: it skips those steps itself and lowers its scale."""
+    params = [p for p in network.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = accelerator.clip_grad_norm_(params, max_norm)
+    elif accelerator.scaler is None and params:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    else:
+        return None
+    if accelerator.scaler is not None or norm is None:
+        return None
+    return float(norm)  # after backward and loss.item(), the device is idle: this sync costs ~nothing
 
 
 def _silent(_: str) -> None:

@@ -4,18 +4,32 @@ Layout of `save.output_dir`:
 
     <name>-step000250.safetensors      adapter at step 250 (ComfyUI-native keys)
     <name>.safetensors                 the final adapter
-    state/step000250/                  accelerate state (adapter, optimizer, scheduler, RNG) +
-                                       position.json (step, epoch, batch within the epoch)
+    state/step000250/                  the training state at step 250, no pickles (`trainers/state.py`):
+        network.json/.safetensors      the adapter's (or model's) state dict
+        optimizer.json/.safetensors    the optimizer's state dict
+        scheduler.json/.safetensors    the lr scheduler's state dict
+        rng_<rank>.json/.safetensors   each process's random generators (dropout draws from them)
+        position.json                  step, epoch, batch within the epoch
+        run.json                       what a resumed run must share (architecture, adapter shape)
+        schedule.json                  max_steps and the lr schedule (a change is noted on resume)
+        manifest.json                  every file above with its size and SHA-256; written last
 
 The state is saved before the adapter (or full model) file: writing that file converts key names and
 fuses layers, and if it fails the run must still be resumable. A state folder is written under a hidden
-temporary name and renamed into place only after everything in it (position.json last) is on disk, so a
+temporary name and renamed into place only after everything in it (the manifest last) is on disk, so a
 run killed mid-save leaves the previous state usable and a half-written one is never taken for
-complete: `--resume latest` only considers folders that hold a position.json.
+complete. Resuming checks the folder against its manifest first and refuses, naming the file, anything
+missing, truncated, changed or added (a planted pickle is never opened), and names the newest state
+that does check out.
+
+Nothing non-finite is saved: a network with a NaN or infinite weight is refused before the state and the
+adapter are written. A disk that is full or not writable during a save gives one message (what it needs,
+what is still intact), not a traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,20 +41,45 @@ import torch
 
 from tuner.errors import CheckpointError
 from tuner.io import write_text
+from tuner.trainers import state
 
 STATE_DIR = "state"
 POSITION = "position.json"
 IDENTITY = "run.json"
+SCHEDULE = "schedule.json"
 _STEP = re.compile(r"step(\d+)$")
 
 
+def check_output_dir(out: Path) -> None:
+    """Refuse, before anything is loaded, an output folder that cannot hold the run's files."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(
+            f"save.output_dir {out} is a file, not a folder; choose another save.output_dir."
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".tuner-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(
+            f"save.output_dir {out} is not writable ({e.strerror}); choose another save.output_dir or fix "
+            "its permissions."
+        ) from None
+
+
 class Checkpoints:
-    def __init__(self, out_dir: Path, save_cfg, accelerator, identity: dict | None = None):
+    def __init__(self, out_dir: Path, save_cfg, accelerator, identity: dict | None = None,
+                 parts: dict | None = None, schedule: dict | None = None):  # fmt: skip
         self.out = Path(out_dir)
         self.cfg = save_cfg
         self.accelerator = accelerator
         # what a resumed run must share with the saved one (architecture, adapter shape and targets)
         self.identity = identity or {}
+        # what a state holds: name -> object with state_dict / load_state_dict ("network", "optimizer",
+        # "scheduler"); the random generators of every process are saved besides
+        self.parts = parts or {}
+        self.schedule = schedule or {}
 
     # ---- saving ----
     def save(self, network, pos, metadata: dict, export_name, final: bool = False) -> Path:
@@ -48,24 +87,24 @@ class Checkpoints:
         adapter path. The state goes first: exporting converts names and fuses layers, and an export
         that fails must leave the run resumable (`--resume latest`), never lose it."""
         acc = self.accelerator
+        network = acc.unwrap_model(network)
+        _check_finite(network, pos.step)
         name = self.cfg.output_name if final else f"{self.cfg.output_name}-step{pos.step:06d}"
         adapter = self.out / f"{name}.safetensors"
-        if self.cfg.save_state:  # the final state too, so a finished run can be extended later
-            self._save_state(pos)
-        if acc.is_main_process:
-            meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
-            acc.unwrap_model(network).save(
-                adapter,
-                export_name,
-                dtype=_SAVE_DTYPES[self.cfg.precision],
-                metadata=meta,
-                format=self.cfg.format,
-            )
-            self._keep_last()
+        try:
+            if self.cfg.save_state:  # the final state too, so a finished run can be extended later
+                self._save_state(network, pos)
+            if acc.is_main_process:
+                meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
+                network.save(adapter, export_name, dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta,
+                             format=self.cfg.format)  # fmt: skip
+                self._keep_last()
+        except OSError as e:
+            raise self._write_error(e, network, pos) from None
         acc.wait_for_everyone()
         return adapter
 
-    def _save_state(self, pos) -> None:
+    def _save_state(self, network, pos) -> None:
         acc = self.accelerator
         root = self.out / STATE_DIR
         final = root / f"step{pos.step:06d}"
@@ -74,13 +113,55 @@ class Checkpoints:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            write_text(tmp / IDENTITY, json.dumps(self.identity, sort_keys=True, indent=1))
-            write_text(tmp / POSITION, json.dumps(asdict(pos)))  # last: marks the folder complete
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+        try:
+            rank = acc.process_index
+            names = [f"rng_{r}.{ext}" for r in range(acc.num_processes) for ext in ("json", "safetensors")]
+            state.save_tree(state.rng_state(), tmp, f"rng_{rank}")
+            if acc.is_main_process:
+                for part_name, part in self.parts.items():
+                    names += state.save_tree(part.state_dict(), tmp, part_name)
+                if acc.scaler is not None:
+                    names += state.save_tree(acc.scaler.state_dict(), tmp, "scaler")
+                for file, data in (
+                    (IDENTITY, self.identity),
+                    (SCHEDULE, self.schedule),
+                    (POSITION, asdict(pos)),
+                ):
+                    write_text(tmp / file, json.dumps(data, sort_keys=True, indent=1))
+                    names.append(file)
+            acc.wait_for_everyone()
+            if acc.is_main_process:
+                state.write_manifest(tmp, names)  # last: marks the folder complete
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+        except BaseException:
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)  # free the space; the previous states are untouched
+            raise
+
+    def _write_error(self, e: OSError, network, pos) -> CheckpointError:
+        """A save that failed for want of space or permission, said in one line with what is intact."""
+        previous = [s for s in self.complete_states() if _step_of(s) < pos.step]
+        intact = f"the previous state {previous[-1]} is intact" if previous else "no earlier state was saved"
+        if e.errno == errno.ENOSPC:
+            need = self._save_bytes(network) / 2**20
+            return CheckpointError(
+                f"no space left on {self.out}: need about {need:.0f} MB for a save (step {pos.step}); {intact}. "
+                "Free some space or set save.keep_last, then continue with --resume latest."
+            )
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            where = (
+                Path(e.filename).parent if e.filename else self.out
+            )  # the folder; the file was a temporary
+            return CheckpointError(f"cannot write to {where} ({e.strerror}) at step {pos.step}; {intact}.")
+        return CheckpointError(f"saving step {pos.step} failed: {e}; {intact}.")
+
+    def _save_bytes(self, network) -> int:
+        """About what one save writes: the adapter plus the state's tensors (network, optimizer, ...)."""
+        total = state.tree_bytes(network.state_dict())
+        if self.cfg.save_state:
+            total += sum(state.tree_bytes(part.state_dict()) for part in self.parts.values())
+        return total
 
     def _keep_last(self) -> None:
         k = self.cfg.keep_last
@@ -93,17 +174,23 @@ class Checkpoints:
             shutil.rmtree(old, ignore_errors=True)
 
     # ---- finding and loading ----
-    def complete_states(self) -> list[Path]:
+    def states(self) -> list[Path]:
+        """Every state folder that got as far as its position file (complete or not), oldest first."""
         root = self.out / STATE_DIR
         if not root.is_dir():
             return []
-        dirs = [d for d in root.iterdir() if d.is_dir() and _STEP.search(d.name) and (d / POSITION).is_file()]
-        return sorted(dirs, key=lambda d: int(_STEP.search(d.name).group(1)))
+        dirs = [d for d in root.iterdir() if d.is_dir() and _STEP.search(d.name) and
+                ((d / POSITION).is_file() or state.is_complete(d))]  # fmt: skip
+        return sorted(dirs, key=_step_of)
+
+    def complete_states(self) -> list[Path]:
+        """State folders with a manifest (not yet checked against it), oldest first."""
+        return [d for d in self.states() if state.is_complete(d)]
 
     def resolve(self, resume: str) -> Path:
-        """`latest` → the newest complete state folder; anything else is a state folder path."""
+        """`latest` → the newest saved state folder; anything else is a state folder path."""
         if resume == "latest":
-            states = self.complete_states()
+            states = self.states()
             if not states:
                 raise CheckpointError(
                     f"--resume latest: no complete saved state in {self.out / STATE_DIR}. "
@@ -111,7 +198,7 @@ class Checkpoints:
                 )
             return states[-1]
         path = Path(resume)
-        if not (path / POSITION).is_file():
+        if not path.is_dir() or not ((path / POSITION).is_file() or state.is_complete(path)):
             raise CheckpointError(
                 f"--resume {resume}: not a complete training state (no {POSITION}); it may be a save that was "
                 f"interrupted. Use a folder under {self.out / STATE_DIR} or --resume latest."
@@ -119,10 +206,45 @@ class Checkpoints:
         return path
 
     def load(self, resume: str) -> dict:
+        """Check the state against its manifest, restore every part, and return the saved position."""
         path = self.resolve(resume)
+        try:
+            state.verify(path)
+        except CheckpointError as e:
+            raise CheckpointError(f"--resume {resume}: {e}. {self._fallback(path)}") from None
         self._check_identity(path)
-        self.accelerator.load_state(str(path))
+        acc = self.accelerator
+        rng = path / f"rng_{acc.process_index}.json"
+        if not rng.is_file():
+            raise CheckpointError(
+                f"--resume {path}: saved by {len(list(path.glob('rng_*.json')))} process(es); resume with the "
+                "same number of processes."
+            )
+        for part_name, part in self.parts.items():
+            part.load_state_dict(state.load_tree(path, part_name))
+        if acc.scaler is not None and (path / "scaler.json").is_file():
+            acc.scaler.load_state_dict(state.load_tree(path, "scaler"))
+        state.set_rng_state(state.load_tree(path, f"rng_{acc.process_index}"))
         return json.loads((path / POSITION).read_text())
+
+    def schedule_changes(self, path: Path) -> list[str]:
+        """How max_steps and the lr schedule differ from the ones the state at `path` was saved with."""
+        if not (path / SCHEDULE).is_file():
+            return []
+        saved = json.loads((path / SCHEDULE).read_text())
+        return [
+            f"{k} {saved.get(k)!r} → {v!r}" for k, v in sorted(self.schedule.items()) if saved.get(k) != v
+        ]
+
+    def _fallback(self, bad: Path) -> str:
+        """Name the newest state older than `bad` that checks out, if any."""
+        for older in reversed([s for s in self.complete_states() if _step_of(s) < _step_of(bad)]):
+            try:
+                state.verify(older)
+            except CheckpointError:
+                continue
+            return f"The newest complete state before it is {older}: resume with --resume {older}"
+        return "No earlier complete state is left; start a new run (network.network_weights can start it from a saved adapter)."
 
     def _check_identity(self, path: Path) -> None:
         """Refuse, with the differences named, a state saved by a run with another adapter or model."""
@@ -136,6 +258,20 @@ class Checkpoints:
             raise CheckpointError(
                 f"--resume {path}: this state was saved with other settings ({'; '.join(changed)}). Resume "
                 "with the settings it was saved with, or train into a new save.output_dir."
+            )
+
+
+def _step_of(folder: Path) -> int:
+    return int(_STEP.search(folder.name).group(1))
+
+
+def _check_finite(network, step: int) -> None:
+    """Refuse to save weights that hold NaN or infinity (they would load and draw black images)."""
+    for name, param in network.named_parameters():
+        if param.is_floating_point() and not torch.isfinite(param).all():
+            raise CheckpointError(
+                f"step {step}: the trained weights hold NaN or infinite values (first: {name}); not saved. "
+                "Lower train.learning_rate or network.alpha, or use bf16 instead of fp16."
             )
 
 

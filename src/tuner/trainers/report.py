@@ -26,7 +26,7 @@ def summary(trainer, network, data, total_steps: int, steps_per_epoch: int, acce
             f"  data                  {batch['samples']} samples, {batch['batches_per_epoch']} batches/epoch, "
             f"buckets {', '.join(batch['buckets'])}",
             f"  steps                 {total_steps} ({steps_per_epoch}/epoch), effective batch "
-            f"{batch['batch_size']} × {tc.gradient_accumulation_steps} accumulation × "
+            f"{_batch_size(data)} × {tc.gradient_accumulation_steps} accumulation × "
             f"{accelerator.num_processes} process(es)",
             f"  precision             base {cfg.model.dtype}, autocast {tc.mixed_precision}"
             + ("" if full else ", adapter fp32"),
@@ -36,6 +36,19 @@ def summary(trainer, network, data, total_steps: int, steps_per_epoch: int, acce
             f"  output                {cfg.save.output_dir}",
         ]
     )
+
+
+def _batch_size(data) -> str:
+    """The batch size as trained: each dataset's batch_size, capped by its largest bucket (a batch_size
+    larger than the data trains smaller batches than the config says)."""
+    sizes, capped = set(), []
+    for index, buckets in sorted(data.by_dataset.items()):
+        size, largest = data.specs[index].batch_size, max(len(items) for items in buckets.values())
+        sizes.add(min(size, largest))
+        if largest < size:
+            capped.append(f"datasets[{index}] has batch_size {size} but at most {largest} items per bucket")
+    text = "/".join(str(s) for s in sorted(sizes))
+    return f"{text} ({'; '.join(capped)})" if capped else text
 
 
 def adapter_metadata(trainer, data) -> dict[str, str]:
