@@ -205,3 +205,85 @@ def test_writer_commits_on_its_interval(tmp_path):
         w.put(_key(1), "latent", {"x": torch.ones(3)})
         assert store.keys() == [_key(0)]
     assert store.keys() == [_key(0), _key(1)]
+
+
+# -- killed and concurrent caching runs ------------------------------------------------------------
+
+# Runs `tuner` with WanTrainer.encode_pixels slowed down and announcing each call on stdout, so the
+# test knows how far the run got. Item k is put (and, with commit_every_seconds = 0, committed)
+# before call k + 1 starts.
+_SLOW_TUNER = """
+import sys, time
+from tuner.trainers.wan import WanTrainer
+real = WanTrainer.encode_pixels
+def slow(self, vae, pixels):
+    print("encoding", flush=True)
+    time.sleep(float(sys.argv[1]))
+    return real(self, vae, pixels)
+WanTrainer.encode_pixels = slow
+from tuner.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _start_slow_caching(project: Path, *settings: str, delay: float = 0.2):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "HF_HUB_OFFLINE": "1"}
+    argv = ["cache", "latents", "--config", str(project), "--batch-size", "1"]
+    for s in settings:
+        argv += ["--set", s]
+    return subprocess.Popen(
+        [sys.executable, "-c", _SLOW_TUNER, str(delay), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for_calls(proc, n: int) -> None:
+    for _ in range(n):
+        line = proc.stdout.readline()
+        assert line.startswith("encoding"), (line, proc.stderr.read() if proc.poll() is not None else "")
+
+
+def _committed(project: Path) -> int:
+    return len(CacheStore(project.parent / "cache", readonly=True).keys("latent"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_caching_run_keeps_what_it_encoded(project, capsys, how):
+    """SIGKILL after K items, committing every item: K kept. SIGTERM after K items with a long
+    commit interval: the signal commits them on the way out."""
+    import signal
+
+    k = 3
+    interval = "0" if how == "SIGKILL" else "3600"
+    proc = _start_slow_caching(project, f"cache.commit_every_seconds={interval}")
+    try:
+        _wait_for_calls(proc, k + 1)  # call k + 1 started: item k was put
+        proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    if how == "SIGTERM":
+        err = proc.stderr.read()
+        assert proc.returncode == 2 and "interrupted by SIGTERM" in err and "Traceback" not in err
+    kept = _committed(project)
+    assert k <= kept < 6
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (6 - kept, kept, 0)
+
+
+@pytest.mark.slow
+def test_a_second_caching_run_waits_and_reuses_the_first_runs_entries(project, capsys):
+    first = _start_slow_caching(project, delay=0.3)
+    try:
+        _wait_for_calls(first, 1)  # it holds the lock and has planned its work
+        code, out = run(capsys, "cache", "latents", "--config", project)
+        assert first.wait(timeout=60) == 0
+    finally:
+        first.kill()
+    assert code == 0 and "waiting for it to finish" in out and summary(out) == (0, 6, 0)
