@@ -41,18 +41,32 @@ class FileMemo:
     """One memo table (`file_hashes` or `probes`: path, size, mtime_ns, inode, value) of an index.
 
     With `writable` False nothing is saved (a read-only store): facts are computed when not found.
+    Values are stored prefixed with `tag` and rows with another prefix count as absent: bump the
+    tag when the computation changes (e.g. "probe-v1:").
     """
 
-    def __init__(self, conn: sqlite3.Connection, table: str, writable: bool):
+    def __init__(self, conn: sqlite3.Connection, table: str, writable: bool, tag: str = ""):
         self._conn = conn
         self._table = table
         self._writable = writable
+        self._tag = tag
         self._rows: dict[str, tuple[Stamp, str]] = {}
         self._new: list[tuple] = []
+        self._folders: dict[str, str] = {}  # folder -> its realpath
+
+    def _resolve(self, path: str | os.PathLike) -> str:
+        """`os.path.realpath(path)`, resolving each folder once: realpath lstats every component of
+        every path, which was most of the time planning took at a few thousand files."""
+        folder, name = os.path.split(os.path.abspath(path))
+        real = self._folders.get(folder)
+        if real is None:
+            real = self._folders[folder] = os.path.realpath(folder)
+        resolved = os.path.join(real, name)
+        return os.path.realpath(resolved) if os.path.islink(resolved) else resolved
 
     def preload(self, paths: Iterable[str | os.PathLike]) -> None:
         """Fetch the remembered facts of `paths` (any number) in a few queries."""
-        wanted = sorted({os.path.realpath(p) for p in paths} - self._rows.keys())
+        wanted = sorted({self._resolve(p) for p in paths} - self._rows.keys())
         for i in range(0, len(wanted), _QUERY_CHUNK):
             chunk = wanted[i : i + _QUERY_CHUNK]
             marks = ",".join("?" * len(chunk))
@@ -75,18 +89,18 @@ class FileMemo:
     def get(self, path: str | os.PathLike, compute: Callable[[str], str]) -> str:
         """The remembered value of `path` if the file is unchanged, else `compute(resolved path)`
         (remembered for `save` when the file did not change while it was computed)."""
-        resolved = os.path.realpath(path)
+        resolved = self._resolve(path)
         before = _stamp(resolved)
         if resolved not in self._rows:
             self.preload([resolved])
         found = self._rows.get(resolved)
-        if found is not None and found[0] == before:
-            return found[1]
+        if found is not None and found[0] == before and found[1].startswith(self._tag):
+            return found[1][len(self._tag) :]
         value = compute(resolved)
         settled = time.time_ns() - before[1] > _RACY_NS
         if self._writable and settled and _stamp(resolved) == before:
-            self._rows[resolved] = (before, value)
-            self._new.append((resolved, *before, value))
+            self._rows[resolved] = (before, self._tag + value)
+            self._new.append((resolved, *before, self._tag + value))
         return value
 
     def save(self) -> None:

@@ -9,6 +9,8 @@ also means "stale": an edited caption, a new resolution or another VAE simply pr
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ from tuner.config.dataset import DatasetSpec
 from tuner.data.datasets import discover_items
 from tuner.data.frames import FrameRule
 from tuner.data.jobs import LatentJob, plan_latent_jobs
+from tuner.data.media import VideoInfo, probe_media
 from tuner.errors import CacheError, ConfigError
 
 LATENT, TEXT = "latent", "text"
@@ -35,8 +38,14 @@ class DatasetPlan:
     problems: list[str] = field(default_factory=list)
 
 
-def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[DatasetPlan]:
-    """Discover and probe every dataset; report problems (missing captions, skipped files) by name."""
+def plan_datasets(
+    trainer, cfg, log: Callable[[str], None] = print, readonly: bool = False
+) -> list[DatasetPlan]:
+    """Discover and probe every dataset; report problems (missing captions, skipped files) by name.
+
+    Probes are remembered in each dataset's cache store (`MemoizedProbe`); with `readonly`
+    (training) the stores are only read, and a dataset whose store does not exist yet is probed
+    without memo."""
     plans = []
     rule = FrameRule(trainer.frame_multiple, trainer.frame_remainder)
     for spec in cfg.datasets:
@@ -46,12 +55,42 @@ def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[Data
                 f"{trainer.architecture} is an image model. Use image_directory or image_jsonl_file."
             )
         items, problems = discover_items(spec)
-        jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps)
+        store = None
+        if not readonly or (Path(spec.cache_directory) / INDEX_NAME).exists():
+            store = CacheStore(spec.cache_directory, readonly=readonly)
+        probe = MemoizedProbe(store, [p for item in items for p in (item.path, *item.control_paths)])
+        jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps, probe=probe)
+        probe.save()
         _check_controls(trainer, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
         for problem in problems + more:
             log(f"warning: {problem}")
     return plans
+
+
+_PROBE_TAG = "probe-v1:"  # bump when probing changes what it reports
+
+
+class MemoizedProbe:
+    """`probe_media` remembered in `store`'s index by (path, size, mtime, inode): a re-run stats
+    each file and probes only new or changed ones. `paths` are looked up at once (one query per
+    500). Frame folders are probed each time (editing a frame does not change the folder's mtime).
+    `save()` stores the new answers in one transaction."""
+
+    def __init__(self, store: CacheStore | None, paths: list[str]):
+        self._memo = store.memo("probes", tag=_PROBE_TAG) if store is not None else None
+        if self._memo is not None:
+            self._memo.preload(p for p in paths if not os.path.isdir(p))
+
+    def __call__(self, path: str, video: bool) -> VideoInfo:
+        if self._memo is None or os.path.isdir(path):
+            return probe_media(path, video)
+        value = self._memo.get(path, lambda p: json.dumps(list(probe_media(p, video))))
+        return VideoInfo(*json.loads(value))
+
+    def save(self) -> None:
+        if self._memo is not None:
+            self._memo.save()
 
 
 def _check_controls(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
@@ -189,7 +228,7 @@ def open_training_data(
     training datasets, or with `validation` those of the held-out ones (no caption dropout)."""
     from tuner.cache.batches import TrainingData, TrainingSample
 
-    plans = plan_datasets(trainer, cfg, log)
+    plans = plan_datasets(trainer, cfg, log, readonly=True)
     for plan in plans:
         if not (Path(plan.spec.cache_directory) / INDEX_NAME).exists():
             raise CacheError(

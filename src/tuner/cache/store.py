@@ -385,10 +385,10 @@ class CacheStore:
         self.save_memos()
         return hashes
 
-    def memo(self, table: str) -> FileMemo:
+    def memo(self, table: str, tag: str = "") -> FileMemo:
         """The memo table `table` ("probes"...) of this store's index (see `tuner.cache.memo`);
         nothing is saved when the store is read-only."""
-        return FileMemo(self._connection(), table, writable=not self.readonly)
+        return FileMemo(self._connection(), table, writable=not self.readonly, tag=tag)
 
     def _hash_memo(self) -> FileMemo:
         self._check_process()
