@@ -28,15 +28,20 @@ def _fill(root: Path, n: int = 6, max_entries: int = 1024) -> CacheStore:
     return store
 
 
-def _flip(store: CacheStore, key: str, at: int = 1000) -> None:
-    """Flip one bit of `key`'s tensor bytes in its shard file."""
+def _flip(store: CacheStore, key: str, at: int = 1000, keep_mtime: bool = False) -> None:
+    """Flip one bit of `key`'s tensor bytes in its shard file, as a later edit would (its mtime moves
+    on; the kernel's mtime clock ticks every few ms, so a test must move it), or with `keep_mtime`
+    as bits rotting in place would (nothing about the file changes but its bytes)."""
     location = CacheStore(store.root, readonly=True).locate(key)
     path = store.shards_dir / location.shard
+    st = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(location.tensors[0].offset + at)
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x10]))
+    mtime = st.st_mtime_ns if keep_mtime else st.st_mtime_ns + 1_000_000_000
+    os.utime(path, ns=(st.st_atime_ns, mtime))
 
 
 # -- the checksum --------------------------------------------------------------------------------
@@ -82,6 +87,22 @@ def test_flipped_byte_is_named_on_read_and_by_verify(tmp_path):
     assert reader.missing([_key(1), _key(2)]) == []  # without verify: only the index is asked
 
 
+def test_reads_check_checksums_only_in_shards_changed_since_they_were_known_good(tmp_path):
+    store = _fill(tmp_path)
+    _flip(store, _key(2), keep_mtime=True)  # rot in place: the stamp is unchanged
+    reader = CacheStore(tmp_path, readonly=True)
+    assert reader.get(_key(2))["latents"].shape == (16, 256)  # read as known good: not caught here
+    assert reader.verify(trust_stamps=True).damaged == {}
+    assert list(reader.verify().damaged) == [_key(2)]  # `tuner cache verify` reads everything
+    CacheStore(tmp_path).verify()  # a failed full check records nothing
+    assert list(CacheStore(tmp_path).verify(trust_stamps=True).damaged) == []
+    _flip(store, _key(2), keep_mtime=True)  # flipped back
+    os.utime(next(store.shards_dir.glob("*.safetensors")))  # touched: no longer known good
+    writable = CacheStore(tmp_path)
+    assert writable.verify(trust_stamps=True).bytes_read > 0  # checked in full, then recorded
+    assert writable.verify(trust_stamps=True).bytes_read == 0
+
+
 def test_damage_found_in_a_worker_is_raised_in_the_main_process(tmp_path):
     store = _fill(tmp_path)
     _flip(store, _key(4))
@@ -100,7 +121,7 @@ def test_truncated_shard_damages_only_the_entries_past_its_end(tmp_path):
     assert reader.get(_key(0))["latents"].shape == (16, 256)
     with pytest.raises(DamagedEntryError, match="truncated"):
         reader.get(_key(5))
-    assert list(reader.verify(full=False).damaged) == [_key(5)]
+    assert list(reader.verify(trust_stamps=True).damaged) == [_key(5)]
 
     os.truncate(shard, 20)  # into the header: every entry of the shard is damaged
     reader = CacheStore(tmp_path, readonly=True)

@@ -9,8 +9,9 @@ Resuming. Entries are written through the store's atomic shard writer, which com
 becomes an exception, so the writer's exit commits what is buffered). A run killed at any point,
 even by SIGKILL, keeps what was committed and the next run resumes from there.
 
-Checking. Entries the run would reuse are verified first (their checksums, so every byte is read;
-`tuner.cache.shards`); damaged ones are re-encoded like missing ones and named in the output.
+Checking. Entries the run would reuse are checked first, as reads check them (`tuner.cache.shards`:
+checksums in shards whose file changed since they were last known good, sizes everywhere); damaged
+ones are re-encoded like missing ones and named in the output.
 
 One run at a time. A run holds `caching-<kind>.lock` in the store from before it asks what is missing
 until it has committed everything, so a second `tuner cache latents` on the same store waits (saying
@@ -113,7 +114,7 @@ def _missing_or_damaged(
     """The keys to encode: those without an entry and those whose entry is damaged (named in the log).
     Returns them and the number of damaged ones."""
     absent = set(store.missing(keys))
-    report = store.verify([k for k in keys if k not in absent])
+    report = store.verify([k for k in keys if k not in absent], trust_stamps=True)
     for i, (key, problem) in enumerate(sorted(report.damaged.items())):
         if i == 10:
             log(f"... and {len(report.damaged) - 10} more damaged entries")

@@ -62,10 +62,16 @@ CREATE TABLE IF NOT EXISTS probes (
     inode INTEGER NOT NULL,
     value TEXT NOT NULL         -- JSON of the probe (tuner.data.media)
 );
+CREATE TABLE IF NOT EXISTS verified_shards (
+    shard TEXT PRIMARY KEY,     -- file name under shards/
+    size INTEGER NOT NULL,      -- the file's stamp when its checksums were known to match its bytes
+    mtime_ns INTEGER NOT NULL,
+    inode INTEGER NOT NULL
+);
 """
 # Tables added after format 1 was released: older tuners ignore them, so they do not change the
 # format version; a writable connection creates them in an older index (`_add_tables`).
-_ADDED_TABLES = ("probes",)
+_ADDED_TABLES = ("probes", "verified_shards")
 
 _BUSY_TIMEOUT_S = 60.0  # writers hold the lock for one small transaction; waiting is always right
 

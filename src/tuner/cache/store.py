@@ -11,12 +11,14 @@ Reading is `get(key)`, or in two halves that may run in different processes: `lo
 of this process's map of the shard). DataLoader workers locate and `prefetch`, the main process views:
 no tensor bytes cross processes (`tuner.cache.reads` explains why and wraps it in a Dataset).
 
-Every entry carries a checksum (`tuner.cache.shards`). `locate` checks it the first time a process
-reads the entry (in a DataLoader worker when there are workers, so off the training process); a
-damaged entry's location says so, and `view` raises `DamagedEntryError` naming the entry's source
-and the command that re-encodes it. `verify` checks many entries at once (the caching commands treat
-damaged entries as missing; `tuner cache verify` reports them). Entries of shards written before
-checksums existed are read unverified (`unverified_entries` counts them).
+Every entry carries a checksum (`tuner.cache.shards`). `locate` checks that the entry's bytes are
+all in its shard, and its checksum the first time a process reads it from a shard whose file changed
+since its checksums were last known to match (`tuner.cache.shards` explains why not always); this
+happens in a DataLoader worker when there are workers. A damaged entry's location says so, and `view`
+raises `DamagedEntryError` naming the entry's source and the command that re-encodes it. `verify`
+checks many entries at once: the caching commands treat damaged entries as missing, `tuner cache
+verify` reads everything. Entries of shards written before checksums existed are read unverified
+(`unverified_entries` counts them).
 
 Each process keeps its shards memory-mapped (`ShardReader` returns tensors backed by the map
 without copying) and loads the key -> row map with one query the first time it reads, so a read is
@@ -106,6 +108,7 @@ class CacheStore:
         # Entries whose checksum this process checked: each is checked once per process, before
         # any caller could edit its pages in place (a private map would then differ from the file).
         self._verified: set[tuple[str, str]] = set()
+        self._known_good: dict[str, tuple[int, int, int] | None] | None = None  # shard -> stamp (index)
         self._hashes: FileMemo | None = None
 
     def _check_process(self) -> None:
@@ -152,11 +155,12 @@ class CacheStore:
 
     def missing(self, keys: Iterable[str], verify: bool = False) -> list[str]:
         """The keys with no committed entry, in the order given (duplicates kept). With `verify`,
-        also the keys whose entry is damaged (`verify` reads every byte of the present entries)."""
+        also the keys whose entry is damaged (`verify(..., trust_stamps=True)`)."""
         keys = list(keys)
         if verify:
             gone = set(self.missing(keys))
-            damaged = self.verify([k for k in dict.fromkeys(keys) if k not in gone]).damaged
+            present = [k for k in dict.fromkeys(keys) if k not in gone]
+            damaged = self.verify(present, trust_stamps=True).damaged
             return [k for k in keys if k in gone or k in damaged]
         conn = self._connection()
         present: set[str] = set()
@@ -208,7 +212,9 @@ class CacheStore:
         except ShardDamaged as e:
             return EntryLocation(key, row.shard, (), f"shard {row.shard} is unreadable: {e}")
         if (row.shard, key) not in self._verified:
-            damage = handle.damage(row.prefix, row.names)
+            damage = handle.damage(
+                row.prefix, row.names, verify=not self._known_good_stamp(row.shard, handle)
+            )
             if damage is not None:
                 return EntryLocation(key, row.shard, (), f"shard {row.shard}: {damage}")
             self._verified.add((row.shard, key))
@@ -232,14 +238,16 @@ class CacheStore:
 
     # -- checking --------------------------------------------------------------------------------
 
-    def verify(self, keys: Iterable[str] | None = None, full: bool = True) -> VerifyReport:
+    def verify(self, keys: Iterable[str] | None = None, trust_stamps: bool = False) -> VerifyReport:
         """Check the committed entries of `keys` (default: all): that their shard is readable and
-        holds all their bytes, and with `full` their checksums (reading every byte). Keys with no
-        entry are skipped. Shards are mapped one at a time and unmapped after."""
+        holds all their bytes, and their checksums (reading every byte), except, with
+        `trust_stamps`, in shards unchanged since their checksums were known to match. Keys with
+        no entry are skipped. Shards are mapped one at a time and unmapped after. A shard whose
+        every entry passed is recorded as known good (unless the store is read-only)."""
         conn = self._connection()
         rows: list[tuple] = []
         if keys is None:
-            rows = conn.execute("SELECT key, shard, prefix, names FROM entries ORDER BY shard").fetchall()
+            rows = conn.execute("SELECT key, shard, prefix, names FROM entries").fetchall()
         else:
             unique = list(dict.fromkeys(keys))
             for i in range(0, len(unique), _QUERY_CHUNK):
@@ -248,12 +256,13 @@ class CacheStore:
                 rows += conn.execute(
                     f"SELECT key, shard, prefix, names FROM entries WHERE key IN ({marks})", chunk
                 ).fetchall()
-            rows.sort(key=lambda r: r[1])
+        live = dict(conn.execute("SELECT shard, COUNT(*) FROM entries GROUP BY shard").fetchall())
         damaged: dict[str, str] = {}
         unverified = bytes_read = 0
         by_shard: dict[str, list[tuple]] = {}
-        for key, shard, prefix, names in rows:
+        for key, shard, prefix, names in sorted(rows, key=lambda r: r[1]):
             by_shard.setdefault(shard, []).append((key, prefix, tuple(json.loads(names))))
+        good: list[tuple] = []
         for shard, entries in by_shard.items():
             try:
                 reader = ShardReader(self.shards_dir / shard)
@@ -265,14 +274,45 @@ class CacheStore:
                 continue
             if reader.checksums is None:
                 unverified += len(entries)
+            full = not (trust_stamps and self._known_good_stamp(shard, reader))
+            problems = 0
             for key, prefix, names in entries:
                 problem = reader.damage(prefix, names, verify=full)
                 if problem is not None:
                     damaged[key] = f"shard {shard}: {problem}"
+                    problems += 1
                 elif full and reader.checksums is not None:
                     bytes_read += sum(reader.locate(n, prefix).nbytes for n in names)
+            if full and not problems and reader.checksums is not None and len(entries) == live.get(shard):
+                good.append((shard, *reader.stamp))
             del reader  # unmap before the next shard: verifying a large store must not map all of it
+        if good and not self.readonly:
+            with transaction(conn):
+                conn.executemany("INSERT OR REPLACE INTO verified_shards VALUES (?, ?, ?, ?)", good)
+            if self._known_good is not None:
+                self._known_good.update((shard, tuple(stamp)) for shard, *stamp in good)
         return VerifyReport(len(rows), damaged, unverified, bytes_read)
+
+    def _known_good_stamp(self, shard: str, reader: ShardReader) -> bool:
+        """Whether `reader`'s file has the stamp recorded when its checksums last matched."""
+        if self._known_good is None:
+            try:
+                rows = self._connection().execute("SELECT shard, size, mtime_ns, inode FROM verified_shards")
+                self._known_good = {name: tuple(stamp) for name, *stamp in rows}
+            except sqlite3.OperationalError:  # a read-only index from before checksums
+                self._known_good = {}
+        if shard not in self._known_good:  # written since the table was loaded?
+            try:
+                row = (
+                    self._connection()
+                    .execute("SELECT size, mtime_ns, inode FROM verified_shards WHERE shard = ?", (shard,))
+                    .fetchone()
+                )
+            except sqlite3.OperationalError:
+                row = None
+            # remembered either way: one query per shard and process, not one per read
+            self._known_good[shard] = tuple(row) if row is not None else None
+        return self._known_good[shard] == reader.stamp
 
     def unverified_entries(self) -> int:
         """Entries in shards without checksums (written by a tuner older than checksums), which

@@ -110,10 +110,10 @@ def remove_orphans(conn: sqlite3.Connection, shards_dir: Path) -> int:
             (shards_dir / name).unlink(missing_ok=True)
             removed += 1
     gone = sorted(referenced - on_disk)
-    if gone:
+    with transaction(conn):
         # Shards deleted by hand: drop their rows so those entries read as missing and get re-encoded.
-        with transaction(conn):
-            conn.executemany("DELETE FROM entries WHERE shard = ?", [(name,) for name in gone])
+        conn.executemany("DELETE FROM entries WHERE shard = ?", [(name,) for name in gone])
+        conn.execute("DELETE FROM verified_shards WHERE shard NOT IN (SELECT shard FROM entries)")
     return removed
 
 
@@ -220,8 +220,14 @@ class ShardWriter:
         save_safetensors(tensors, path, metadata=metadata)
         if _before_index_commit is not None:
             _before_index_commit(path)
+        st = path.stat()
         with transaction(self._conn):
             self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            # its checksums were computed from the very tensors written: the file is known good as is
+            self._conn.execute(
+                "INSERT OR REPLACE INTO verified_shards VALUES (?, ?, ?, ?)",
+                (name, st.st_size, st.st_mtime_ns, st.st_ino),
+            )
         self.entries_written += len(rows)
         self.shards_written += 1
         self._pending.clear()
