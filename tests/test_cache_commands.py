@@ -200,3 +200,40 @@ def test_items_sharing_a_caption_share_one_text_entry(project, capsys):
     videos = {(project.parent / "data" / "videos" / f"video_{i:03d}.txt").read_text() for i in range(2)}
     # one entry for the shared caption, one per distinct video caption, one for the empty caption
     assert summary(run(capsys, "cache", "text", "--config", project)[1]) == (1 + len(videos) + 1, 0, 0)
+
+
+def test_planning_again_probes_and_hashes_only_changed_files(project, capsys, monkeypatch):
+    """Probes and source hashes are remembered in the index by (path, size, mtime, inode), and
+    looked up a few hundred paths per query."""
+    import os
+    import time
+
+    from tuner.cache import plan as plan_module
+    from tuner.cache import store as store_module
+
+    data = project.parent / "data"
+    past = time.time() - 60  # files younger than 2 s are not remembered (they may change again unseen)
+    for f in data.rglob("*.*"):
+        os.utime(f, (past, past))
+    run(capsys, "cache", "latents", "--config", project)
+
+    probed, hashed, queries = [], [], []
+    real_probe, real_hash = plan_module.probe_media, store_module.hash_file
+    monkeypatch.setattr(plan_module, "probe_media", lambda p, video: probed.append(p) or real_probe(p, video))
+    monkeypatch.setattr(store_module, "hash_file", lambda p: hashed.append(p) or real_hash(p))
+    real_connect = store_module.connect
+
+    def traced(root, readonly):
+        conn = real_connect(root, readonly)
+        conn.set_trace_callback(queries.append)
+        return conn
+
+    monkeypatch.setattr(store_module, "connect", traced)
+    assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)
+    assert probed == [] and hashed == []
+    lookups = [q for q in queries if "FROM file_hashes" in q or "FROM probes" in q]
+    assert len(lookups) <= 4, lookups  # one per table per dataset, not one per file
+
+    os.utime(data / "images" / "image_001.png", (past + 1, past + 1))
+    run(capsys, "cache", "latents", "--config", project)
+    assert [os.path.basename(p) for p in probed] == ["image_001.png"] and len(hashed) == 1

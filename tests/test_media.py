@@ -113,3 +113,38 @@ def test_to_tensor_layout_and_range():
     assert t.shape == (3, 2, 4, 6) and t.dtype == torch.float32
     assert t[:, 0].eq(-1).all() and t[:, 1].eq(1).all()
     assert to_tensor(np.zeros((4, 6, 3), dtype=np.uint8)).shape == (3, 1, 4, 6)
+
+
+def test_probe_image_reads_headers_only_and_matches_read_image(tmp_path, monkeypatch):
+    import zlib
+
+    from PIL import ImageFile
+
+    img = Image.new("RGB", (40, 20), (200, 10, 10))
+    exif = img.getexif()
+    exif[0x0112] = 8
+    img.save(tmp_path / "phone.jpg", exif=exif)
+    img.save(tmp_path / "plain.png")
+    img.save(tmp_path / "early.webp", exif=exif)
+    # A PNG whose eXIf chunk comes after the image data, just before IEND.
+    data = (tmp_path / "plain.png").read_bytes()
+    payload = exif.tobytes()
+    chunk = len(payload).to_bytes(4, "big") + b"eXIf" + payload
+    chunk += zlib.crc32(b"eXIf" + payload).to_bytes(4, "big")
+    (tmp_path / "late.png").write_bytes(data[:-12] + chunk + data[-12:])
+    expected = {
+        name: read_image(tmp_path / name).size
+        for name in ("phone.jpg", "plain.png", "early.webp", "late.png")
+    }
+    assert expected == {
+        "phone.jpg": (20, 40),
+        "plain.png": (40, 20),
+        "early.webp": (20, 40),
+        "late.png": (20, 40),
+    }
+
+    def no_decoding(self):
+        raise AssertionError("probe_image decoded pixels")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    assert {name: probe_image(tmp_path / name) for name in expected} == expected

@@ -70,6 +70,12 @@ def _cache_info(args) -> None:
             print(f"    {meta.get('source')}: {meta.get('error')}")
 
 
+def _cache_verify(args) -> None:
+    from tuner.cache.commands import verify_cache
+
+    verify_cache(args.dir)
+
+
 def _timesteps(args) -> None:
     from tuner.timesteps import plot_histogram
     from tuner.trainers import trainer_class
@@ -148,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = csub.add_parser("info", help="what a cache store holds")
     p.add_argument("dir", help="cache directory")
     p.set_defaults(func=_cache_info)
+    p = csub.add_parser("verify", help="check every entry's checksum; damaged ones are re-encoded by caching")
+    p.add_argument("dir", help="cache directory")
+    p.set_defaults(func=_cache_verify)
 
     p = sub.add_parser("timesteps", help="draw the configured timestep distribution as a PNG histogram")
     _config_args(p)

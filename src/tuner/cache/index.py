@@ -17,6 +17,7 @@ database), so `CacheStore` opens connections lazily and reopens when `os.getpid(
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -54,7 +55,23 @@ CREATE TABLE IF NOT EXISTS file_hashes (
     inode INTEGER NOT NULL,     -- a file replaced by rename gets a new inode even if mtime is reused
     hash TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS probes (
+    path TEXT PRIMARY KEY,      -- resolved absolute path, as in file_hashes
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    inode INTEGER NOT NULL,
+    value TEXT NOT NULL         -- JSON of the probe (tuner.data.media)
+);
+CREATE TABLE IF NOT EXISTS verified_shards (
+    shard TEXT PRIMARY KEY,     -- file name under shards/
+    size INTEGER NOT NULL,      -- the file's stamp when its checksums were known to match its bytes
+    mtime_ns INTEGER NOT NULL,
+    inode INTEGER NOT NULL
+);
 """
+# Tables added after format 1 was released: older tuners ignore them, so they do not change the
+# format version; a writable connection creates them in an older index (`_add_tables`).
+_ADDED_TABLES = ("probes", "verified_shards")
 
 _BUSY_TIMEOUT_S = 60.0  # writers hold the lock for one small transaction; waiting is always right
 
@@ -70,13 +87,7 @@ def connect(root: Path, readonly: bool) -> sqlite3.Connection:
         raise CacheError(f"no cache store at {root} ({INDEX_NAME} is missing); run caching first")
     try:
         if readonly:
-            conn = sqlite3.connect(
-                f"{path.resolve().as_uri()}?mode=ro",
-                uri=True,
-                timeout=_BUSY_TIMEOUT_S,
-                isolation_level=None,
-                check_same_thread=False,
-            )
+            conn = _connect_readonly(path)
         else:
             root.mkdir(parents=True, exist_ok=True)
             (root / SHARDS_DIR).mkdir(exist_ok=True)
@@ -101,7 +112,45 @@ def connect(root: Path, readonly: bool) -> sqlite3.Connection:
             f"cache store {root} has format version {version}, this tuner reads version "
             f"{FORMAT_VERSION}; {_fix(root)}"
         )
+    if not readonly:
+        _add_tables(conn)
     return conn
+
+
+def _connect_readonly(path: Path) -> sqlite3.Connection:
+    """A read-only connection. SQLite reads a WAL-mode database through a `-shm` file it creates
+    beside it; on a read-only folder or file system it cannot, and the database opens only as
+    `immutable` (no locks, no WAL). That is exact when no `-wal` file holds commits, which is the
+    case after the last writer closed; a store still being written cannot be on a read-only mount."""
+
+    def open_(flags: str) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            f"{path.resolve().as_uri()}?{flags}",
+            uri=True,
+            timeout=_BUSY_TIMEOUT_S,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()  # opens the file now
+        return conn
+
+    try:
+        return open_("mode=ro")
+    except sqlite3.OperationalError:
+        wal = path.with_name(path.name + "-wal")
+        if os.access(path.parent, os.W_OK) or (wal.exists() and wal.stat().st_size > 0):
+            raise
+        return open_("mode=ro&immutable=1")
+
+
+def _add_tables(conn: sqlite3.Connection) -> None:
+    have = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if all(t in have for t in _ADDED_TABLES):
+        return
+    with transaction(conn):
+        for statement in _SCHEMA.split(";"):
+            if any(f"EXISTS {t} " in statement for t in _ADDED_TABLES):
+                conn.execute(statement)
 
 
 def _create(conn: sqlite3.Connection) -> None:

@@ -23,6 +23,7 @@ Hashing choices:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -171,6 +172,12 @@ def canonical_json(value: object) -> str:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _fields(encoder: EncoderIdentity) -> dict:
+    # asdict is slow (a deep copy per call) and an encoder is shared by thousands of keys
+    return dataclasses.asdict(encoder)
+
+
 def entry_key(kind: str, source_hash: str, params: Mapping, encoder: EncoderIdentity) -> str:
     """Return the hex digest addressing one cache entry.
 
@@ -184,6 +191,6 @@ def entry_key(kind: str, source_hash: str, params: Mapping, encoder: EncoderIden
         "kind": kind,
         "source": source_hash,
         "params": dict(params),
-        "encoder": dataclasses.asdict(encoder),
+        "encoder": _fields(encoder),
     }
     return hashlib.blake2b(canonical_json(payload).encode(), digest_size=32).hexdigest()

@@ -1,7 +1,7 @@
 """What the cache must hold for a config, computed the same way by the caching commands and training.
 
 Both sides walk the datasets (`plan_datasets`), turn every latent job and caption into a cache key
-(`latent_key`, `text_key`), and compare with the store. The caching commands encode what is missing;
+(`latent_keys`, `text_key`), and compare with the store. The caching commands encode what is missing;
 training refuses to start while anything is missing, naming the command that fixes it. Because a key
 covers the source file's contents, every parameter of the encode and the encoder's identity, "missing"
 also means "stale": an edited caption, a new resolution or another VAE simply produce other keys.
@@ -9,18 +9,22 @@ also means "stale": an edited caption, a new resolution or another VAE simply pr
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from tuner.cache.index import INDEX_NAME
 from tuner.cache.keys import EncoderIdentity, entry_key, fingerprint_weights
 from tuner.cache.store import CacheStore
 from tuner.config.dataset import DatasetSpec
 from tuner.data.datasets import discover_items
 from tuner.data.frames import FrameRule
 from tuner.data.jobs import LatentJob, plan_latent_jobs
+from tuner.data.media import VideoInfo, probe_media
 from tuner.errors import CacheError, ConfigError
 
 LATENT, TEXT = "latent", "text"
@@ -34,8 +38,14 @@ class DatasetPlan:
     problems: list[str] = field(default_factory=list)
 
 
-def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[DatasetPlan]:
-    """Discover and probe every dataset; report problems (missing captions, skipped files) by name."""
+def plan_datasets(
+    trainer, cfg, log: Callable[[str], None] = print, readonly: bool = False
+) -> list[DatasetPlan]:
+    """Discover and probe every dataset; report problems (missing captions, skipped files) by name.
+
+    Probes are remembered in each dataset's cache store (`MemoizedProbe`); with `readonly`
+    (training) the stores are only read, and a dataset whose store does not exist yet is probed
+    without memo."""
     plans = []
     rule = FrameRule(trainer.frame_multiple, trainer.frame_remainder)
     for spec in cfg.datasets:
@@ -45,12 +55,42 @@ def plan_datasets(trainer, cfg, log: Callable[[str], None] = print) -> list[Data
                 f"{trainer.architecture} is an image model. Use image_directory or image_jsonl_file."
             )
         items, problems = discover_items(spec)
-        jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps)
+        store = None
+        if not readonly or (Path(spec.cache_directory) / INDEX_NAME).exists():
+            store = CacheStore(spec.cache_directory, readonly=readonly)
+        probe = MemoizedProbe(store, [p for item in items for p in (item.path, *item.control_paths)])
+        jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps, probe=probe)
+        probe.save()
         _check_controls(trainer, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
         for problem in problems + more:
             log(f"warning: {problem}")
     return plans
+
+
+_PROBE_TAG = "probe-v1:"  # bump when probing changes what it reports
+
+
+class MemoizedProbe:
+    """`probe_media` remembered in `store`'s index by (path, size, mtime, inode): a re-run stats
+    each file and probes only new or changed ones. `paths` are looked up at once (one query per
+    500). Frame folders are probed each time (editing a frame does not change the folder's mtime).
+    `save()` stores the new answers in one transaction."""
+
+    def __init__(self, store: CacheStore | None, paths: list[str]):
+        self._memo = store.memo("probes", tag=_PROBE_TAG) if store is not None else None
+        if self._memo is not None:
+            self._memo.preload(p for p in paths if not os.path.isdir(p))
+
+    def __call__(self, path: str, video: bool) -> VideoInfo:
+        if self._memo is None or os.path.isdir(path):
+            return probe_media(path, video)
+        value = self._memo.get(path, lambda p: json.dumps(list(probe_media(p, video))))
+        return VideoInfo(*json.loads(value))
+
+    def save(self) -> None:
+        if self._memo is not None:
+            self._memo.save()
 
 
 def _check_controls(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
@@ -109,9 +149,13 @@ def text_encoder(trainer) -> EncoderIdentity:
     )
 
 
-def latent_key(store: CacheStore, job: LatentJob, encoder: EncoderIdentity) -> str:
-    source = "+".join(store.hash_source(p) for p in job.input_paths)
-    return entry_key(LATENT, source, job.params(), encoder)
+def latent_keys(store: CacheStore, jobs: list[LatentJob], encoder: EncoderIdentity) -> list[str]:
+    """The cache key of each job. Source hashes come from the store's memo in one query per 500
+    files (`CacheStore.hash_sources`), not one per file."""
+    hashes = store.hash_sources(p for job in jobs for p in job.input_paths)
+    return [
+        entry_key(LATENT, "+".join(hashes[p] for p in job.input_paths), job.params(), encoder) for job in jobs
+    ]
 
 
 def text_key(caption: str, encoder: EncoderIdentity, max_length: int, controls: dict | None = None) -> str:
@@ -137,16 +181,25 @@ def text_requests(
     When the architecture's text encoder also looks at the control images, the entry is keyed by their
     contents and crops too, and the empty caption (for caption dropout) is encoded with them as well."""
     per_job, requests = [], {}
+    hashes = {}
+    if trainer.text_uses_controls:
+        hashes = store.hash_sources(p for job in plan.jobs for p in job.control_paths)
+    plain: dict[str, str] = {}  # caption -> key when there are no controls: one digest per caption
     for job in plan.jobs:
         controls = None
         if trainer.text_uses_controls:
             controls = {
-                "sources": [store.hash_source(p) for p in job.control_paths],
+                "sources": [hashes[p] for p in job.control_paths],
                 "crops": job.params()["controls"],
             }
         keys = []
         for caption in (job.caption, ""):
-            key = text_key(caption, encoder, max_length, controls)
+            if controls is None:
+                if caption not in plain:
+                    plain[caption] = text_key(caption, encoder, max_length)
+                key = plain[caption]
+            else:
+                key = text_key(caption, encoder, max_length, controls)
             requests.setdefault(key, TextRequest(caption, job if controls else None))
             keys.append(key)
         per_job.append((keys[0], keys[1]))
@@ -175,8 +228,21 @@ def open_training_data(
     training datasets, or with `validation` those of the held-out ones (no caption dropout)."""
     from tuner.cache.batches import TrainingData, TrainingSample
 
-    plans = plan_datasets(trainer, cfg, log)
-    stores = {d: CacheStore(d) for d in dict.fromkeys(p.spec.cache_directory for p in plans)}
+    plans = plan_datasets(trainer, cfg, log, readonly=True)
+    for plan in plans:
+        if not (Path(plan.spec.cache_directory) / INDEX_NAME).exists():
+            raise CacheError(
+                f"nothing is cached in {plan.spec.cache_directory} yet. "
+                f"Run: tuner cache latents --config {cfg.path} and tuner cache text --config {cfg.path}"
+            )
+    # Read-only: training writes nothing to the store, so a cache on a read-only mount works.
+    stores = stores_of(plans, readonly=True)
+    for store in stores.values():
+        if unverified := store.unverified_entries():
+            log(
+                f"note: {unverified} entries in {store.root} were cached by an older tuner and carry no "
+                f"checksum; they are read unverified (re-cache into a new directory to have them checked)."
+            )
     lat_enc, txt_enc = latent_encoder(trainer), text_encoder(trainer)
     max_len = cfg.cache.text_max_length
     samples: list[TrainingSample] = []
@@ -184,7 +250,7 @@ def open_training_data(
         if plan.spec.validation != validation:
             continue
         store = stores[plan.spec.cache_directory]
-        lat_keys = [latent_key(store, job, lat_enc) for job in plan.jobs]
+        lat_keys = latent_keys(store, plan.jobs, lat_enc)
         txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
         require_cached(store, list(requests), "text", "cache text", cfg)

@@ -13,11 +13,18 @@ The write protocol, and why a kill at any instant leaves a valid store:
    complete shard with no rows (an orphan). SQLite rolls back a half-done transaction, so a row
    never points to a missing or partial shard.
 
-Entries without rows are simply missing, so the next run encodes them again. Orphans and temporary
+Entries without rows are simply missing, so the next run encodes them again. Buffered entries are
+committed when the shard is full, when `commit_every_seconds` have passed since the last commit, and
+when the writer closes (also on an exception, such as the one the caching commands raise on SIGTERM
+or SIGINT); so a SIGKILL loses at most the entries of the last interval. Orphans and temporary
 files are removed when a writer opens (or by `prune`), but only under an exclusive lock on
 `writer.lock`: another writer might have renamed its shard and not yet committed its rows. Writers
 hold the lock shared while they work; the first writer to open takes it exclusively for the cleanup
 and then downgrades. A killed process releases its lock (flock locks die with their file descriptor).
+The caching commands also hold a lock of their own per kind of entry (`caching-latent.lock`), so that
+a second caching run waits for the first instead of encoding the same entries twice.
+
+Each shard records a checksum per entry in its header (`tuner.cache.shards` explains the checksum).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import torch
 
 from tuner.cache.index import FORMAT_VERSION, SHARDS_DIR, connect, transaction
 from tuner.cache.keys import canonical_json
-from tuner.cache.shards import SUPPORTED_DTYPES
+from tuner.cache.shards import CHECKSUM, SUPPORTED_DTYPES, tensors_checksum
 from tuner.io import save_safetensors
 
 try:
@@ -56,8 +63,9 @@ class WriterLock:
     Without `fcntl` (Windows) there is no lock: one writer at a time is assumed, and cleanup runs.
     """
 
-    def __init__(self, root: Path):
-        self._fd: int | None = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, root: Path, name: str = LOCK_NAME):
+        self.path = root / name
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
 
     def try_exclusive(self) -> bool:
         """Take the lock alone if no one else holds it; never waits."""
@@ -68,6 +76,11 @@ class WriterLock:
         except BlockingIOError:
             return False
         return True
+
+    def exclusive(self) -> None:
+        """Take the lock alone, waiting for as long as another process holds it."""
+        if fcntl is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def shared(self) -> None:
         """Hold the lock shared (converting an exclusive hold); waits while a cleanup or prune runs."""
@@ -97,10 +110,10 @@ def remove_orphans(conn: sqlite3.Connection, shards_dir: Path) -> int:
             (shards_dir / name).unlink(missing_ok=True)
             removed += 1
     gone = sorted(referenced - on_disk)
-    if gone:
+    with transaction(conn):
         # Shards deleted by hand: drop their rows so those entries read as missing and get re-encoded.
-        with transaction(conn):
-            conn.executemany("DELETE FROM entries WHERE shard = ?", [(name,) for name in gone])
+        conn.executemany("DELETE FROM entries WHERE shard = ?", [(name,) for name in gone])
+        conn.execute("DELETE FROM verified_shards WHERE shard NOT IN (SELECT shard FROM entries)")
     return removed
 
 
@@ -120,9 +133,20 @@ class ShardWriter:
     also when the body raises, so work encoded before an error is kept.
     """
 
-    def __init__(self, root: Path, max_shard_bytes: int, max_entries: int, lock: WriterLock | None):
+    def __init__(
+        self,
+        root: Path,
+        max_shard_bytes: int,
+        max_entries: int,
+        lock: WriterLock | None,
+        commit_every_seconds: float | None = None,
+    ):
         if max_shard_bytes <= 0 or max_entries <= 0:
             raise ValueError("max_shard_bytes and max_entries must be positive")
+        if commit_every_seconds is not None and commit_every_seconds < 0:
+            raise ValueError("commit_every_seconds must be >= 0")
+        self._commit_every = commit_every_seconds
+        self._last_commit = time.monotonic()
         self._shards_dir = root / SHARDS_DIR
         self._max_bytes = max_shard_bytes
         self._max_entries = max_entries
@@ -168,6 +192,8 @@ class ShardWriter:
         self._pending_bytes += entry.nbytes
         if len(self._pending) >= self._max_entries or self._pending_bytes >= self._max_bytes:
             self.flush()
+        elif self._commit_every is not None and time.monotonic() - self._last_commit >= self._commit_every:
+            self.flush()  # a smaller shard, so that a kill loses at most this interval's work
 
     def flush(self) -> None:
         """Write the buffered entries as one shard, then commit their index rows."""
@@ -176,22 +202,37 @@ class ShardWriter:
         name = f"{uuid.uuid4().hex}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         rows = []
+        checksums = {}
         for i, (key, entry) in enumerate(self._pending.items()):
             prefix = f"{i}/"
             for tensor_name, t in entry.tensors.items():
                 tensors[prefix + tensor_name] = t
+            checksums[prefix] = tensors_checksum(entry.tensors)
             names = json.dumps(list(entry.tensors))
             rows.append((key, entry.kind, name, prefix, names, entry.nbytes, entry.meta_json, entry.created))
         path = self._shards_dir / name
-        save_safetensors(tensors, path, metadata={"format": "tuner-cache-shard", "version": FORMAT_VERSION})
+        metadata = {
+            "format": "tuner-cache-shard",
+            "version": FORMAT_VERSION,
+            "checksum": CHECKSUM,
+            "checksums": json.dumps(checksums, separators=(",", ":")),
+        }
+        save_safetensors(tensors, path, metadata=metadata)
         if _before_index_commit is not None:
             _before_index_commit(path)
+        st = path.stat()
         with transaction(self._conn):
             self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            # its checksums were computed from the very tensors written: the file is known good as is
+            self._conn.execute(
+                "INSERT OR REPLACE INTO verified_shards VALUES (?, ?, ?, ?)",
+                (name, st.st_size, st.st_mtime_ns, st.st_ino),
+            )
         self.entries_written += len(rows)
         self.shards_written += 1
         self._pending.clear()
         self._pending_bytes = 0
+        self._last_commit = time.monotonic()
 
     def close(self) -> None:
         """Flush what is buffered and release the connection and the lock."""

@@ -77,6 +77,12 @@ class CacheConfig:
         "use bitsandbytes.",
     )
     text_max_length: int = option(512, "Longest caption in tokens; longer captions are cut to it.", ge=1)
+    commit_every_seconds: float = option(
+        30.0,
+        "Commit what is encoded at least this often (and on SIGINT/SIGTERM): a killed run loses at most "
+        "this many seconds of encoding. 0 commits after every item.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)

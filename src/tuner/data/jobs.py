@@ -1,8 +1,9 @@
 """Caching jobs: what the VAE and text encoder will encode, and the params that identify each result.
 
-Caching walks the datasets once. `plan_latent_jobs` probes every file (size, frame count, frame rate;
-images are decoded, so corrupt files surface here, not halfway through encoding), chooses its bucket
-and, for videos, its frame windows. Each `LatentJob` is one tensor the VAE will encode:
+Caching walks the datasets once. `plan_latent_jobs` probes every file (size, frame count, frame rate,
+read from headers: files that are not images or videos surface here; one damaged past its header
+fails when it is encoded), chooses its bucket and, for videos, its frame windows. The probe is a
+parameter so that the cache can remember its answers (`tuner.cache.plan`). Each `LatentJob` is one tensor the VAE will encode:
 
     job.input_paths   files whose *contents* the result depends on (source, then controls)
     job.params()      every setting that changes the encoded pixels: bucket, frame indices, resize and
@@ -40,8 +41,8 @@ from tuner.data.datasets import Item, describe
 from tuner.data.frames import ANY_COUNT, largest_valid, video_windows
 from tuner.data.media import (
     VIDEO_EXTENSIONS,
-    probe_image,
-    probe_video,
+    VideoInfo,
+    probe_media,
     read_image,
     read_video_frames,
     to_tensor,
@@ -51,6 +52,10 @@ from tuner.errors import ConfigError, DataError
 # Bump when the way pixels are produced changes (EXIF handling, alpha compositing, crop rounding...):
 # it is part of params(), so old cache entries stop matching instead of being silently reused.
 PIXEL_PIPELINE_VERSION = 1
+
+
+Probe = Callable[[str, bool], VideoInfo]
+"""(path, is a video) -> VideoInfo; `probe_media` or a memoized version of it."""
 
 
 def _is_video_file(path: str) -> bool:
@@ -111,20 +116,20 @@ def _check_targets(spec: DatasetSpec, valid_frames: Callable[[int], bool]) -> No
             )
 
 
-def _probe_controls(item: Item, bucket: tuple[int, int], windows: list[tuple[int, ...]]) -> tuple[Crop, ...]:
+def _probe_controls(
+    item: Item, bucket: tuple[int, int], windows: list[tuple[int, ...]], probe: Probe
+) -> tuple[Crop, ...]:
     crops = []
     for path in item.control_paths:
-        if _is_video_file(path):
-            if item.kind == "image":
-                raise DataError(f"{path}: a video cannot be the control of an image ({item.path}).")
-            info = probe_video(path)
+        video = _is_video_file(path)
+        if video and item.kind == "image":
+            raise DataError(f"{path}: a video cannot be the control of an image ({item.path}).")
+        info = probe(path, video)
+        if video:
             needed = max(max(w) for w in windows) + 1
             if info.n_frames < needed:
                 raise DataError(f"{path}: control video has {info.n_frames} frames; its item needs {needed}.")
-            w, h = info.width, info.height
-        else:
-            w, h = probe_image(path)
-        crops.append(plan_crop(w, h, bucket))
+        crops.append(plan_crop(info.width, info.height, bucket))
     return tuple(crops)
 
 
@@ -138,14 +143,14 @@ def _jobs_for_item(
     problems: list[str],
     mismatched_fps: set[float],
     scales: list[float],
+    probe: Probe,
 ) -> list[LatentJob]:
     no_upscale = spec.bucket_no_upscale and spec.enable_bucket  # one fixed size means no per-item sizes
+    info = probe(item.path, item.kind != "image")
+    w, h = info.width, info.height
     if item.kind == "image":
-        w, h = probe_image(item.path)
         windows: list[tuple[int, ...]] = [()]
     else:
-        info = probe_video(item.path)
-        w, h = info.width, info.height
         if spec.source_fps is None and model_fps and info.fps and abs(info.fps - model_fps) > 0.5:
             mismatched_fps.add(round(info.fps, 2))
         windows, short = video_windows(
@@ -163,7 +168,7 @@ def _jobs_for_item(
     bucket = choose_bucket(w, h, buckets, no_upscale, step)
     crop = plan_crop(w, h, bucket)
     scales.append(max(bucket[0] / w, bucket[1] / h))
-    control_crops = _probe_controls(item, bucket, windows)
+    control_crops = _probe_controls(item, bucket, windows, probe)
     return [
         LatentJob(
             source=item.path,
@@ -187,8 +192,9 @@ def plan_latent_jobs(
     valid_frames: Callable[[int], bool] = ANY_COUNT,
     model_fps: float | None = None,
     on_error: OnError | None = None,
+    probe: Probe = probe_media,
 ) -> tuple[list[LatentJob], list[str]]:
-    """Probe every item and plan its latent jobs; return (jobs, problems).
+    """Probe every item (with `probe`) and plan its latent jobs; return (jobs, problems).
 
     `step` is the model's spatial step (16 for Wan), `valid_frames` its frame-count rule (e.g.
     FrameRule(4, 1)), `model_fps` the rate videos are resampled to when the spec sets source_fps.
@@ -205,7 +211,7 @@ def plan_latent_jobs(
     for item in items:
         try:
             jobs += _jobs_for_item(
-                spec, item, buckets, step, valid_frames, model_fps, problems, mismatched_fps, scales
+                spec, item, buckets, step, valid_frames, model_fps, problems, mismatched_fps, scales, probe
             )
         except DataError as e:
             if on_error == "stop":
