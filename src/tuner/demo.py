@@ -19,7 +19,7 @@ from tuner.registry import ARCHITECTURES, trainer_class
 
 IMAGES_TOML = """\
 [general]
-resolution = [64, 48]
+resolution = [{width}, {height}]
 caption_extension = ".txt"
 batch_size = 2
 cache_directory = "cache"
@@ -80,6 +80,13 @@ def data_kinds(architecture: str) -> tuple[bool, int]:
     return trainer.supports_video, trainer.control_images[0]
 
 
+def demo_size(architecture: str) -> tuple[int, int]:
+    """The demo's (width, height): 64×48, with the height rounded up to the model's spatial step
+    (64×64 for Wan 2.2 TI2V-5B, whose tokens cover 32 pixels)."""
+    step = trainer_class(architecture).spatial_step
+    return 64, -(-48 // step) * step
+
+
 def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture: str = "wan") -> Path:
     """Write the fixture (unless `model` points at one), the dataset and both TOMLs; return the config."""
     spec = fixture(architecture)
@@ -92,7 +99,12 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
         write_fixture(architecture, model)
     print(f"== dataset: generated images{' and videos' if video else ''} → {out / 'data'}")
     write_demo_dataset(out / "data", videos=2 if video else 0, controls=controls)
-    dataset = IMAGES_TOML + (CONTROLS_TOML if controls else "") + (VIDEOS_TOML if video else "")
+    width, height = demo_size(architecture)
+    dataset = (
+        IMAGES_TOML.format(width=width, height=height)
+        + (CONTROLS_TOML if controls else "")
+        + (VIDEOS_TOML if video else "")
+    )
     (out / "dataset.toml").write_text(dataset)
     config = out / "train.toml"
     section = spec.model_section.format(root=Path(model).resolve())
@@ -110,7 +122,8 @@ def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path
         ["cache", "text", "--config", c],
         ["train", "--config", c],
         ["generate", "--config", c, "--prompt", "a red circle moving left on a black background",
-         "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "64x48", "--frames", "9" if video else "1",
+         "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "{}x{}".format(*demo_size(architecture)),
+         "--frames", "9" if video else "1",
          "--steps", "8", "--guidance", "3.0", "--device", "cpu",
          *(["--control", str(out / "data" / "controls" / "image_000.png")] * controls),
          "--out", str(out / "samples" / ("demo.mp4" if video else "demo.png"))],

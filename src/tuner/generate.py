@@ -39,6 +39,7 @@ class GenerateOptions:
     loras: tuple[tuple[str, float], ...] = ()
     loras_2: tuple[tuple[str, float], ...] = ()  # two-expert models: for model.transformer_2 (low noise)
     controls: tuple[str, ...] = ()  # control / reference images for edit models
+    image: str = ""  # first frame of the video, for text-and-image-to-video models (Wan 2.2 TI2V-5B)
     width: int = 832
     height: int = 480
     frames: int = 81
@@ -69,11 +70,21 @@ def check_options(trainer, opts: GenerateOptions) -> None:
     low, high = trainer.control_images
     if not low <= len(opts.controls) <= high:
         raise ConfigError(f"control images: {arch} takes {low} to {high}, got {len(opts.controls)}.")
+    if opts.image and not trainer.first_frame_image:
+        raise ConfigError(
+            f"--image {opts.image}: {arch} does not take a first-frame image; leave --image out."
+        )
+    if opts.image and opts.frames == 1:
+        raise ConfigError(
+            f"--image {opts.image}: the given image is the first frame; ask for more (--frames 5+)."
+        )
 
 
 def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict, dict]:
-    """(cond, uncond) for one prompt: text embeddings, plus the encoded control images of edit models.
-    Loads the text encoder and, for controls, the VAE, and drops each before returning."""
+    """(cond, uncond) for one prompt: text embeddings, plus the encoded control images of edit models
+    and the first frame of text-and-image-to-video models (`first_frame`, with `clean_first` True: the
+    frame is given, not generated). Loads the text encoder and, for images, the VAE, and drops each
+    before returning."""
     control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
     encoder = trainer.load_text_encoder(device, cfg.cache.text_encoder_dtype)
     # edit models whose text encoder sees the control images get them for both prompts, as in training
@@ -85,12 +96,16 @@ def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict
     _release_memory()
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
-    if control_pixels:
+    if control_pixels or opts.image:
         vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
         vae_dtype = next(vae.parameters()).dtype
         with torch.no_grad():
             controls = {f"control_{i}": trainer.encode_pixels(vae, px.unsqueeze(0).to(device, vae_dtype))
                         for i, px in enumerate(control_pixels)}  # fmt: skip
+            if opts.image:
+                first = load_control_image(opts.image, opts.width, opts.height).unsqueeze(0)
+                controls["first_frame"] = trainer.encode_pixels(vae, first.to(device, vae_dtype))
+                controls["clean_first"] = torch.ones(1, dtype=torch.bool, device=device)
         del vae
         _release_memory()
         cond, uncond = {**cond, **controls}, {**uncond, **controls}

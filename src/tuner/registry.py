@@ -161,6 +161,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.wan22:T2V_FIXTURE",
             boundary=0.875,
         ),
+        # Wan 2.2 TI2V-5B: one 5B Wan network on the Wan 2.2 VAE's 48 channels, text- and image-to-video
+        replace(
+            _WAN,
+            name="wan22_ti2v",
+            title="Wan 2.2 TI2V-5B text/image-to-video (48-channel Wan 2.2 VAE)",
+            trainer="tuner.trainers.wan22_ti2v:Wan22TI2VTrainer",
+            fixture="tuner.fixtures.wan22_ti2v:FIXTURE",
+        ),
         _FLUX,
         # FLUX.1 Kontext: the dev network given a reference image; same module names
         replace(

@@ -275,10 +275,23 @@ def loss_weight(t: torch.Tensor, scheme: str) -> torch.Tensor:
 
 
 def flow_loss(
-    pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, weighting: str = "none"
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    t: torch.Tensor,
+    weighting: str = "none",
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted MSE: the mean squared error of each sample (in float32), times its weight, averaged."""
-    per_sample = (pred.float() - target.float()).square().flatten(1).mean(dim=1)
+    """Weighted MSE: the mean squared error of each sample (in float32), times its weight, averaged.
+
+    `mask` (0/1, broadcastable to `pred`) leaves elements out: each sample's error is then the mean over
+    its kept elements (a given first frame that the model never predicts does not dilute the rest).
+    """
+    error = (pred.float() - target.float()).square()
+    if mask is None:
+        per_sample = error.flatten(1).mean(dim=1)
+    else:
+        mask = mask.to(error).expand_as(error).flatten(1)
+        per_sample = (error.flatten(1) * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)
     return (per_sample * loss_weight(t, weighting).to(per_sample.device)).mean()
 
 

@@ -48,6 +48,14 @@ class ModelConfig:
         ge=0,
         lt=1,
     )
+    i2v_probability: float = option(
+        0.5,
+        "Text-and-image-to-video models (Wan 2.2 TI2V-5B): the chance that a video item trains image-to-video "
+        "(its first latent frame given clean at timestep 0 and left out of the loss) instead of "
+        "text-to-video. Image items always train text-to-image; other architectures ignore it.",
+        ge=0,
+        le=1,
+    )
     text_encoder: str = option("", "Text encoder checkpoint (single file or diffusers folder).", path=True)
     tokenizer: str = option("", "Tokenizer folder; defaults to the one beside the text encoder.", path=True)
     text_encoder_2: str = option(

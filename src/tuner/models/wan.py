@@ -7,7 +7,8 @@ Each loader takes either layout users have (see `tuner.models.loading`):
   `model.diffusion_model.` prefix; ComfyUI's scaled-fp8 files are dequantized), or the official release
   folder (`config.json` of class `WanModel` next to `diffusion_pytorch_model*.safetensors` shards);
 * VAE: a diffusers folder, or the original single file (`Wan2.1_VAE.pth`, ComfyUI's
-  `wan_2.1_vae.safetensors`);
+  `wan_2.1_vae.safetensors`); TI2V-5B's 48-channel Wan 2.2 VAE is in `tuner.models.wan22_vae`, and a
+  VAE of the wrong generation is refused by name;
 * text encoder: a diffusers folder, or ComfyUI's `umt5_xxl_*.safetensors`, which is the transformers
   T5 encoder layout (`shared.weight`, `encoder.block.0.layer.0.SelfAttention.q.weight`, ...) minus the
   tied `encoder.embed_tokens.weight`. A single file carries no tokenizer: pass `tokenizer_path`.
@@ -135,6 +136,17 @@ TRANSFORMER_VARIANTS = (
             "blocks.0.cross_attn.k_img.weight": None,
         },
     ),
+    Variant(  # the TI2V test fixture (tuner.fixtures.wan22_ti2v): the tiny network on 48 channels
+        "tiny-ti2v",
+        CONFIGS / "transformer" / "tiny-ti2v",
+        {
+            "patch_embedding.weight": (64, 48, 1, 2, 2),
+            "text_embedding.0.weight": (64, 64),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
     Variant(  # the test fixture (tuner.fixtures.wan): 2 heads of 32, 2 blocks
         "tiny",
         CONFIGS / "transformer" / "tiny",
@@ -157,6 +169,7 @@ VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "i2v-A14B": ("a Wan 2.2 I2V A14B expert", ("wan22_i2v",)),
     "ti2v-5B": ("a Wan 2.2 TI2V-5B transformer", ("wan22_ti2v",)),
     "tiny": ("the tiny test transformer", ("wan", "wan22_t2v")),
+    "tiny-ti2v": ("the tiny TI2V test transformer", ("wan22_ti2v",)),
 }
 
 VAE_VARIANTS = (
@@ -309,8 +322,17 @@ def check_variant(variant: str | None, architecture: str, where: str | Path) -> 
     )
 
 
-def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLWan:
-    """Load the Wan 2.1 VAE from a diffusers folder or an original single file (.safetensors or .pth)."""
+def load_vae(
+    path: str | Path, dtype: torch.dtype, generation: str = "2.1", architecture: str = "wan"
+) -> AutoencoderKLWan:
+    """Load the Wan `generation` ("2.1" or "2.2", `tuner.models.wan22_vae`) VAE from a diffusers folder
+    or an original single file (.safetensors or .pth). A VAE of the other generation is refused, naming
+    the one `architecture` needs."""
+    from tuner.models.wan22_vae import check_vae_generation, load_vae22
+
+    check_vae_generation(path, generation, architecture)
+    if generation == "2.2":
+        return load_vae22(path, dtype)
     folder = resolve_folder(path, "vae")
     if folder is not None:
         return load_diffusers_folder(AutoencoderKLWan, folder, dtype, "AutoencoderKLWan")
@@ -393,15 +415,19 @@ def _latent_stats(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tens
 
 @torch.no_grad()
 def encode_video(vae: AutoencoderKLWan, pixels: torch.Tensor) -> torch.Tensor:
-    """Normalized latents [B, 16, 1 + (F-1)/4, H/8, W/8] of videos [B, 3, F, H, W] in [-1, 1].
+    """Normalized latents [B, C, 1 + (F-1)/4, H/s, W/s] of videos [B, 3, F, H, W] in [-1, 1]: C = 16 and
+    s = 8 for the Wan 2.1 VAE, C = 48 and s = 16 for Wan 2.2's (its config's `scale_factor_spatial`).
 
     Uses the mean of the latent distribution (`latent_dist.mode()`; no sampling, so caching is
     deterministic) and normalizes per channel with the VAE config's `latents_mean` / `latents_std`, the
     statistics WanPipeline undoes before decoding.
     """
     frames, height, width = pixels.shape[2:]
-    if (frames - 1) % 4 or height % 8 or width % 8:
-        raise ValueError(f"Wan VAE needs 1 + 4k frames and sides divisible by 8, got {tuple(pixels.shape)}")
+    side = vae.config.scale_factor_spatial
+    if (frames - 1) % 4 or height % side or width % side:
+        raise ValueError(
+            f"Wan VAE needs 1 + 4k frames and sides divisible by {side}, got {tuple(pixels.shape)}"
+        )
     param = next(vae.parameters())
     latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()
     mean, inv_std = _latent_stats(vae, latents)

@@ -11,6 +11,13 @@ Official layout facts used here (from the Wan 2.1 release code): each block hold
 `ffn = Sequential(Linear, GELU, Linear)`; diffusers calls the cross-attention norm `norm2`. The VAE's
 residual blocks are `Sequential(RMS_norm, SiLU, conv, RMS_norm, SiLU, Dropout, conv)`, so their norms and
 convs sit at indices 0, 2, 3 and 6.
+
+The Wan 2.2 VAE (`Wan2.2_VAE.pth`, ComfyUI's `wan2.2_vae.safetensors`; from the Wan 2.2 release's
+`vae2_2.py` and diffusers' conversion script) nests one more level: each encoder level is
+`encoder.downsamples.<i>.downsamples.<j>` (residual blocks, then the resample as the last entry) and
+each decoder level `decoder.upsamples.<i>.upsamples.<j>` (`num_res_blocks + 1` residual blocks, then the
+resample); the average/duplicate shortcuts between levels hold no weights. Middle, head and the
+quant convs are named as in 2.1.
 """
 
 from __future__ import annotations
@@ -147,3 +154,38 @@ def vae_to_original(
 ) -> dict[str, torch.Tensor]:
     """A diffusers AutoencoderKLWan state dict with the original Wan 2.1 VAE key names."""
     return {vae_key_to_original(k, num_res_blocks): v for k, v in state_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Wan 2.2 VAE (`is_residual`): diffusers AutoencoderKLWan key -> original Wan2.2_VAE.pth key.
+# ---------------------------------------------------------------------------------------------------
+_LEVEL22 = re.compile(
+    r"^(encoder\.down|decoder\.up)_blocks\.(\d+)\.(resnets\.(\d+)\.(\w+)|downsampler|upsampler)\.(.+)$"
+)
+
+
+def vae22_key_to_original(key: str, num_res_blocks: int = 2) -> str:
+    """Original Wan 2.2 VAE key of a diffusers AutoencoderKLWan (`is_residual=True`) key.
+
+    `encoder.down_blocks.1.resnets.0.norm1.gamma` -> `encoder.downsamples.1.downsamples.0.residual.0.gamma`;
+    `decoder.up_blocks.0.upsampler.time_conv.weight` -> `decoder.upsamples.0.upsamples.3.time_conv.weight`.
+    """
+    m = _LEVEL22.match(key)
+    if m is None:  # middle, head and quant convs are named as in Wan 2.1
+        if key.startswith(("encoder.down_blocks.", "decoder.up_blocks.")):
+            raise KeyError(f"no Wan 2.2 VAE key rule maps {key!r} to the original layout")
+        return vae_key_to_original(key, num_res_blocks)
+    side, level, inner, j, part, rest = m.groups()
+    name = "downsamples" if side == "encoder.down" else "upsamples"
+    if j is not None:
+        index, rest = j, f"{_RESNET_PARTS[part]}.{rest}"
+    else:  # the resample follows the level's residual blocks (one more of them in the decoder)
+        index = num_res_blocks if name == "downsamples" else num_res_blocks + 1
+    return f"{side.split('.')[0]}.{name}.{level}.{name}.{index}.{rest}"
+
+
+def vae22_to_original(
+    state_dict: Mapping[str, torch.Tensor], num_res_blocks: int = 2
+) -> dict[str, torch.Tensor]:
+    """A diffusers Wan 2.2 AutoencoderKLWan state dict with the original Wan 2.2 VAE key names."""
+    return {vae22_key_to_original(k, num_res_blocks): v for k, v in state_dict.items()}

@@ -6,7 +6,8 @@ loop. The loop reads top to bottom:
 
     setup      accelerator, seed, cached batches (checked for staleness), model, adapter, optimizer
     resume     saved state, checked against its manifest (trainers/checkpoints.py) + our position
-    loop       _step: noise → x_t → predict → flow-matching loss → backward (accumulate) → clip → step
+    loop       _step: noise, t (+ draw_conditions) → x_t → predict → flow-matching loss (loss_mask)
+               → backward (accumulate) → clip → step
                then _log_step, _maybe_sample, _maybe_validate, _maybe_save
     finish     the final adapter (and state)
 
@@ -84,6 +85,7 @@ class NetworkTrainer:
     timestep_mode: ClassVar[str] = "shift"  # what timesteps.mode = "auto" means for this model
     sample_shift: ClassVar[float | str] = 3.0  # generate's default flow shift, or a RESOLUTION_SHIFTS name
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
+    first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V models)
     cache_format_version: ClassVar[int] = 1
 
     def __init__(self, cfg: Config):
@@ -146,6 +148,17 @@ class NetworkTrainer:
         """Normalized latents → pixels [B, C, F, H, W] in [-1, 1]."""
         raise NotImplementedError
 
+    def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
+        """`cond` plus what a training batch draws beyond noise and t, from the step's seeded generator
+        (nothing by default). Text-and-image-to-video models pick here which samples get a clean first
+        frame."""
+        return cond
+
+    def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor | None:
+        """0/1 weights broadcastable to `x0` for the elements the loss counts, or None for all of them:
+        what the model is given rather than asked to predict (a clean first frame) is left out."""
+        return None
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         """Latent shape (without batch) of a sample of this size."""
         raise NotImplementedError
@@ -198,7 +211,8 @@ class NetworkTrainer:
         noisy = add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
         with accelerator.autocast():
             pred = self.predict(model, noisy, t, cond)
-        return flow_loss(pred.float(), flow_target(x0, noise).float(), t, self.cfg.timesteps.loss_weighting)
+        return flow_loss(pred.float(), flow_target(x0, noise).float(), t, self.cfg.timesteps.loss_weighting,
+                         mask=self.loss_mask(x0, cond))  # fmt: skip
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
@@ -332,6 +346,7 @@ class NetworkTrainer:
         x0, cond = self._inputs(batch, run.accelerator.device)
         noise = torch.randn(x0.shape, generator=gen).to(x0)
         t = run.sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
+        cond = self.draw_conditions(x0, cond, gen)
         loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
         run.accelerator.backward(loss / (end - start))
         run.recent.append(loss.item())  # the one sync per batch, for logging and the finite check
@@ -429,7 +444,8 @@ class NetworkTrainer:
                     gen = torch.Generator().manual_seed(_mix(cfg.train.seed, i, j))
                     noise = torch.randn(x0.shape, generator=gen).to(x0)
                     t = torch.full((x0.shape[0],), t_value, device=x0.device)
-                    losses.append(self.loss(model, x0, noise, t, cond, accelerator).item())
+                    drawn = self.draw_conditions(x0, cond, gen)
+                    losses.append(self.loss(model, x0, noise, t, drawn, accelerator).item())
         trained.train()
         return sum(losses) / len(losses)
 

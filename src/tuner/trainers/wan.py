@@ -16,6 +16,13 @@ from tuner.memory import place_text_encoder, text_encoder_dtype
 from tuner.models import wan
 from tuner.trainers.base import NetworkTrainer
 
+# What a Wan transformer's input channel count says it is
+_INPUT_CHANNELS = {
+    16: "a text-to-video Wan checkpoint (Wan 2.1 T2V, Wan 2.2 T2V A14B)",
+    36: "an image-to-video Wan checkpoint (noise + first-frame latents + mask)",
+    48: "a Wan 2.2 TI2V-5B checkpoint (the Wan 2.2 VAE's latents)",
+}
+
 
 class WanTrainer(NetworkTrainer):
     architecture = "wan"
@@ -24,18 +31,21 @@ class WanTrainer(NetworkTrainer):
     model_fps = 16.0
     supports_video = True
     latent_patch = (1, 2, 2)
+    in_channels = 16  # the transformer's input: the VAE's latent channels (TI2V-5B: 48)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         model = wan.load_transformer(self.weights_path("transformer"), dtype, self.architecture)
-        if model.config.in_channels != 16:  # i2v models take 36 channels: noise + first-frame latents + mask
+        channels = model.config.in_channels
+        if channels != self.in_channels:  # a diffusers folder of a variant tuner does not ship
+            what = _INPUT_CHANNELS.get(channels, "a Wan variant tuner does not know")
             raise CheckpointError(
-                f"{self.cfg.model.transformer}: an image-to-video Wan checkpoint ({model.config.in_channels} input "
-                "channels); architecture 'wan' trains text-to-video. Use a T2V checkpoint."
+                f"{self.cfg.model.transformer}: {what} ({channels} input channels); architecture "
+                f"{self.architecture!r} trains {_INPUT_CHANNELS[self.in_channels]}. Use such a checkpoint."
             )
         return model
 
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return wan.load_vae(self.weights_path("vae"), dtype).to(device)
+        return wan.load_vae(self.weights_path("vae"), dtype, "2.1", self.architecture).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str):
         model, tokenizer = wan.load_text_encoder(
