@@ -110,7 +110,7 @@ def _generate(args) -> None:
     opts = GenerateOptions(
         prompt=args.prompt, out=args.out, negative_prompt=args.negative_prompt,
         loras=tuple(parse_weighted_path(x) for x in args.lora),
-        loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), width=width, height=height, frames=args.frames,
+        loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), images=tuple(args.image), width=width, height=height, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed, device=args.device,
     )  # fmt: skip
     generate(_load(args), opts)
@@ -205,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="IMAGE",
         help="control / reference image for edit models (repeatable)",
+    )
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="IMAGE",
+        help="first-frame image for image-to-video architectures; first-last-frame ones take a second "
+        "--image, the last frame",
     )
     p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT")
     p.add_argument("--frames", type=int, default=81, help="frame count (1 for an image)")

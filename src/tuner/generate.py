@@ -39,6 +39,7 @@ class GenerateOptions:
     loras: tuple[tuple[str, float], ...] = ()
     loras_2: tuple[tuple[str, float], ...] = ()  # two-expert models: for model.transformer_2 (low noise)
     controls: tuple[str, ...] = ()  # control / reference images for edit models
+    images: tuple[str, ...] = ()  # frame images for image-to-video models: the first (and last) frame
     width: int = 832
     height: int = 480
     frames: int = 81
@@ -69,6 +70,12 @@ def check_options(trainer, opts: GenerateOptions) -> None:
     low, high = trainer.control_images
     if not low <= len(opts.controls) <= high:
         raise ConfigError(f"control images: {arch} takes {low} to {high}, got {len(opts.controls)}.")
+    if len(opts.images) != trainer.frame_images:
+        wanted = {0: "no frame image", 1: "the first frame (--image FIRST)",
+                  2: "the first and last frame (--image FIRST --image LAST)"}[trainer.frame_images]  # fmt: skip
+        raise ConfigError(f"frame images: {arch} takes {wanted}, got {len(opts.images)}.")
+    if opts.frames < trainer.min_frames:
+        raise ConfigError(f"frames {opts.frames}: {arch} needs at least {trainer.min_frames}.")
 
 
 def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict, dict]:
@@ -94,6 +101,14 @@ def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict
         del vae
         _release_memory()
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
+    if opts.images:  # image-to-video: the frames are conditions of both passes, as in training
+        frames = [load_control_image(p, opts.width, opts.height)[:, 0].unsqueeze(0) for p in opts.images]
+        encoder = trainer.load_latent_encoder(device, DTYPES[cfg.model.vae_dtype]).eval()
+        with torch.no_grad():
+            given = trainer.encode_frame_images(encoder, [f.to(device) for f in frames], opts.frames)
+        del encoder
+        _release_memory()
+        cond, uncond = {**cond, **given}, {**uncond, **given}
     return cond, uncond
 
 
