@@ -219,7 +219,7 @@ def test_the_given_frame_is_out_of_the_loss(trainer):
 def test_generation_ends_on_the_given_first_frame(trainer, model, project, tmp_path):
     image = tmp_path / "first.png"
     Image.new("RGB", (64, 64), (200, 40, 40)).save(image)
-    opts = GenerateOptions(prompt="a red square", out="", image=str(image), width=64, height=64, frames=5,
+    opts = GenerateOptions(prompt="a red square", out="", images=(str(image),), width=64, height=64, frames=5,
                            steps=4, guidance_scale=3.0)  # fmt: skip
     check_options(trainer, opts)
     cond, uncond = encode_conditions(trainer, trainer.cfg, opts, torch.device("cpu"))
@@ -235,10 +235,12 @@ def test_image_option_is_checked(project, wan_model, tmp_path, capsys):
     image = tmp_path / "first.png"
     Image.new("RGB", (64, 64)).save(image)
     wan_trainer = trainer_class("wan")(cfg(make_project(tmp_path / "wan", wan_model)))
-    with pytest.raises(ConfigError, match="does not take a first-frame image"):
-        check_options(wan_trainer, GenerateOptions(prompt="x", out="", image=str(image), width=64, height=48))
+    with pytest.raises(ConfigError, match="takes no frame image; leave --image out"):
+        check_options(
+            wan_trainer, GenerateOptions(prompt="x", out="", images=(str(image),), width=64, height=48)
+        )
     with pytest.raises(ConfigError, match="ask for more"):
-        check_options(Wan22TI2VTrainer(cfg(config)), GenerateOptions(prompt="x", out="", image=str(image),
+        check_options(Wan22TI2VTrainer(cfg(config)), GenerateOptions(prompt="x", out="", images=(str(image),),
                                                                      width=64, height=64, frames=1))  # fmt: skip
     code, log = run(capsys, "generate", "--config", config, "--prompt", "x", "--image", image, "--size", "64x48",
                     "--frames", "5", "--steps", "1", "--device", "cpu", "--out", tmp_path / "x.mp4")  # fmt: skip

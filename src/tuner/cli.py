@@ -110,7 +110,7 @@ def _generate(args) -> None:
     opts = GenerateOptions(
         prompt=args.prompt, out=args.out, negative_prompt=args.negative_prompt,
         loras=tuple(parse_weighted_path(x) for x in args.lora),
-        loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), image=args.image or "",
+        loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), images=tuple(args.image),
         width=width, height=height, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed, device=args.device,
     )  # fmt: skip
@@ -209,9 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--image",
-        default=None,
+        action="append",
+        default=[],
         metavar="IMAGE",
-        help="first frame of the video, for text-and-image-to-video models (Wan 2.2 TI2V-5B)",
+        help="first-frame image for image-to-video architectures (optional for Wan 2.2 TI2V-5B); "
+        "first-last-frame ones take a second --image, the last frame",
     )
     p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT")
     p.add_argument("--frames", type=int, default=81, help="frame count (1 for an image)")

@@ -17,13 +17,15 @@ from tuner.fixtures import fixture, write_fixture
 from tuner.fixtures.dataset import write_demo_dataset
 from tuner.registry import ARCHITECTURES, trainer_class
 
-IMAGES_TOML = """\
+GENERAL_TOML = """\
 [general]
 resolution = [{width}, {height}]
 caption_extension = ".txt"
 batch_size = 2
 cache_directory = "cache"
+"""
 
+IMAGES_TOML = """
 [[datasets]]
 image_directory = "data/images"
 num_repeats = 2
@@ -87,6 +89,13 @@ def demo_size(architecture: str) -> tuple[int, int]:
     return 64, -(-48 // step) * step
 
 
+def frame_image_args(architecture: str, data: Path) -> list[str]:
+    """`tuner generate`'s frame images for image-to-video architectures (`--image` once or twice), from
+    the demo dataset's images; none for the others."""
+    count = trainer_class(architecture).frame_images
+    return [arg for i in range(count) for arg in ("--image", str(data / "images" / f"image_{i:03d}.png"))]
+
+
 def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture: str = "wan") -> Path:
     """Write the fixture (unless `model` points at one), the dataset and both TOMLs; return the config."""
     spec = fixture(architecture)
@@ -98,13 +107,12 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
         print(f"== fixture: tiny {architecture} in its checkpoint layouts → {model}")
         write_fixture(architecture, model)
     print(f"== dataset: generated images{' and videos' if video else ''} → {out / 'data'}")
+    images = trainer_class(architecture).supports_images
     write_demo_dataset(out / "data", videos=2 if video else 0, controls=controls)
     width, height = demo_size(architecture)
-    dataset = (
-        IMAGES_TOML.format(width=width, height=height)
-        + (CONTROLS_TOML if controls else "")
-        + (VIDEOS_TOML if video else "")
-    )
+    dataset = GENERAL_TOML.format(width=width, height=height)
+    dataset += IMAGES_TOML + (CONTROLS_TOML if controls else "") if images else ""
+    dataset += VIDEOS_TOML if video else ""
     (out / "dataset.toml").write_text(dataset)
     config = out / "train.toml"
     section = spec.model_section.format(root=Path(model).resolve())
@@ -126,6 +134,7 @@ def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path
          "--frames", "9" if video else "1",
          "--steps", "8", "--guidance", "3.0", "--device", "cpu",
          *(["--control", str(out / "data" / "controls" / "image_000.png")] * controls),
+         *frame_image_args(architecture, out / "data"),
          "--out", str(out / "samples" / ("demo.mp4" if video else "demo.png"))],
     ):  # fmt: skip
         print(f"== tuner {' '.join(argv)}")

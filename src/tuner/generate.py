@@ -39,7 +39,8 @@ class GenerateOptions:
     loras: tuple[tuple[str, float], ...] = ()
     loras_2: tuple[tuple[str, float], ...] = ()  # two-expert models: for model.transformer_2 (low noise)
     controls: tuple[str, ...] = ()  # control / reference images for edit models
-    image: str = ""  # first frame of the video, for text-and-image-to-video models (Wan 2.2 TI2V-5B)
+    # frame images: image-to-video models' first (and last) frame; TI2V's optional first frame
+    images: tuple[str, ...] = ()
     width: int = 832
     height: int = 480
     frames: int = 81
@@ -70,14 +71,19 @@ def check_options(trainer, opts: GenerateOptions) -> None:
     low, high = trainer.control_images
     if not low <= len(opts.controls) <= high:
         raise ConfigError(f"control images: {arch} takes {low} to {high}, got {len(opts.controls)}.")
-    if opts.image and not trainer.first_frame_image:
-        raise ConfigError(
-            f"--image {opts.image}: {arch} does not take a first-frame image; leave --image out."
-        )
-    if opts.image and opts.frames == 1:
-        raise ConfigError(
-            f"--image {opts.image}: the given image is the first frame; ask for more (--frames 5+)."
-        )
+    if trainer.first_frame_image:  # text-and-image-to-video: the first frame may be given
+        if len(opts.images) > 1:
+            raise ConfigError(f"frame images: {arch} takes at most one --image (the first frame).")
+        if opts.images and opts.frames == 1:
+            raise ConfigError(
+                f"--image {opts.images[0]}: the given image is the first frame; ask for more (--frames 5+)."
+            )
+    elif len(opts.images) != trainer.frame_images:
+        wanted = {0: "no frame image; leave --image out", 1: "the first frame (--image FIRST)",
+                  2: "the first and last frame (--image FIRST --image LAST)"}[trainer.frame_images]  # fmt: skip
+        raise ConfigError(f"frame images: {arch} takes {wanted}, got {len(opts.images)}.")
+    if opts.frames < trainer.min_frames:
+        raise ConfigError(f"frames {opts.frames}: {arch} needs at least {trainer.min_frames}.")
 
 
 def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict, dict]:
@@ -96,19 +102,28 @@ def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict
     _release_memory()
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
-    if control_pixels or opts.image:
+    first_frame = opts.images[0] if trainer.first_frame_image and opts.images else ""
+    if control_pixels or first_frame:
         vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
         vae_dtype = next(vae.parameters()).dtype
         with torch.no_grad():
             controls = {f"control_{i}": trainer.encode_pixels(vae, px.unsqueeze(0).to(device, vae_dtype))
                         for i, px in enumerate(control_pixels)}  # fmt: skip
-            if opts.image:
-                first = load_control_image(opts.image, opts.width, opts.height).unsqueeze(0)
+            if first_frame:
+                first = load_control_image(first_frame, opts.width, opts.height).unsqueeze(0)
                 controls["first_frame"] = trainer.encode_pixels(vae, first.to(device, vae_dtype))
                 controls["clean_first"] = torch.ones(1, dtype=torch.bool, device=device)
         del vae
         _release_memory()
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
+    if trainer.frame_images:  # image-to-video: the frames are conditions of both passes, as in training
+        frames = [load_control_image(p, opts.width, opts.height)[:, 0].unsqueeze(0) for p in opts.images]
+        encoder = trainer.load_latent_encoder(device, DTYPES[cfg.model.vae_dtype]).eval()
+        with torch.no_grad():
+            given = trainer.encode_frame_images(encoder, [f.to(device) for f in frames], opts.frames)
+        del encoder
+        _release_memory()
+        cond, uncond = {**cond, **given}, {**uncond, **given}
     return cond, uncond
 
 

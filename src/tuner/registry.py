@@ -169,6 +169,22 @@ ARCHITECTURES: dict[str, Architecture] = {
             trainer="tuner.trainers.wan22_ti2v:Wan22TI2VTrainer",
             fixture="tuner.fixtures.wan22_ti2v:FIXTURE",
         ),
+        # Wan 2.1 I2V / FLF2V 14B: the 14B network with 36 input channels and CLIP image cross-attention;
+        # the default targets already hold its image projections (add_k_proj / add_v_proj = k_img / v_img)
+        replace(
+            _WAN,
+            name="wan_i2v",
+            title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
+            trainer="tuner.trainers.wan_i2v:WanI2VTrainer",
+            fixture="tuner.fixtures.wan_i2v:I2V_FIXTURE",
+        ),
+        replace(
+            _WAN,
+            name="wan_flf2v",
+            title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",
+            trainer="tuner.trainers.wan_i2v:WanFLF2VTrainer",
+            fixture="tuner.fixtures.wan_i2v:FLF2V_FIXTURE",
+        ),
         _FLUX,
         # FLUX.1 Kontext: the dev network given a reference image; same module names
         replace(

@@ -167,7 +167,7 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
             for key in missing:
                 by_bucket[todo[key].bucket_key].append((key, todo[key]))
             if missing and vae is None:
-                vae = trainer.load_vae(dev, vae_dtype).eval()
+                vae = trainer.load_latent_encoder(dev, vae_dtype).eval()
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
                 tqdm(total=len(missing), desc=f"latents → {cache_dir}", unit="item") as bar,

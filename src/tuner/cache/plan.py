@@ -54,6 +54,12 @@ def plan_datasets(
                 f"{cfg.data.dataset_config}: datasets[{spec.index}] is a video dataset, but "
                 f"{trainer.architecture} is an image model. Use image_directory or image_jsonl_file."
             )
+        if spec.kind == "image" and not trainer.supports_images:
+            raise ConfigError(
+                f"{cfg.data.dataset_config}: datasets[{spec.index}] is an image dataset, but "
+                f"{trainer.architecture} is an image-to-video model: it learns a clip from its first frame, "
+                "so a single image has nothing to learn. Use video_directory or video_jsonl_file."
+            )
         items, problems = discover_items(spec)
         store = None
         if not readonly or (Path(spec.cache_directory) / INDEX_NAME).exists():
@@ -62,6 +68,7 @@ def plan_datasets(
         jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps, probe=probe)
         probe.save()
         _check_controls(trainer, spec, jobs, cfg)
+        _check_frames(trainer, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
         for problem in problems + more:
             log(f"warning: {problem}")
@@ -112,6 +119,17 @@ def _check_controls(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> N
             )
 
 
+def _check_frames(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
+    """Clips shorter than the model's `min_frames` (first-last-frame models need two frames)."""
+    for job in jobs:
+        if job.bucket[2] < trainer.min_frames:
+            raise ConfigError(
+                f"{cfg.data.dataset_config}: datasets[{spec.index}]: {job.source} gives a clip of "
+                f"{job.bucket[2]} frame(s); {trainer.architecture} needs at least {trainer.min_frames} (its "
+                "first and last frame are the conditions). Set target_frames to 5 or more."
+            )
+
+
 _TEXT_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "processor")
 
 
@@ -126,11 +144,21 @@ def _fingerprint(path: str, components: tuple[str, ...]) -> str:
     return fingerprint_weights(root)
 
 
+# what each model field of `latent_encoders` loads from a diffusers pipeline root
+_LATENT_FOLDERS = {"vae": ("vae",), "image_encoder": ("image_encoder", "image_processor")}
+
+
 def latent_encoder(trainer) -> EncoderIdentity:
+    """The identity of every model that shapes a latent entry (the trainer's `latent_encoders`: the VAE,
+    plus e.g. the CLIP image encoder of image-to-video models); all run in `model.vae_dtype`."""
     cfg = trainer.cfg
+    fingerprints = [
+        _fingerprint(trainer.weights_path(name), _LATENT_FOLDERS.get(name, (name,)))
+        for name in trainer.latent_encoders
+    ]
     return EncoderIdentity(
         architecture=f"{trainer.architecture}-vae",
-        weights_fingerprint=_fingerprint(trainer.weights_path("vae"), ("vae",)),
+        weights_fingerprint="+".join(fingerprints),
         dtype=cfg.model.vae_dtype,
         format_version=trainer.cache_format_version,
     )

@@ -62,6 +62,12 @@ class ModelConfig:
         "", "Second text encoder, for models with two (FLUX.1: T5-XXL beside CLIP-L).", path=True
     )
     tokenizer_2: str = option("", "Tokenizer folder of the second text encoder.", path=True)
+    image_encoder: str = option(
+        "",
+        "Image encoder of image-to-video models (Wan 2.1 I2V / FLF2V: CLIP ViT-H/14, ComfyUI's "
+        "clip_vision_h.safetensors or a diffusers folder); runs in `vae_dtype` when caching latents.",
+        path=True,
+    )
     guidance: float = option(
         1.0, "Guidance-embedding value fed while training guidance-distilled models (FLUX.1-dev).", ge=0
     )
@@ -215,6 +221,11 @@ class SampleConfig:
     prompts: tuple[str, ...] = option((), "Prompts drawn during training, one file each, to watch it learn.")
     negative_prompt: str = option("", "Negative prompt of the samples (used when guidance != 1).")
     controls: tuple[str, ...] = option((), "Control images given with every prompt (edit models).", path=True)
+    images: tuple[str, ...] = option(
+        (),
+        "Frame images given with every prompt (image-to-video models: the first, then the last frame).",
+        path=True,
+    )
     every_n_steps: int = option(0, "Draw the samples every N optimizer steps; 0 disables.", ge=0)
     at_start: bool = option(False, "Also draw them before the first step (the base model's output).")
     width: int = option(512, "Sample width in pixels.", ge=16)

@@ -220,7 +220,8 @@ def read_video_frames(
     if missing:
         raise DataError(
             f"{path}: frame {missing[0]} requested but the video decodes to only {decoded} frames; "
-            f"the file may be truncated."
+            "the file may be truncated. Re-encode it (e.g. to H.264 mp4) or remove it, or set "
+            'on_error = "skip" to leave it out.'
         )
     return np.stack([got[i] for i in indices])
 

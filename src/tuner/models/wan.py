@@ -114,6 +114,17 @@ TRANSFORMER_VARIANTS = (
             "img_emb.emb_pos": None,  # present only in first-last-frame models
         },
     ),
+    Variant(  # Wan 2.1 FLF2V 14B: I2V's network plus a position embedding over the two frames' CLIP tokens
+        "flf2v-14B",
+        CONFIGS / "transformer" / "flf2v-14B",
+        {
+            "patch_embedding.weight": (5120, 36, 1, 2, 2),
+            "blocks.39.ffn.0.weight": (13824, 5120),
+            "blocks.40.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": (5120, 5120),
+            "img_emb.emb_pos": (1, 514, 1280),
+        },
+    ),
     Variant(  # either Wan 2.2 I2V A14B expert: noise + conditioning latents + mask in, no CLIP image layers
         "i2v-A14B",
         CONFIGS / "transformer" / "i2v-A14B",
@@ -158,6 +169,27 @@ TRANSFORMER_VARIANTS = (
             "blocks.0.cross_attn.k_img.weight": None,
         },
     ),
+    Variant(  # the I2V test fixture: the tiny network with 36 input channels and the tiny CLIP's width 32
+        "tiny-i2v",
+        CONFIGS / "transformer" / "tiny-i2v",
+        {
+            "patch_embedding.weight": (64, 36, 1, 2, 2),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "img_emb.proj.1.weight": (32, 32),
+            "img_emb.emb_pos": None,
+        },
+    ),
+    Variant(  # the FLF2V test fixture: tiny-i2v plus the position embedding of two frames' 17 tokens
+        "tiny-flf2v",
+        CONFIGS / "transformer" / "tiny-flf2v",
+        {
+            "patch_embedding.weight": (64, 36, 1, 2, 2),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "img_emb.emb_pos": (1, 34, 32),
+        },
+    ),
 )
 
 # What each transformer variant is, and the architectures (`model.architecture`) that train it, first the
@@ -165,11 +197,14 @@ TRANSFORMER_VARIANTS = (
 VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "t2v-1.3B": ("a Wan 2.1 T2V 1.3B transformer", ("wan",)),
     "t2v-14B": ("a Wan 2.1 T2V 14B transformer or a Wan 2.2 T2V A14B expert", ("wan", "wan22_t2v")),
-    "i2v-14B": ("a Wan 2.1 I2V / FLF2V 14B transformer", ("wan21_i2v",)),
+    "i2v-14B": ("a Wan 2.1 I2V 14B transformer (480p or 720p)", ("wan_i2v",)),
+    "flf2v-14B": ("a Wan 2.1 FLF2V 14B transformer (first-last-frame)", ("wan_flf2v",)),
     "i2v-A14B": ("a Wan 2.2 I2V A14B expert", ("wan22_i2v",)),
     "ti2v-5B": ("a Wan 2.2 TI2V-5B transformer", ("wan22_ti2v",)),
     "tiny": ("the tiny test transformer", ("wan", "wan22_t2v")),
     "tiny-ti2v": ("the tiny TI2V test transformer", ("wan22_ti2v",)),
+    "tiny-i2v": ("the tiny image-to-video test transformer", ("wan_i2v",)),
+    "tiny-flf2v": ("the tiny first-last-frame test transformer", ("wan_flf2v",)),
 }
 
 VAE_VARIANTS = (
@@ -273,8 +308,18 @@ def load_transformer(
     variant = identify_single_file(files, TRANSFORMER_SPEC)
     where = files[0] if folder is None else folder
     check_variant(variant.name, architecture, where)
-    state_dict = normalize_state_dict(load_tensors_of(files), dtype)
+    state_dict = fill_converter_gaps(normalize_state_dict(load_tensors_of(files), dtype))
     return load_diffusers_single_file(WanTransformer3DModel, state_dict, variant.config_dir, dtype, where)
+
+
+# diffusers 0.42's original -> diffusers Wan converter has no rule for FLF2V's `img_emb.emb_pos` (it would
+# stay unexpected and `pos_embed` unloaded); renamed here, its other rules leave the diffusers name alone.
+# tests/test_wan_i2v.py fails if the converter starts renaming it (or stops passing it through).
+_UNCONVERTED = {"img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed"}
+
+
+def fill_converter_gaps(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {_UNCONVERTED.get(k, k): v for k, v in state_dict.items()}
 
 
 # the config entries that tell the shipped variants apart
@@ -285,6 +330,7 @@ _VARIANT_KEYS = (
     "attention_head_dim",
     "ffn_dim",
     "image_dim",
+    "pos_embed_seq_len",
 )
 
 

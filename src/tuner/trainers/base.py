@@ -80,6 +80,11 @@ class NetworkTrainer:
     frame_remainder: ClassVar[int] = 0
     model_fps: ClassVar[float] = 16.0
     supports_video: ClassVar[bool] = False  # image-only models refuse video datasets at load time
+    supports_images: ClassVar[bool] = True  # image-to-video models refuse image datasets at load time
+    min_frames: ClassVar[int] = 1  # fewest frames per clip (first-last-frame models need two)
+    frame_images: ClassVar[int] = 0  # frame images generation is given (image-to-video: first[, last])
+    # config fields (`model.<name>`) whose weights shape latent entries; part of their cache key
+    latent_encoders: ClassVar[tuple[str, ...]] = ("vae",)
     control_images: ClassVar[tuple[int, int]] = (0, 0)  # (fewest, most) control images per item (edit models)
     text_uses_controls: ClassVar[bool] = False  # the text encoder also sees the control images (Qwen-Edit)
     timestep_mode: ClassVar[str] = "shift"  # what timesteps.mode = "auto" means for this model
@@ -117,15 +122,26 @@ class NetworkTrainer:
         """[B, C, F, H, W] in [-1, 1] → normalized latents [B, ...]."""
         raise NotImplementedError
 
+    def load_latent_encoder(self, device: torch.device, dtype: torch.dtype):
+        """What `encode_latents` takes: the VAE, or the VAE with the models named in `latent_encoders`."""
+        return self.load_vae(device, dtype)
+
     def encode_latents(
         self, vae: nn.Module, pixels: torch.Tensor, controls: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """One latent cache entry per item, batched: the target `latents` plus one `control_<i>` per
-        control/reference image (edit models). Each value is [B, ...]."""
+        control/reference image (edit models). Each value is [B, ...]. `vae` is `load_latent_encoder`'s."""
         out = {"latents": self.encode_pixels(vae, pixels)}
         for i, control in enumerate(controls):
             out[f"control_{i}"] = self.encode_pixels(vae, control)
         return out
+
+    def encode_frame_images(
+        self, encoder, images: list[torch.Tensor], frames: int
+    ) -> dict[str, torch.Tensor]:
+        """Image-to-video models (`frame_images` > 0): the latent-entry tensors other than `latents` that the
+        given frame images ([B, 3, H, W] in [-1, 1]) of a `frames`-frame video make; generation uses it."""
+        raise NotImplementedError
 
     def encode_text(
         self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None

@@ -25,7 +25,7 @@ class TrainingSamples:
         sc = cfg.sample
         self.options = [
             GenerateOptions(
-                prompt=prompt, out="", negative_prompt=sc.negative_prompt, controls=sc.controls, width=sc.width,
+                prompt=prompt, out="", negative_prompt=sc.negative_prompt, controls=sc.controls, images=sc.images, width=sc.width,
                 height=sc.height, frames=sc.frames, steps=sc.steps, guidance_scale=sc.guidance,
                 shift=sc.shift or None, seed=sc.seed,
             )
