@@ -137,6 +137,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         block_lists=trainer.record.block_lists,
         fp8_source=cfg.model.transformer,
         name_map=trainer.layout.inverse,
+        compile=cfg.train.compile,
     )
     for path, strength in opts.loras:
         network = apply_adapter_file(model, path, strength, name_map=trainer.layout)

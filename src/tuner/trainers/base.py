@@ -234,7 +234,7 @@ class NetworkTrainer:
         memory = apply_memory_settings(
             model, cfg.memory, accelerator.device, block_lists=self.record.block_lists,
             fp8_source=cfg.model.transformer, name_map=self.layout.inverse,
-            probe_forwards=tc.gradient_accumulation_steps,
+            probe_forwards=tc.gradient_accumulation_steps, compile=tc.compile,
         )  # fmt: skip
 
         # the adapter (LoRA / LoHa / LoKr, optionally DoRA) or, for a full fine-tune, the weights themselves
