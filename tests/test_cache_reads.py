@@ -15,8 +15,9 @@ import torch
 
 import tuner.cache.writer as writer_module
 from tuner.cache import CacheStore
+from tuner.cache import reads as reads_module
 from tuner.cache.batches import TrainingData, TrainingSample
-from tuner.cache.reads import EntryReads
+from tuner.cache.reads import EntryReads, close_workers
 from tuner.errors import CacheError
 
 FORK = multiprocessing.get_context("fork")
@@ -148,7 +149,7 @@ def test_tensors_stay_valid_after_workers_exit(tmp_path):
     _fill(tmp_path, range(16))
     reads = EntryReads(_groups(tmp_path, range(16), 2))
     loaded = _flatten(reads.load(2))
-    # The loader is exhausted: its workers have exited, their maps are gone.
+    close_workers()  # the workers exit, and their maps are gone
     for i, entry in enumerate(loaded):
         _assert_entry(entry, i)
         # Not copies: the bytes of the main process's own map of the shard.
@@ -250,3 +251,44 @@ def _same_batches(a: list[dict], b: list[dict]) -> bool:
         )
         for x, y in zip(a, b)
     )
+
+
+# -- persistent workers ----------------------------------------------------------------------------
+
+
+def _worker_pids() -> list[int]:
+    (loader,) = reads_module._IDLE[(2, None)]
+    return [w.pid for w in loader._iterator._workers]
+
+
+def test_workers_persist_across_passes_and_follow_each_pass_order(tmp_path):
+    close_workers()
+    _fill(tmp_path, range(24))
+    first = [int(e["n"]) for e in _flatten(EntryReads(_groups(tmp_path, range(24), 3)).load(2))]
+    pids = _worker_pids()
+    order = [5, 17, 2, 23, 11, 0, 8, 14, 20]  # another epoch: other groups, in another order
+    second = [int(e["n"]) for e in _flatten(EntryReads(_groups(tmp_path, order, 2)).load(2))]
+    assert first == list(range(24)) and second == order
+    assert _worker_pids() == pids  # the same processes served both passes
+    close_workers()
+    assert reads_module._IDLE == {}
+
+
+def test_a_pass_inside_a_pass_and_an_abandoned_pass(tmp_path):
+    """Validation runs inside a training epoch (two loaders at once); an epoch cut short (max_steps)
+    leaves read-ahead batches in the workers, which the next pass must not yield."""
+    close_workers()
+    _fill(tmp_path, range(20))
+    outer = EntryReads(_groups(tmp_path, range(10), 2)).load(2)
+    got = [int(e["n"]) for e in next(outer)]
+    inner = _flatten(EntryReads(_groups(tmp_path, range(10, 20), 2)).load(2))
+    got += [int(e["n"]) for e in _flatten(outer)]
+    assert got == list(range(10)) and [int(e["n"]) for e in inner] == list(range(10, 20))
+    assert len(reads_module._IDLE[(2, None)]) == 2
+
+    cut = EntryReads(_groups(tmp_path, range(20), 1)).load(2)
+    assert [int(e["n"]) for e in next(cut)] == [0]
+    cut.close()
+    again = _flatten(EntryReads(_groups(tmp_path, range(19, -1, -1), 1)).load(2))
+    assert [int(e["n"]) for e in again] == list(range(19, -1, -1))
+    close_workers()

@@ -96,7 +96,7 @@ def test_fp8_matmul_runs_scaled_mm_with_row_scales():
     layer = nn.Linear(128, 64).requires_grad_(False)
     layer.load_state_dict(dense.state_dict())
     fp8.store_linear_fp8(layer, fp8_matmul=True)
-    assert layer.fp8_scale.shape == (64, 1) and layer.forward.use_scaled_mm
+    assert layer.fp8_scale.shape == (64, 1) and fp8.fp8_forward(layer).use_scaled_mm
     x = torch.randn(6, 128, requires_grad=True)
     with torch.autocast("cpu", torch.bfloat16):
         y = layer(x)
@@ -109,7 +109,7 @@ def test_fp8_matmul_runs_scaled_mm_with_row_scales():
     per_tensor = nn.Linear(128, 64).requires_grad_(False)
     w8, scale = fp8.quantize_weight(dense.weight.reshape(1, -1), None)
     fp8.store_linear_fp8(per_tensor, w8.view(64, 128), scale.reshape(()), fp8_matmul=True)
-    assert per_tensor.fp8_scale.shape == (64, 1) and per_tensor.forward.use_scaled_mm
+    assert per_tensor.fp8_scale.shape == (64, 1) and fp8.fp8_forward(per_tensor).use_scaled_mm
     per_tensor.bias.copy_(dense.bias)
     assert relative_error(per_tensor(x.detach()), dense(x.detach())) < 0.06
 

@@ -146,7 +146,11 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 class Fp8LinearForward:
-    """Installed as `layer.forward` of an nn.Linear whose weight is stored in fp8."""
+    """Its bound `__call__` is installed as `layer.forward` of an nn.Linear whose weight is stored in fp8.
+
+    A bound method rather than the object itself: torch.compile guards a callable object by identity, so
+    every block would compile its own graph; a bound method is guarded by its function, which all
+    layers share (`tuner.compile`)."""
 
     def __init__(self, module: nn.Linear, use_scaled_mm: bool):
         self.module = module
@@ -157,8 +161,14 @@ class Fp8LinearForward:
         return _Fp8Linear.apply(x, m.weight, getattr(m, SCALE_KEY), m.bias, self.use_scaled_mm)
 
 
+def fp8_forward(module: nn.Module) -> Fp8LinearForward | None:
+    """The fp8 forward patched onto `module`, or None."""
+    owner = getattr(module.__dict__.get("forward"), "__self__", None)
+    return owner if isinstance(owner, Fp8LinearForward) else None
+
+
 def is_fp8_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and isinstance(module.__dict__.get("forward"), Fp8LinearForward)
+    return isinstance(module, nn.Linear) and fp8_forward(module) is not None
 
 
 # --- layers and models ----------------------------------------------------------------------------
@@ -197,7 +207,7 @@ def store_linear_fp8(
         module._buffers[SCALE_KEY] = scale
     else:
         module.register_buffer(SCALE_KEY, scale)
-    module.forward = Fp8LinearForward(module, use_mm)
+    module.forward = Fp8LinearForward(module, use_mm).__call__
 
 
 def keeps_high_precision(

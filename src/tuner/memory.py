@@ -6,8 +6,10 @@ or anywhere) and attaches, from outside and in this order:
 1. fp8 base weights (`tuner.fp8`): the Linear layers inside the transformer blocks are stored as float8
    with block-wise scales (exact values from a ComfyUI fp8 file when one is given);
 2. the attention backend (`tuner.attention`);
-3. activation checkpointing with the block inputs parked in pinned host memory (`tuner.offload`);
-4. block swap, which also places the model: the non-swapped parts go to `device`, the swapped blocks'
+3. with `compile`, torch.compile on each block (`tuner.compile`), before the wrappers below, which must
+   stay outside the compiled code;
+4. activation checkpointing with the block inputs parked in pinned host memory (`tuner.offload`);
+5. block swap, which also places the model: the non-swapped parts go to `device`, the swapped blocks'
    weights to pinned host memory. Without block swap the whole model goes to `device`.
 
 Call it before attaching adapters (they patch the same Linear forwards from outside, and must wrap the
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from tuner import attention, fp8
+from tuner.compile import CompiledBlocks, compile_blocks
 from tuner.config.schema import MemorySettings
 from tuner.errors import ConfigError, TunerError
 from tuner.offload import BlockSwap, CheckpointBlocks, Transfer, transfer_for
@@ -46,6 +49,7 @@ class MemoryHandle:
     fp8_layers: list[str] = field(default_factory=list)
     block_swap: BlockSwap | None = None
     checkpointing: CheckpointBlocks | None = None
+    compiled: CompiledBlocks | None = None
 
     def summary(self) -> str:
         s = self.settings
@@ -54,16 +58,20 @@ class MemoryHandle:
             if self.fp8_layers else "base weights as loaded",
             self.block_swap.summary() if self.block_swap else "block swap off",
             "activations offloaded to host" if self.checkpointing else "",
+            f"{len(self.compiled.modules)} blocks compiled" if self.compiled else "",
             f"attention {s.attention}",
         ]  # fmt: skip
         return ", ".join(p for p in parts if p)
 
     def remove(self) -> None:
-        """Take block swap and activation offload off (fp8 storage and the attention backend stay)."""
+        """Take block swap, activation offload and compilation off (fp8 storage and the attention backend
+        stay)."""
         if self.block_swap:
             self.block_swap.remove()
         if self.checkpointing:
             self.checkpointing.remove()
+        if self.compiled:
+            self.compiled.remove()
 
 
 def block_lists_of(model: nn.Module) -> tuple[str, ...]:
@@ -90,6 +98,7 @@ def apply_memory_settings(
     name_map: Callable[[str], str] | None = None,
     probe_forwards: int = 1,
     transfer: Transfer | None = None,
+    compile: bool | str | Callable = False,
 ) -> MemoryHandle:
     """Attach fp8 storage, the attention backend, activation offload and block swap to a frozen `model`
     and place it on `device` (see the module docstring).
@@ -98,7 +107,9 @@ def apply_memory_settings(
     model came from: when it is a ComfyUI fp8 file its fp8 layers keep their exact stored values
     (`name_map` turns its layer names into the model's). `probe_forwards`: with blocks_to_swap = "auto",
     the forward passes measured before N is chosen (training: the gradient-accumulation steps, so an
-    optimizer step is included). `transfer` replaces the CUDA copy engine (tests pass a FakeTransfer)."""
+    optimizer step is included). `transfer` replaces the CUDA copy engine (tests pass a FakeTransfer).
+    `compile`: True compiles each block with torch.compile's default backend; a backend name or callable
+    picks another (tests count compiles with one)."""
     device = torch.device(device)
     lists = tuple(block_lists) if block_lists is not None else block_lists_of(model)
     _refuse_adapters(model)
@@ -116,6 +127,10 @@ def apply_memory_settings(
 
     # ---- attention ----
     attention.set_backend(model, settings.attention, device)
+
+    # ---- regional compilation: inside the wrappers below (they move weights, wait on streams) ----
+    if compile:
+        handle.compiled = compile_blocks(model, lists, **({} if compile is True else {"backend": compile}))
 
     # ---- activations and block swap (these also place the model) ----
     swapping = settings.blocks_to_swap != 0

@@ -184,6 +184,11 @@ class TrainConfig:
     )
     mixed_precision: Literal["no", "bf16", "fp16"] = option("bf16", "Autocast precision of the forward pass.")
     gradient_checkpointing: bool = option(False, "Recompute block activations in backward to save memory.")
+    compile: bool = option(
+        False,
+        "torch.compile each transformer block (one compile serves every block; `tuner generate` too). The "
+        "first steps wait for the compiler; later ones run faster on GPUs.",
+    )
     seed: int = option(42, "Seed of weights init, noise, timesteps and data order.")
     validate_every_n_steps: int = option(
         0,

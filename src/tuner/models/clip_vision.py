@@ -21,10 +21,10 @@ shipped for its variant (`configs/clip_vision/<variant>/preprocessor_config.json
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 
 from tuner.errors import CheckpointError
 from tuner.models.identify import Variant, check_keys, pick_variant, wrong_architecture
@@ -36,6 +36,10 @@ from tuner.models.loading import (
     read_shapes_of,
     resolve_folder,
 )
+
+# transformers is imported where a model is built: importing it costs seconds (see tuner.models.wan)
+if TYPE_CHECKING:
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 
 CONFIGS = Path(__file__).parent / "configs" / "clip_vision"
 WHAT = "CLIP vision encoder"
@@ -83,6 +87,8 @@ class ImageEncoder:
 
 
 def _expected_keys(variant: Variant) -> list[str]:
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
     with torch.device("meta"):
         model = CLIPVisionModel(CLIPVisionConfig.from_pretrained(variant.config_dir))
     return [_PREFIX + k.removeprefix(_PREFIX) for k in model.state_dict()]
@@ -100,6 +106,8 @@ def identify(path: str | Path) -> Variant:
 
 def load_image_encoder(path: str | Path, dtype: torch.dtype) -> ImageEncoder:
     """Load the CLIP vision tower and its processor from a diffusers folder or a single file."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
     folder = resolve_folder(path, "image_encoder")
     if folder is not None:
         if read_folder_config(folder).get("model_type") not in ("clip_vision_model", "clip"):
@@ -124,6 +132,8 @@ def load_image_encoder(path: str | Path, dtype: torch.dtype) -> ImageEncoder:
 
 def _shipped_variant_of(config: CLIPVisionConfig) -> Variant:
     """The shipped variant with this config's sizes (for a folder that lacks its processor)."""
+    from transformers import CLIPVisionConfig
+
     for variant in VARIANTS:
         shipped = CLIPVisionConfig.from_pretrained(variant.config_dir)
         if (shipped.hidden_size, shipped.image_size, shipped.num_hidden_layers) == (

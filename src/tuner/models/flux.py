@@ -25,17 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
-from diffusers import AutoencoderKL, FluxTransformer2DModel
-from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    PreTrainedTokenizerBase,
-    T5Config,
-    T5EncoderModel,
-)
 
 from tuner.errors import CheckpointError
 from tuner.models.flux_keys import (
@@ -66,6 +58,12 @@ from tuner.models.loading import (
     read_tensor_shapes,
     resolve_folder,
 )
+
+# diffusers and transformers are imported where a model is built: importing them costs seconds (every
+# diffusers model class, torch._dynamo), which a command that loads no model should not pay.
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel
 
 CONFIGS = Path(__file__).parent / "configs" / "flux"
 T = TypeVar("T")
@@ -178,15 +176,31 @@ _ORIGINAL_VAE_MARKERS = ("encoder.down.0.block.0.conv1.weight", "decoder.up.0.bl
 
 
 def _levels(variant: Variant) -> int:
+    from diffusers import AutoencoderKL
+
     return len(AutoencoderKL.load_config(variant.config_dir)["block_out_channels"])
+
+
+def _transformer_keys(variant: Variant) -> set[str]:
+    from diffusers import FluxTransformer2DModel
+
+    return {
+        transformer_key_to_original(k)
+        for k in diffusers_meta_keys(FluxTransformer2DModel, variant.config_dir)
+    }
+
+
+def _vae_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKL
+
+    levels = _levels(variant)
+    return [vae_key_to_original(k, levels) for k in diffusers_meta_keys(AutoencoderKL, variant.config_dir)]
 
 
 TRANSFORMER_SPEC = SingleFileSpec(
     what="FLUX.1 transformer",
     variants=TRANSFORMER_VARIANTS,
-    expected_keys=lambda v: {
-        transformer_key_to_original(k) for k in diffusers_meta_keys(FluxTransformer2DModel, v.config_dir)
-    },
+    expected_keys=_transformer_keys,
     original_markers=_ORIGINAL_TRANSFORMER_MARKERS,
     diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.weight"),
     to_original=transformer_key_to_original,
@@ -194,9 +208,7 @@ TRANSFORMER_SPEC = SingleFileSpec(
 VAE_SPEC = SingleFileSpec(
     what="FLUX.1 VAE",
     variants=VAE_VARIANTS,
-    expected_keys=lambda v: [
-        vae_key_to_original(k, _levels(v)) for k in diffusers_meta_keys(AutoencoderKL, v.config_dir)
-    ],
+    expected_keys=_vae_keys,
     original_markers=_ORIGINAL_VAE_MARKERS,
     diffusers_markers=(
         "encoder.down_blocks.0.resnets.0.conv1.weight",
@@ -210,6 +222,8 @@ _TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
 def _t5_keys(variant: Variant) -> list[str]:
+    from transformers import T5Config, T5EncoderModel
+
     with torch.device("meta"):
         model = T5EncoderModel(T5Config.from_pretrained(variant.config_dir))
     return list(apply_aliases(model.state_dict(), _TIED_EMBEDDING))
@@ -237,6 +251,8 @@ _CLIP_MARKERS = ("embeddings.token_embedding.weight", "encoder.layers.0.self_att
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> FluxTransformer2DModel:
     """Load the FLUX.1 transformer from a diffusers folder or a single file (either layout), in eval mode."""
+    from diffusers import FluxTransformer2DModel
+
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         return load_diffusers_folder(FluxTransformer2DModel, folder, dtype, "FluxTransformer2DModel")
@@ -249,6 +265,8 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> FluxTransformer2DM
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the FLUX.1 VAE from a diffusers folder or a single file (`ae.safetensors`), in eval mode."""
+    from diffusers import AutoencoderKL
+
     folder = resolve_folder(path, "vae")
     if folder is not None:
         return load_diffusers_folder(AutoencoderKL, folder, dtype, "AutoencoderKL")
@@ -317,6 +335,8 @@ def load_text_encoders(
 
 def _load_clip(path: str | Path, dtype: torch.dtype) -> tuple[CLIPTextModel, Path | None]:
     """The CLIP text model, and the tokenizer folder beside it in a diffusers layout (else None)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
         model = _from_pretrained(CLIPTextModel, folder, dtype, "clip_text_model")
@@ -342,6 +362,8 @@ def _clip_names(tensors: Mapping[str, T]) -> dict[str, T]:
 
 def _load_t5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:
     """The T5 encoder, and the tokenizer folder beside it in a diffusers layout (else None)."""
+    from transformers import T5Config, T5EncoderModel
+
     folder = resolve_folder(path, "text_encoder_2")
     if folder is not None:
         return _from_pretrained(T5EncoderModel, folder, dtype, "t5"), _sibling(folder, "tokenizer_2")

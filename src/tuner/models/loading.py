@@ -22,12 +22,14 @@ import pickle
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tuner.errors import CheckpointError
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded (it costs about a second)
+    from transformers import PreTrainedTokenizerBase
 
 # Prefixes other tools put in front of a component's keys (ComfyUI checkpoints and exports).
 KNOWN_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -318,6 +320,8 @@ def load_tokenizer(path: str | Path | None, model_path: str | Path, what: str) -
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: the tokenizer path must be a folder (with tokenizer.json).")
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:

@@ -30,9 +30,9 @@ The transformer's timestep is the flow-matching t ∈ [0, 1] itself (the pipelin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
 from tuner.errors import CheckpointError
 from tuner.models.identify import (
@@ -60,6 +60,11 @@ from tuner.models.loading import (
 )
 from tuner.models.wan_keys import vae_key_to_original
 from tuner.networks.architectures import ArchitectureKeys
+
+# diffusers is imported where a model is built: importing it costs seconds (every diffusers model class,
+# torch._dynamo), which a command that loads no model should not pay.
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
 __all__ = [
     "TRANSFORMER_VARIANTS",
@@ -153,6 +158,8 @@ def _zero_cond_config(variant: Variant) -> Path:
 
 
 def _vae_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKLQwenImage
+
     return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLQwenImage, variant.config_dir)]
 
 
@@ -173,6 +180,8 @@ VAE_SPEC = SingleFileSpec(
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> QwenImageTransformer2DModel:
     """Load the Qwen-Image transformer from a diffusers folder or a single file, in eval mode."""
+    from diffusers import QwenImageTransformer2DModel
+
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         return load_diffusers_folder(
@@ -186,6 +195,8 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> QwenImageTransform
 
 def identify_transformer_file(files: str | Path) -> Path:
     """The config folder for a single transformer file, after checking it is complete. Reads headers."""
+    from diffusers import QwenImageTransformer2DModel
+
     files = as_file_list(files)
     path = files[0]
     shapes = normalize_shapes(read_shapes_of(files))
@@ -200,6 +211,8 @@ def identify_transformer_file(files: str | Path) -> Path:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLQwenImage:
     """Load the Qwen-Image VAE from a diffusers folder or a single file (Wan 2.1 original keys)."""
+    from diffusers import AutoencoderKLQwenImage
+
     folder = resolve_folder(path, "vae")
     if folder is not None:
         return load_diffusers_folder(AutoencoderKLQwenImage, folder, dtype, "AutoencoderKLQwenImage")

@@ -32,17 +32,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image
-from transformers import (
-    PreTrainedTokenizerBase,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLModel,
-)
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tuner.errors import CheckpointError
 from tuner.models.identify import SingleFileSpec, Variant, identify_single_file
@@ -55,6 +49,12 @@ from tuner.models.loading import (
     read_folder_config,
     resolve_folder,
 )
+
+# transformers' model classes are imported where a model is built: importing them costs seconds
+# (torch._dynamo among them), which a command that loads no model should not pay.
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, Qwen2_5_VLModel
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 CONFIGS = Path(__file__).parent / "configs" / "qwen_image" / "text_encoder"
 
@@ -119,6 +119,8 @@ def original_key(key: str) -> str:
 
 
 def _expected_keys(variant: Variant) -> list[str]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+
     with torch.device("meta"):
         model = Qwen2_5_VLModel(Qwen2_5_VLConfig.from_pretrained(variant.config_dir))
     return [original_key(k) for k in model.state_dict()]
@@ -165,6 +167,8 @@ def load_text_encoder(
     from a `preprocessor_config.json` in the tokenizer folder or a sibling `processor/` folder, else
     Qwen2-VL's defaults (those of the released models).
     """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
         if read_folder_config(folder).get("model_type") != "qwen2_5_vl":
@@ -190,6 +194,7 @@ def load_text_encoder(
 
 def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
     from accelerate import init_empty_weights
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 
     variant = identify_single_file(path, SPEC)
     stored = normalize_state_dict(load_tensors(path), dtype)
@@ -213,6 +218,8 @@ def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
 
 def _load_image_processor(tokenizer_path: Path) -> Qwen2VLImageProcessorPil:
     """The PIL implementation (torchvision is not needed); same settings as the release's processor."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     for folder in (tokenizer_path, tokenizer_path.parent / "processor"):
         if (folder / "preprocessor_config.json").is_file():
             return Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)

@@ -25,10 +25,9 @@ cannot tell them apart (nor the high-noise expert from the low-noise one); the W
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKLWan, WanTransformer3DModel
-from transformers import PreTrainedTokenizerBase, UMT5Config, UMT5EncoderModel
 
 from tuner.errors import CheckpointError
 from tuner.models.identify import (
@@ -55,6 +54,12 @@ from tuner.models.wan_keys import (
     vae_key_to_original,
     vae_to_original,
 )
+
+# diffusers and transformers are imported where a model is built: importing them costs seconds (every
+# diffusers model class, torch._dynamo), which a command that loads no model should not pay.
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import PreTrainedTokenizerBase, UMT5EncoderModel
 
 __all__ = [
     "TRANSFORMER_VARIANTS",
@@ -247,14 +252,20 @@ _TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
 def _transformer_keys(variant: Variant) -> list[str]:
+    from diffusers import WanTransformer3DModel
+
     return [original_module_name(k) for k in diffusers_meta_keys(WanTransformer3DModel, variant.config_dir)]
 
 
 def _vae_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKLWan
+
     return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLWan, variant.config_dir)]
 
 
 def _text_encoder_keys(variant: Variant) -> list[str]:
+    from transformers import UMT5Config, UMT5EncoderModel
+
     with torch.device("meta"):
         model = UMT5EncoderModel(UMT5Config.from_pretrained(variant.config_dir))
     return list(apply_aliases(model.state_dict(), _TIED_EMBEDDING))
@@ -296,6 +307,8 @@ def load_transformer(
     """Load a Wan transformer from a diffusers folder (its `subfolder` when `path` is a pipeline root) or a
     single file, in eval mode. A variant that `architecture` does not train is refused, naming the one
     that does."""
+    from diffusers import WanTransformer3DModel
+
     folder = resolve_folder(path, subfolder)
     if folder is None:
         files = [Path(path)]
@@ -379,6 +392,8 @@ def load_vae(
     check_vae_generation(path, generation, architecture)
     if generation == "2.2":
         return load_vae22(path, dtype)
+    from diffusers import AutoencoderKLWan
+
     folder = resolve_folder(path, "vae")
     if folder is not None:
         return load_diffusers_folder(AutoencoderKLWan, folder, dtype, "AutoencoderKLWan")
@@ -395,6 +410,8 @@ def load_text_encoder(
     `tokenizer_path` may be None when `path` is a diffusers pipeline root or its `text_encoder` folder
     (the sibling `tokenizer/` folder is used); a single file needs it.
     """
+    from transformers import UMT5Config, UMT5EncoderModel
+
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
         if read_folder_config(folder).get("model_type") != "umt5":

@@ -19,9 +19,9 @@ anything is loaded.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKLWan
 
 from tuner.errors import CheckpointError
 from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys, identify_single_file
@@ -37,6 +37,10 @@ from tuner.models.loading import (
     resolve_folder,
 )
 from tuner.models.wan_keys import vae22_key_to_original
+
+# diffusers is imported where a model is built: importing it costs seconds (see tuner.models.wan)
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan
 
 CONFIGS = Path(__file__).parent / "configs" / "wan" / "vae"
 
@@ -55,6 +59,8 @@ VAE22_VARIANTS = (
 
 
 def _vae22_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKLWan
+
     return [vae22_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLWan, variant.config_dir)]
 
 
@@ -108,6 +114,8 @@ def check_vae_generation(path: str | Path, generation: str, architecture: str) -
 
 def load_vae22(path: str | Path, dtype: torch.dtype) -> AutoencoderKLWan:
     """The Wan 2.2 VAE from a diffusers folder or an original single file (.safetensors or .pth)."""
+    from diffusers import AutoencoderKLWan
+
     folder = resolve_folder(path, "vae")
     if folder is not None:
         return load_diffusers_folder(AutoencoderKLWan, folder, dtype, "AutoencoderKLWan")

@@ -83,7 +83,7 @@ def drop_output_channels(y: torch.Tensor, p: float) -> torch.Tensor:
 
 
 class _AdapterHook:
-    """Installed as `layer.forward`: original forward plus each attached adapter's output."""
+    """Its bound `__call__` is installed as `layer.forward`: original forward plus each adapter's output."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.had_instance_forward = "forward" in layer.__dict__
@@ -184,7 +184,9 @@ class AdapterModule(nn.Module):
         if hook is None:
             hook = _AdapterHook(layer)
             layer.__dict__[_HOOK_ATTR] = hook
-            layer.forward = hook
+            # the bound method, not the hook: torch.compile guards a callable object by identity, so each
+            # block would compile its own graph; a bound method is guarded by the function they share
+            layer.forward = hook.__call__
         hook.adapters.append(self)
 
     def remove(self) -> None:
@@ -194,7 +196,7 @@ class AdapterModule(nn.Module):
         if hook is None:
             return
         hook.adapters = [a for a in hook.adapters if a is not self]
-        if not hook.adapters and layer.__dict__.get("forward") is hook:
+        if not hook.adapters and getattr(layer.__dict__.get("forward"), "__self__", None) is hook:
             if hook.had_instance_forward:
                 layer.forward = hook.original
             else:

@@ -200,7 +200,7 @@ class NetworkTrainer:
 
         return apply_memory_settings(
             model, settings, device, block_lists=self.record.block_lists, fp8_source=self.cfg.model.transformer,
-            name_map=self.layout.inverse, probe_forwards=probe_forwards,
+            name_map=self.layout.inverse, probe_forwards=probe_forwards, compile=self.cfg.train.compile,
         )  # fmt: skip
 
     def build_trained(self, model: nn.Module):

@@ -119,6 +119,7 @@ class Wan22T2VTrainer(WanTrainer):
                 fp8_source=getattr(self.cfg.model, _FIELDS[name]),
                 name_map=self.layout.inverse,
                 probe_forwards=probe_forwards,
+                compile=self.cfg.train.compile,
             )
             if name == "low" and settings.blocks_to_swap == 0:
                 model.take_turns(torch.device(device))

@@ -1,0 +1,33 @@
+"""`benchmarks/startup.py --smoke` keeps running and prints its ratios (no timing is judged here)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_startup_benchmark_smoke_prints_its_ratios():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout
+    for path in ("caching path", "training path"):
+        assert re.search(rf"\(a\) import {path} .* ratio +[0-9.]+ ", lines), lines
+    for what in ("no-op cache latents", "time to first step"):
+        assert re.search(rf"\(b\) {what} .* -?[0-9.]+ s per 1,000 items", lines), lines
+    # the ratio, or why train_overhead.py could not measure it
+    assert re.search(r"\(c\) loop overhead, num_workers = \d+: .*(ratio +[0-9.]+|not measured)", lines), lines
