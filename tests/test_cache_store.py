@@ -3,7 +3,6 @@
 Child processes are forked from the test process (no second torch import), like DataLoader workers.
 """
 
-import importlib.util
 import multiprocessing
 import os
 import pickle
@@ -426,13 +425,3 @@ def test_info_counts_and_format(tmp_path):
 
 
 # -- benchmark -----------------------------------------------------------------------------------
-
-
-def test_read_benchmark_runs_tiny(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("cache_read", REPO / "benchmarks" / "cache_read.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--n", "40", "--workers", "2", "--shape", "4,2,8,8", "--rounds", "1", "--dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert re.search(r"2 workers .* ratio \d+\.\d+x", out), out
-    assert list(tmp_path.iterdir()) == []  # it cleans up after itself

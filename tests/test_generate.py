@@ -101,3 +101,22 @@ def test_generate_takes_the_memory_switches(tmp_path, wan_model, capsys):
                     "--set", "memory.attention=sdpa_math", "--out", out)  # fmt: skip
     assert code == 0, log
     assert Image.open(out).size == (64, 48)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--guidance", "inf", "--guidance inf: must be a finite number"),
+     ("--shift", "nan", "--shift nan: must be a finite number"), ("--steps", "0", "--steps 0: must be at least 1")],
+)  # fmt: skip
+def test_non_finite_or_empty_sampling_numbers_are_refused(tmp_path, wan_model, capsys, flag, value, message):
+    config = make_project(tmp_path / "p", wan_model)
+    code, out = run(capsys, "generate", "--config", config, "--prompt", "x", "--size", "64x48", "--frames", "9",
+                    flag, value, "--out", tmp_path / "x.mp4")  # fmt: skip
+    assert code == 2 and message in out, out
+    assert not (tmp_path / "x.mp4").exists()
+
+
+def test_check_says_which_layout_adapters_are_saved_in(tmp_path, wan_model, capsys):
+    config = make_project(tmp_path / "p", wan_model)
+    code, out = run(capsys, "check", "--config", config)
+    assert code == 0 and "adapters saved in the comfy layout" in out, out

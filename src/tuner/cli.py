@@ -88,7 +88,10 @@ def _timesteps(args) -> None:
 
 def _config_check(args) -> None:
     cfg = _load(args)
-    print(f"{cfg.path}: ok ({len(cfg.datasets)} dataset(s), architecture {cfg.model.architecture})")
+    print(
+        f"{cfg.path}: ok ({len(cfg.datasets)} dataset(s), architecture {cfg.model.architecture}, "
+        f"adapters saved in the {cfg.save.format} layout)"
+    )
 
 
 def _train(args) -> None:

@@ -13,6 +13,7 @@ low-noise one (`model.transformer_2`), as ComfyUI loads them separately.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,8 +59,14 @@ def _release_memory() -> None:
 
 
 def check_options(trainer, opts: GenerateOptions) -> None:
-    """Size, frame count and control images the architecture accepts (before anything is loaded)."""
+    """Size, frame count, control images and numbers the architecture accepts (before anything is
+    loaded)."""
     arch, step = trainer.architecture, trainer.spatial_step
+    for flag, value in (("--guidance", opts.guidance_scale), ("--shift", opts.shift)):
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{flag} {value}: must be a finite number.")
+    if opts.steps < 1:
+        raise ConfigError(f"--steps {opts.steps}: must be at least 1.")
     if opts.width % step or opts.height % step:
         raise ConfigError(
             f"size {opts.width}x{opts.height}: both sides must be multiples of {step} for {arch}."
