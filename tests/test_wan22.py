@@ -14,14 +14,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from project import cfg, contract_inputs, killed_at_first_save, make_project, run
+from project import cfg, contract_inputs, killed_at_first_save, make_cached_project, make_project, run
 from tuner.cli import main
 from tuner.errors import CheckpointError, ConfigError
 from tuner.experts import TimestepExperts, expert_file
 from tuner.fixtures import write_fixture
 from tuner.models import wan
 from tuner.trainers import trainer_class
-from tuner.trainers.wan22 import Wan22T2VTrainer
+from tuner.trainers.wan22 import Wan22T2VTrainer, WanExpertsTrainer
 
 QUIET = ("log.tensorboard=false",)
 BOTH = ("model.expert='both'", "model.boundary=0.5")  # a boundary both experts see early in the tiny run
@@ -31,14 +31,12 @@ BOTH = ("model.expert='both'", "model.boundary=0.5")  # a boundary both experts 
 def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan22")
     paths = write_fixture("wan22_t2v", root / "model")
-    config = make_project(root / "project", root / "model", architecture="wan22_t2v")
-    assert main(["cache", "latents", "--config", str(config)]) == 0
-    assert main(["cache", "text", "--config", str(config)]) == 0
-    return config, paths
+    return make_cached_project(root / "project", root / "model", architecture="wan22_t2v"), paths
 
 
-def _train(config, out, *overrides, resume=None) -> Wan22T2VTrainer:
-    trainer = Wan22T2VTrainer(cfg(config, f"save.output_dir='{out}'", *QUIET, *overrides))
+def _train(config, out, *overrides, resume=None) -> WanExpertsTrainer:
+    c = cfg(config, f"save.output_dir='{out}'", *QUIET, *overrides)
+    trainer = trainer_class(c.model.architecture)(c)
     trainer.train(resume=resume, log=lambda s: None)
     return trainer
 
@@ -47,9 +45,12 @@ def _train(config, out, *overrides, resume=None) -> Wan22T2VTrainer:
 
 
 def test_both_experts_train_into_one_file_each_and_resume_exactly(project, tmp_path, monkeypatch):
+    check_both_experts_resume_exactly(project[0], tmp_path, monkeypatch)
+
+
+def check_both_experts_resume_exactly(config, tmp_path, monkeypatch) -> None:
     """Killed after step 2 (both experts have had samples by then), resumed to step 4: both files equal
-    an uninterrupted run's, bit for bit."""
-    config, _ = project
+    an uninterrupted run's, bit for bit. For any two-expert architecture (`config` trains it)."""
     common = (
         *BOTH,
         "train.max_steps=4",
@@ -223,10 +224,11 @@ def test_trainer_is_registered():
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path, capsys):
+@pytest.mark.parametrize("arch", ["wan22_t2v", "wan22_i2v"])
+def test_demo_runs_end_to_end(arch, tmp_path, capsys):
     from tuner.demo import main as demo
 
-    assert demo(["--out", str(tmp_path), "--steps", "3", "--architecture", "wan22_t2v"]) == 0
+    assert demo(["--out", str(tmp_path), "--steps", "3", "--architecture", arch]) == 0
     assert "Where everything is" in capsys.readouterr().out
     for name in ("output/demo_lora.safetensors", "samples/demo.mp4", "train.toml"):
         assert (tmp_path / name).is_file(), name

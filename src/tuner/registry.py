@@ -161,6 +161,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.wan22:T2V_FIXTURE",
             boundary=0.875,
         ),
+        # Wan 2.2 I2V A14B: two experts taking Wan 2.1 I2V's 36-channel input without its CLIP image
+        # layers, switched at t = 0.9 (the release's boundary)
+        replace(
+            _WAN,
+            name="wan22_i2v",
+            title="Wan 2.2 image-to-video A14B (high- and low-noise 14B experts; first frame, no CLIP)",
+            trainer="tuner.trainers.wan22:Wan22I2VTrainer",
+            fixture="tuner.fixtures.wan22:I2V_FIXTURE",
+            boundary=0.9,
+        ),
         # Wan 2.2 TI2V-5B: one 5B Wan network on the Wan 2.2 VAE's 48 channels, text- and image-to-video
         replace(
             _WAN,

@@ -185,6 +185,16 @@ TRANSFORMER_VARIANTS = (
             "img_emb.emb_pos": None,
         },
     ),
+    Variant(  # the Wan 2.2 I2V A14B test fixture's experts: tiny-i2v without the CLIP image layers
+        "tiny-i2v-A14B",
+        CONFIGS / "transformer" / "tiny-i2v-A14B",
+        {
+            "patch_embedding.weight": (64, 36, 1, 2, 2),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
     Variant(  # the FLF2V test fixture: tiny-i2v plus the position embedding of two frames' 17 tokens
         "tiny-flf2v",
         CONFIGS / "transformer" / "tiny-flf2v",
@@ -204,12 +214,13 @@ VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "t2v-14B": ("a Wan 2.1 T2V 14B transformer or a Wan 2.2 T2V A14B expert", ("wan", "wan22_t2v")),
     "i2v-14B": ("a Wan 2.1 I2V 14B transformer (480p or 720p)", ("wan_i2v",)),
     "flf2v-14B": ("a Wan 2.1 FLF2V 14B transformer (first-last-frame)", ("wan_flf2v",)),
-    "i2v-A14B": ("a Wan 2.2 I2V A14B expert", ("wan22_i2v",)),
+    "i2v-A14B": ("a Wan 2.2 I2V A14B expert (image-to-video)", ("wan22_i2v",)),
     "ti2v-5B": ("a Wan 2.2 TI2V-5B transformer", ("wan22_ti2v",)),
     "tiny": ("the tiny test transformer", ("wan", "wan22_t2v")),
     "tiny-ti2v": ("the tiny TI2V test transformer", ("wan22_ti2v",)),
     "tiny-i2v": ("the tiny image-to-video test transformer", ("wan_i2v",)),
     "tiny-flf2v": ("the tiny first-last-frame test transformer", ("wan_flf2v",)),
+    "tiny-i2v-A14B": ("the tiny Wan 2.2 I2V A14B test expert (image-to-video)", ("wan22_i2v",)),
 }
 
 VAE_VARIANTS = (

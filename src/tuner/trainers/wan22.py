@@ -1,7 +1,11 @@
-"""Wan 2.2 T2V A14B: Wan 2.1's text-to-video network twice, as a high-noise and a low-noise expert.
+"""Wan 2.2 A14B: a Wan network twice, as a high-noise and a low-noise expert (T2V and I2V).
 
-Everything but the transformer is Wan 2.1's (the 16-channel Wan 2.1 VAE, UMT5-XXL, 1×2×2 patches,
-4N+1 frames at 16 fps), so this trainer is `WanTrainer` with two experts (`tuner.experts`):
+Everything but the transformers is Wan 2.1's (the 16-channel Wan 2.1 VAE, UMT5-XXL, 1×2×2 patches,
+4N+1 frames at 16 fps). `WanExpertsTrainer` adds two experts (`tuner.experts`) to the Wan trainer that
+follows it in a subclass's bases: T2V A14B is Wan 2.1 T2V 14B's network (`WanTrainer`); I2V A14B takes
+Wan 2.1 I2V's 36-channel input (noise, frame mask, first-frame condition latents) without its CLIP
+image layers (`WanFrameConditionedTrainer`: no CLIP encoder, and the cache's latent entries are keyed by
+the VAE alone).
 
 * `model.expert = "high"` trains `model.transformer` on t in [boundary, 1]; `"low"` trains
   `model.transformer_2` on t in [0, boundary). One expert is loaded, and the timestep sampler is the
@@ -12,8 +16,9 @@ Everything but the transformer is Wan 2.1's (the 16-channel Wan 2.1 VAE, UMT5-XX
   settings (fp8, block swap) apply to each expert; on a GPU without block swap the idle expert waits
   in host memory.
 
-The boundary is the release's 0.875 (t × 1000 = 875, diffusers' `boundary_ratio`) unless
-`model.boundary` says otherwise. Sampling uses shift 12, the T2V A14B release's default.
+The boundary is the release's (`Architecture.boundary`: T2V 0.875, I2V 0.9; diffusers'
+`boundary_ratio`, t × 1000 compared with the scheduler's timestep) unless `model.boundary` says
+otherwise. Sampling uses the releases' default shift: 12 (T2V), 5 (I2V).
 """
 
 from __future__ import annotations
@@ -28,14 +33,15 @@ from tuner.errors import CheckpointError
 from tuner.experts import ExpertAdapters, TimestepExperts, expert_range
 from tuner.models import wan
 from tuner.trainers.wan import WanTrainer
+from tuner.trainers.wan_i2v import WanFrameConditionedTrainer
 
 # The config field that holds each expert, and the name its release files carry
 _FIELDS = {"high": "transformer", "low": "transformer_2"}
 
 
-class Wan22T2VTrainer(WanTrainer):
-    architecture = "wan22_t2v"
-    sample_shift = 12.0
+class WanExpertsTrainer(WanTrainer):
+    """Two experts of the network the next Wan trainer in the bases feeds (its `predict` builds the
+    inputs, this class picks the expert per sample)."""
 
     @property
     def boundary(self) -> float:
@@ -128,7 +134,19 @@ class Wan22T2VTrainer(WanTrainer):
     def build_trained(self, model: nn.Module):
         if not isinstance(model, TimestepExperts):
             return super().build_trained(model)
-        return ExpertAdapters(*(super(Wan22T2VTrainer, self).build_trained(model.expert(n)) for n in _FIELDS))
+        return ExpertAdapters(
+            *(super(WanExpertsTrainer, self).build_trained(model.expert(n)) for n in _FIELDS)
+        )
+
+
+class Wan22T2VTrainer(WanExpertsTrainer):
+    architecture = "wan22_t2v"
+    sample_shift = 12.0
+
+
+class Wan22I2VTrainer(WanExpertsTrainer, WanFrameConditionedTrainer):
+    architecture = "wan22_i2v"
+    sample_shift = 5.0
 
 
 class _ExpertHandles:

@@ -16,6 +16,10 @@ crop), so caching stores per clip `latents`, `cond_latents` and `clip`, and the 
 CLIP encoder's identity beside the VAE's (`latent_encoders`). Image datasets are refused: a single frame
 has nothing left to predict. diffusers' Wan attention takes the last 512 tokens of the context as text,
 so text is zero-padded to 512 whatever `cache.text_max_length` is.
+
+Wan 2.2 I2V A14B (`trainers/wan22.py`) takes the same 36-channel input without the CLIP layers, so the
+input is built by `WanFrameConditionedTrainer` and `WanI2VTrainer` adds CLIP to it (the cached `clip`,
+the image encoder in the cache key, the `encoder_hidden_states_image` argument, text padded to 512).
 """
 
 from __future__ import annotations
@@ -23,16 +27,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.models import clip_vision, wan
+from tuner.models import clip_vision
 from tuner.trainers.wan import WanTrainer
 
 TEXT_TOKENS = 512  # the text length diffusers' WanAttnProcessor assumes when it splits off image tokens
 
 
 class LatentEncoders:
-    """What `encode_latents` needs for image-to-video: the VAE and the CLIP image encoder."""
+    """What `encode_latents` needs for image-to-video: the VAE, and the CLIP image encoder where the model
+    has image cross-attention (None for Wan 2.2 I2V A14B)."""
 
-    def __init__(self, vae: nn.Module, image_encoder: clip_vision.ImageEncoder):
+    def __init__(self, vae: nn.Module, image_encoder: clip_vision.ImageEncoder | None = None):
         self.vae, self.image_encoder = vae, image_encoder
 
     def eval(self) -> LatentEncoders:
@@ -40,21 +45,17 @@ class LatentEncoders:
         return self
 
 
-class WanI2VTrainer(WanTrainer):
-    architecture = "wan_i2v"
-    supports_images = False
-    latent_encoders = ("vae", "image_encoder")
-    frame_images = 1  # the first frame
-    sample_shift = 5.0  # the release's default (it suggests 3.0 at 480p)
+class WanFrameConditionedTrainer(WanTrainer):
+    """Wan's 36-channel image-to-video input (noise, frame mask, condition latents) without CLIP: what
+    the Wan 2.2 I2V A14B experts take. `WanI2VTrainer` adds the CLIP image cross-attention of Wan 2.1."""
 
-    # ---- loading ----
-    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
-        return wan.load_transformer(self.weights_path("transformer"), dtype, self.architecture)
+    supports_images = False
+    in_channels = 36
+    frame_images = 1  # the first frame
+    sample_shift = 5.0  # the releases' default (Wan 2.1 I2V suggests 3.0 at 480p)
 
     def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
-        image_encoder = clip_vision.load_image_encoder(self.weights_path("image_encoder"), dtype)
-        image_encoder.model.to(device)
-        return LatentEncoders(self.load_vae(device, dtype), image_encoder)
+        return LatentEncoders(self.load_vae(device, dtype))
 
     # ---- what the cache holds ----
     def encode_latents(
@@ -69,17 +70,53 @@ class WanI2VTrainer(WanTrainer):
     def encode_frame_images(
         self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
     ) -> dict[str, torch.Tensor]:
-        """`cond_latents` [B, 16, F', H', W'] and `clip` [B, tokens, width] (FLF2V: [B, 2, tokens, width])
-        of the given frame images ([B, 3, H, W] in [-1, 1]: the first, and for FLF2V the last) of a
-        `frames`-frame video."""
+        """`cond_latents` [B, 16, F', H', W'] of the given frame images ([B, 3, H, W] in [-1, 1]: the
+        first, and for FLF2V the last) of a `frames`-frame video."""
         first = images[0]
         video = first.new_zeros(first.shape[0], 3, frames, *first.shape[2:])
         video[:, :, 0] = first
         if self.frame_images == 2:
             video[:, :, -1] = images[1]
+        return {"cond_latents": self.encode_pixels(encoders.vae, video)}
+
+    # ---- the model's inputs ----
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        cond_latents = cond["cond_latents"].to(noisy)
+        mask = frame_mask(noisy.shape[0], noisy.shape[2], noisy.shape[3:], last=self.frame_images == 2).to(
+            noisy
+        )
+        return model(
+            hidden_states=torch.cat([noisy, mask, cond_latents], dim=1),
+            timestep=t * 1000,
+            encoder_hidden_states=cond["context"].to(noisy.dtype),
+            **self.image_context(cond, noisy.dtype),
+            return_dict=False,
+        )[0]
+
+    def image_context(self, cond: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The transformer's image cross-attention inputs (none without CLIP layers)."""
+        return {}
+
+
+class WanI2VTrainer(WanFrameConditionedTrainer):
+    architecture = "wan_i2v"
+    latent_encoders = ("vae", "image_encoder")
+
+    # ---- loading ----
+    def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
+        image_encoder = clip_vision.load_image_encoder(self.weights_path("image_encoder"), dtype)
+        image_encoder.model.to(device)
+        return LatentEncoders(self.load_vae(device, dtype), image_encoder)
+
+    # ---- what the cache holds ----
+    def encode_frame_images(
+        self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
+    ) -> dict[str, torch.Tensor]:
+        """`cond_latents` (see the base class) and `clip` [B, tokens, width] (FLF2V: [B, 2, tokens, width])
+        of the given frame images."""
         clip = torch.stack([encoders.image_encoder.encode(image) for image in images], dim=1)
         return {
-            "cond_latents": self.encode_pixels(encoders.vae, video),
+            **super().encode_frame_images(encoders, images, frames),
             "clip": clip[:, 0] if self.frame_images == 1 else clip,
         }
 
@@ -92,21 +129,11 @@ class WanI2VTrainer(WanTrainer):
             out[i, : ctx.shape[0]] = ctx
         return {"context": out}
 
-    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        cond_latents = cond["cond_latents"].to(noisy)
-        mask = frame_mask(noisy.shape[0], noisy.shape[2], noisy.shape[3:], last=self.frame_images == 2).to(
-            noisy
-        )
-        clip = cond["clip"].to(noisy.dtype)
+    def image_context(self, cond: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        clip = cond["clip"].to(dtype)
         if clip.dim() == 4:  # FLF2V: [B, 2, tokens, width] -> [2B, ...], each sample's two frames adjacent
             clip = clip.flatten(0, 1)
-        return model(
-            hidden_states=torch.cat([noisy, mask, cond_latents], dim=1),
-            timestep=t * 1000,
-            encoder_hidden_states=cond["context"].to(noisy.dtype),
-            encoder_hidden_states_image=clip,
-            return_dict=False,
-        )[0]
+        return {"encoder_hidden_states_image": clip}
 
 
 class WanFLF2VTrainer(WanI2VTrainer):
