@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -120,6 +121,11 @@ def make_project(root: Path, model: Path, items: int) -> Path:
     config = prepare(root, model=model)
     config.write_text(re.sub(r"(?m)^num_workers = .*\n", "", config.read_text()))
     write_images(root / "many", items, (32, 32), seed=0)
+    # A user's files are older than the caching run; files changed in the last 2 s are not remembered
+    # (tuner.cache.memo's racy rule) and would be hashed and probed again at every start.
+    hour_ago = time.time() - 3600
+    for path in (root / "many").iterdir():
+        os.utime(path, (hour_ago, hour_ago))
     (root / "dataset.toml").write_text(
         '[general]\nresolution = [32, 32]\ncaption_extension = ".txt"\nbatch_size = 1\n'
         'cache_directory = "cache"\n[[datasets]]\nimage_directory = "many"\n'

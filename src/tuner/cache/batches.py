@@ -7,7 +7,12 @@ resumed run replays it exactly and can skip the batches it already trained on. C
 in the empty caption's entry with a draw seeded by the sample's position, for the same reason.
 
 Batches are read with `EntryReads`: workers locate and prefetch a batch's entries, the main process
-slices them out of its own shard maps and stacks the latents (`tuner.cache.reads` explains why).
+slices them out of its own shard maps and stacks the latents (`tuner.cache.reads` explains why). When
+training on CUDA the stack goes straight into pinned (page-locked) memory, so the copy to the device can
+run asynchronously (`non_blocking=True`) without a second host copy; elsewhere pinning is off.
+
+Each epoch's plan is computed once and kept until another epoch is asked for: the start-up summary, the
+step count and the epoch itself all read the same plan, and it costs time linear in the items.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class TrainingData:
         rank: int = 0,
         world: int = 1,
         caption_dropout: bool = True,
+        pin_memory: bool = False,
     ):
         self.samples = samples
         self.specs = {s.index: s for s in specs}
@@ -55,6 +61,9 @@ class TrainingData:
         self.num_workers = num_workers
         self.rank, self.world = rank, world
         self.caption_dropout = caption_dropout
+        # pinning needs a CUDA build and driver; checked once, so elsewhere the flag is a no-op
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._planned: tuple[int, list[list[tuple[str, str, str]]]] | None = None  # (epoch, its plan)
         self.by_dataset: dict[int, dict[str, list[TrainingSample]]] = defaultdict(lambda: defaultdict(list))
         for s in samples:
             self.by_dataset[s.dataset_index][s.bucket_key] += [s] * self.specs[s.dataset_index].num_repeats
@@ -68,13 +77,22 @@ class TrainingData:
         return out
 
     def plan_epoch(self, epoch: int) -> list[list[tuple[str, str, str]]]:
-        """Batches of one epoch: lists of (cache_dir, latent_key, text_key)."""
+        """Batches of one epoch: lists of (cache_dir, latent_key, text_key). Computed once per epoch
+        (the latest epoch's plan is kept); callers must not edit it."""
+        if self._planned is None or self._planned[0] != epoch:
+            self._planned = (epoch, self._plan(epoch))
+        return self._planned[1]
+
+    def _plan(self, epoch: int) -> list[list[tuple[str, str, str]]]:
         batches = []
         for index, buckets in sorted(self.by_dataset.items()):
             spec = self.specs[index]
+            rate = spec.caption_dropout_rate if self.caption_dropout else 0.0
             for b, batch in enumerate(plan_batches(buckets, spec.batch_size, self.seed + index, epoch)):
+                if rate <= 0.0:  # no draw can drop: skip seeding a generator per batch (most of the cost)
+                    batches.append([(s.cache_dir, s.latent_key, s.text_key) for s in batch.items])
+                    continue
                 drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
-                rate = spec.caption_dropout_rate if self.caption_dropout else 0.0
                 batches.append(
                     [
                         (s.cache_dir, s.latent_key,
@@ -92,8 +110,14 @@ class TrainingData:
         return [plan[(i * self.world + self.rank) % len(plan)] for i in range(rounds)]
 
     def batches_per_epoch(self) -> int:
-        """Batches each process steps through per epoch."""
-        return len(self.local_plan(0))
+        """Batches each process steps through per epoch: `len(local_plan(e))` for any epoch, counted
+        without planning (every bucket gives ceil(items / batch_size) batches in every epoch)."""
+        planned = sum(
+            -(-len(items) // self.specs[index].batch_size)
+            for index, buckets in self.by_dataset.items()
+            for items in buckets.values()
+        )
+        return -(-planned // self.world)
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Batches of `epoch` from index `start` on (to resume mid-epoch)."""
@@ -114,7 +138,7 @@ class TrainingData:
             # The stack copies the latents out of the shard maps into a batch the step may edit.
             # Every entry of a batch shares one bucket, so each of its tensors (latents, control_0...) stacks.
             latents = entries[0::2]
-            stacked = {name: torch.stack([e[name] for e in latents]) for name in latents[0]}
+            stacked = {name: _stack([e[name] for e in latents], self.pin_memory) for name in latents[0]}
             yield {"latents": stacked.pop("latents"), "extra": stacked, "text": entries[1::2]}
 
     def summary(self) -> dict:
@@ -128,3 +152,15 @@ class TrainingData:
             "batch_size": "/".join(str(s) for s in sorted(sizes)),
             "batches_per_epoch": self.batches_per_epoch(),
         }
+
+
+def _stack(tensors: list[torch.Tensor], pin: bool) -> torch.Tensor:
+    """`torch.stack`, written straight into pinned memory with `pin` (one copy, not stack then pin)."""
+    if not pin:
+        return torch.stack(tensors)
+    return torch.stack(tensors, out=_pinned((len(tensors), *tensors[0].shape), tensors[0].dtype))
+
+
+def _pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized page-locked host tensor (from torch's caching host allocator)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)

@@ -250,10 +250,17 @@ def require_cached(store: CacheStore, keys: list[str], what: str, command: str, 
 
 
 def open_training_data(
-    trainer, cfg, log: Callable[[str], None] = print, rank: int = 0, world: int = 1, validation: bool = False
+    trainer,
+    cfg,
+    log: Callable[[str], None] = print,
+    rank: int = 0,
+    world: int = 1,
+    validation: bool = False,
+    pin_memory: bool = False,
 ):
     """Plan the datasets, check that the cache is complete and current, and return the batches of the
-    training datasets, or with `validation` those of the held-out ones (no caption dropout)."""
+    training datasets, or with `validation` those of the held-out ones (no caption dropout). With
+    `pin_memory` (training on CUDA) batches are stacked into pinned memory."""
     from tuner.cache.batches import TrainingData, TrainingSample
 
     plans = plan_datasets(trainer, cfg, log, readonly=True)
@@ -313,6 +320,7 @@ def open_training_data(
         rank,
         world,
         caption_dropout=not validation,
+        pin_memory=pin_memory,
     )
 
 

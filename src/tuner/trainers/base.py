@@ -273,10 +273,13 @@ class NetworkTrainer:
         if not accelerator.is_main_process:  # one summary and one "saved" line, not one per process
             log = _silent
         # stops here, naming the command to run, if the cache is missing anything or stale
-        data = open_training_data(self, cfg, log, accelerator.process_index, accelerator.num_processes)
+        pin = accelerator.device.type == "cuda"  # batches stacked into pinned memory, copied non-blocking
+        data = open_training_data(
+            self, cfg, log, accelerator.process_index, accelerator.num_processes, pin_memory=pin
+        )
         held_out = None
         if any(spec.validation for spec in cfg.datasets):
-            held_out = open_training_data(self, cfg, log, validation=True)
+            held_out = open_training_data(self, cfg, log, validation=True, pin_memory=pin)
 
         model = self.load_transformer(DTYPES[cfg.model.dtype])
         model.requires_grad_(False)
@@ -497,7 +500,10 @@ class NetworkTrainer:
     def _inputs(self, batch: dict, device) -> tuple[torch.Tensor, dict]:
         """A cached batch as model inputs on `device`: clean latents, and cond (text + extra latents)."""
         cond = {**self.collate_text(batch["text"]), **batch["extra"]}
-        return batch["latents"].to(device), {k: v.to(device) for k, v in cond.items()}
+        # non_blocking: a pinned batch (see TrainingData) is copied while the host goes on; a no-op elsewhere
+        return batch["latents"].to(device, non_blocking=True), {
+            k: v.to(device, non_blocking=True) for k, v in cond.items()
+        }
 
 
 def _average_gradients(network: nn.Module, accelerator) -> None:
