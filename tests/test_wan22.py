@@ -223,17 +223,6 @@ def test_trainer_is_registered():
     assert trainer_class("wan22_t2v") is Wan22T2VTrainer
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["wan22_t2v", "wan22_i2v"])
-def test_demo_runs_end_to_end(arch, tmp_path, capsys):
-    from tuner.demo import main as demo
-
-    assert demo(["--out", str(tmp_path), "--steps", "3", "--architecture", arch]) == 0
-    assert "Where everything is" in capsys.readouterr().out
-    for name in ("output/demo_lora.safetensors", "samples/demo.mp4", "train.toml"):
-        assert (tmp_path / name).is_file(), name
-
-
 def test_memory_settings_apply_to_each_expert(project):
     from tuner.config.schema import MemorySettings
 

@@ -249,13 +249,3 @@ def test_image_option_is_checked(project, wan_model, tmp_path, capsys):
                     "--frames", "5", "--steps", "2", "--device", "cpu", "--out", tmp_path / "x.mp4")  # fmt: skip
     assert code == 0, log
     assert (tmp_path / "x.mp4").stat().st_size > 0
-
-
-@pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path, capsys):
-    from tuner.demo import main as demo
-
-    assert demo(["--out", str(tmp_path), "--steps", "3", "--architecture", "wan22_ti2v"]) == 0
-    assert "--size 64x64" in capsys.readouterr().out  # the demo's sides are multiples of 32 here
-    for name in ("output/demo_lora.safetensors", "samples/demo.mp4", "train.toml"):
-        assert (tmp_path / name).is_file(), name

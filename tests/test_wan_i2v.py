@@ -320,14 +320,3 @@ def test_exported_keys_are_the_release_image_layers(project, tmp_path):
 def test_trainers_are_registered():
     assert trainer_class("wan_flf2v") is WanFLF2VTrainer
     assert trainer_class("wan_i2v").frame_images == 1 and WanFLF2VTrainer.frame_images == 2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
-def test_demo_runs_end_to_end(arch, tmp_path, capsys):
-    from tuner.demo import main as demo
-
-    assert demo(["--out", str(tmp_path), "--steps", "3", "--architecture", arch]) == 0
-    assert "Where everything is" in capsys.readouterr().out
-    for name in ("output/demo_lora.safetensors", "samples/demo.mp4", "train.toml"):
-        assert (tmp_path / name).is_file(), name
