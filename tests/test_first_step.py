@@ -85,6 +85,24 @@ def test_a_training_run_plans_its_first_epoch_once(tmp_path, wan_model, monkeypa
     assert len(run_cfg.datasets) > 1 and epochs == [0] * len(run_cfg.datasets)
 
 
+def test_long_lived_objects_are_out_of_the_collectors_reach_while_training(tmp_path, wan_model, monkeypatch):
+    """Opening the data and every step run with the objects set up before them frozen (a full collection
+    would walk torch, diffusers and the model again); training gives them back when it ends."""
+    import gc
+
+    config = make_cached_project(tmp_path / "project", wan_model)
+    frozen = []
+    real = WanTrainer._step
+    monkeypatch.setattr(WanTrainer, "_step", lambda self, run, batch: frozen.append(gc.get_freeze_count())
+                        or real(self, run, batch))  # fmt: skip
+    run_cfg = cfg(
+        config, f"save.output_dir='{tmp_path / 'out'}'", "log.tensorboard=false", "train.max_steps=2"
+    )
+    WanTrainer(run_cfg).train(log=lambda s: None)
+    assert frozen and min(frozen) > 10_000  # torch alone is far more objects than that
+    assert gc.get_freeze_count() == 0
+
+
 # -- pinned memory ---------------------------------------------------------------------------------
 
 
