@@ -73,3 +73,14 @@ def test_docs_checklist_names_every_piece_of_the_record():
     text = DOCS.read_text()
     for field in dataclasses.fields(Architecture):
         assert f"`{field.name}`" in text, f"docs/architectures.md does not explain the record's {field.name}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["fixtures", "--help"]])
+def test_help_lists_every_architecture(argv, capsys):
+    from tuner.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    out = capsys.readouterr().out
+    for name, record in ARCHITECTURES.items():
+        assert name in out and record.title in out, name
