@@ -130,7 +130,10 @@ def _check_frames(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> Non
             )
 
 
-_TEXT_FOLDERS = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "processor")
+_TEXT_FOLDERS = (
+    "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "text_encoder_3", "tokenizer_3",
+    "text_encoder_4", "tokenizer_4", "processor",
+)  # fmt: skip
 
 
 def _fingerprint(path: str, components: tuple[str, ...]) -> str:
@@ -166,9 +169,16 @@ def latent_encoder(trainer) -> EncoderIdentity:
 
 def text_encoder(trainer) -> EncoderIdentity:
     cfg = trainer.cfg
-    # every file that shapes the text embeddings: both encoders (FLUX.1 has CLIP-L and T5) and tokenizers
+    # every file that shapes the text embeddings: every encoder (FLUX.1 has CLIP-L and T5, SD 3.5 three,
+    # HiDream four) and tokenizer
+    m = cfg.model
     parts = [trainer.weights_path("text_encoder")]
-    parts += [p for p in (cfg.model.text_encoder_2, cfg.model.tokenizer, cfg.model.tokenizer_2) if p]
+    parts += [
+        p
+        for p in (m.text_encoder_2, m.text_encoder_3, m.text_encoder_4, m.tokenizer, m.tokenizer_2, m.tokenizer_3,
+                  m.tokenizer_4)
+        if p
+    ]  # fmt: skip
     return EncoderIdentity(
         architecture=f"{trainer.architecture}-text",
         weights_fingerprint="+".join(_fingerprint(p, _TEXT_FOLDERS) for p in parts),

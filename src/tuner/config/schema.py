@@ -62,6 +62,14 @@ class ModelConfig:
         "", "Second text encoder, for models with two (FLUX.1: T5-XXL beside CLIP-L).", path=True
     )
     tokenizer_2: str = option("", "Tokenizer folder of the second text encoder.", path=True)
+    text_encoder_3: str = option(
+        "", "Third text encoder, for models with three or more (SD 3.5 and HiDream: T5-XXL).", path=True
+    )
+    tokenizer_3: str = option("", "Tokenizer folder of the third text encoder.", path=True)
+    text_encoder_4: str = option(
+        "", "Fourth text encoder, for models with four (HiDream-I1: Llama 3.1 8B Instruct).", path=True
+    )
+    tokenizer_4: str = option("", "Tokenizer folder of the fourth text encoder.", path=True)
     image_encoder: str = option(
         "",
         "Image encoder of image-to-video models (Wan 2.1 I2V / FLF2V: CLIP ViT-H/14, ComfyUI's "
