@@ -188,7 +188,11 @@ class TrainConfig:
     learning_rate: float = option(
         1e-4, "Peak learning rate (at most 10: larger ones only train to NaN).", gt=0, le=10
     )
-    optimizer: str = option("adamw", "adamw, adamw8bit, adafactor, any torch.optim class, or a dotted path.")
+    optimizer: str = option(
+        "adamw",
+        "adamw, adamw8bit, paged_adamw8bit, adafactor, lion, lion8bit, paged_lion8bit, prodigy, adamw_schedulefree, "
+        "came, automagic, adamw8bitkahan (see docs/optimizers.md), any torch.optim class, or a dotted path.",
+    )
     optimizer_args: dict[str, Any] = option(factory=dict, doc="Keyword arguments passed to the optimizer.")
     lr_scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts"] = option(
         "constant", "Learning-rate schedule after warmup."
@@ -225,6 +229,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.validation_timesteps or not all(0 <= t <= 1 for t in self.validation_timesteps):
             raise ConfigError("key 'train.validation_timesteps': give one or more values in [0, 1].")
+        if "schedulefree" in self.optimizer.lower() and (
+            self.lr_scheduler != "constant" or self.lr_warmup_steps
+        ):
+            raise ConfigError(
+                f"train.optimizer = {self.optimizer!r} schedules its own learning rate: set train.lr_scheduler = "
+                "'constant' and train.lr_warmup_steps = 0, and give warm-up as "
+                "train.optimizer_args = { warmup_steps = N }."
+            )
 
 
 @dataclass(frozen=True)
