@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from tuner.optimizers import StateDtypes
+from tuner.optimizers import PerParameter
 
 
-class Automagic(StateDtypes):
+class Automagic(PerParameter):
     def __init__(
         self,
         params,
@@ -63,21 +63,8 @@ class Automagic(StateDtypes):
                     count += rates.numel()
         return total / count if count else self.param_groups[0]["start_lr"]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            scale = group["lr"] / group["start_lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                self._step_one(p, group, scale)
-        return loss
-
-    def _step_one(self, p: torch.Tensor, group: dict, scale: float) -> None:
+    def _step_one(self, p: torch.Tensor, group: dict) -> None:
+        scale = group["lr"] / group["start_lr"]  # what a schedule says on top of the per-element rates
         g = p.grad.float()
         state = self.state[p]
         if not state:

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from tuner.optimizers import StateDtypes
+from tuner.optimizers import PerParameter
 
 BLOCK = 256
 
@@ -57,7 +57,7 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch
     )
 
 
-class AdamW8bitKahan(StateDtypes):
+class AdamW8bitKahan(PerParameter):
     def __init__(
         self,
         params,
@@ -74,18 +74,6 @@ class AdamW8bitKahan(StateDtypes):
         super().__init__(
             params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, kahan=kahan)
         )
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._step_one(p, group)
-        return loss
 
     def _step_one(self, p: torch.Tensor, group: dict) -> None:
         beta1, beta2 = group["betas"]
