@@ -252,3 +252,41 @@ def test_diffusers_layout_loads_in_chroma_pipeline(paths, pipe, tmp_path):
         pipe.delete_adapters("tuner")
     assert not torch.allclose(ours, base, atol=1e-3)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_layout_is_flux_and_diffusers_converts_it_at_the_real_width(tmp_path):
+    """The default file (kohya: FLUX.1's fused `qkv` / `linear1` names) is exactly what FLUX.1 writes for
+    the same adapters, and `ChromaPipeline.lora_state_dict` (diffusers' FLUX.1 kohya converter, which
+    needs the real width 3072) gives back one LoRA per diffusers module with our ΔW, alpha folded in."""
+    from tuner.networks.delta import LORA, ModuleWeights
+    from tuner.networks.formats import layout_state
+    from tuner.registry import resolve_save_format
+
+    hidden, mlp, rank = 3072, 12288, 4
+    g = torch.Generator().manual_seed(0)
+    sizes = {"attn.to_q": (hidden, 1.0), "attn.to_k": (hidden, 2.0), "attn.to_v": (hidden, 6.0),
+             "proj_mlp": (mlp, 3.0)}  # fmt: skip
+    modules = {
+        f"single_transformer_blocks.0.{name}": ModuleWeights(
+            LORA,
+            {
+                "down": torch.randn(rank, hidden, generator=g) * 0.02,
+                "up": torch.randn(rows, rank, generator=g) * 0.02,
+            },
+            alpha,
+        )  # fmt: skip
+        for name, (rows, alpha) in sizes.items()
+    }
+    fmt = resolve_save_format("chroma", "auto")
+    state, metadata = layout_state(modules, fmt, ARCHITECTURES["chroma"].key_table())
+    flux_state, _ = layout_state(modules, fmt, ARCHITECTURES["flux"].key_table())
+    assert state.keys() == flux_state.keys() and all(torch.equal(state[k], flux_state[k]) for k in state)
+    assert "lora_unet_single_blocks_0_linear1.lora_down.weight" in state
+    save_safetensors(state, tmp_path / "lora.safetensors", metadata=metadata)
+    converted = ChromaPipeline.lora_state_dict(str(tmp_path / "lora.safetensors"))
+    assert {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in converted} == set(modules)
+    for name, weights in modules.items():
+        up, down = (converted[f"transformer.{name}.lora_{ab}.weight"].double() for ab in "BA")
+        probe = torch.randn(hidden, 8, generator=g, dtype=torch.float64)
+        ours = weights.scale * (weights.tensors["up"].double() @ (weights.tensors["down"].double() @ probe))
+        torch.testing.assert_close(up @ (down @ probe), ours, atol=1e-6 * ours.abs().max().item(), rtol=1e-6)
