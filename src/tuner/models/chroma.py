@@ -191,7 +191,7 @@ def encode_prompts(
     mask = tokens.attention_mask.to(encoder.t5.device)
     hidden = encoder.t5(tokens.input_ids.to(encoder.t5.device), attention_mask=mask).last_hidden_state
     visible = (mask.sum(dim=1) + 1).clamp(max=max_length)
-    return [{"t5": h[:n]} for h, n in zip(hidden, visible.tolist())]
+    return [{"t5": h[:n].clone()} for h, n in zip(hidden, visible.tolist())]  # not views of all rows
 
 
 def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
