@@ -98,6 +98,13 @@ class CacheConfig:
         "Precision of the text encoder while caching: fp8 stores its weights as float8 with scales; int8 / nf4 "
         "use bitsandbytes.",
     )
+    text_encoder_blocks_to_swap: int = option(
+        0,
+        "Layers of each text encoder kept in pinned host memory and streamed to the GPU ahead of use while "
+        "caching and generating (a CUDA device only), for encoders larger than the GPU (FLUX.2 dev's 24B "
+        "Mistral): at most that encoder's layer count. Works with bf16 / fp16 / fp8, not with int8 / nf4.",
+        ge=0,
+    )
     text_max_length: int = option(512, "Longest caption in tokens; longer captions are cut to it.", ge=1)
     commit_every_seconds: float = option(
         30.0,
@@ -105,6 +112,14 @@ class CacheConfig:
         "this many seconds of encoding. 0 commits after every item.",
         ge=0,
     )
+
+    def __post_init__(self) -> None:
+        if self.text_encoder_blocks_to_swap and self.text_encoder_dtype in ("int8", "nf4"):
+            raise ConfigError(
+                f"cache.text_encoder_blocks_to_swap = {self.text_encoder_blocks_to_swap} cannot stream "
+                f"bitsandbytes {self.text_encoder_dtype} layers: set cache.text_encoder_dtype to 'fp8' (or "
+                "bf16) to stream, or text_encoder_blocks_to_swap = 0 to keep the quantized encoder resident"
+            )
 
 
 @dataclass(frozen=True)
