@@ -28,7 +28,7 @@ class ChromaTrainer(FluxTrainer):
         encoder = chroma.load_text_encoder(
             self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
-        place_text_encoder(encoder.t5, dtype, device)
+        place_text_encoder(encoder.t5, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoder
 
     def encode_text(
