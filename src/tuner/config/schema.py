@@ -225,6 +225,19 @@ class TrainConfig:
     validation_timesteps: tuple[float, ...] = option(
         (0.25, 0.5, 0.75), "Fixed timesteps the validation loss averages over (same noise every time)."
     )
+    ema_decay: float = option(
+        0.0,
+        "EMA of the trained weights while training: the decay per optimizer step (e.g. 0.999); saved beside "
+        "each adapter as <name>-ema.safetensors. 0 disables.",
+        ge=0,
+        lt=1,
+    )
+    ema_warmup: bool = option(
+        True, "Ramp the EMA decay up as min(ema_decay, (1 + n) / (10 + n)) over the first updates."
+    )
+    ema_on_host: bool = option(
+        False, "Keep the EMA in host memory (no VRAM; one device-to-host copy of the weights per step)."
+    )
 
     def __post_init__(self) -> None:
         if not self.validation_timesteps or not all(0 <= t <= 1 for t in self.validation_timesteps):
@@ -268,6 +281,7 @@ class SampleConfig:
     )
     every_n_steps: int = option(0, "Draw the samples every N optimizer steps; 0 disables.", ge=0)
     at_start: bool = option(False, "Also draw them before the first step (the base model's output).")
+    use_ema: bool = option(False, "Draw the samples with the EMA weights (needs train.ema_decay).")
     width: int = option(512, "Sample width in pixels.", ge=16)
     height: int = option(512, "Sample height in pixels.", ge=16)
     frames: int = option(1, "Sample frame count (1 for an image).", ge=1)
@@ -360,6 +374,10 @@ class TrainingFile:
             object.__setattr__(self, "save", replace(self.save, format=layout))  # frozen: set once, here
         check_save_format(self.network.dora, layout)
         _check_experts(self)
+        if self.sample.use_ema and not self.train.ema_decay:
+            raise ConfigError(
+                "key 'sample.use_ema': there is no EMA to draw with; set train.ema_decay (e.g. 0.999) or remove it."
+            )
         if self.network.type == "full" and (self.memory.fp8_base or self.memory.blocks_to_swap != 0):
             # block swap and fp8 storage are for frozen weights: a swapped-out or fp8 copy of a weight
             # being trained would silently lose its updates

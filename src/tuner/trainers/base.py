@@ -70,6 +70,7 @@ class _Run:
     recent: list[float] = field(default_factory=list)  # loss of every batch so far
     skipped: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     last_step_end: float = field(default_factory=time.perf_counter)
+    ema: Any = None  # `tuner.ema.WeightEMA` with train.ema_decay
 
 
 class NetworkTrainer:
@@ -321,6 +322,11 @@ class NetworkTrainer:
                     "train.lr_scheduler": tc.lr_scheduler, "train.lr_warmup_steps": tc.lr_warmup_steps,
                     "train.lr_num_cycles": tc.lr_num_cycles}  # fmt: skip
         parts = {"network": trained, "optimizer": optimizer, "scheduler": scheduler}
+        if tc.ema_decay:  # part of the state, exported beside each adapter, and in the run's identity
+            from tuner.ema import WeightEMA
+
+            parts["ema"] = WeightEMA(trained.parameters(), tc.ema_decay, tc.ema_warmup, tc.ema_on_host)
+            identity["train.ema_decay"] = tc.ema_decay
         checkpoints = Checkpoints(out, cfg.save, accelerator, identity, parts, schedule)
         samples = None
         sc = cfg.sample
@@ -359,6 +365,7 @@ class NetworkTrainer:
             sf.train()  # schedule-free optimizers take their steps in train mode
         if samples and sc.at_start and pos.step == 0:
             samples.draw(model, trained, 0, log)
+        run.ema = parts.get("ema")
         run.progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         _freeze_gc()  # the model, data plan and optimizer: long-lived, never garbage
         return run
@@ -384,6 +391,8 @@ class NetworkTrainer:
         step_loss = sum(run.recent[-(end - start) :]) / (end - start)
         if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
             run.optimizer.step()
+            if run.ema:
+                run.ema.update()
         else:  # the update is skipped; the schedule and the data move on as if it had been taken
             self._nonfinite_step(run, step_loss, grad_norm)
         run.scheduler.step()
@@ -442,7 +451,8 @@ class NetworkTrainer:
         sc = self.cfg.sample
         if sc.every_n_steps and run.pos.step % sc.every_n_steps == 0 and sc.prompts:
             if run.samples:  # the main process draws; the others wait for it
-                with averaged_weights(run.optimizer):
+                ema = run.ema.applied() if run.ema and sc.use_ema else contextlib.nullcontext()
+                with averaged_weights(run.optimizer), ema:
                     run.samples.draw(run.model, run.trained, run.pos.step, run.log)
             run.accelerator.wait_for_everyone()
 

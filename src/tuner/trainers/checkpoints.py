@@ -97,9 +97,12 @@ class Checkpoints:
                 self._save_state(network, pos)
             if acc.is_main_process:
                 meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
+                save = dict(dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta, format=self.cfg.format)
                 with averaged_weights(self.parts.get("optimizer")):  # schedule-free: export the average
-                    network.save(adapter, export_name, dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta,
-                                 format=self.cfg.format)  # fmt: skip
+                    network.save(adapter, export_name, **save)
+                if ema := self.parts.get("ema"):  # train.ema_decay: the average of the weights beside it
+                    with ema.applied():
+                        network.save(self.out / f"{name}-ema.safetensors", export_name, **save)
                 self._keep_last()
         except OSError as e:
             raise self._write_error(e, network, pos) from None
@@ -169,9 +172,13 @@ class Checkpoints:
         k = self.cfg.keep_last
         if not k:
             return
-        adapters = sorted(self.out.glob(f"{self.cfg.output_name}-step*.safetensors"))
-        for old in adapters[:-k]:
-            old.unlink(missing_ok=True)
+        # adapters of the steps before the last k (with their -ema files)
+        pattern = re.compile(rf"{re.escape(self.cfg.output_name)}-step(\d+)(-ema)?\.safetensors$")
+        saved = [(int(m.group(1)), f) for f in self.out.iterdir() if (m := pattern.match(f.name))]
+        kept = sorted({step for step, _ in saved})[-k:]
+        for step, old in saved:
+            if step not in kept:
+                old.unlink(missing_ok=True)
         for old in self.complete_states()[:-k]:
             shutil.rmtree(old, ignore_errors=True)
 
