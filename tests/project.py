@@ -48,6 +48,15 @@ def cfg(config: Path, *overrides: str):
     return load_config(config, list(overrides))
 
 
+def train_wan(config: Path, out: Path, *overrides: str, resume: str | None = None):
+    """Train the Wan project `config` into `out` with `overrides`, quietly; return the trainer."""
+    from tuner.trainers.wan import WanTrainer
+
+    trainer = WanTrainer(cfg(config, f"save.output_dir='{out}'", "log.tensorboard=false", *overrides))
+    trainer.train(resume=resume, log=lambda s: None)
+    return trainer
+
+
 def wan_inputs(seed: int = 1, batch: int = 1, dtype=None) -> dict:
     """Fixed keyword inputs for a tiny-fixture-shaped WanTransformer3DModel (for output comparisons)."""
     import torch

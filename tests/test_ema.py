@@ -6,10 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import cfg, make_cached_project
+from project import cfg, make_cached_project, train_wan
 from tuner.ema import WeightEMA
 from tuner.errors import CheckpointError, ConfigError
-from tuner.trainers.wan import WanTrainer
 
 
 def test_the_average_follows_its_formula_with_warmup():
@@ -54,18 +53,12 @@ def project(tmp_path_factory, wan_model):
     return make_cached_project(tmp_path_factory.mktemp("ema"), wan_model)
 
 
-def _train(project, out, *overrides, resume=None):
-    trainer = WanTrainer(cfg(project, f"save.output_dir='{out}'", "log.tensorboard=false", *overrides))
-    trainer.train(resume=resume, log=lambda s: None)
-    return trainer
-
-
 EMA = ("train.ema_decay=0.8", "save.every_n_epochs=0")
 
 
 def test_the_ema_is_saved_beside_each_adapter_and_kept_last_with_it(project, tmp_path):
     out = tmp_path / "out"
-    _train(project, out, "train.max_steps=8", "save.every_n_steps=2", "save.keep_last=2", *EMA)
+    train_wan(project, out, "train.max_steps=8", "save.every_n_steps=2", "save.keep_last=2", *EMA)
     names = sorted(p.name for p in out.glob("*.safetensors"))
     assert names == [
         "demo_lora-ema.safetensors", "demo_lora-step000004-ema.safetensors", "demo_lora-step000004.safetensors",
@@ -80,15 +73,15 @@ def test_the_ema_is_saved_beside_each_adapter_and_kept_last_with_it(project, tmp
 
 
 def test_a_resumed_run_continues_the_ema_exactly(project, tmp_path):
-    _train(project, tmp_path / "a", "train.max_steps=4", *EMA)
-    _train(project, tmp_path / "b", "train.max_steps=2", *EMA)
-    _train(project, tmp_path / "b", "train.max_steps=4", *EMA, resume="latest")
+    train_wan(project, tmp_path / "a", "train.max_steps=4", *EMA)
+    train_wan(project, tmp_path / "b", "train.max_steps=2", *EMA)
+    train_wan(project, tmp_path / "b", "train.max_steps=4", *EMA, resume="latest")
     for name in ("demo_lora.safetensors", "demo_lora-ema.safetensors"):
         a, b = load_file(str(tmp_path / "a" / name)), load_file(str(tmp_path / "b" / name))
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_resuming_without_the_ema_it_was_saved_with_is_refused_by_name(project, tmp_path):
-    _train(project, tmp_path / "a", "train.max_steps=2", *EMA)
+    train_wan(project, tmp_path / "a", "train.max_steps=2", *EMA)
     with pytest.raises(CheckpointError, match="train.ema_decay: saved 0.8, now None"):
-        _train(project, tmp_path / "a", "train.max_steps=4", "save.every_n_epochs=0", resume="latest")
+        train_wan(project, tmp_path / "a", "train.max_steps=4", "save.every_n_epochs=0", resume="latest")

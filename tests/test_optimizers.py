@@ -7,13 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import cfg, make_cached_project
+from project import cfg, make_cached_project, train_wan
 from test_optim import tiny_model, train_steps
 from tuner.errors import ConfigError
 from tuner.optim import NAMED, averaged_weights, build_optimizer
 from tuner.optimizers.automagic import Automagic
 from tuner.optimizers.kahan import AdamW8bitKahan
-from tuner.trainers.wan import WanTrainer
 
 # (lr, extra arguments) each is tried at: the package's recommendation where it has one
 SETTINGS = {
@@ -161,12 +160,6 @@ def project(tmp_path_factory, wan_model):
     return make_cached_project(tmp_path_factory.mktemp("optimizers"), wan_model)
 
 
-def _train(project, out, *overrides, resume=None):
-    trainer = WanTrainer(cfg(project, f"save.output_dir='{out}'", "log.tensorboard=false", *overrides))
-    trainer.train(resume=resume, log=lambda s: None)
-    return trainer
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["adamw", "adafactor", *NAMED])
 def test_n_then_n_more_steps_equal_2n_steps(project, tmp_path, name):
@@ -174,9 +167,9 @@ def test_n_then_n_more_steps_equal_2n_steps(project, tmp_path, name):
     args = ", ".join(f"{k} = {v}" for k, v in kwargs.items())
     common = (f"train.optimizer='{name}'", f"train.learning_rate={lr}", f"train.optimizer_args={{ {args} }}",
               "train.lr_warmup_steps=0", "save.every_n_epochs=0")  # fmt: skip
-    straight = _train(project, tmp_path / "a", "train.max_steps=4", *common)
-    _train(project, tmp_path / "b", "train.max_steps=2", *common)
-    extended = _train(project, tmp_path / "b", "train.max_steps=4", *common, resume="latest")
+    straight = train_wan(project, tmp_path / "a", "train.max_steps=4", *common)
+    train_wan(project, tmp_path / "b", "train.max_steps=2", *common)
+    extended = train_wan(project, tmp_path / "b", "train.max_steps=4", *common, resume="latest")
     assert extended.history == straight.history[2:]
     a, b = (
         load_file(str(tmp_path / "a" / "demo_lora.safetensors")),
