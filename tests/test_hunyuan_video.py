@@ -2,6 +2,7 @@
 tiny fixture (and, where diffusers' converters hard-code the real width 3072, at that width)."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -305,6 +306,26 @@ def test_predict_matches_the_pipeline_transformer_call(paths, pipe):
         )[0]  # fmt: skip
     assert ours.shape == noisy.shape
     torch.testing.assert_close(ours, theirs, **TOLERANCE)
+
+
+@torch.no_grad()
+def test_two_euler_steps_of_the_trainer_match_the_pipeline(pipe):
+    """The trainer's text encoding, collation, embedded guidance and timesteps, stepped with Euler, give
+    the pipeline's latents (guidance 6, its own 256 text tokens and scheduler sigmas)."""
+    from tuner.trainers.hunyuan_video import HunyuanVideoTrainer
+
+    cfg = SimpleNamespace(model=SimpleNamespace(guidance=6.0), cache=SimpleNamespace(text_max_length=256))
+    trainer = HunyuanVideoTrainer(cfg)
+    encoders = hv.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2)
+    cond = trainer.collate_text(trainer.encode_text(encoders, CAPTIONS[1:]))
+    x = torch.randn(1, *trainer.latent_shape(48, 32, 5), generator=torch.Generator().manual_seed(0))
+    out = pipe(prompt=CAPTIONS[1], height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=6.0,
+               latents=x.clone(), output_type="latent").frames  # fmt: skip
+    sigmas = pipe.scheduler.sigmas
+    for i in range(2):
+        t = sigmas[i].reshape(1)
+        x = x + (sigmas[i + 1] - sigmas[i]) * trainer.predict(pipe.transformer, x, t, cond)
+    torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
 
 
 def test_encode_video_and_decode_latents(paths, pipe):

@@ -403,7 +403,8 @@ def predict_velocity(
         embedded_guidance = torch.full((b,), guidance * 1000.0, device=noisy.device, dtype=noisy.dtype)
     return model(
         hidden_states=noisy,
-        timestep=(t * 1000).to(noisy.dtype),
+        timestep=t.float()
+        * 1000,  # fp32, as the pipeline's (its latents stay fp32); the model embeds it in fp32
         encoder_hidden_states=cond["text"].to(noisy.dtype),
         encoder_attention_mask=cond["mask"],
         pooled_projections=cond["pooled"].to(noisy.dtype),
