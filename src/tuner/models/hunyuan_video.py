@@ -195,14 +195,13 @@ _LLAMA_UNUSED = ("lm_head.", "vision_tower.", "multi_modal_projector.", "image_n
 _LLAMA_MARKERS = ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")
 
 
-def refuse_hunyuan_video_15(path: str | Path, names) -> None:
-    """CheckpointError naming `hunyuan_video15` if `names` are those of a HunyuanVideo 1.5 transformer."""
-    if any(marker in names for marker in _HUNYUAN_VIDEO_15_MARKERS):
-        raise CheckpointError(
-            f"{path}: a HunyuanVideo 1.5 transformer (it has the 1.5 image / glyph embedders), another "
-            'network than HunyuanVideo\'s. Set model.architecture = "hunyuan_video15" to train it, or point '
-            "model.transformer at a HunyuanVideo (hunyuan_video_t2v_720p) checkpoint."
-        )
+def _hunyuan_video_15(path: str | Path) -> CheckpointError:
+    """The error for a HunyuanVideo 1.5 transformer given to `hunyuan_video`."""
+    return CheckpointError(
+        f"{path}: a HunyuanVideo 1.5 transformer (it has the 1.5 image / glyph embedders and no single-stream "
+        'blocks), another network than HunyuanVideo\'s. Set model.architecture = "hunyuan_video15" to train '
+        "it, or point model.transformer at a HunyuanVideo (hunyuan_video_t2v_720p) checkpoint."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,11 +216,12 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransf
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         if read_folder_config(folder).get("_class_name") == "HunyuanVideo15Transformer3DModel":
-            refuse_hunyuan_video_15(folder, _HUNYUAN_VIDEO_15_MARKERS)
+            raise _hunyuan_video_15(folder)
         return load_diffusers_folder(
             HunyuanVideoTransformer3DModel, folder, dtype, "HunyuanVideoTransformer3DModel"
         )
-    refuse_hunyuan_video_15(path, normalize_shapes(read_tensor_shapes(path)))
+    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in normalize_shapes(read_tensor_shapes(path))):
+        raise _hunyuan_video_15(path)
     variant = identify_single_file(path, TRANSFORMER_SPEC)
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_MARKERS):
