@@ -148,6 +148,28 @@ _QWEN_IMAGE = Architecture(
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
 )
 
+_HUNYUAN_VIDEO = Architecture(
+    name="hunyuan_video",
+    title="HunyuanVideo text-to-video (13B, cfg-distilled 720p T2V)",
+    trainer="tuner.trainers.hunyuan_video:HunyuanVideoTrainer",
+    layout="tuner.models.hunyuan_video_keys:HUNYUAN_VIDEO_LAYOUT",
+    fixture="tuner.fixtures.hunyuan_video:FIXTURE",
+    model_class="HunyuanVideoTransformer3DModel",
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # as FLUX.1: the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP
+    # input and output of the single blocks, so the export can fuse `img_attn_qkv`, `txt_attn_qkv` and
+    # `linear1`. Modulations, norms, the text token refiner and the embedders are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+        r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
+    ),
+    configs="hunyuan_video",
+    # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
+    # HunyuanVideo loader converts them
+    save_format="comfy",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -225,6 +247,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             trainer="tuner.trainers.qwen_image:QwenImageEditTrainer",
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
+        _HUNYUAN_VIDEO,
     )
 }
 
