@@ -122,7 +122,7 @@ def test_prompt_encoding_matches_the_pipeline(fx, pipe):
         )
     assert llama.shape == (2, 2, 24, 64)  # [layers, B, L, D]
     for i, entry in enumerate(ours):
-        torch.testing.assert_close(entry["t5"], t5[i], rtol=0, atol=1e-5)
+        torch.testing.assert_close(entry["t5"], t5[i], rtol=0, atol=0)
         torch.testing.assert_close(entry["llama"], llama[:, i], rtol=0, atol=0)
         torch.testing.assert_close(entry["pooled"], pooled[i], rtol=0, atol=0)
 

@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.flux import T5_SPEC
+
+# FLUX.1's loaders of transformers folders: same checks, same errors
+from tuner.models.flux import T5_SPEC, _sibling
+from tuner.models.flux import _from_pretrained as _from_folder
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -43,7 +46,6 @@ from tuner.models.loading import (
     load_tokenizer,
     normalize_shapes,
     normalize_state_dict,
-    read_folder_config,
     read_tensor_shapes,
     resolve_folder,
 )
@@ -147,23 +149,6 @@ def load_text_encoders(
             "T5 (tokenizer_3/ of HiDream-I1)", "Llama 3.1 (the Llama-3.1-8B-Instruct folder)")  # fmt: skip
     loaded = [load_tokenizer(tokenizers[i] or beside[i], found[i], what[i]) for i in range(4)]
     return TextEncoders(clip_l, loaded[0], clip_g, loaded[1], t5, loaded[2], llama, loaded[3])
-
-
-def _sibling(folder: Path, name: str) -> Path | None:
-    return folder.parent / name if (folder.parent / name).is_dir() else None
-
-
-def _from_folder(model_cls: type, folder: Path, dtype: torch.dtype, model_type: str):
-    found = read_folder_config(folder).get("model_type")
-    if found != model_type:
-        raise CheckpointError(
-            f"{folder}: config.json describes a {found!r} model, not a {model_cls.__name__} ({model_type!r})."
-        )
-    try:
-        model = model_cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{folder}: cannot be loaded as a {model_cls.__name__}: {e}") from None
-    return model.eval()
 
 
 def _load_clip(path: Path, subfolder: str, tokenizer_dir: str, variants: tuple[Variant, ...], dtype):
