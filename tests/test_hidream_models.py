@@ -236,3 +236,43 @@ def test_nf4_text_caching_runs_and_is_kept_apart(fx, tmp_path, capsys):
     assert code == 0 and summary(out) == (encoded, 0, 0)
     store = CacheStore(project.parent / "cache", readonly=True)
     assert {store.meta(k)["encoder"].split("/")[1] for k in store.keys("text")} == {"bf16", "nf4"}
+
+
+def test_shipped_configs_have_the_shapes_their_signatures_name():
+    """Each real variant's config, built on the meta device, holds the tensors its signature names (so
+    a real file of those shapes is recognised); the transformer has HiDream-I1's 17B parameters."""
+    from diffusers import HiDreamImageTransformer2DModel as Transformer
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, LlamaConfig, LlamaForCausalLM
+
+    def check(state: dict, signature: dict) -> None:
+        for key, shape in signature.items():
+            assert (key not in state) if shape is None else tuple(state[key].shape) == shape, key
+
+    with torch.device("meta"):
+        sizes = {}
+        for variant in hidream.TRANSFORMER_VARIANTS:
+            model = Transformer.from_config(Transformer.load_config(variant.config_dir))
+            check(model.state_dict(), variant.signature)
+            sizes[variant.name] = sum(p.numel() for p in model.parameters())
+        assert 16.5e9 < sizes["i1"] < 17.5e9
+        for variant in (*hidream_text.CLIP_L_VARIANTS, *hidream_text.CLIP_G_VARIANTS):
+            model = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(variant.config_dir))
+            check(model.state_dict(), variant.signature)
+        for variant in hidream_text.LLAMA_VARIANTS:
+            check(
+                LlamaForCausalLM(LlamaConfig.from_pretrained(variant.config_dir)).state_dict(),
+                variant.signature,
+            )
+
+
+def test_generation_shift_follows_the_release_named_by_the_file():
+    from types import SimpleNamespace
+
+    trainer = HiDreamTrainer.__new__(HiDreamTrainer)
+    for name, shift in (
+        ("hidream_i1_dev_bf16.safetensors", 6.0),
+        ("HiDream-I1-Full", 3.0),
+        ("x.safetensors", 3.0),
+    ):
+        trainer.cfg = SimpleNamespace(model=SimpleNamespace(transformer=name))
+        assert trainer.default_sample_shift((16, 128, 128)) == shift

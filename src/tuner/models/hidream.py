@@ -77,7 +77,7 @@ TRANSFORMER_VARIANTS = (
             "x_embedder.proj.weight": (2560, 64),
             "p_embedder.pooled_embedder.linear_1.weight": (2560, 2048),
             "caption_projection.0.linear.weight": (2560, 4096),
-            "double_stream_blocks.15.block.adaLN_modulation.1.weight": (15360, 2560),
+            "double_stream_blocks.15.block.adaLN_modulation.1.weight": (30720, 2560),
             "double_stream_blocks.16.block.adaLN_modulation.1.weight": None,
             "single_stream_blocks.31.block.adaLN_modulation.1.weight": (15360, 2560),
             "single_stream_blocks.32.block.adaLN_modulation.1.weight": None,
