@@ -105,6 +105,12 @@ def test_fp8_base_keeps_a_comfyui_fp8_file_exact(case, tmp_path, layout):
 
     fp8_layers = {name: model.get_submodule(name) for name in fp8.fp8_linear_names(model)}
     stored = original_state_dict({f"{n}.weight": m.weight for n, m in fp8_layers.items()}, trainer.layout)
+    # weights used outside a linear layer (HiDream's MoE routers) stay as loaded: dequantized
+    modules = dict(model.named_modules())
+    for stem in list(written):
+        if stem in modules and not isinstance(modules[stem], torch.nn.Linear):
+            assert torch.equal(modules[stem].weight, dequantized.get_submodule(stem).weight), stem
+            del written[stem]
     assert {k.removesuffix(".weight") for k in stored} == set(written)
     for stem, (w8, scale) in written.items():  # the exact stored bytes, back in the file's layout
         assert torch.equal(stored[f"{stem}.weight"].view(torch.uint8), w8.view(torch.uint8)), stem
@@ -116,8 +122,9 @@ def test_fp8_base_keeps_a_comfyui_fp8_file_exact(case, tmp_path, layout):
         out = trainer.predict(model, noisy, t, cond)
         assert relative_error(out, trainer.predict(dequantized, noisy, t, cond)) < 1e-5
         reference = trainer_for(case).load_transformer(torch.float32)  # the unquantized fixture
-        # fp8's own error with one scale per tensor: 0.009 (Qwen-Image) to 0.04 (FLUX) on these inputs
-        assert relative_error(out, trainer.predict(reference, noisy, t, cond)) < 0.06
+        # fp8's own error with one scale per tensor: 0.009 (Qwen-Image) to 0.04 (FLUX) on these inputs;
+        # 0.078 for HiDream, whose top-2 expert routing amplifies rounding (0.073 with its routers kept)
+        assert relative_error(out, trainer.predict(reference, noisy, t, cond)) < 0.09
 
 
 # --- a failing export ------------------------------------------------------------------------------

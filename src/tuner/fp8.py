@@ -370,6 +370,8 @@ def load_comfy_fp8_weights(
             if any(fragment in name for fragment in READ_FOR_DTYPE):
                 continue
             module = modules.get(name)
+            if _weight_outside_linear(module, rows):
+                continue  # e.g. HiDream's MoE routers: left as the loader put them (dequantized)
             if not isinstance(module, nn.Linear) or tuple(module.weight.shape) != tuple(rows.shape):
                 raise CheckpointError(
                     f"{path}: fp8 layer {stem!r} has no matching linear layer {name!r} in the model"
@@ -377,6 +379,19 @@ def load_comfy_fp8_weights(
             store_linear_fp8(module, rows, scale.clone(), fp8_matmul=fp8_matmul, name=name)
             done.append(name)
     return done
+
+
+def _weight_outside_linear(module: nn.Module | None, rows: torch.Tensor) -> bool:
+    """Whether an fp8 tensor of a file is the `weight` parameter of a module that is no linear layer (a
+    MoE router multiplying by its raw weight): fp8 storage is for linear layers, so such a tensor keeps
+    the dequantized values the loader gave it."""
+    weight = getattr(module, "weight", None)
+    return (
+        module is not None
+        and not isinstance(module, nn.Linear)
+        and isinstance(weight, nn.Parameter)
+        and tuple(weight.shape) == tuple(rows.shape)
+    )
 
 
 def is_comfy_fp8_file(path: str | os.PathLike) -> bool:

@@ -170,6 +170,30 @@ _HUNYUAN_VIDEO = Architecture(
     save_format="comfy",
 )
 
+_HIDREAM = Architecture(
+    name="hidream",
+    title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
+    trainer="tuner.trainers.hidream:HiDreamTrainer",
+    layout="tuner.models.hidream:HIDREAM_LAYOUT",
+    fixture="tuner.fixtures.hidream:FIXTURE",
+    model_class="HiDreamImageTransformer2DModel",
+    block_lists=("double_stream_blocks", "single_stream_blocks"),
+    # attention of both streams (q, k, v, out; `_t`: the text stream of the double blocks) and every
+    # SwiGLU of the feed-forwards: the MoE's shared expert and its routed experts (each token's 2 of 4)
+    # and the double blocks' text MLP. Modulations (adaLN), the router, embedders, caption projections
+    # and the output layer are left alone.
+    default_targets=(
+        r"(double|single)_stream_blocks\.\d+\.block\.attn1\.(to_q|to_k|to_v|to_out)(_t)?",
+        r"(double|single)_stream_blocks\.\d+\.block\.ff_i\.(shared_experts|experts\.\d+)\.(w1|w2|w3)",
+        r"double_stream_blocks\.\d+\.block\.ff_t\.(w1|w2|w3)",
+    ),
+    configs="hidream",
+    # `transformer.<name>` with alpha folded in: diffusers' HiDream loader refuses files with `.alpha`
+    # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
+    # format); the release's names are diffusers' own
+    save_format="diffusers",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -248,6 +272,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
         _HUNYUAN_VIDEO,
+        _HIDREAM,
     )
 }
 
