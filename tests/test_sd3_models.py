@@ -13,6 +13,8 @@ from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipe
 from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
+from test_fp8 import write_comfy_fp8_state
+from tuner import fp8
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.fixtures.sd3 import build_sd3_components, write_bundled_file
@@ -392,3 +394,26 @@ def test_diffusers_sd3_lora_loader(paths, pipe, tmp_path):
         torch.testing.assert_close(_velocity(pipe.transformer), expected, rtol=1e-5, atol=1e-5)
     finally:
         pipe.delete_adapters("ours")
+
+
+def test_fp8_base_skips_the_encoders_bundled_in_an_fp8_release_file(paths, tmp_path):
+    """ComfyUI's SD 3.5 fp8 files bundle the text encoders (in fp8 too) beside the
+    `model.diffusion_model.` transformer: fp8_base takes the transformer's fp8 layers only, and the
+    transformer loads from the same file."""
+    path = tmp_path / "sd3.5_medium_fp8_scaled.safetensors"
+    original = {
+        k.removeprefix("model.diffusion_model."): v
+        for k, v in load_tensors(paths["transformer_file"]).items()
+    }
+    written = write_comfy_fp8_state(
+        original, path, "legacy", quantized=lambda key: key.startswith("joint_blocks.")
+    )
+    bundle = load_tensors(path)
+    q = torch.randn(128, 128).to(torch.float8_e4m3fn)
+    bundle[f"{sd3.T5_PREFIX}encoder.block.0.layer.0.SelfAttention.q.weight"] = q
+    bundle[f"{sd3.T5_PREFIX}encoder.block.0.layer.0.SelfAttention.q.scale_weight"] = torch.ones(1)
+    save_safetensors(bundle, path)
+    model = sd3.load_transformer(path, torch.float32).requires_grad_(False)
+    stored = fp8.load_comfy_fp8_weights(model, path, SD3_LAYOUT.inverse)
+    assert len(stored) == 3 * len(written) - 2 * sum(".qkv" not in stem for stem in written)  # qkv: 3 parts
+    assert all(name.startswith("transformer_blocks.") for name in stored)

@@ -94,11 +94,15 @@ TRANSFORMER_VARIANTS = (
 
 # SD 3.0 Medium: 3.5 Medium's width and depth, a smaller position table and no q/k norms. Not trained
 # here (another model, other weights); recognised so that the error says what the file is.
-SD30_MEDIUM = {
-    "x_embedder.proj.weight": (1536, 16, 2, 2),
-    "pos_embed": (1, 192**2, 1536),
-    "joint_blocks.0.x_block.attn.ln_q.weight": None,
-}
+SD30_MEDIUM = Variant(
+    "sd3.0-medium",
+    CONFIGS / "transformer" / "medium",  # unused: the variant is only recognised, never built
+    {
+        "x_embedder.proj.weight": (1536, 16, 2, 2),
+        "pos_embed": (1, 192**2, 1536),
+        "joint_blocks.0.x_block.attn.ln_q.weight": None,
+    },
+)
 
 # SD3's VAE has FLUX's shapes (only the latent scaling and shift differ).
 VAE_VARIANTS = (
@@ -227,7 +231,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> SD3Transformer2DMo
     if folder is not None:
         return load_diffusers_folder(SD3Transformer2DModel, folder, dtype, "SD3Transformer2DModel")
     shapes = _without_bundled(normalize_shapes(read_tensor_shapes(path)))
-    if all(tuple(shapes.get(k) or ()) == v if v else k not in shapes for k, v in SD30_MEDIUM.items()):
+    if not SD30_MEDIUM.mismatches(shapes):
         raise CheckpointError(
             f"{path}: this is Stable Diffusion 3.0 Medium (no q/k norms, a 192² position table), not a 3.5 "
             "release; architecture 'sd3' trains SD 3.5 Medium and Large. Use an sd3.5_*.safetensors file."
