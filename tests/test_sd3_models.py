@@ -20,11 +20,14 @@ from tuner.fixtures import write_fixture
 from tuner.fixtures.sd3 import build_sd3_components, write_bundled_file
 from tuner.fixtures.weights import fill_random_
 from tuner.io import save_safetensors
+from tuner.models import flux as flux_models
 from tuner.models import sd3
+from tuner.models.flux_keys import vae_to_original
 from tuner.models.identify import check_keys, pick_variant
 from tuner.models.loading import load_tensors
 from tuner.models.sd3_keys import SD3_KEYS, SD3_LAYOUT, transformer_to_diffusers, transformer_to_original
 from tuner.networks import FullNetwork, LoRANetwork, TargetSpec
+from tuner.networks.targets import find_targets
 from tuner.registry import ARCHITECTURES, resolve_save_format
 from tuner.trainers.sd3 import SD3Trainer
 
@@ -131,8 +134,6 @@ def test_comfyui_variants_of_the_single_files_load(paths, tmp_path):
     files = (tmp_path / "clip_l.safetensors", paths["text_encoder_2_file"], tmp_path / "t5.safetensors")
     _same_encoders(sd3.load_text_encoders(files, tokenizers, torch.float32), _single_encoders(paths))
     vae = sd3.load_vae(paths["diffusers"], torch.float32)
-    from tuner.models.flux_keys import vae_to_original
-
     save_safetensors(vae_to_original(vae.state_dict()), tmp_path / "vae.safetensors")
     _same_weights(sd3.load_vae(tmp_path / "vae.safetensors", torch.float32), vae)
     theirs = AutoencoderKL.from_single_file(str(tmp_path / "vae.safetensors"), local_files_only=True,
@@ -164,6 +165,8 @@ def test_wrong_files_are_refused_naming_what_they_are(paths, tmp_path):
     ):
         with pytest.raises(CheckpointError, match=what):
             sd3.load_transformer(path, torch.float32)
+    with pytest.raises(CheckpointError, match="looks like Stable Diffusion 3"):  # and the other way round
+        flux_models.load_transformer(paths["transformer_file"], torch.float32)
     with pytest.raises(CheckpointError, match="SD3 VAE"):
         sd3.load_vae(paths["transformer_file"], torch.float32)
     tokenizers = (paths["tokenizer"], paths["tokenizer_2"], None)
@@ -263,8 +266,6 @@ def test_adapter_names_cover_the_default_targets(paths):
     """Every default target is renamed one to one or is a part of a fused qkv of the release's file."""
     model = sd3.load_transformer(paths["transformer_file"], torch.float32)
     original = {k.removeprefix("model.diffusion_model.") for k in load_tensors(paths["transformer_file"])}
-    from tuner.networks.targets import find_targets
-
     names = list(find_targets(model, TargetSpec(ARCHITECTURES["sd3"].default_targets)))
     assert (
         len(names) == 16 + 9
