@@ -288,6 +288,11 @@ def test_full_model_save_gives_back_the_release_file_exactly(paths, tmp_path):
     }
     assert saved.keys() == fixture.keys()
     assert all(torch.equal(saved[k], v) for k, v in fixture.items())
+    # continuing from it converts the whole file at once (`layouts.diffusers_state_dict`): the last
+    # block's modulation bias is swapped by what its weight's shape says
+    fresh = fill_random_(sd3.load_transformer(paths["transformer_file"], torch.float32), seed=9)
+    FullNetwork(fresh).load_weights(tmp_path / "full.safetensors", SD3_LAYOUT.inverse)
+    _same_weights(fresh, model)
 
 
 # ---------------------------------------------------------------------------------------------------
