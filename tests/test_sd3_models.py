@@ -376,8 +376,8 @@ def _velocity(transformer) -> torch.Tensor:
 
 def test_diffusers_sd3_lora_loader(paths, pipe, tmp_path):
     """`StableDiffusion3Pipeline.load_lora_weights` reads only diffusers' names (its SD3 loader has no
-    converter of the release layout), so our default file (comfy: the release's names, qkv fused, read
-    by ComfyUI) is not taken by it; the same adapter saved with save.format = "diffusers" loads there
+    converter of the release layout), so it refuses our default file (comfy: the release's names, qkv
+    fused, read by ComfyUI); the same adapter saved with save.format = "diffusers" loads there
     and computes our output."""
     ours = sd3.load_transformer(paths["transformer_file"], torch.float32)
     network = LoRANetwork.apply_to(
@@ -392,6 +392,8 @@ def test_diffusers_sd3_lora_loader(paths, pipe, tmp_path):
     assert "diffusion_model.joint_blocks.0.x_block.attn.qkv.lora_A.weight" in load_tensors(
         tmp_path / "comfy.safetensors"
     )
+    with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):  # its `.alpha` keys, release names
+        pipe.load_lora_weights(tmp_path / "comfy.safetensors")
     network.save(tmp_path / "diffusers.safetensors", format="diffusers")
     pipe.load_lora_weights(tmp_path / "diffusers.safetensors", adapter_name="ours")
     try:
