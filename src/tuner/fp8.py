@@ -318,9 +318,12 @@ _COMFY_SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 def read_comfy_fp8(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{layer name without prefix: (fp8 weight, fp32 scale)} for every fp8 layer of a ComfyUI file."""
     layers = {}
+    # A file whose model keys carry the prefix may bundle other components beside them (SD 3.5's fp8
+    # release: `text_encoders.t5xxl.*` in fp8 too); only the prefixed layers are the model's.
+    prefixed = any(key.startswith(_COMFY_PREFIXES) for key in tensors)
     for key, scale in tensors.items():
         suffix = next((s for s in _COMFY_SCALE_SUFFIXES if key.endswith(s)), None)
-        if suffix is None:
+        if suffix is None or (prefixed and not key.startswith(_COMFY_PREFIXES)):
             continue
         stem = key[: -len(suffix)]
         weight = tensors.get(stem + ".weight")

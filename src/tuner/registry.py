@@ -194,6 +194,28 @@ _HIDREAM = Architecture(
     save_format="diffusers",
 )
 
+_SD3 = Architecture(
+    name="sd3",
+    title="Stable Diffusion 3.5 text-to-image (Medium, Large, Large Turbo)",
+    trainer="tuner.trainers.sd3:SD3Trainer",
+    layout="tuner.models.sd3_keys:SD3_LAYOUT",
+    fixture="tuner.fixtures.sd3:FIXTURE",
+    model_class="SD3Transformer2DModel",
+    block_lists=("transformer_blocks",),
+    # the attention and MLP linears of both streams (Medium's attn2 too): together the release's fused
+    # `qkv` layers, so the export can fuse them. Modulations, embedders and the output head are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.attn2\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+    ),
+    configs="sd3",
+    # the release's names, qkv fused exactly: ComfyUI's key map, and full fine-tunes in the release's file
+    # layout. diffusers' SD3 loader reads only its own names (it has no converter): save.format =
+    # "diffusers" (or `tuner lora convert --to diffusers`) writes those, which ComfyUI maps as well
+    save_format="comfy",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -273,6 +295,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         _HUNYUAN_VIDEO,
         _HIDREAM,
+        _SD3,
     )
 }
 

@@ -32,6 +32,7 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
     ("HiDream-I1", ("double_stream_blocks.0.block.",)),
     ("SD / SDXL UNet", ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight")),
+    ("Stable Diffusion 3 / 3.5 MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",)),
     ("Wan 2.1 transformer (original layout)", ("blocks.0.self_attn.q.weight",)),
     ("Wan 2.1 transformer (diffusers layout)", ("blocks.0.attn1.to_q.weight",)),
     ("Wan VAE", ("encoder.downsamples.0.residual.0.gamma", "encoder.down_blocks.0.norm1.gamma")),
@@ -156,7 +157,13 @@ def identify_single_file(files: str | Path | Sequence[Path], spec: SingleFileSpe
     """
     files = as_file_list(files)
     path = files[0] if len(files) == 1 else files[0].parent
-    shapes = apply_aliases(normalize_shapes(read_shapes_of(files)), spec.aliases)
+    return identify_shapes(normalize_shapes(read_shapes_of(files)), spec, path)
+
+
+def identify_shapes(shapes: Mapping[str, tuple[int, ...]], spec: SingleFileSpec, path: str | Path) -> Variant:
+    """`identify_single_file` on shapes already read (prefixes stripped), e.g. one component of a file
+    that bundles several (SD3's `text_encoders.clip_g.*` beside the transformer)."""
+    shapes = apply_aliases(shapes, spec.aliases)
     if all(k in shapes for k in spec.original_markers):
         original = shapes
     elif spec.diffusers_markers and all(k in shapes for k in spec.diffusers_markers):

@@ -192,7 +192,11 @@ def diffusers_tensors(
 def diffusers_state_dict(
     state_dict: Mapping[str, torch.Tensor], name_map_inverse: NameMap | None
 ) -> dict[str, torch.Tensor]:
-    """`state_dict` (original keys, no prefix) in diffusers' layout; see `diffusers_tensors`."""
+    """`state_dict` (original keys, no prefix) in diffusers' layout; see `diffusers_tensors`. A layout
+    converts the whole checkpoint at once (`CheckpointLayout.to_diffusers`), so one whose rules depend on
+    other tensors (SD3's pre-only block, told by its modulation weight's shape) sees them all."""
+    if isinstance(name_map_inverse, ToDiffusers):
+        return name_map_inverse.layout.to_diffusers(state_dict)
     return {
         k: v
         for key, value in state_dict.items()
