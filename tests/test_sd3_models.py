@@ -349,7 +349,8 @@ def test_two_euler_steps_match_the_pipeline(pipe):
 def test_training_without_t5_says_so_once(paths, caplog):
     trainer = SD3Trainer(SimpleNamespace(path="x.toml", model=SimpleNamespace(
         text_encoder=str(paths["text_encoder_file"]), text_encoder_2=str(paths["text_encoder_2_file"]),
-        text_encoder_3="", tokenizer=str(paths["tokenizer"]), tokenizer_2=str(paths["tokenizer_2"]), tokenizer_3="")))  # fmt: skip
+        text_encoder_3="", tokenizer=str(paths["tokenizer"]), tokenizer_2=str(paths["tokenizer_2"]), tokenizer_3=""),
+        cache=SimpleNamespace(text_encoder_blocks_to_swap=0)))  # fmt: skip
     with caplog.at_level(logging.WARNING, logger="tuner.trainers.sd3"):
         encoders = trainer.load_text_encoder(torch.device("cpu"), "float32")
     assert encoders.t5 is None
