@@ -148,6 +148,27 @@ _QWEN_IMAGE = Architecture(
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
 )
 
+_FLUX2 = Architecture(
+    name="flux2",
+    title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
+    trainer="tuner.trainers.flux2:Flux2Trainer",
+    layout="tuner.models.flux2_keys:FLUX2_LAYOUT",
+    fixture="tuner.fixtures.flux2:FIXTURE",
+    model_class="Flux2Transformer2DModel",
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # attention and MLP linears of both streams in the double blocks (q/k/v together are the original
+    # fused `qkv`, so the export can fuse them) and the fused input / output linears of the single
+    # blocks (`linear1` / `linear2`, fused in diffusers too). The shared modulations, embedders and the
+    # output head are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)",
+        r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
+    ),
+    configs="flux2",
+    save_format="comfy",  # BFL names under `diffusion_model.`: ComfyUI maps them, diffusers converts them
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -213,6 +234,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             trainer="tuner.trainers.qwen_image:QwenImageEditTrainer",
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
+        _FLUX2,
     )
 }
 
