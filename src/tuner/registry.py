@@ -166,7 +166,9 @@ _FLUX2 = Architecture(
         r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
     ),
     configs="flux2",
-    save_format="comfy",  # BFL names under `diffusion_model.`: ComfyUI maps them, diffusers converts them
+    # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
+    # them (its loader for the comfy layout refuses `.alpha` keys)
+    save_format="kohya",
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
