@@ -1,18 +1,19 @@
-"""FLUX.2 dev: both checkpoint layouts, variant detection, and model inputs equal to Flux2Pipeline's."""
+"""FLUX.2 dev and klein: both checkpoint layouts, variant detection, and model inputs equal to the
+Flux2Pipeline's / Flux2KleinPipeline's."""
 
 import pytest
 import torch
-from diffusers import AutoencoderKLFlux2, Flux2Pipeline, Flux2Transformer2DModel
+from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from safetensors.torch import load_file
 
 from project import cfg, make_project, run, summary
 from tuner.errors import CheckpointError
-from tuner.fixtures.flux2 import write_flux2_fixture
-from tuner.models import flux, flux2
+from tuner.fixtures.flux2 import write_flux2_fixture, write_flux2_klein_fixture
+from tuner.models import flux, flux2, flux2_text
 from tuner.models.flux2_keys import transformer_to_original, vae_key_to_original
 from tuner.models.identify import pick_variant
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.flux2 import Flux2Trainer
+from tuner.trainers.flux2 import Flux2KleinTrainer, Flux2Trainer
 
 PROMPTS = ["a red cat on a blue chair", "two dogs"]
 
@@ -32,11 +33,13 @@ def pipe(fx):
 
 @pytest.fixture(scope="module")
 def encoder(fx):
-    return flux2.load_text_encoder(fx["text_encoder_file"], fx["tokenizer"], torch.float32)
+    return flux2_text.load_text_encoder(
+        fx["text_encoder_file"], fx["tokenizer"], torch.float32, flux2_text.MISTRAL
+    )
 
 
-def trainer_for(text_max_length: int = 64, guidance: float = 2.5) -> Flux2Trainer:
-    trainer = Flux2Trainer.__new__(Flux2Trainer)
+def trainer_for(text_max_length: int = 64, guidance: float = 2.5, cls: type = Flux2Trainer) -> Flux2Trainer:
+    trainer = cls.__new__(cls)
     trainer.cfg = type("Cfg", (), {})()
     trainer.cfg.cache = type("Cache", (), {"text_max_length": text_max_length})()
     trainer.cfg.model = type("Model", (), {"guidance": guidance})()
@@ -85,14 +88,14 @@ def test_vae_layouts_are_identical(fx):
 
 
 def test_text_encoder_layouts_are_identical(fx, encoder):
-    folder = flux2.load_text_encoder(fx["diffusers"], None, torch.float32)
+    folder = flux2_text.load_text_encoder(fx["diffusers"], None, torch.float32, flux2_text.MISTRAL)
     assert_same_weights(encoder.model, folder.model)
     assert folder.tokenizer.get_vocab() == encoder.tokenizer.get_vocab()
 
 
 def test_text_encoder_single_file_needs_a_tokenizer(fx):
     with pytest.raises(CheckpointError, match="no tokenizer next to this text encoder"):
-        flux2.load_text_encoder(fx["text_encoder_file"], None, torch.float32)
+        flux2_text.load_text_encoder(fx["text_encoder_file"], None, torch.float32, flux2_text.MISTRAL)
 
 
 @pytest.mark.parametrize("variant", flux2.TRANSFORMER_VARIANTS, ids=lambda v: v.name)
@@ -111,14 +114,19 @@ def test_vae_variant_picked_from_shapes(variant):
     assert pick_variant(shapes, flux2.VAE_VARIANTS, "vae.safetensors", "VAE") is variant
 
 
-@pytest.mark.parametrize("variant", flux2.TEXT_ENCODER_VARIANTS, ids=lambda v: v.name)
-def test_text_encoder_variant_picked_from_shapes(variant):
-    from transformers import MistralConfig, MistralModel
+@pytest.mark.parametrize(
+    ("kind", "variant"),
+    [(kind, v) for kind in (flux2_text.MISTRAL, flux2_text.QWEN3) for v in kind.variants],
+    ids=lambda x: getattr(x, "name", ""),
+)
+def test_text_encoder_variant_picked_from_shapes(kind, variant):
+    import transformers
 
+    config = getattr(transformers, kind.config_class).from_pretrained(variant.config_dir)
     with torch.device("meta"):
-        model = MistralModel(MistralConfig.from_pretrained(variant.config_dir))
+        model = getattr(transformers, kind.model_class)(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert pick_variant(shapes, flux2.TEXT_ENCODER_VARIANTS, "te.safetensors", "Mistral") is variant
+    assert pick_variant(shapes, kind.variants, "te.safetensors", kind.what) is variant
 
 
 def test_shipped_configs_have_the_real_sizes():
@@ -130,7 +138,7 @@ def test_shipped_configs_have_the_real_sizes():
                 Flux2Transformer2DModel.load_config(variant.config_dir)
             )
         billions[variant.name] = round(sum(p.numel() for p in model.parameters()) / 1e9, 1)
-    assert billions == {"dev": 32.2, "klein-4b": 3.9, "klein-9b": 9.1, "tiny": 0.0}
+    assert billions == {"dev": 32.2, "klein-4b": 3.9, "klein-9b": 9.1, "tiny": 0.0, "tiny-klein": 0.0}
 
 
 def test_flux1_file_given_to_flux2_names_flux(tmp_path):
@@ -151,7 +159,7 @@ def test_klein_transformer_is_refused_by_name(tmp_path):
     Flux2Transformer2DModel.from_config({**config, "guidance_embeds": False}).save_pretrained(
         tmp_path / "klein"
     )
-    with pytest.raises(CheckpointError, match="FLUX.2 klein transformer.*Qwen3"):
+    with pytest.raises(CheckpointError, match='FLUX.2 klein transformer.*Qwen3.*"flux2_klein"'):
         flux2.load_transformer(tmp_path / "klein", torch.float32)
 
 
@@ -159,7 +167,7 @@ def test_wrong_component_files(fx):
     with pytest.raises(CheckpointError, match=r"flux2-vae\.safetensors.*not a FLUX\.2 transformer"):
         flux2.load_transformer(fx["vae_file"], torch.float32)
     with pytest.raises(CheckpointError, match="not a Mistral-Small text encoder"):
-        flux2.load_text_encoder(fx["vae_file"], fx["tokenizer"], torch.float32)
+        flux2_text.load_text_encoder(fx["vae_file"], fx["tokenizer"], torch.float32, flux2_text.MISTRAL)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -301,3 +309,80 @@ def test_reference_images_cache_train_and_generate(fx, tmp_path, capsys):
                     "--control", control, "--out", tmp_path / "out.png")  # fmt: skip
     assert code == 0, out
     assert (tmp_path / "out.png").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------
+# klein: the same network on Qwen3, no guidance embedding
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def klein(tmp_path_factory):
+    return write_flux2_klein_fixture(tmp_path_factory.mktemp("flux2_klein"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def klein_pipe(klein):
+    pipe = Flux2KleinPipeline.from_pretrained(klein["diffusers"])
+    for part in (pipe.transformer, pipe.vae, pipe.text_encoder):
+        part.eval()
+    return pipe
+
+
+def test_klein_layouts_are_identical(klein):
+    single = flux2.load_transformer(klein["transformer_file"], torch.float32, klein=True)
+    assert not single.config.guidance_embeds
+    assert_same_weights(single, flux2.load_transformer(klein["diffusers"], torch.float32, klein=True))
+    tokenizer = klein["tokenizer"]
+    text = flux2_text.load_text_encoder(
+        klein["text_encoder_file"], tokenizer, torch.float32, flux2_text.QWEN3
+    )
+    folder = flux2_text.load_text_encoder(klein["diffusers"], None, torch.float32, flux2_text.QWEN3)
+    assert_same_weights(text.model, folder.model)
+    assert "lm_head.weight" in load_file(klein["text_encoder_file"])
+
+
+def test_dev_file_given_to_klein_names_flux2(fx):
+    with pytest.raises(CheckpointError, match='FLUX.2 dev transformer.*model.architecture = "flux2"'):
+        flux2.load_transformer(fx["transformer_file"], torch.float32, klein=True)
+    with pytest.raises(CheckpointError, match="not the Qwen3 text encoder"):
+        flux2_text.load_text_encoder(fx["diffusers"], None, torch.float32, flux2_text.QWEN3)
+
+
+def test_klein_prompt_embeddings_equal_pipeline(klein_pipe, klein):
+    encoder = flux2_text.load_text_encoder(klein["diffusers"], None, torch.float32, flux2_text.QWEN3)
+    theirs, _ = klein_pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=48)
+    ours = trainer_for(48, cls=Flux2KleinTrainer).encode_text(encoder, PROMPTS)
+    torch.testing.assert_close(torch.stack([e["prompt_embeds"] for e in ours]), theirs, rtol=0, atol=0)
+    # the template's tokens: user turn, then the assistant's turn with an empty think block
+    text = encoder.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert text == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_klein_predict_equals_pipeline_transformer_call(klein_pipe):
+    """Flux2KleinPipeline calls the transformer with `guidance=None`; `model.guidance` is ignored."""
+    pipe = klein_pipe
+    gen = torch.Generator().manual_seed(2)
+    noisy, ref = torch.randn(1, 128, 2, 2, generator=gen), torch.randn(1, 128, 2, 2, generator=gen)
+    embeds, t = torch.randn(1, 5, 96, generator=gen), torch.tensor([0.4])
+    with torch.no_grad():
+        ours = trainer_for(cls=Flux2KleinTrainer).predict(
+            pipe.transformer, noisy, t, {"prompt_embeds": embeds, "control_0": ref}
+        )
+        tokens = torch.cat([pipe._pack_latents(noisy), pipe._pack_latents(ref)], dim=1)
+        ids = torch.cat([pipe._prepare_latent_ids(noisy), pipe._prepare_image_ids([ref])], dim=1)
+        out = pipe.transformer(
+            hidden_states=tokens, timestep=t, guidance=None, encoder_hidden_states=embeds,
+            txt_ids=pipe._prepare_text_ids(embeds), img_ids=ids, return_dict=False,
+        )[0][:, :4]  # fmt: skip
+    torch.testing.assert_close(ours, pipe._unpack_latents_with_ids(out, pipe._prepare_latent_ids(noisy)))
+
+
+def test_klein_shares_dev_tables():
+    """klein is dev's network: one key table, so saved adapters use the same BFL names."""
+    from tuner.networks.architectures import architecture_keys
+
+    assert architecture_keys("flux2_klein") is architecture_keys("flux2")
+    assert ARCHITECTURES["flux2_klein"].save_format == ARCHITECTURES["flux2"].save_format == "kohya"

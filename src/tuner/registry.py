@@ -237,6 +237,14 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
         _FLUX2,
+        # FLUX.2 klein 4B / 9B: the FLUX.2 network, smaller, without the guidance embedding, on Qwen3
+        replace(
+            _FLUX2,
+            name="flux2_klein",
+            title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
+            trainer="tuner.trainers.flux2:Flux2KleinTrainer",
+            fixture="tuner.fixtures.flux2:KLEIN_FIXTURE",
+        ),
     )
 }
 

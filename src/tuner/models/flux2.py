@@ -1,4 +1,4 @@
-"""FLUX.2 (dev): loading its three models and turning captions and images into model inputs.
+"""FLUX.2 (dev, klein): loading its three models and turning captions and images into model inputs.
 
 Each loader takes either layout users have (see `tuner.models.loading`):
 
@@ -6,32 +6,25 @@ Each loader takes either layout users have (see `tuner.models.loading`):
   `flux2_dev_fp8mixed.safetensors`: `double_blocks.0.img_attn.qkv.weight`, `single_blocks.0.linear1`,
   `double_stream_modulation_img.lin.weight`, ...; with or without `model.diffusion_model.`; fp8 files are
   dequantized), converted by `flux2_keys` at any size. The variant (dev, klein 4B / 9B) is read from the
-  tensor shapes; klein files are refused by `flux2` (klein trains with another text encoder), and a
+  tensor shapes (a diffusers folder's from `guidance_embeds`): a klein file given to `flux2` names
+  `flux2_klein` and a dev file given to `flux2_klein` names `flux2` (their text encoders differ), and a
   FLUX.1 file is refused naming `flux`;
 * VAE: a diffusers folder (`AutoencoderKLFlux2`), or BFL's `ae.safetensors` / ComfyUI's
   `flux2-vae.safetensors` (the LDM layout with `encoder.quant_conv`, `decoder.post_quant_conv`, `bn.*`);
-* text encoder, Mistral-Small-3.x 24B: the diffusers folder's `text_encoder/` (a
-  Mistral3ForConditionalGeneration) or a single file holding its language model under any of the names it
-  is published with (`model.language_model.*`, `language_model.model.*`, or a plain Mistral's
-  `model.*`). The prompt is text only, so the hidden states are the language model's: tuner builds just
-  transformers' `MistralModel` and leaves the vision tower, projector and LM head unloaded. A single file
-  carries no tokenizer: pass the `tokenizer/` folder of FLUX.2-dev.
+* text encoders (Mistral-Small for dev, Qwen3 for klein): see `tuner.models.flux2_text`.
 
-Model inputs are what Flux2Pipeline computes. Text: the prompt in a chat with BFL's system message, padded
-to `max_length` tokens, run with its attention mask; the hidden states after layers 10, 20 and 30 are
-stacked per token into [max_length, 3 · 5120] and all rows are kept (the transformer takes no text
-mask). Latents: the VAE's mode [32, H/8, W/8], patchified 2×2 into [128, H/16, W/16] and normalized by
-the VAE's BatchNorm running statistics; every latent pixel is then one token, with position ids
+Model inputs are what Flux2Pipeline / Flux2KleinPipeline compute (text: `flux2_text`). Latents: the
+VAE's mode [32, H/8, W/8], patchified 2×2 into [128, H/16, W/16] and normalized by the VAE's BatchNorm running statistics; every latent pixel is then one token, with position ids
 (t, row, col, 0): t = 0 for the target, 10, 20, ... for reference images (multi-reference editing,
 appended after the target's tokens). Text tokens have ids (0, 0, 0, l). The timestep is t ∈ [0, 1] (the
-model scales it), dev's guidance embedding gets `model.guidance`.
+model scales it); dev's guidance embedding gets `model.guidance` (klein has none).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,31 +38,24 @@ from tuner.models.flux2_keys import (
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    check_keys,
     diffusers_meta_keys,
     identify_single_file,
-    pick_variant,
-    wrong_architecture,
 )
 from tuner.models.loading import (
     assert_materialized,
     cast_like_from_pretrained_,
     load_diffusers_folder,
     load_tensors,
-    load_tokenizer,
     normalize_shapes,
     normalize_state_dict,
-    read_folder_config,
     read_tensor_shapes,
     resolve_folder,
 )
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-    from transformers import MistralModel, PreTrainedTokenizerBase
 
 CONFIGS = Path(__file__).parent / "configs" / "flux2"
-TEXT_LAYERS = (10, 20, 30)  # Flux2Pipeline's `text_encoder_out_layers`: hidden states after these layers
 REFERENCE_T_STEP = 10  # reference image i has position t = 10 · (i + 1)
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,8 +114,21 @@ TRANSFORMER_VARIANTS = (
             "single_blocks.1.linear2.weight": None,
         },
     ),
+    Variant(  # the klein fixture: the tiny network without the guidance embedding
+        "tiny-klein",
+        CONFIGS / "transformer" / "tiny-klein",
+        {
+            "img_in.weight": (64, 128),
+            "txt_in.weight": (64, 96),
+            "guidance_in.in_layer.weight": None,
+            "double_blocks.0.img_attn.qkv.weight": (192, 64),
+            "double_blocks.1.img_attn.qkv.weight": None,
+            "single_blocks.0.linear2.weight": (64, 256),
+            "single_blocks.1.linear2.weight": None,
+        },
+    ),
 )
-KLEIN_VARIANTS = ("klein-4b", "klein-9b")
+KLEIN_VARIANTS = ("klein-4b", "klein-9b", "tiny-klein")
 
 VAE_VARIANTS = (
     Variant(
@@ -150,27 +149,6 @@ VAE_VARIANTS = (
             "encoder.conv_out.weight": (64, 64, 3, 3),
             "decoder.conv_in.weight": (64, 32, 3, 3),
             "bn.running_mean": (128,),
-        },
-    ),
-)
-
-TEXT_ENCODER_VARIANTS = (
-    Variant(
-        "mistral-small-3",  # Mistral-Small-3.1 / 3.2 24B, the language model
-        CONFIGS / "text_encoder" / "mistral-small-3",
-        {
-            "embed_tokens.weight": (131072, 5120),
-            "layers.39.mlp.gate_proj.weight": (32768, 5120),
-            "layers.40.mlp.gate_proj.weight": None,
-        },
-    ),
-    Variant(  # the fixture: 30 layers (the pipeline reads the 30th) of width 32
-        "tiny",
-        CONFIGS / "text_encoder" / "tiny",
-        {
-            "embed_tokens.weight": (1024, 32),
-            "layers.29.mlp.gate_proj.weight": (64, 32),
-            "layers.30.mlp.gate_proj.weight": None,
         },
     ),
 )
@@ -236,17 +214,15 @@ def is_flux2_file(shapes: Mapping[str, object]) -> bool:
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_transformer(
-    path: str | Path, dtype: torch.dtype, architecture: str = "flux2"
-) -> Flux2Transformer2DModel:
-    """Load the FLUX.2 transformer from a diffusers folder or a single file (either layout), in eval mode.
-    A klein file (no guidance embedding) is refused: it needs klein's text encoder."""
+def load_transformer(path: str | Path, dtype: torch.dtype, klein: bool = False) -> Flux2Transformer2DModel:
+    """Load the FLUX.2 dev (or, with `klein`, klein) transformer from a diffusers folder or a single file
+    (either layout), in eval mode. A file of the other family is refused naming its architecture."""
     from diffusers import Flux2Transformer2DModel
 
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         model = load_diffusers_folder(Flux2Transformer2DModel, folder, dtype, "Flux2Transformer2DModel")
-        _check_dev(path, "klein" if not model.config.guidance_embeds else "dev", architecture)
+        _check_family(path, not model.config.guidance_embeds, klein)
         return model
     shapes = normalize_shapes(read_tensor_shapes(path))
     if FLUX1_MARKER in shapes:
@@ -255,19 +231,24 @@ def load_transformer(
             'Set model.architecture = "flux" (or "flux_kontext") to train it.'
         )
     variant = identify_single_file(path, TRANSFORMER_SPEC)
-    _check_dev(path, variant.name, architecture)
+    _check_family(path, variant.name in KLEIN_VARIANTS, klein)
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_MARKERS):
         state_dict = transformer_to_diffusers(state_dict)
     return _from_state_dict(Flux2Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
 
 
-def _check_dev(path: str | Path, variant: str, architecture: str) -> None:
-    if variant.startswith("klein"):
+def _check_family(path: str | Path, is_klein: bool, klein: bool) -> None:
+    """dev and klein share the network but not the text encoder (Mistral-Small / Qwen3)."""
+    if is_klein and not klein:
         raise CheckpointError(
-            f"{path}: a FLUX.2 klein transformer ({variant}, no guidance embedding). {architecture} trains "
-            "FLUX.2 dev, whose text encoder is Mistral-Small; klein conditions on Qwen3 and is not supported "
-            "by tuner yet."
+            f"{path}: a FLUX.2 klein transformer (no guidance embedding), which conditions on Qwen3. "
+            'Set model.architecture = "flux2_klein" (with its Qwen3 text encoder) to train it.'
+        )
+    if klein and not is_klein:
+        raise CheckpointError(
+            f"{path}: a FLUX.2 dev transformer (with a guidance embedding), which conditions on Mistral-Small. "
+            'Set model.architecture = "flux2" to train it.'
         )
 
 
@@ -301,103 +282,9 @@ def _from_state_dict(
     return model.eval()
 
 
-class TextEncoder(NamedTuple):
-    """FLUX.2 dev's prompt encoder: Mistral-Small's language model and its tokenizer, in eval mode."""
-
-    model: MistralModel
-    tokenizer: PreTrainedTokenizerBase
-
-
-# Prefixes the language model's weights are published under, tried in order: transformers 5's
-# Mistral3ForConditionalGeneration, transformers 4's, a plain Mistral causal LM.
-_LM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-_NOT_LM = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "lm_head.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
-
-
-def language_model_names(names: Sequence[str]) -> dict[str, str]:
-    """`MistralModel` key -> stored key for the language model's tensors of a checkpoint."""
-    names = [n for n in names if not n.startswith(_NOT_LM)]
-    for prefix in _LM_PREFIXES:
-        if any(n.startswith(prefix) for n in names):
-            return {n.removeprefix(prefix): n for n in names if n.startswith(prefix)}
-    return {n: n for n in names}
-
-
-def load_text_encoder(path: str | Path, tokenizer: str | Path | None, dtype: torch.dtype) -> TextEncoder:
-    """Load Mistral-Small's language model from a diffusers folder or a single file, with its tokenizer
-    (`tokenizer` may be None for a diffusers folder: the sibling `tokenizer/`)."""
-    from transformers import MistralConfig, MistralModel
-
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        config = read_folder_config(folder)
-        if config.get("model_type") not in ("mistral3", "mistral"):
-            raise CheckpointError(
-                f"{folder}: config.json describes a {config.get('model_type')!r} model, not FLUX.2 dev's "
-                "Mistral-Small text encoder (mistral3)."
-            )
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{folder}: no .safetensors weights in this text encoder folder.")
-        found = folder.parent / "tokenizer" if (folder.parent / "tokenizer").is_dir() else None
-    else:
-        files, found = [Path(path)], None
-    shapes = {k: v for f in files for k, v in read_tensor_shapes(f).items()}
-    names = language_model_names(list(shapes))
-    lm_shapes = {k: shapes[stored] for k, stored in names.items()}
-    markers = ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")
-    if not all(k in lm_shapes for k in markers):
-        raise wrong_architecture(path, list(shapes), "Mistral-Small text encoder", markers)
-    variant = pick_variant(lm_shapes, TEXT_ENCODER_VARIANTS, path, "Mistral-Small text encoder")
-    config = MistralConfig.from_pretrained(variant.config_dir)
-    with torch.device("meta"):
-        expected = MistralModel(config).state_dict()
-    check_keys(expected, lm_shapes, path, f"Mistral-Small text encoder {variant.name}")
-    tensors = {k: v for f in files for k, v in load_tensors(f).items()}
-    state_dict = normalize_state_dict({k: tensors[stored] for k, stored in names.items()}, dtype)
-    model = MistralModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype).eval()
-    what = "Mistral-Small tokenizer (the tokenizer/ folder of FLUX.2-dev)"
-    return TextEncoder(model, load_tokenizer(tokenizer or found, path, what))
-
-
 # ---------------------------------------------------------------------------------------------------
 # Inputs for the transformer
 # ---------------------------------------------------------------------------------------------------
-
-
-def chat(caption: str) -> list[dict]:
-    """The conversation Flux2Pipeline wraps a prompt in: BFL's system message, then the prompt."""
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-    return [
-        {"role": "system", "content": [{"type": "text", "text": SYSTEM_MESSAGE}]},
-        {"role": "user", "content": [{"type": "text", "text": caption.replace("[IMG]", "")}]},
-    ]
-
-
-@torch.no_grad()
-def encode_prompts(encoder: TextEncoder, captions: list[str], max_length: int = 512) -> list[torch.Tensor]:
-    """Per caption [max_length, 3 · D]: the hidden states after `TEXT_LAYERS`, side by side per token."""
-    model, tokenizer = encoder
-    inputs = tokenizer.apply_chat_template(
-        [chat(c) for c in captions], add_generation_prompt=False, tokenize=True, return_dict=True,
-        return_tensors="pt", padding="max_length", truncation=True, max_length=max_length,
-    )  # fmt: skip
-    device = next(model.parameters()).device
-    out = model(
-        input_ids=inputs["input_ids"].to(device),
-        attention_mask=inputs["attention_mask"].to(device),
-        output_hidden_states=True,
-        use_cache=False,
-    )
-    stacked = torch.stack([out.hidden_states[k] for k in TEXT_LAYERS], dim=2)  # [B, L, layers, D]
-    return list(stacked.flatten(2))
 
 
 def _bn_stats(vae: AutoencoderKLFlux2, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
