@@ -223,7 +223,10 @@ def test_predict_equals_pipeline_transformer_call(pipe, references):
     torch.testing.assert_close(ours, theirs)
 
 
-def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "fixture", "pipeline"), [("flux2", "fx", "pipe"), ("flux2_klein", "klein", "klein_pipe")]
+)
+def test_saved_lora_loads_in_the_diffusers_pipeline(name, fixture, pipeline, request, tmp_path):
     """What training writes by default (kohya: `lora_unet_` + BFL names, fused `qkv`, `.alpha`) is what
     diffusers' FLUX.2 LoRA loader reads too, with the same result. (Its loader for the comfy layout,
     `diffusion_model.` names, raises on `.alpha` keys, which is why the default is kohya.)"""
@@ -232,15 +235,16 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     from tuner.networks.targets import TargetSpec
     from tuner.registry import resolve_save_format
 
-    record = ARCHITECTURES["flux2"]
-    model = flux2.load_transformer(fx["diffusers"], torch.float32)
+    fx, pipe = request.getfixturevalue(fixture), request.getfixturevalue(pipeline)
+    record = ARCHITECTURES[name]
+    model = flux2.load_transformer(fx["diffusers"], torch.float32, klein=name == "flux2_klein")
     network = LoRANetwork.apply_to(
         model, TargetSpec(record.default_targets), rank=4, alpha=2, name_map=record.key_table()
     )
     gen = torch.Generator().manual_seed(0)
     for adapter in network:
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
-    network.save(tmp_path / "lora.safetensors", format=resolve_save_format("flux2", "auto"))
+    network.save(tmp_path / "lora.safetensors", format=resolve_save_format(name, "auto"))
     saved = load_file(tmp_path / "lora.safetensors")
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in saved
     assert "lora_unet_single_blocks_0_linear1.alpha" in saved
@@ -347,6 +351,17 @@ def test_dev_file_given_to_klein_names_flux2(fx):
         flux2.load_transformer(fx["transformer_file"], torch.float32, klein=True)
     with pytest.raises(CheckpointError, match="not the Qwen3 text encoder"):
         flux2_text.load_text_encoder(fx["diffusers"], None, torch.float32, flux2_text.QWEN3)
+    with pytest.raises(CheckpointError, match='a Mistral-Small text encoder.*architecture = "flux2"'):
+        flux2_text.load_text_encoder(
+            fx["text_encoder_file"], fx["tokenizer"], torch.float32, flux2_text.QWEN3
+        )
+
+
+def test_klein_text_encoder_given_to_dev_names_flux2_klein(klein):
+    with pytest.raises(CheckpointError, match='a Qwen3 text encoder.*architecture = "flux2_klein"'):
+        flux2_text.load_text_encoder(
+            klein["text_encoder_file"], klein["tokenizer"], torch.float32, flux2_text.MISTRAL
+        )
 
 
 def test_klein_prompt_embeddings_equal_pipeline(klein_pipe, klein):
@@ -386,3 +401,26 @@ def test_klein_shares_dev_tables():
 
     assert architecture_keys("flux2_klein") is architecture_keys("flux2")
     assert ARCHITECTURES["flux2_klein"].save_format == ARCHITECTURES["flux2"].save_format == "kohya"
+
+
+def test_chat_template_kept_by_the_processor_is_used(fx, encoder, tmp_path):
+    """FLUX.2-dev's tokenizer/ is a processor folder whose chat template sits in chat_template.json."""
+    import json
+    import shutil
+
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(fx["tokenizer"], folder)
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        path = folder / name
+        if name == "tokenizer_config.json":
+            config = json.loads(path.read_text())
+            config.pop("chat_template", None)
+            path.write_text(json.dumps(config))
+        else:
+            path.unlink(missing_ok=True)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": encoder.tokenizer.chat_template}))
+    loaded = flux2_text.load_text_encoder(fx["text_encoder_file"], folder, torch.float32, flux2_text.MISTRAL)
+    assert loaded.tokenizer.chat_template == encoder.tokenizer.chat_template
+    (folder / "chat_template.json").unlink()
+    with pytest.raises(CheckpointError, match="no chat template"):
+        flux2_text.load_text_encoder(fx["text_encoder_file"], folder, torch.float32, flux2_text.MISTRAL)

@@ -50,6 +50,7 @@ class LanguageModel:
     """One FLUX.2 text encoder: what it is, where its variants are, how it formats and reads prompts."""
 
     what: str
+    architecture: str  # the record that trains with it
     model_class: str  # transformers' base-model class
     config_class: str
     model_types: tuple[str, ...]  # config.json `model_type`s of its diffusers folder
@@ -60,6 +61,7 @@ class LanguageModel:
 
 MISTRAL = LanguageModel(
     what="Mistral-Small text encoder (FLUX.2 dev)",
+    architecture="flux2",
     model_class="MistralModel",
     config_class="MistralConfig",
     model_types=("mistral3", "mistral"),
@@ -89,6 +91,7 @@ MISTRAL = LanguageModel(
 
 QWEN3 = LanguageModel(
     what="Qwen3 text encoder (FLUX.2 klein)",
+    architecture="flux2_klein",
     model_class="Qwen3Model",
     config_class="Qwen3Config",
     model_types=("qwen3",),
@@ -181,6 +184,12 @@ def load_text_encoder(
     lm_shapes = {k: shapes[stored] for k, stored in names.items()}
     if not all(k in lm_shapes for k in _MARKERS):
         raise wrong_architecture(path, list(shapes), kind.what, _MARKERS)
+    for other in (MISTRAL, QWEN3):
+        if other is not kind and any(not v.mismatches(lm_shapes) for v in other.variants):
+            raise CheckpointError(
+                f'{path}: a {other.what}, not the {kind.what}. Set model.architecture = "{other.architecture}" '
+                "to train the model it belongs to, or point to the right text encoder."
+            )
     variant = pick_variant(lm_shapes, kind.variants, path, kind.what)
     config = getattr(transformers, kind.config_class).from_pretrained(variant.config_dir)
     model_class = getattr(transformers, kind.model_class)
@@ -190,7 +199,27 @@ def load_text_encoder(
     tensors = {k: v for f in files for k, v in load_tensors(f).items()}
     state_dict = normalize_state_dict({k: tensors[stored] for k, stored in names.items()}, dtype)
     model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype).eval()
-    return TextEncoder(model, load_tokenizer(tokenizer or found, path, kind.tokenizer_hint), kind)
+    tokenizer_dir = tokenizer or found
+    loaded = load_tokenizer(tokenizer_dir, path, kind.tokenizer_hint)
+    if getattr(loaded, "chat_template", None) is None:
+        loaded.chat_template = processor_chat_template(Path(tokenizer_dir))
+    return TextEncoder(model, loaded, kind)
+
+
+def processor_chat_template(folder: Path) -> str:
+    """The chat template a processor folder keeps beside its tokenizer (FLUX.2-dev's `tokenizer/` is a
+    PixtralProcessor's: the template is in `chat_template.json` / `.jinja`, which the tokenizer alone does
+    not read). The pipelines format prompts with it."""
+    import json
+
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if (folder / "chat_template.json").is_file():
+        return json.loads((folder / "chat_template.json").read_text(encoding="utf-8"))["chat_template"]
+    raise CheckpointError(
+        f"{folder}: this tokenizer has no chat template (tokenizer_config.json, chat_template.jinja or "
+        "chat_template.json); FLUX.2 formats prompts as a chat. Use the release's tokenizer/ folder."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
