@@ -87,6 +87,15 @@ def test_vae_layouts_are_identical(fx):
     assert {"encoder.quant_conv.weight", "decoder.post_quant_conv.weight", "bn.running_var"} <= keys
 
 
+def test_vae_file_with_the_batchnorm_counter_loads(fx, tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = load_file(fx["vae_file"]) | {"bn.num_batches_tracked": torch.tensor(7)}
+    save_file(tensors, tmp_path / "ae.safetensors")
+    vae = flux2.load_vae(tmp_path / "ae.safetensors", torch.float32)
+    assert int(vae.bn.num_batches_tracked) == 7
+
+
 def test_text_encoder_layouts_are_identical(fx, encoder):
     folder = flux2_text.load_text_encoder(fx["diffusers"], None, torch.float32, flux2_text.MISTRAL)
     assert_same_weights(encoder.model, folder.model)

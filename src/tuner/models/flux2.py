@@ -198,6 +198,8 @@ VAE_SPEC = SingleFileSpec(
     original_markers=_ORIGINAL_VAE_MARKERS,
     diffusers_markers=("encoder.down_blocks.0.resnets.0.conv1.weight", "bn.running_mean"),
     to_original=vae_key_to_original,  # both known variants have 4 levels
+    # BatchNorm's step counter: some files store it, some do not; identification ignores it
+    aliases={_BN_COUNTER: "bn.running_mean"},
 )
 
 
