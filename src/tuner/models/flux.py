@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.flux2 import is_flux2_file
 from tuner.models.flux_keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
@@ -257,6 +256,8 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> FluxTransformer2DM
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         return load_diffusers_folder(FluxTransformer2DModel, folder, dtype, "FluxTransformer2DModel")
+    from tuner.models.flux2 import is_flux2_file  # here: tuner.models.flux2 builds on this module
+
     if is_flux2_file(normalize_shapes(read_tensor_shapes(path))):  # same block names, another network
         raise CheckpointError(
             f'{path}: a FLUX.2 transformer (shared stream modulations), not FLUX.1. Set model.architecture = "flux2".'

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.errors import CheckpointError
+from tuner.models.flux import _from_state_dict  # a diffusers model holding exactly a state dict
 from tuner.models.flux2_keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
@@ -42,8 +43,6 @@ from tuner.models.identify import (
     identify_single_file,
 )
 from tuner.models.loading import (
-    assert_materialized,
-    cast_like_from_pretrained_,
     load_diffusers_folder,
     load_tensors,
     normalize_shapes,
@@ -267,21 +266,6 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLFlux2:
         state_dict = vae_to_diffusers(state_dict, _levels(variant))
     state_dict.setdefault(_BN_COUNTER, torch.tensor(0))
     return _from_state_dict(AutoencoderKLFlux2, state_dict, variant.config_dir, dtype, Path(path))
-
-
-def _from_state_dict(
-    model_cls: type, state_dict: dict[str, torch.Tensor], config_dir: Path, dtype: torch.dtype, path: Path
-) -> torch.nn.Module:
-    """A diffusers model of the shipped config holding exactly `state_dict`, cast as `from_pretrained` casts."""
-    with torch.device("meta"):
-        model = model_cls.from_config(model_cls.load_config(config_dir))
-    try:
-        model.load_state_dict(state_dict, strict=True, assign=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
-    assert_materialized(model, path)
-    cast_like_from_pretrained_(model, dtype)
-    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------------------
