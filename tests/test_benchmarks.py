@@ -49,6 +49,15 @@ def test_train_overhead_smoke(bench, capsys):
     assert "device cpu" in out
 
 
+@pytest.mark.slow
+def test_optimizers_smoke(bench, capsys):
+    bench("optimizers").main(["--steps", "2", "--tail", "1", "--only", "adamw", "adamw8bitkahan"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    assert [r[1].strip() for r in rows] == ["`adamw`", "`adamw8bitkahan`"]
+    assert [float(r[3]) for r in rows] == [8.0, pytest.approx(2.0, abs=0.05)]  # fp32 weights: no compensation
+    assert all(math.isfinite(float(r[4])) for r in rows)
+
+
 def test_cache_read_smoke(bench, capsys, tmp_path):
     argv = ["--n", "24", "--workers", "2", "--shape", "4,2,8,8", "--rounds", "1", "--dir", str(tmp_path)]
     bench("cache_read").main(argv)

@@ -1,17 +1,23 @@
 """Optimizers and learning-rate schedules, built from plain names and numbers.
 
-Optimizer names (`build_optimizer`), matched without regard to case:
+Optimizer names (`build_optimizer`), matched without regard to case; `docs/optimizers.md` says what
+each is for, its memory per parameter and its arguments:
 
 - `adamw`: `torch.optim.AdamW`, with the fused kernel when every parameter is on CUDA (one kernel
   launch for all tensors) and the multi-tensor `foreach` path otherwise.
-- `adamw8bit`: bitsandbytes' AdamW8bit. Adam's two moment tensors are stored in 8 bits with block-wise
-  scales, cutting optimizer memory from 8 to about 2 bytes per parameter (it runs on CPU too).
 - `adafactor`: transformers' Adafactor, which keeps factored second moments (a row and a column vector
   per matrix instead of a full matrix). Given an lr it runs as a plain optimizer (relative_step,
   scale_parameter and warmup_init off); with lr None it computes its own relative step size.
+- the names in `NAMED`: bitsandbytes' 8-bit and paged AdamW and Lion, Prodigy (`prodigyopt`),
+  schedule-free AdamW (`schedulefree`), CAME (`pytorch_optimizer`), and our Automagic and
+  AdamW8bitKahan (`tuner.optimizers`). Those from optional packages name the extra that installs them.
 - any other class in `torch.optim` by name (`SGD`, `RAdam`, ...; `LBFGS` is left out because it needs
-  a closure each step), or a dotted import path `package.module.Class` (Prodigy, schedule-free, or
-  `torch.optim.Adafactor`, whose short name `adafactor` means transformers' version here).
+  a closure each step), or a dotted import path `package.module.Class` (`torch.optim.Adafactor`, whose
+  short name `adafactor` means transformers' version here).
+
+Schedule-free optimizers keep two sequences of weights: the one gradients are taken at (`train()` mode)
+and the average that is the model to use (`eval()` mode). `averaged_weights` switches to `eval()` around
+sampling, validation and adapter export, so samples and saved adapters are the averaged weights.
 
 Schedules (`build_scheduler`) multiply the optimizer's lr by a factor f(step):
 
@@ -28,11 +34,12 @@ linear and restarts, so the factor is the small pure function `lr_factor` below,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -40,7 +47,20 @@ import torch
 from tuner.config.fields import did_you_mean
 from tuner.errors import ConfigError
 
-BUILTIN_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor")
+# name -> ("module:Class", the pip extra that installs the module, or "" when it is a dependency)
+NAMED = {
+    "adamw8bit": ("bitsandbytes.optim:AdamW8bit", ""),
+    "paged_adamw8bit": ("bitsandbytes.optim:PagedAdamW8bit", ""),
+    "lion": ("bitsandbytes.optim:Lion", ""),
+    "lion8bit": ("bitsandbytes.optim:Lion8bit", ""),
+    "paged_lion8bit": ("bitsandbytes.optim:PagedLion8bit", ""),
+    "prodigy": ("prodigyopt:Prodigy", "prodigy"),
+    "adamw_schedulefree": ("schedulefree:AdamWScheduleFree", "schedulefree"),
+    "came": ("pytorch_optimizer:CAME", "came"),
+    "automagic": ("tuner.optimizers.automagic:Automagic", ""),
+    "adamw8bitkahan": ("tuner.optimizers.kahan:AdamW8bitKahan", ""),
+}
+BUILTIN_OPTIMIZERS = ("adamw", "adafactor", *NAMED)
 SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts")
 # Torch optimizers that cannot run in a plain `loss.backward(); optimizer.step()` loop.
 _TORCH_EXCLUDED = ("Optimizer", "LBFGS")
@@ -82,10 +102,16 @@ def resolve_optimizer(name: str) -> type:
     key = name.lower()
     if key == "adamw":
         return torch.optim.AdamW
-    if key == "adamw8bit":
-        import bitsandbytes  # imported here: it is slow to import and prints noise on CPU
-
-        return bitsandbytes.optim.AdamW8bit
+    if key in NAMED:  # imported only when asked for: bitsandbytes is slow to import and noisy on CPU
+        path, extra = NAMED[key]
+        module_name, attr = path.split(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except ImportError as e:
+            raise ConfigError(
+                f"optimizer '{name}' needs the package '{module_name}' ({e}); install it with "
+                f"pip install 'tuner[{extra}]'."
+            ) from e
     if key == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -100,6 +126,41 @@ def resolve_optimizer(name: str) -> type:
         f"optimizer '{name}' is not known; choose one of {', '.join(choices)}, or give a dotted "
         f"'package.module.Class' path." + did_you_mean(name.lower(), [c.lower() for c in choices])
     )
+
+
+def schedule_free(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The schedule-free optimizer (one with train/eval modes) that `optimizer` is or that an Accelerate
+    wrapper holds, or None."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return (
+        inner if callable(getattr(inner, "eval", None)) and callable(getattr(inner, "train", None)) else None
+    )
+
+
+@contextlib.contextmanager
+def averaged_weights(optimizer: Any) -> Iterator[None]:
+    """Schedule-free optimizers take gradients at one point and keep the model to use at another, an
+    average of the iterates: inside this block the weights are that average (`eval()` mode), and leaving
+    it returns to `train()` mode, where steps are taken, with the training weights exactly as they were.
+    Sampling, validation and adapter export run inside it; the saved training state stays in train mode,
+    so a resumed run continues bit for bit.
+    Other optimizers pass through."""
+    inner = schedule_free(optimizer)
+    if inner is None:
+        yield
+        return
+    # train() after eval() gives the training point back only up to rounding; keep it exactly, so a run
+    # that samples or saves here takes the same steps as one that does not
+    params = [p for group in inner.param_groups for p in group["params"]]
+    kept = [p.detach().clone() for p in params]
+    inner.eval()
+    try:
+        yield
+    finally:
+        inner.train()
+        with torch.no_grad():
+            for p, value in zip(params, kept):
+                p.copy_(value)
 
 
 def _normalize_groups(param_groups: Iterable) -> list[dict[str, Any]]:

@@ -227,6 +227,18 @@ ARCHITECTURES: dict[str, Architecture] = {
             trainer="tuner.trainers.flux:FluxKontextTrainer",
             fixture="tuner.fixtures.flux:KONTEXT_FIXTURE",
         ),
+        # Chroma: FLUX.1-schnell with T5 only and a guidance approximator in place of the modulation
+        # linears; the release keeps FLUX.1's names, fused layers and adapter targets
+        replace(
+            _FLUX,
+            name="chroma",
+            title="Chroma text-to-image (FLUX.1-schnell based, T5 only)",
+            trainer="tuner.trainers.chroma:ChromaTrainer",
+            layout="tuner.models.chroma_keys:CHROMA_LAYOUT",
+            fixture="tuner.fixtures.chroma:FIXTURE",
+            model_class="ChromaTransformer2DModel",
+            configs="chroma",
+        ),
         _QWEN_IMAGE,
         # Qwen-Image-Edit 2509 / 2511: the same network given one to three control images
         replace(

@@ -98,6 +98,13 @@ class CacheConfig:
         "Precision of the text encoder while caching: fp8 stores its weights as float8 with scales; int8 / nf4 "
         "use bitsandbytes.",
     )
+    text_encoder_blocks_to_swap: int = option(
+        0,
+        "Layers of each text encoder kept in pinned host memory and streamed to the GPU ahead of use while "
+        "caching and generating (a CUDA device only), for encoders larger than the GPU (FLUX.2 dev's 24B "
+        "Mistral): at most that encoder's layer count. Works with bf16 / fp16 / fp8, not with int8 / nf4.",
+        ge=0,
+    )
     text_max_length: int = option(512, "Longest caption in tokens; longer captions are cut to it.", ge=1)
     commit_every_seconds: float = option(
         30.0,
@@ -105,6 +112,14 @@ class CacheConfig:
         "this many seconds of encoding. 0 commits after every item.",
         ge=0,
     )
+
+    def __post_init__(self) -> None:
+        if self.text_encoder_blocks_to_swap and self.text_encoder_dtype in ("int8", "nf4"):
+            raise ConfigError(
+                f"cache.text_encoder_blocks_to_swap = {self.text_encoder_blocks_to_swap} cannot stream "
+                f"bitsandbytes {self.text_encoder_dtype} layers: set cache.text_encoder_dtype to 'fp8' (or "
+                "bf16) to stream, or text_encoder_blocks_to_swap = 0 to keep the quantized encoder resident"
+            )
 
 
 @dataclass(frozen=True)
@@ -173,7 +188,11 @@ class TrainConfig:
     learning_rate: float = option(
         1e-4, "Peak learning rate (at most 10: larger ones only train to NaN).", gt=0, le=10
     )
-    optimizer: str = option("adamw", "adamw, adamw8bit, adafactor, any torch.optim class, or a dotted path.")
+    optimizer: str = option(
+        "adamw",
+        "adamw, adamw8bit, paged_adamw8bit, adafactor, lion, lion8bit, paged_lion8bit, prodigy, adamw_schedulefree, "
+        "came, automagic, adamw8bitkahan (see docs/optimizers.md), any torch.optim class, or a dotted path.",
+    )
     optimizer_args: dict[str, Any] = option(factory=dict, doc="Keyword arguments passed to the optimizer.")
     lr_scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts"] = option(
         "constant", "Learning-rate schedule after warmup."
@@ -210,6 +229,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.validation_timesteps or not all(0 <= t <= 1 for t in self.validation_timesteps):
             raise ConfigError("key 'train.validation_timesteps': give one or more values in [0, 1].")
+        if "schedulefree" in self.optimizer.lower() and (
+            self.lr_scheduler != "constant" or self.lr_warmup_steps
+        ):
+            raise ConfigError(
+                f"train.optimizer = {self.optimizer!r} schedules its own learning rate: set train.lr_scheduler = "
+                "'constant' and train.lr_warmup_steps = 0, and give warm-up as "
+                "train.optimizer_args = { warmup_steps = N }."
+            )
 
 
 @dataclass(frozen=True)

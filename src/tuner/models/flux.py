@@ -171,6 +171,9 @@ T5_VARIANTS = (
     ),
 )
 
+# Chroma (`tuner.models.chroma`) is FLUX.1-schnell with a guidance approximator in place of the
+# modulation linears; a Chroma file has FLUX.1's names otherwise.
+CHROMA_MARKER = "distilled_guidance_layer.in_proj.weight"
 _ORIGINAL_TRANSFORMER_MARKERS = ("double_blocks.0.img_attn.qkv.weight", "img_in.weight")
 _ORIGINAL_VAE_MARKERS = ("encoder.down.0.block.0.conv1.weight", "decoder.up.0.block.0.conv1.weight")
 
@@ -254,6 +257,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> FluxTransformer2DM
     from diffusers import FluxTransformer2DModel
 
     folder = resolve_folder(path, "transformer")
+    _refuse_chroma(path, folder)
     if folder is not None:
         return load_diffusers_folder(FluxTransformer2DModel, folder, dtype, "FluxTransformer2DModel")
     from tuner.models.flux2 import is_flux2_file  # here: tuner.models.flux2 builds on this module
@@ -266,7 +270,20 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> FluxTransformer2DM
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_TRANSFORMER_MARKERS):
         state_dict = transformer_to_diffusers(state_dict)
-    return _from_state_dict(FluxTransformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    return from_state_dict(FluxTransformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+
+
+def _refuse_chroma(path: str | Path, folder: Path | None) -> None:
+    """Chroma keeps FLUX.1's names; its guidance approximator (same name in both layouts) tells it apart."""
+    if folder is not None:
+        chroma = read_folder_config(folder).get("_class_name") == "ChromaTransformer2DModel"
+    else:
+        chroma = CHROMA_MARKER in normalize_shapes(read_tensor_shapes(path))
+    if chroma:
+        raise CheckpointError(
+            f'{path}: this is a Chroma transformer (it has distilled_guidance_layer), which architecture "flux" '
+            'does not train; use architecture = "chroma".'
+        )
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
@@ -280,15 +297,18 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_VAE_MARKERS):
         state_dict = vae_to_diffusers(state_dict, _levels(variant))
-    return _from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, Path(path))
+    return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, Path(path))
 
 
-def _from_state_dict(
+def from_state_dict(
     model_cls: type, state_dict: dict[str, torch.Tensor], config_dir: Path, dtype: torch.dtype, path: Path
 ) -> torch.nn.Module:
     """A diffusers model of the shipped config holding exactly `state_dict` (diffusers keys), cast the
-    way `from_pretrained` casts. Built on the meta device, so no memory goes to random init."""
-    with torch.device("meta"):
+    way `from_pretrained` casts. Parameters are built on the meta device, so no memory goes to random
+    init; buffers are real (Chroma computes its non-persistent `mod_proj` table at construction)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
         model = model_cls.from_config(model_cls.load_config(config_dir))
     try:
         model.load_state_dict(state_dict, strict=True, assign=True)
@@ -330,7 +350,7 @@ def load_text_encoders(
                 "at a FLUX.1 diffusers pipeline folder."
             )
     clip, found = _load_clip(clip_path, dtype)
-    t5, found_2 = _load_t5(t5_path, dtype)
+    t5, found_2 = load_t5(t5_path, dtype)
     return TextEncoders(
         clip,
         load_tokenizer(clip_tokenizer or found, clip_path, "CLIP (the tokenizer/ folder of FLUX.1)"),
@@ -366,13 +386,18 @@ def _clip_names(tensors: Mapping[str, T]) -> dict[str, T]:
     return {k: v for k, v in named.items() if k not in _CLIP_EXTRAS}
 
 
-def _load_t5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:
-    """The T5 encoder, and the tokenizer folder beside it in a diffusers layout (else None)."""
+def load_t5(
+    path: str | Path, dtype: torch.dtype, subfolder: str = "text_encoder_2", tokenizer: str = "tokenizer_2"
+) -> tuple[T5EncoderModel, Path | None]:
+    """The T5 encoder, and the tokenizer folder beside it in a diffusers layout (else None).
+
+    `subfolder` / `tokenizer` name the pipeline's folders (FLUX.1: `text_encoder_2/`, `tokenizer_2/`;
+    Chroma, whose only encoder is T5: `text_encoder/`, `tokenizer/`)."""
     from transformers import T5Config, T5EncoderModel
 
-    folder = resolve_folder(path, "text_encoder_2")
+    folder = resolve_folder(path, subfolder)
     if folder is not None:
-        return _from_pretrained(T5EncoderModel, folder, dtype, "t5"), _sibling(folder, "tokenizer_2")
+        return _from_pretrained(T5EncoderModel, folder, dtype, "t5"), _sibling(folder, tokenizer)
     variant = identify_single_file(path, T5_SPEC)
     state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), _TIED_EMBEDDING)
     config = T5Config.from_pretrained(variant.config_dir)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.flux import _from_state_dict  # a diffusers model holding exactly a state dict
+from tuner.models.flux import from_state_dict  # a diffusers model holding exactly a state dict
 from tuner.models.flux2_keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
@@ -236,7 +236,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype, klein: bool = False) 
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_MARKERS):
         state_dict = transformer_to_diffusers(state_dict)
-    return _from_state_dict(Flux2Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    return from_state_dict(Flux2Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
 
 
 def _check_family(path: str | Path, is_klein: bool, klein: bool) -> None:
@@ -265,7 +265,7 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLFlux2:
     if all(k in state_dict for k in _ORIGINAL_VAE_MARKERS):
         state_dict = vae_to_diffusers(state_dict, _levels(variant))
     state_dict.setdefault(_BN_COUNTER, torch.tensor(0))
-    return _from_state_dict(AutoencoderKLFlux2, state_dict, variant.config_dir, dtype, Path(path))
+    return from_state_dict(AutoencoderKLFlux2, state_dict, variant.config_dir, dtype, Path(path))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -364,9 +364,10 @@ def block_modules(model: nn.Module, block_lists: Sequence[str]) -> list[nn.Modul
     """The blocks of `model` in execution order, from its block-list attribute names."""
     blocks: list[nn.Module] = []
     for name in block_lists:
-        container = getattr(model, name, None)
-        if container is None:
-            raise TunerError(f"{type(model).__name__} has no block list {name!r}")
+        try:
+            container = model.get_submodule(name)  # dotted paths too (a text encoder's `encoder.block`)
+        except AttributeError:
+            raise TunerError(f"{type(model).__name__} has no block list {name!r}") from None
         blocks.extend(container)
     if not blocks:
         raise TunerError(f"{type(model).__name__} has no blocks in {list(block_lists)}")

@@ -34,6 +34,7 @@ from tuner import registry
 from tuner.config import Config
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, TrainingError
+from tuner.optim import averaged_weights, schedule_free
 from tuner.trainers import report
 
 
@@ -354,6 +355,8 @@ class NetworkTrainer:
             checkpoints, samples, report.adapter_metadata(self, data), total_steps,
             _accumulation_groups(batches_per_epoch, tc.gradient_accumulation_steps), pos, log,
         )  # fmt: skip
+        if sf := schedule_free(optimizer):
+            sf.train()  # schedule-free optimizers take their steps in train mode
         if samples and sc.at_start and pos.step == 0:
             samples.draw(model, trained, 0, log)
         run.progress = _progress(total_steps, pos.step, accelerator.is_main_process)
@@ -421,6 +424,11 @@ class NetworkTrainer:
         self.step_seconds.append(now - run.last_step_end)
         run.last_step_end = now
         step_loss, lr = self.history[-1], run.scheduler.get_last_lr()[0]
+        inner = getattr(run.optimizer, "optimizer", run.optimizer)
+        if hasattr(
+            inner, "mean_lr"
+        ):  # per-element rates (Automagic): their mean, the schedule's scale included
+            lr = inner.mean_lr() * lr / inner.param_groups[0]["start_lr"]
         run.progress.update(1)
         # refresh=False: the bar redraws on its own clock (mininterval), not on every step
         finite = [v for v in run.recent if math.isfinite(v)]  # skipped NaN steps must not poison the mean
@@ -434,13 +442,15 @@ class NetworkTrainer:
         sc = self.cfg.sample
         if sc.every_n_steps and run.pos.step % sc.every_n_steps == 0 and sc.prompts:
             if run.samples:  # the main process draws; the others wait for it
-                run.samples.draw(run.model, run.trained, run.pos.step, run.log)
+                with averaged_weights(run.optimizer):
+                    run.samples.draw(run.model, run.trained, run.pos.step, run.log)
             run.accelerator.wait_for_everyone()
 
     def _maybe_validate(self, run: _Run) -> None:
         every, step = self.cfg.train.validate_every_n_steps, run.pos.step
         if run.held_out and ((every and step % every == 0) or step >= run.total_steps):
-            val_loss = self.validation_loss(run.model, run.trained, run.held_out, run.accelerator)
+            with averaged_weights(run.optimizer):
+                val_loss = self.validation_loss(run.model, run.trained, run.held_out, run.accelerator)
             self.val_history.append((step, val_loss))
             run.log(f"step {step}: validation loss {val_loss:.4f}")
             if self.cfg.log.tensorboard:

@@ -41,6 +41,7 @@ import torch
 
 from tuner.errors import CheckpointError
 from tuner.io import write_text
+from tuner.optim import averaged_weights
 from tuner.trainers import state
 
 STATE_DIR = "state"
@@ -96,8 +97,9 @@ class Checkpoints:
                 self._save_state(network, pos)
             if acc.is_main_process:
                 meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
-                network.save(adapter, export_name, dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta,
-                             format=self.cfg.format)  # fmt: skip
+                with averaged_weights(self.parts.get("optimizer")):  # schedule-free: export the average
+                    network.save(adapter, export_name, dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta,
+                                 format=self.cfg.format)  # fmt: skip
                 self._keep_last()
         except OSError as e:
             raise self._write_error(e, network, pos) from None

@@ -43,7 +43,7 @@ class FluxTrainer(NetworkTrainer):
             text_encoder_dtype(dtype),
         )
         for model in (encoders.clip, encoders.t5):
-            place_text_encoder(model, dtype, device)
+            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoders
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ class Flux2Trainer(NetworkTrainer):
         encoder = flux2_text.load_text_encoder(
             path, tokenizer, text_encoder_dtype(dtype), self.text_encoder_kind
         )
-        place_text_encoder(encoder.model, dtype, device)
+        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoder
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ class QwenImageTrainer(NetworkTrainer):
             self.cfg.model.tokenizer or None,
             text_encoder_dtype(dtype),
         )
-        place_text_encoder(encoder.model, dtype, device)
-        return encoder.to(device)
+        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoder
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         return qwen_image.encode_images(vae, pixels)

@@ -53,7 +53,7 @@ class WanTrainer(NetworkTrainer):
             self.cfg.model.tokenizer or None,
             text_encoder_dtype(dtype),
         )
-        return place_text_encoder(model, dtype, device), tokenizer
+        return place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap), tokenizer
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         return wan.encode_video(vae, pixels)
