@@ -158,6 +158,14 @@ def test_flux1_file_given_to_flux2_names_flux(tmp_path):
         flux2.load_transformer(paths["transformer_file"], torch.float32)
 
 
+def test_chroma_file_given_to_flux2_names_chroma(tmp_path):
+    from tuner.fixtures.chroma import write_chroma_fixture
+
+    paths = write_chroma_fixture(tmp_path / "chroma", seed=0)
+    with pytest.raises(CheckpointError, match=r'Chroma transformer.*model\.architecture = "chroma"'):
+        flux2.load_transformer(paths["transformer_file"], torch.float32)
+
+
 def test_flux2_file_given_to_flux_names_flux2(fx):
     with pytest.raises(CheckpointError, match=r'FLUX\.2 transformer.*model\.architecture = "flux2"'):
         flux.load_transformer(fx["transformer_file"], torch.float32)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.flux import from_state_dict  # a diffusers model holding exactly a state dict
+from tuner.models.flux import CHROMA_MARKER, from_state_dict
 from tuner.models.flux2_keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
@@ -230,6 +230,10 @@ def load_transformer(path: str | Path, dtype: torch.dtype, klein: bool = False) 
         raise CheckpointError(
             f"{path}: a FLUX.1 transformer (per-block modulation `double_blocks.0.img_mod`), not FLUX.2. "
             'Set model.architecture = "flux" (or "flux_kontext") to train it.'
+        )
+    if CHROMA_MARKER in shapes:
+        raise CheckpointError(
+            f'{path}: a Chroma transformer (it has distilled_guidance_layer), not FLUX.2. Set model.architecture = "chroma".'
         )
     variant = identify_single_file(path, TRANSFORMER_SPEC)
     _check_family(path, variant.name in KLEIN_VARIANTS, klein)
