@@ -216,6 +216,29 @@ _SD3 = Architecture(
     save_format="comfy",
 )
 
+_FLUX2 = Architecture(
+    name="flux2",
+    title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
+    trainer="tuner.trainers.flux2:Flux2Trainer",
+    layout="tuner.models.flux2_keys:FLUX2_LAYOUT",
+    fixture="tuner.fixtures.flux2:FIXTURE",
+    model_class="Flux2Transformer2DModel",
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # attention and MLP linears of both streams in the double blocks (q/k/v together are the original
+    # fused `qkv`, so the export can fuse them) and the fused input / output linears of the single
+    # blocks (`linear1` / `linear2`, fused in diffusers too). The shared modulations, embedders and the
+    # output head are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)",
+        r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
+    ),
+    configs="flux2",
+    # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
+    # them (its loader for the comfy layout refuses `.alpha` keys)
+    save_format="kohya",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -296,6 +319,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         _HUNYUAN_VIDEO,
         _HIDREAM,
         _SD3,
+        _FLUX2,
+        # FLUX.2 klein 4B / 9B: the FLUX.2 network, smaller, without the guidance embedding, on Qwen3
+        replace(
+            _FLUX2,
+            name="flux2_klein",
+            title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
+            trainer="tuner.trainers.flux2:Flux2KleinTrainer",
+            fixture="tuner.fixtures.flux2:KLEIN_FIXTURE",
+        ),
     )
 }
 

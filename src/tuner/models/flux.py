@@ -260,6 +260,12 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> FluxTransformer2DM
     _refuse_chroma(path, folder)
     if folder is not None:
         return load_diffusers_folder(FluxTransformer2DModel, folder, dtype, "FluxTransformer2DModel")
+    from tuner.models.flux2 import is_flux2_file  # here: tuner.models.flux2 builds on this module
+
+    if is_flux2_file(normalize_shapes(read_tensor_shapes(path))):  # same block names, another network
+        raise CheckpointError(
+            f'{path}: a FLUX.2 transformer (shared stream modulations), not FLUX.1. Set model.architecture = "flux2".'
+        )
     variant = identify_single_file(path, TRANSFORMER_SPEC)
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_TRANSFORMER_MARKERS):
