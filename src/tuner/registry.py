@@ -148,6 +148,27 @@ _QWEN_IMAGE = Architecture(
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
 )
 
+_Z_IMAGE = Architecture(
+    name="z_image",
+    title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
+    trainer="tuner.trainers.z_image:ZImageTrainer",
+    layout="tuner.models.z_image:Z_IMAGE_LAYOUT",
+    fixture="tuner.fixtures.z_image:FIXTURE",
+    model_class="ZImageTransformer2DModel",
+    block_lists=("noise_refiner", "context_refiner", "layers"),
+    # q/k/v (the release's fused `attention.qkv`), the output projection and the SwiGLU MLP of every
+    # block, refiners included; the modulations, embedders and final layer are left alone
+    default_targets=(
+        r"(noise_refiner|context_refiner|layers)\.\d+\.attention\.(to_q|to_k|to_v|to_out\.0)",
+        r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
+    ),
+    configs="z_image",
+    # the release's names (fused `attention.qkv`), what ComfyUI maps and full fine-tunes are saved in.
+    # diffusers' Z-Image converter does not split a fused qkv adapter: for diffusers, save.format =
+    # "diffusers" (which ComfyUI maps onto the qkv rows too)
+    save_format="comfy",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -225,6 +246,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             trainer="tuner.trainers.qwen_image:QwenImageEditTrainer",
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
+        _Z_IMAGE,
     )
 }
 
