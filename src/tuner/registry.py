@@ -163,10 +163,10 @@ _Z_IMAGE = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
     ),
     configs="z_image",
-    # the release's names (fused `attention.qkv`), what ComfyUI maps and full fine-tunes are saved in.
-    # diffusers' Z-Image converter does not split a fused qkv adapter: for diffusers, save.format =
-    # "diffusers" (which ComfyUI maps onto the qkv rows too)
-    save_format="comfy",
+    # the release's names (fused `attention.qkv`, `attention.out`) in kohya's spelling: ComfyUI maps
+    # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
+    # `attention.out.alpha` unread and refuses it)
+    save_format="kohya",
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
