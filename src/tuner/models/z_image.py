@@ -138,8 +138,11 @@ _DIFFUSERS_MARKERS = ("all_x_embedder.2-1.weight", "cap_embedder.1.weight", "lay
 
 
 def is_turbo(path: str | Path) -> bool:
-    """Whether a transformer file or folder is Z-Image-Turbo, by its name (the shapes equal Base's)."""
-    return "turbo" in str(path).lower()
+    """Whether a transformer file or folder is Z-Image-Turbo, by its name (the shapes equal Base's): the
+    file's, or a diffusers folder's and its parent's (`Z-Image-Turbo/transformer`)."""
+    path = Path(path)
+    names = [path.name] if path.is_file() else [path.name, path.parent.name]
+    return any("turbo" in name.lower() for name in names)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,10 +5,13 @@ patched 2×2 by the model itself, so pixel sides are multiples of 16. Text: Qwen
 hidden states stored at their true length; a batch is padded to its longest caption with a mask, and
 `predict` hands the model each caption's real rows, as the pipeline does. Sampling uses ZImagePipeline's
 constant shift of 3. Guidance: tuner's scale w is diffusers' `guidance_scale` + 1 (ZImagePipeline adds
-its scale times (cond − uncond) to cond); Turbo samples without guidance (1).
+its scale times (cond − uncond) to cond); Turbo samples without guidance (1). Training Turbo without
+`model.merge_adapters` (a de-distillation adapter) warns.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -64,3 +67,18 @@ class ZImageTrainer(NetworkTrainer):
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         factor = z_image.VAE_FACTOR
         return (z_image.LATENT_CHANNELS, height // factor, width // factor)
+
+    def build_trained(self, model: nn.Module):
+        """The adapter, after warning (once per file) when it would train Turbo's distilled weights as
+        they are: a few hundred steps undo the 8-step distillation, and the adapter then needs many
+        steps and guidance at inference. A de-distillation adapter merged first avoids that."""
+        path = self.cfg.model.transformer
+        if z_image.is_turbo(path) and not self.cfg.model.merge_adapters:
+            warnings.warn(
+                f"{path} is Z-Image-Turbo, which is step-distilled: training it directly undoes the "
+                "distillation. Merge a de-distillation (training) adapter first with model.merge_adapters "
+                '= ["zimage_turbo_training_adapter.safetensors:1.0"], or train Z-Image (Base).',
+                UserWarning,
+                stacklevel=2,
+            )
+        return super().build_trained(model)
