@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.flux import _from_state_dict
+from tuner.models.flux import from_state_dict
 from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
 from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
@@ -163,7 +163,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> ZImageTransformer2
         state_dict.pop(key, None)
     if all(k in state_dict for k in _ORIGINAL_MARKERS):
         state_dict = Z_IMAGE_LAYOUT.to_diffusers(state_dict)
-    return _from_state_dict(ZImageTransformer2DModel, state_dict, config_dir, dtype, Path(path))
+    return from_state_dict(ZImageTransformer2DModel, state_dict, config_dir, dtype, Path(path))
 
 
 def identify_transformer_file(files: str | Path) -> Path:

@@ -38,7 +38,7 @@ class ZImageTrainer(NetworkTrainer):
         encoder = z_image_text.load_text_encoder(
             self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
-        place_text_encoder(encoder.model, dtype, device)
+        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoder
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
