@@ -137,3 +137,21 @@ def test_generation_sees_the_merged_adapters(project, tmp_path):
     plain = draw("plain")
     assert np.abs(got - want).max() <= 1  # 8-bit rounding
     assert np.abs(plain - want).max() > 1
+
+
+def test_two_expert_models_refuse_merge_adapters():
+    """Which expert would an adapter go into? Two-expert models are told to merge into each file."""
+    from types import SimpleNamespace
+
+    from tuner.config.schema import ModelConfig
+    from tuner.errors import TrainingError
+    from tuner.registry import architecture
+    from tuner.trainers.wan22 import Wan22T2VTrainer
+
+    trainer = Wan22T2VTrainer.__new__(Wan22T2VTrainer)
+    model = ModelConfig(
+        architecture="wan22_t2v", transformer="high.safetensors", merge_adapters=("a.safetensors",)
+    )
+    trainer.cfg, trainer.record = SimpleNamespace(model=model), architecture("wan22_t2v")
+    with pytest.raises(TrainingError, match="merge_adapters.*tuner lora merge"):
+        trainer.merge_base_adapters(torch.nn.Linear(2, 2))
