@@ -71,22 +71,33 @@ def test_prefixed_fp8_diffusers_and_unused_key_files_load(fixture, tmp_path):
     assert z_image.is_turbo(prefixed) and not z_image.is_turbo(fixture["transformer_file"])
 
 
-def test_real_variants_are_told_apart_by_name_only(tmp_path):
-    """Turbo and Base have the same shapes: a 6B header is the `z-image` variant, and the file name picks
-    the config."""
+def test_real_variants_are_told_apart_by_name_only(monkeypatch):
+    """Turbo and Base have the same shapes: a real 6B header (in either layout) is the `z-image` variant,
+    and the file name picks Turbo's or Base's config. A Qwen3-4B header is recognised as such."""
     from diffusers import ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
 
-    from tuner.models.identify import diffusers_meta_keys, pick_variant
+    from tuner.models import identify
 
-    config = z_image.CONFIGS / "transformer" / "base"
     with torch.device("meta"):
-        model = ZImageTransformer2DModel.from_config(ZImageTransformer2DModel.load_config(config))
-    header = z_image.Z_IMAGE_LAYOUT.to_original(model.state_dict())
-    assert set(header) >= {"layers.29.attention.qkv.weight", "x_embedder.weight"}
-    assert len(diffusers_meta_keys(ZImageTransformer2DModel, config)) > len(header)  # q, k, v fused
-    shapes = {k: tuple(v.shape) for k, v in header.items()}
-    assert pick_variant(shapes, z_image.TRANSFORMER_VARIANTS, "x", "Z-Image").name == "z-image"
-    assert ZImageTransformer2DModel.load_config(z_image.TURBO_CONFIG)["dim"] == 3840
+        model = ZImageTransformer2DModel.from_config(
+            ZImageTransformer2DModel.load_config(z_image.TURBO_CONFIG)
+        )
+        qwen3 = Qwen3Model(Qwen3Config.from_pretrained(z_image_text.CONFIGS / "qwen3-4b"))
+    release = {k: tuple(v.shape) for k, v in z_image.Z_IMAGE_LAYOUT.to_original(model.state_dict()).items()}
+    assert release["layers.29.attention.qkv.weight"] == (11520, 3840)
+    diffusers_layout = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    text = {z_image_text.original_key(k): tuple(v.shape) for k, v in qwen3.state_dict().items()}
+    for header in (release, diffusers_layout, text):
+        monkeypatch.setattr(z_image, "read_shapes_of", lambda files, header=header: header)
+        monkeypatch.setattr(identify, "read_shapes_of", lambda files, header=header: header)
+        if header is text:
+            assert (
+                identify.identify_single_file("qwen_3_4b.safetensors", z_image_text.SPEC).name == "qwen3-4b"
+            )
+            continue
+        assert z_image.identify_transformer_file("z_image_turbo_bf16.safetensors") == z_image.TURBO_CONFIG
+        assert z_image.identify_transformer_file("z_image_bf16.safetensors").name == "base"
 
 
 def test_another_architecture_is_refused_by_name(fixture, tmp_path):
