@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from project import cfg, make_cached_project
 from tuner.config import load_config
@@ -34,14 +35,21 @@ def project(tmp_path_factory):
 
 
 def _adapter(trainer: ZImageTrainer, path, layout: str) -> None:
-    """A trained-looking LoRA on the default targets, saved in `layout`."""
+    """A trained-looking LoRA on the default targets, saved in `layout`; "ai-toolkit" is how ai-toolkit
+    writes Z-Image adapters (the de-distillation adapter among them): diffusers' module names and
+    lora_A / lora_B under `diffusion_model.`, no alpha, no metadata."""
     model = trainer.load_transformer(torch.float32)
     network = LoRANetwork.apply_to(model, TargetSpec(trainer.default_targets), rank=4, alpha=2,
                                    name_map=trainer.layout)  # fmt: skip
     gen = torch.Generator().manual_seed(7)
     for adapter in network:
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
-    network.save(path, trainer.layout, format=layout)
+    network.save(path, trainer.layout, format="diffusers" if layout == "ai-toolkit" else layout)
+    if layout == "ai-toolkit":  # the alpha is folded into lora_B already
+        tensors = load_file(str(path))
+        save_file(
+            {k.replace("transformer.", "diffusion_model.", 1): v for k, v in tensors.items()}, str(path)
+        )
 
 
 def _train(config, out, *overrides) -> tuple[list[float], dict[str, torch.Tensor], dict[str, str]]:
@@ -52,7 +60,7 @@ def _train(config, out, *overrides) -> tuple[list[float], dict[str, torch.Tensor
         return trainer.history, {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-@pytest.mark.parametrize("layout", ["kohya", "diffusers"])
+@pytest.mark.parametrize("layout", ["kohya", "diffusers", "ai-toolkit"])
 def test_training_on_merged_adapters_equals_training_on_a_merged_file(project, tmp_path, layout):
     root, config, paths = project
     trainer = ZImageTrainer(cfg(config))
