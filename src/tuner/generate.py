@@ -180,6 +180,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
 
     cond, uncond = encode_conditions(trainer, cfg, opts, device)
     model = trainer.load_experts(dtype) if two_experts else trainer.load_transformer(dtype)
+    trainer.merge_base_adapters(model)
     model.eval().requires_grad_(False)
     # the same memory switches as training (block swap, fp8, attention); activations need no offload
     trainer.apply_memory(model, replace(cfg.memory, activation_offload=False), device)

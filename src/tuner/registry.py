@@ -239,6 +239,27 @@ _FLUX2 = Architecture(
     save_format="kohya",
 )
 
+_Z_IMAGE = Architecture(
+    name="z_image",
+    title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
+    trainer="tuner.trainers.z_image:ZImageTrainer",
+    layout="tuner.models.z_image:Z_IMAGE_LAYOUT",
+    fixture="tuner.fixtures.z_image:FIXTURE",
+    model_class="ZImageTransformer2DModel",
+    block_lists=("noise_refiner", "context_refiner", "layers"),
+    # q/k/v (the release's fused `attention.qkv`), the output projection and the SwiGLU MLP of every
+    # block, refiners included; the modulations, embedders and final layer are left alone
+    default_targets=(
+        r"(noise_refiner|context_refiner|layers)\.\d+\.attention\.(to_q|to_k|to_v|to_out\.0)",
+        r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
+    ),
+    configs="z_image",
+    # the release's names (fused `attention.qkv`, `attention.out`) in kohya's spelling: ComfyUI maps
+    # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
+    # `attention.out.alpha` unread and refuses it)
+    save_format="kohya",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -328,6 +349,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             trainer="tuner.trainers.flux2:Flux2KleinTrainer",
             fixture="tuner.fixtures.flux2:KLEIN_FIXTURE",
         ),
+        _Z_IMAGE,
     )
 }
 

@@ -81,6 +81,34 @@ class ModelConfig:
     )
     dtype: Dtype = option("bf16", "Dtype the frozen base transformer is loaded in.")
     vae_dtype: Dtype = option("fp32", "Dtype of the VAE.")
+    merge_adapters: tuple[str, ...] = option(
+        (),
+        "Adapter files merged into the loaded base transformer before training, sampling and generation "
+        '(and before fp8 storage), as "file.safetensors:strength" (strength 1.0 when left out); any layout '
+        "`tuner lora` reads. E.g. a de-distillation adapter for step-distilled models (Z-Image-Turbo). "
+        "Recorded in the saved adapter's metadata; the cache does not depend on it.",
+        path=True,
+    )
+
+    def __post_init__(self) -> None:
+        self.adapter_merges()  # a bad strength is named at load time
+
+    def adapter_merges(self) -> tuple[tuple[str, float], ...]:
+        """`merge_adapters` as (path, strength) pairs, in order."""
+        return tuple(_adapter_entry(entry) for entry in self.merge_adapters)
+
+
+def _adapter_entry(entry: str) -> tuple[str, float]:
+    path, sep, strength = entry.rpartition(":")
+    if not sep or "/" in strength or "\\" in strength:  # no strength given (or a drive letter's colon)
+        return entry, 1.0
+    try:
+        return path, float(strength)
+    except ValueError:
+        raise ConfigError(
+            f"key 'model.merge_adapters': {entry!r} should be \"file.safetensors:strength\" with a number "
+            "after the last colon"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("FLUX / HunyuanVideo (diffusers layout)", ("single_transformer_blocks.0.",)),
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
     ("HiDream-I1", ("double_stream_blocks.0.block.",)),
+    ("Z-Image (architecture z_image)", ("noise_refiner.0.attention.",)),
     ("SD / SDXL UNet", ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight")),
     ("Stable Diffusion 3 / 3.5 MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",)),
     ("Wan 2.1 transformer (original layout)", ("blocks.0.self_attn.q.weight",)),

@@ -197,6 +197,25 @@ class NetworkTrainer:
         return path
 
     # --- placing and adapting the loaded model (overridden by two-expert models: one call per expert) --
+    def merge_base_adapters(self, model: nn.Module) -> None:
+        """Fold `model.merge_adapters` (file, strength) into the freshly loaded base weights, in order,
+        as `tuner lora merge` would into its file; fp8 storage, block swap and the trained adapter all
+        come after and see the merged weights."""
+        merges = self.cfg.model.adapter_merges()
+        if merges and self.record.boundary is not None:
+            raise TrainingError("model.merge_adapters is for one-transformer models; merge into each expert's "
+                                "file with `tuner lora merge` instead.")  # fmt: skip
+        from tuner.networks.factory import apply_adapter_file
+
+        # building the adapters draws initial weights (then replaced) from the global generator, which
+        # the trained adapter's initialization reads next: leave it as loading a merged file would
+        with torch.random.fork_rng(devices=[]):
+            for path, strength in merges:
+                network = apply_adapter_file(
+                    model, path, strength, self.layout, name_map_inverse=self.layout.inverse
+                )
+                network.merge_into_base()
+
     def apply_memory(self, model: nn.Module, settings, device, probe_forwards: int = 1):
         """`tuner.memory.apply_memory_settings` on what `load_transformer` returned; returns its handle."""
         from tuner.memory import apply_memory_settings
@@ -287,6 +306,7 @@ class NetworkTrainer:
             held_out = open_training_data(self, cfg, log, validation=True, pin_memory=pin)
 
         model = self.load_transformer(DTYPES[cfg.model.dtype])
+        self.merge_base_adapters(model)
         model.requires_grad_(False)
         if tc.gradient_checkpointing:
             model.enable_gradient_checkpointing()

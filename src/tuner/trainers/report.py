@@ -56,7 +56,13 @@ def adapter_metadata(trainer, data) -> dict[str, str]:
     from tuner.cache.keys import fingerprint_weights
 
     cfg = trainer.cfg
+    merged = {}  # adapters merged into the base first (`model.merge_adapters`): what this one builds on
+    if merges := cfg.model.adapter_merges():
+        merged = {
+            "tuner.merged_adapters": json.dumps([[Path(path).name, strength] for path, strength in merges])
+        }
     return {
+        **merged,
         "tuner.architecture": trainer.architecture,
         "tuner.base_model": Path(cfg.model.transformer).name,
         "tuner.base_model_fingerprint": fingerprint_weights(cfg.model.transformer),
