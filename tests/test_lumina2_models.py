@@ -289,3 +289,21 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
             pipe.delete_adapters("tuner")
     assert not torch.allclose(base, ours, atol=1e-3)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma_tokenizer_is_built_offline_and_round_trips(encoder, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tuner.fixtures.tokenizers import build_gemma_tokenizer
+
+    tokenizer = build_gemma_tokenizer([lumina2.SYSTEM_PROMPT])
+    ids = tokenizer("You are an assistant ü").input_ids
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    # <bos> first, words as one piece each (the first without "▁"), unknown characters as UTF-8 bytes
+    assert pieces == ["<bos>", "You", "▁are", "▁an", "▁assistant", "▁", "<0xC3>", "<0xBC>"]
+    assert tokenizer.convert_tokens_to_ids(["<pad>", "<eos>", "<bos>", "<unk>"]) == [0, 1, 2, 3]
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded("You are an assistant ü").input_ids == ids
+    assert loaded.decode(ids, skip_special_tokens=True) == "You are an assistant ü"
+    assert len(encoder.tokenizer) <= encoder.model.config.vocab_size

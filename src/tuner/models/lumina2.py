@@ -172,9 +172,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> Lumina2Transformer
         return load_diffusers_folder(Lumina2Transformer2DModel, folder, dtype, "Lumina2Transformer2DModel")
     config_dir, original = identify_transformer_file(path)
     state_dict = normalize_state_dict(load_tensors_of(path), dtype)
-    for key in UNUSED_ORIGINAL_KEYS:
-        state_dict.pop(key, None)
-    if original:
+    if original:  # the unused norm_final is dropped here
         state_dict = transformer_to_diffusers(state_dict)
     # built with accelerate's empty weights (parameters on meta, other tensors real): the rotary tables
     # are plain tensor attributes computed in __init__, which a meta-device build would leave empty
@@ -189,8 +187,6 @@ def identify_transformer_file(files: str | Path) -> tuple[Path, bool]:
     files = as_file_list(files)
     path = files[0]
     shapes = normalize_shapes(read_shapes_of(files))
-    for key in UNUSED_ORIGINAL_KEYS:
-        shapes.pop(key, None)
     if all(k in shapes for k in _ORIGINAL_MARKERS):
         original = True
     elif all(k in shapes for k in _DIFFUSERS_MARKERS):
@@ -198,6 +194,8 @@ def identify_transformer_file(files: str | Path) -> tuple[Path, bool]:
         shapes = _original_shapes(shapes)
     else:
         raise wrong_architecture(path, shapes, _TRANSFORMER_WHAT, _ORIGINAL_MARKERS)
+    for key in UNUSED_ORIGINAL_KEYS:  # optional: the release has it, the network does not
+        shapes.pop(key, None)
     variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, _TRANSFORMER_WHAT)
     expected = {
         transformer_key_to_original(k)

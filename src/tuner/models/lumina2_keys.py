@@ -15,13 +15,19 @@ NextDiT code's state dict. Facts of that layout (diffusers' single-file converte
 * embedders: `t_embedder.mlp.0 / 2` (timestep), `cap_embedder.0 / 1` (RMSNorm and linear over the
   Gemma features); the output layer `final_layer.adaLN_modulation.1` / `final_layer.linear` is
   diffusers' `norm_out.linear_1` / `linear_2`;
-* the release also holds `norm_final.weight`, a norm the network never uses: loaders drop it.
+* the release also holds `norm_final.weight`, a norm the network never uses: reading drops it, and a
+  whole checkpoint written in this layout holds it at its initial value (`Lumina2Layout`).
 
 `LUMINA2_KEYS` is the adapter name map (renames plus the fused `qkv`); `LUMINA2_LAYOUT` converts whole
 state dicts both ways (see `tuner.models.layouts`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
 
 from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
@@ -30,7 +36,8 @@ from tuner.networks.fused import FusedLayer
 MODULATED_BLOCKS = ("noise_refiner", "layers")
 BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")
 
-UNUSED_ORIGINAL_KEYS = ("norm_final.weight",)
+NORM_FINAL = "norm_final.weight"
+UNUSED_ORIGINAL_KEYS = (NORM_FINAL,)
 """Tensors of the release that the network does not use (dropped when loading)."""
 
 # (diffusers, original) inside every block; `{b}` is the block list, `{i}` a block index.
@@ -80,7 +87,24 @@ FUSED_LAYERS: tuple[FusedLayer, ...] = tuple(
 LUMINA2_KEYS = ArchitectureKeys("lumina2", TRANSFORMER_RULES, FUSED_LAYERS)
 """The adapter name map (diffusers module name -> original), carrying the fused `qkv` layers."""
 
-LUMINA2_LAYOUT = CheckpointLayout(LUMINA2_KEYS)
+
+@dataclass(frozen=True)
+class Lumina2Layout(CheckpointLayout):
+    """The release's layout with its unused `norm_final.weight`: a whole checkpoint written in it gets
+    that norm at its initial value (ones; the network never reads it), so the file has exactly the
+    release's keys, and reading one drops it."""
+
+    def to_original(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = super().to_original(state_dict)
+        if (embedder := out.get("x_embedder.weight")) is not None:
+            out[NORM_FINAL] = torch.ones(embedder.shape[0], dtype=embedder.dtype)
+        return out
+
+    def tensor_to_diffusers(self, key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {} if key in UNUSED_ORIGINAL_KEYS else super().tensor_to_diffusers(key, value)
+
+
+LUMINA2_LAYOUT = Lumina2Layout(LUMINA2_KEYS)
 """The whole transformer checkpoint, both directions, at any size with the release's 3 : 1 : 1 heads."""
 
 transformer_key_to_original = LUMINA2_LAYOUT.key_to_original
