@@ -307,3 +307,35 @@ def test_gemma_tokenizer_is_built_offline_and_round_trips(encoder, tmp_path):
     assert loaded("You are an assistant ü").input_ids == ids
     assert loaded.decode(ids, skip_special_tokens=True) == "You are an assistant ü"
     assert len(encoder.tokenizer) <= encoder.model.config.vocab_size
+
+
+def test_comfy_lora_fuses_qkv_exactly_as_the_release_holds_it(fx, tmp_path):
+    """The default (comfy) file names the release's fused `attention.qkv`, and the update it applies to
+    that matrix is q's, k's and v's updates stacked 3 : 1 : 1, as ComfyUI adds it to the fused weight."""
+    from tuner.networks.lora import LoRANetwork
+    from tuner.networks.targets import TargetSpec
+    from tuner.registry import resolve_save_format
+
+    record = ARCHITECTURES["lumina2"]
+    model = lumina2.load_transformer(fx["diffusers"], torch.float32)
+    network = LoRANetwork.apply_to(
+        model, TargetSpec(record.default_targets), rank=4, alpha=2, name_map=record.key_table()
+    )
+    gen = torch.Generator().manual_seed(0)
+    for adapter in network:
+        adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
+    path = tmp_path / "lora.safetensors"
+    network.save(path, format=resolve_save_format("lumina2", "auto"))
+    saved = load_file(path)
+    release = load_file(fx["transformer_file"])
+    modules = {k.rsplit(".", 2)[0] for k in saved if not k.endswith(".alpha")}
+    assert {m.removeprefix("diffusion_model.") + ".weight" for m in modules} <= set(release)
+    deltas = {a.name: a.delta_weight() for a in network}
+    for block in ("noise_refiner.0", "context_refiner.0", "layers.1"):
+        stem = f"diffusion_model.{block}.attention.qkv"
+        down, up = saved[f"{stem}.lora_A.weight"], saved[f"{stem}.lora_B.weight"]
+        scale = saved[f"{stem}.alpha"].item() / down.shape[0]
+        fused = up @ down * scale
+        assert fused.shape == release[f"{block}.attention.qkv.weight"].shape
+        parts = torch.cat([deltas[f"{block}.attn.to_{p}"] for p in "qkv"])
+        torch.testing.assert_close(fused, parts, rtol=1e-5, atol=1e-6)
