@@ -190,6 +190,14 @@ def test_prompt_embeddings_equal_pipeline(pipe, encoder):
     assert ours[0]["prompt_embeds"].shape[0] < ours[1]["prompt_embeds"].shape[0]
 
 
+def test_empty_caption_is_the_pipeline_negative_prompt(pipe, encoder):
+    _, _, negative, mask = pipe.encode_prompt(CAPTIONS[:1], do_classifier_free_guidance=True)
+    (ours,) = trainer().encode_text(encoder, [""])
+    assert ours["prompt_embeds"].shape[0] == int(mask.sum()) == 1  # <bos> alone, no system prompt
+    # one token against 256 padded ones: attention over one key runs another kernel path (~3e-6)
+    torch.testing.assert_close(ours["prompt_embeds"], negative[0][mask[0].bool()], rtol=1e-5, atol=1e-5)
+
+
 def test_long_captions_are_cut_to_the_pipeline_limit(pipe, encoder):
     caption = " ".join(["dog"] * 400)
     embeds, mask, _, _ = pipe.encode_prompt([caption], do_classifier_free_guidance=False)

@@ -15,7 +15,8 @@ Each loader takes either layout users have (see `tuner.models.loading`):
   tied to the embedding is ignored). A single file carries no tokenizer: pass the tokenizer folder.
 
 Model inputs are what `Lumina2Pipeline` computes: the caption behind the system prompt
-(`SYSTEM_PROMPT + " <Prompt Start> " + caption`), tokenized with `<bos>`, right-padded and cut to
+(`SYSTEM_PROMPT + " <Prompt Start> " + caption`; the empty caption alone, as the pipeline encodes its
+default negative prompt), tokenized with `<bos>`, right-padded and cut to
 `max_length` (256 in the pipeline); the embedding is Gemma's **second-to-last** hidden state at the
 unmasked positions, and the transformer gets the mask with it (padding rows never reach the image).
 
@@ -286,9 +287,14 @@ def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype
 @torch.no_grad()
 def encode_prompts(encoder: TextEncoder, captions: list[str], max_length: int = 256) -> list[torch.Tensor]:
     """One [L, D] embedding per caption (L ≤ max_length, its unmasked tokens), as Lumina2Pipeline
-    encodes prompts: system prompt in front, Gemma's second-to-last hidden state."""
+    encodes prompts: system prompt in front, Gemma's second-to-last hidden state.
+
+    The empty caption is encoded without the system prompt (`<bos>` alone): that is the pipeline's
+    default negative prompt, the unconditional input of its guidance, and what caption dropout and
+    `generate`'s default negative prompt stand for. (The pipeline gives a non-empty negative prompt no
+    system prompt either; tuner encodes every non-empty text as a prompt.)"""
     tokens = encoder.tokenizer(
-        [PROMPT_FORMAT.format(c) for c in captions],
+        [PROMPT_FORMAT.format(c) if c else "" for c in captions],
         padding="longest",
         max_length=max_length,
         truncation=True,
