@@ -233,7 +233,7 @@ def predict_velocity(
     runs at Lumina's time 1 − t and its output (x0 − ε) is negated (see the module docstring)."""
     out = model(
         hidden_states=noisy,
-        timestep=(1 - t).to(noisy.dtype),
+        timestep=1 - t.float(),  # fp32, as the pipeline passes it: bf16 would round τ to ~3 digits
         encoder_hidden_states=prompt_embeds.to(noisy.dtype),
         encoder_attention_mask=prompt_mask.to(noisy.device),
         return_dict=False,
