@@ -33,7 +33,8 @@ from tuner.networks import FullNetwork, build_network
 from tuner.trainers import trainer_class
 
 COMFY_PREFIX = "model.diffusion_model."
-# original keys a ComfyUI fp8 test file quantizes: the blocks' (Z-Image's are `layers` and `*_refiner`)
+# original keys a ComfyUI fp8 test file quantizes: the blocks' (Z-Image's and Lumina 2's are `layers` and
+# `*_refiner`)
 IN_FP8 = re.compile(r"(blocks|layers|refiner)\.\d+\.|^final_layer\.")
 
 

@@ -260,6 +260,24 @@ _Z_IMAGE = Architecture(
     save_format="kohya",
 )
 
+_LUMINA2 = Architecture(
+    name="lumina2",
+    title="Lumina Image 2.0 text-to-image (Gemma 2 text encoder)",
+    trainer="tuner.trainers.lumina2:Lumina2Trainer",
+    layout="tuner.models.lumina2_keys:LUMINA2_LAYOUT",
+    fixture="tuner.fixtures.lumina2:FIXTURE",
+    model_class="Lumina2Transformer2DModel",
+    block_lists=("noise_refiner", "context_refiner", "layers"),
+    # attention (q/k/v, which the release fuses into `qkv`, and the output) and the SwiGLU MLP of every
+    # block, refiners included; modulations, norms, embedders and the output layer are left alone
+    default_targets=(
+        r"(noise_refiner|context_refiner|layers)\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
+        r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.linear_[123]",
+    ),
+    configs="lumina2",
+    save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -350,6 +368,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.flux2:KLEIN_FIXTURE",
         ),
         _Z_IMAGE,
+        _LUMINA2,
     )
 }
 

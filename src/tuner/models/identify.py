@@ -31,7 +31,11 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("FLUX / HunyuanVideo (diffusers layout)", ("single_transformer_blocks.0.",)),
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
     ("HiDream-I1", ("double_stream_blocks.0.block.",)),
-    ("Z-Image (architecture z_image)", ("noise_refiner.0.attention.",)),
+    ("Z-Image (architecture z_image)", ("x_pad_token", "cap_pad_token")),  # Lumina 2 has neither
+    (
+        "Lumina Image 2.0 (architecture lumina2)",
+        ("cap_embedder.0.weight", "time_caption_embed.caption_embedder."),
+    ),
     ("SD / SDXL UNet", ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight")),
     ("Stable Diffusion 3 / 3.5 MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",)),
     ("Wan 2.1 transformer (original layout)", ("blocks.0.self_attn.q.weight",)),
