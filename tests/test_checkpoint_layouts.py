@@ -116,8 +116,9 @@ def test_fp8_base_keeps_a_comfyui_fp8_file_exact(case, tmp_path, layout):
         out = trainer.predict(model, noisy, t, cond)
         assert relative_error(out, trainer.predict(dequantized, noisy, t, cond)) < 1e-5
         reference = trainer_for(case).load_transformer(torch.float32)  # the unquantized fixture
-        # fp8's own error with one scale per tensor: 0.009 (Qwen-Image) to 0.04 (FLUX) on these inputs
-        assert relative_error(out, trainer.predict(reference, noisy, t, cond)) < 0.06
+        # fp8's own error with one scale per tensor: 0.009 (Qwen-Image) to 0.04 (FLUX) and 0.07
+        # (Cosmos-Predict2, whose AdaLN-LoRA modulation is two fp8 linears per sub-layer) on these inputs
+        assert relative_error(out, trainer.predict(reference, noisy, t, cond)) < 0.08
 
 
 # --- a failing export ------------------------------------------------------------------------------

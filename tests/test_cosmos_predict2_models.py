@@ -10,13 +10,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import Cosmos2TextToImagePipeline, CosmosTransformer3DModel
+from diffusers import (
+    AutoencoderKLWan,
+    Cosmos2TextToImagePipeline,
+    CosmosTransformer3DModel,
+    FlowMatchEulerDiscreteScheduler,
+)
 from safetensors.torch import load_file, save_file
-from transformers import T5Config, T5EncoderModel
+from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.models import cosmos_predict2 as cosmos
+from tuner.models import wan as wan_models
 from tuner.models.cosmos_predict2_keys import RELEASE_ONLY, transformer_key_to_original
 from tuner.models.identify import pick_variant
 from tuner.trainers.cosmos_predict2 import CosmosPredict2Trainer
@@ -58,31 +64,14 @@ def pipe(paths, monkeypatch):
     )
     monkeypatch.setattr(transformer_cosmos, "transforms", transforms, raising=False)
     root = paths["diffusers"]
-    parts = {
-        "transformer": CosmosTransformer3DModel.from_pretrained(root / "transformer"),
-        "vae": cosmos_vae(root),
-        "text_encoder": T5EncoderModel.from_pretrained(root / "text_encoder"),
-    }
-    from transformers import AutoTokenizer
-
     return Cosmos2TextToImagePipeline(
-        **{k: v.eval() for k, v in parts.items()},
+        transformer=CosmosTransformer3DModel.from_pretrained(root / "transformer").eval(),
+        vae=AutoencoderKLWan.from_pretrained(root / "vae").eval(),
+        text_encoder=T5EncoderModel.from_pretrained(root / "text_encoder").eval(),
         tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"),
-        scheduler=_scheduler(root),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler"),
         safety_checker=_NoGuardrail(),
     )
-
-
-def cosmos_vae(root):
-    from diffusers import AutoencoderKLWan
-
-    return AutoencoderKLWan.from_pretrained(root / "vae")
-
-
-def _scheduler(root):
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler")
 
 
 def _trainer(text_length: int = 512) -> CosmosPredict2Trainer:
@@ -213,6 +202,10 @@ def test_other_models_are_named(paths, tmp_path):
         cosmos.load_transformer(wan["transformer_file"], torch.float32)
     with pytest.raises(CheckpointError, match="WanTransformer3DModel"):
         cosmos.load_transformer(wan["diffusers"], torch.float32)
+    with pytest.raises(
+        CheckpointError, match="looks like a Cosmos-Predict2 transformer"
+    ):  # and the other way
+        wan_models.load_transformer(paths["transformer_file"], torch.float32)
     partial = dict(release)
     partial.pop("blocks.1.mlp.layer2.weight")
     save_file(partial, tmp_path / "partial.safetensors")
