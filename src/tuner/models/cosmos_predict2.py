@@ -316,7 +316,10 @@ def load_text_encoder(
         config = read_folder_config(folder)
         if config.get("model_type") != "t5":
             raise CheckpointError(f"{folder}: config.json does not describe a T5 encoder (model_type 't5').")
-        model = T5EncoderModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        try:
+            model = T5EncoderModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: cannot be loaded as a T5 encoder: {e}") from None
         if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
             tokenizer_path = folder.parent / "tokenizer"
     else:
