@@ -278,6 +278,26 @@ _LUMINA2 = Architecture(
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
 )
 
+_COSMOS_PREDICT2 = Architecture(
+    name="cosmos_predict2",
+    title="Cosmos-Predict2 text-to-image (2B, 14B)",
+    trainer="tuner.trainers.cosmos_predict2:CosmosPredict2Trainer",
+    layout="tuner.models.cosmos_predict2_keys:COSMOS_PREDICT2_LAYOUT",
+    fixture="tuner.fixtures.cosmos_predict2:FIXTURE",
+    model_class="CosmosTransformer3DModel",
+    block_lists=("transformer_blocks",),
+    # the self- and cross-attention projections and the MLP of every block; the AdaLN-LoRA modulation
+    # linears, embedders and output head are left alone
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+    ),
+    configs="cosmos_predict2",
+    # release names (`diffusion_model.blocks.0.self_attn.q_proj`): ComfyUI's key map; diffusers has no
+    # LoRA loader for the Predict2 pipelines
+    save_format="comfy",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -369,6 +389,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         _Z_IMAGE,
         _LUMINA2,
+        _COSMOS_PREDICT2,
     )
 }
 
