@@ -6,7 +6,7 @@ loop. The loop reads top to bottom:
 
     setup      accelerator, seed, cached batches (checked for staleness), model, adapter, optimizer
     resume     saved state, checked against its manifest (trainers/checkpoints.py) + our position
-    loop       _step: noise, t (+ draw_conditions) → x_t → predict → flow-matching loss (loss_mask)
+    loop       _step: noise, t (+ draw_conditions) → x_t → predict → the objective's loss (loss_mask)
                → backward (accumulate) → clip → step
                then _log_step, _maybe_sample, _maybe_validate, _maybe_save
     finish     the final adapter (and state)
@@ -92,6 +92,8 @@ class NetworkTrainer:
     sample_shift: ClassVar[float | str] = 3.0  # generate's default flow shift, or a RESOLUTION_SHIFTS name
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
     first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V models)
+    # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
+    objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
 
     def __init__(self, cfg: Config):
@@ -136,6 +138,12 @@ class NetworkTrainer:
         for i, control in enumerate(controls):
             out[f"control_{i}"] = self.encode_pixels(vae, control)
         return out
+
+    def latent_conditions(self, job) -> dict[str, torch.Tensor]:
+        """Tensors an item's latent entry holds beside what `encode_latents` made, from how the item was
+        sized (its `tuner.data.jobs.LatentJob`: source and crop); none by default. SDXL's size
+        conditioning comes from here."""
+        return {}
 
     def encode_frame_images(
         self, encoder, images: list[torch.Tensor], frames: int
@@ -219,17 +227,30 @@ class NetworkTrainer:
         )
 
     # --- the one loss ------------------------------------------------------------------------------
+    def training_objective(self):
+        """What the model is trained on: flow matching (`tuner.timesteps.FlowObjective`), or for
+        `objective = "ddpm"` architectures the DDPM schedule with the configured prediction type and
+        weights (`tuner.ddpm.DDPMObjective`)."""
+        ts = self.cfg.timesteps
+        if self.objective == "flow":
+            from tuner.timesteps import FlowObjective
+
+            return FlowObjective(ts.loss_weighting)
+        from tuner.ddpm import DDPMObjective
+
+        prediction = "epsilon" if ts.prediction == "auto" else ts.prediction
+        return DDPMObjective(prediction, ts.zero_terminal_snr, ts.min_snr_gamma, ts.debiased_estimation)
+
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
              accelerator) -> torch.Tensor:  # fmt: skip
-        """The flow-matching loss of one batch at timesteps `t` with `noise`: training and validation
-        both call this."""
-        from tuner.timesteps import add_noise, flow_loss, flow_target
-
-        noisy = add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
+        """The loss of one batch at timesteps `t` with `noise` (the objective's: flow matching unless the
+        architecture says otherwise): training and validation both call this."""
+        objective = self.training_objective()
+        t = objective.discretize(t)  # DDPM: the noise level the model is told is the one it gets
+        noisy = objective.add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
         with accelerator.autocast():
             pred = self.predict(model, noisy, t, cond)
-        return flow_loss(pred.float(), flow_target(x0, noise).float(), t, self.cfg.timesteps.loss_weighting,
-                         mask=self.loss_mask(x0, cond))  # fmt: skip
+        return objective.loss(pred.float(), x0, noise, t, mask=self.loss_mask(x0, cond))
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
@@ -369,6 +390,10 @@ class NetworkTrainer:
         x0, cond = self._inputs(batch, run.accelerator.device)
         noise = torch.randn(x0.shape, generator=gen).to(x0)
         t = run.sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
+        if self.cfg.timesteps.noise_offset:  # drawn after t, so runs without it draw what they always did
+            from tuner.ddpm import offset_noise
+
+            noise = offset_noise(noise, self.cfg.timesteps.noise_offset, gen)
         cond = self.draw_conditions(x0, cond, gen)
         loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
         run.accelerator.backward(loss / (end - start))
@@ -455,7 +480,7 @@ class NetworkTrainer:
             run.checkpoints.save(run.trained, pos, run.metadata, self.layout)
 
     def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
-        """Mean flow-matching loss on the held-out batches at fixed timesteps with fixed noise, so values
+        """Mean loss on the held-out batches at fixed timesteps with fixed noise, so values
         at different steps compare. Draws nothing from the global random state."""
         cfg = self.cfg
         trained.eval()
