@@ -12,8 +12,9 @@ import torch
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
 from project import cfg, make_cached_project
-from tuner.ddpm import DDPMObjective, offset_noise
-from tuner.errors import CheckpointError
+from tuner.config.schema import TimestepConfig
+from tuner.ddpm import DDPMObjective, objective_from_config, offset_noise, scheduler
+from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, sample_latents
 from tuner.io import save_safetensors
@@ -174,9 +175,37 @@ def test_generation_matches_the_pipeline_with_guidance(trainer, pipe):
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-5)
 
 
+def test_v_prediction_dpm_sampling_matches_the_pipeline(trainer, pipe):
+    """DPM++ 2M on a v-prediction, zero-terminal-SNR schedule, against the pipeline given the same
+    scheduler."""
+    vpred = SDXLTrainer(cfg(trainer.cfg.path, "timesteps.prediction='v'", "timesteps.zero_terminal_snr=true"))
+    model = vpred.load_transformer(torch.float32)
+    opts = GenerateOptions(prompt="a red circle", out="unused", width=64, height=64, frames=1, steps=5,
+                           guidance_scale=1.0, seed=5, sampler="dpm++2m")  # fmt: skip
+    encoders = vpred.load_text_encoder(torch.device("cpu"), "fp32")
+    cond = vpred.collate_text(vpred.encode_text(encoders, ["a red circle"]))
+    ours = sample_latents(vpred, model, opts, cond, cond, "cpu", torch.float32, progress=False)
+    assert torch.isfinite(ours).all()
+    other = copy.copy(pipe)
+    other.scheduler = scheduler(vpred.training_objective(), "dpm++2m")
+    noise = torch.randn((1, 4, 8, 8), generator=torch.Generator().manual_seed(5))
+    want = other("a red circle", height=64, width=64, num_inference_steps=5, guidance_scale=1.0, latents=noise,
+                 output_type="latent").images  # fmt: skip
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The DDPM objective
 # ---------------------------------------------------------------------------------------------------
+
+
+def test_objective_options_of_the_other_kind_are_refused():
+    with pytest.raises(ConfigError, match="timesteps.prediction, timesteps.min_snr_gamma"):
+        objective_from_config("flow", TimestepConfig(prediction="v", min_snr_gamma=5.0), "flux")
+    with pytest.raises(ConfigError, match="loss_weighting"):
+        objective_from_config("ddpm", TimestepConfig(loss_weighting="cosmap"), "sdxl")
+    objective = objective_from_config("ddpm", TimestepConfig(prediction="v", zero_terminal_snr=True), "sdxl")
+    assert (objective.prediction, objective.zero_terminal_snr) == ("v", True)
 
 
 def _hand_alphas_cumprod() -> list[float]:

@@ -129,6 +129,31 @@ class DDPMObjective:
         return weighted_mse(pred, self.target(x0, noise, t), self.weights(t), mask)
 
 
+def objective_from_config(kind: str, section: Any, architecture: str):
+    """The training objective of an architecture whose `objective` is `kind` ("flow" or "ddpm") from the
+    `[timesteps]` section; a `ConfigError` names options set for the other kind of model."""
+    from tuner.timesteps import FlowObjective
+
+    ddpm_only = {"prediction": section.prediction != "auto", "zero_terminal_snr": section.zero_terminal_snr,
+                 "min_snr_gamma": section.min_snr_gamma > 0, "debiased_estimation": section.debiased_estimation}  # fmt: skip
+    if kind == "flow":
+        if set_keys := [f"timesteps.{k}" for k, on in ddpm_only.items() if on]:
+            raise ConfigError(
+                f"{', '.join(set_keys)}: options of DDPM models (sdxl); {architecture} is trained with flow "
+                "matching. Remove them."
+            )
+        return FlowObjective(section.loss_weighting)
+    if section.loss_weighting != "none":
+        raise ConfigError(
+            f"timesteps.loss_weighting = {section.loss_weighting!r} weights flow-matching models; {architecture} "
+            "is a DDPM model: use timesteps.min_snr_gamma or timesteps.debiased_estimation."
+        )
+    prediction = "epsilon" if section.prediction == "auto" else section.prediction
+    return DDPMObjective(
+        prediction, section.zero_terminal_snr, section.min_snr_gamma, section.debiased_estimation
+    )
+
+
 def offset_noise(noise: torch.Tensor, offset: float, generator: torch.Generator) -> torch.Tensor:
     """ε + offset · n with n ~ N(0, 1) drawn once per sample and channel (constant over the pixels)."""
     n = torch.randn((*noise.shape[:2], *([1] * (noise.ndim - 2))), generator=generator)

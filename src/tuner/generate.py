@@ -66,6 +66,12 @@ def check_options(trainer, opts: GenerateOptions) -> None:
     for flag, value in (("--guidance", opts.guidance_scale), ("--shift", opts.shift)):
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{flag} {value}: must be a finite number.")
+    if trainer.objective == "ddpm" and opts.shift is not None:
+        raise ConfigError(f"--shift {opts.shift}: a flow-matching option; {arch} samples its DDPM schedule.")
+    if trainer.objective == "flow" and opts.sampler != "euler":
+        raise ConfigError(
+            f"--sampler {opts.sampler}: {arch} is a flow-matching model, sampled with Euler steps."
+        )
     if opts.steps < 1:
         raise ConfigError(f"--steps {opts.steps}: must be at least 1.")
     if opts.width % step or opts.height % step:

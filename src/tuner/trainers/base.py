@@ -105,6 +105,7 @@ class NetworkTrainer:
         self.history: list[float] = []  # loss of each optimizer step, for tests and callers
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
         self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
+        self._objective = None  # `training_objective()`, built on first use
 
     @property
     def default_targets(self) -> tuple[str, ...]:
@@ -231,15 +232,11 @@ class NetworkTrainer:
         """What the model is trained on: flow matching (`tuner.timesteps.FlowObjective`), or for
         `objective = "ddpm"` architectures the DDPM schedule with the configured prediction type and
         weights (`tuner.ddpm.DDPMObjective`)."""
-        ts = self.cfg.timesteps
-        if self.objective == "flow":
-            from tuner.timesteps import FlowObjective
+        if self._objective is None:
+            from tuner.ddpm import objective_from_config
 
-            return FlowObjective(ts.loss_weighting)
-        from tuner.ddpm import DDPMObjective
-
-        prediction = "epsilon" if ts.prediction == "auto" else ts.prediction
-        return DDPMObjective(prediction, ts.zero_terminal_snr, ts.min_snr_gamma, ts.debiased_estimation)
+            self._objective = objective_from_config(self.objective, self.cfg.timesteps, self.architecture)
+        return self._objective
 
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
              accelerator) -> torch.Tensor:  # fmt: skip
