@@ -108,6 +108,16 @@ def test_sd1_and_sd2_checkpoints_are_named(tmp_path):
             sdxl.load_unet(path, torch.float32)
 
 
+def test_files_of_other_architectures_are_named(paths, tmp_path):
+    flux_file = write_fixture("flux", tmp_path / "flux")["transformer_file"]
+    with pytest.raises(CheckpointError, match="FLUX"):
+        sdxl.load_unet(flux_file, torch.float32)
+    from tuner.models import flux
+
+    with pytest.raises(CheckpointError, match='model.architecture = "sdxl"'):
+        flux.load_transformer(paths["bundled_file"], torch.float32)
+
+
 def test_v_prediction_marker_warns_when_trained_as_epsilon(paths, trainer, tmp_path):
     path = tmp_path / "vpred.safetensors"
     save_safetensors({**load_tensors(paths["transformer_file"]), "v_pred": torch.zeros(0)}, path)

@@ -30,7 +30,10 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HunyuanVideo (original layout)", ("double_blocks.0.img_attn_qkv.weight",)),
     ("FLUX / HunyuanVideo (diffusers layout)", ("single_transformer_blocks.0.",)),
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
-    ("SD / SDXL UNet", ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight")),
+    (
+        'an SD / SDXL UNet (SDXL: model.architecture = "sdxl")',
+        ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
+    ),
     ("Wan 2.1 transformer (original layout)", ("blocks.0.self_attn.q.weight",)),
     ("Wan 2.1 transformer (diffusers layout)", ("blocks.0.attn1.to_q.weight",)),
     ("Wan VAE", ("encoder.downsamples.0.residual.0.gamma", "encoder.down_blocks.0.norm1.gamma")),
