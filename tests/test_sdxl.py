@@ -76,6 +76,15 @@ def test_bundled_file_unet_file_and_diffusers_folder_load_identical_weights(path
     _same_weights(single.clip_g, folder.clip_g)
 
 
+def test_diffusers_own_single_file_loader_reads_the_bundled_file_exactly(paths, pipe):
+    """An independent check of the bundled layout: diffusers' converters (what `from_single_file` uses,
+    and what mirrors A1111's / ComfyUI's checkpoint layout) read our file to the same four models."""
+    loaded = StableDiffusionXLPipeline.from_single_file(str(paths["bundled_file"]), config=str(paths["diffusers"]),
+                                                        local_files_only=True)  # fmt: skip
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        _same_weights(getattr(loaded, name), getattr(pipe, name))
+
+
 def test_unet_rules_name_every_tensor_of_the_real_sdxl_unet_both_ways():
     keys = diffusers_meta_keys(UNet2DConditionModel, sdxl.UNET_VARIANTS[0].config_dir)
     original = [unet_key_to_original(k) for k in keys]
