@@ -319,3 +319,38 @@ def test_kohya_file_loads_in_diffusers_with_equal_output(trainer, pipe, tmp_path
         theirs = loaded.unet(noisy, t * 1000, encoder_hidden_states=hidden,
                              added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample  # fmt: skip
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Full fine-tune: the bundled checkpoint
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_full_fine_tune_saves_the_bundled_checkpoint_uis_load(trainer, paths, pipe, tmp_path):
+    """One step of a full fine-tune writes the A1111 / ComfyUI checkpoint: the trained UNet beside the
+    VAE and both text encoders (copied from the bundled file they came from), which diffusers'
+    `from_single_file` and our loader both read."""
+    run = SDXLTrainer(cfg(trainer.cfg.path, "network.type='full'", "train.max_steps=1", "train.lr_warmup_steps=0", "save.save_state=false",
+                          f"save.output_dir='{tmp_path}'", "log.tensorboard=false", "train.learning_rate=1e-3"))  # fmt: skip
+    saved = run.train(log=lambda s: None)
+    written, fixture = load_tensors(saved), load_tensors(paths["bundled_file"])
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in fixture.items()}
+    unet = sdxl.UNET_PREFIX
+    assert all(torch.equal(written[k], v) for k, v in fixture.items() if not k.startswith(unet))
+    assert any(not torch.equal(written[k], v) for k, v in fixture.items() if k.startswith(unet))  # trained
+    loaded = StableDiffusionXLPipeline.from_single_file(
+        str(saved), config=str(paths["diffusers"]), local_files_only=True
+    )
+    _same_weights(loaded.unet, sdxl.load_unet(saved, torch.float32))
+    _same_weights(loaded.text_encoder_2, pipe.text_encoder_2)
+
+
+def test_bundle_companions_convert_parts_from_a_diffusers_folder(paths):
+    """Parts from a diffusers folder are converted to the same tensors the bundled file holds (OpenCLIP's
+    `logit_scale`, which no text tower has, aside)."""
+    root, bundled = paths["diffusers"], paths["bundled_file"]
+    converted = sdxl.bundle_companions(root, root, root, torch.float32)
+    copied = sdxl.bundle_companions(bundled, bundled, None, torch.float32)
+    assert set(copied) - set(converted) == {f"{sdxl.CLIP_G_PREFIX}logit_scale"}
+    for key, value in converted.items():
+        assert torch.equal(value, copied[key]), key

@@ -28,7 +28,8 @@ it as epsilon warns (`timesteps.prediction = "v"`, usually with `zero_terminal_s
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -36,7 +37,7 @@ import torch
 
 from tuner.errors import CheckpointError
 from tuner.models.flux import _from_state_dict
-from tuner.models.flux_keys import vae_key_to_original, vae_to_diffusers
+from tuner.models.flux_keys import vae_key_to_original, vae_to_diffusers, vae_to_original
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -45,6 +46,7 @@ from tuner.models.identify import (
     pick_variant,
     wrong_architecture,
 )
+from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     load_diffusers_folder,
     load_tensors,
@@ -58,6 +60,7 @@ from tuner.models.loading import (
 from tuner.models.sdxl_keys import (
     OPEN_CLIP_IGNORED,
     clip_g_to_diffusers,
+    clip_g_to_original,
     unet_key_to_original,
     unet_to_diffusers,
 )
@@ -407,3 +410,45 @@ def predict(
         added_cond_kwargs={"text_embeds": pooled.to(dtype), "time_ids": size_ids.to(noisy.device, dtype)},
         return_dict=False,
     )[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The bundled checkpoint a full fine-tune saves
+# ---------------------------------------------------------------------------------------------------
+
+
+def bundle_companions(vae: str | Path, text_encoder: str | Path, text_encoder_2: str | Path | None,
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The VAE's and both text encoders' tensors as a bundled checkpoint holds them (prefixed, original
+    layouts). A part that comes from a bundled file is copied from it byte for byte; one from a
+    diffusers folder or a file of its own is converted (in `dtype`)."""
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    text_encoder_2 = text_encoder_2 or text_encoder
+    parts: list[tuple[str | Path, str, Callable[[], dict[str, torch.Tensor]]]] = [
+        (vae, VAE_PREFIX, lambda: vae_to_original(load_vae(vae, dtype).state_dict())),
+        (text_encoder, CLIP_L_PREFIX, lambda: {f"text_model.{k}": v for k, v in _load_clip(
+            CLIPTextModel, text_encoder, "text_encoder", "tokenizer", dtype)[0].state_dict().items()}),
+        (text_encoder_2, CLIP_G_PREFIX, lambda: clip_g_to_original(_load_clip(
+            CLIPTextModelWithProjection, text_encoder_2, "text_encoder_2", "tokenizer_2", dtype)[0].state_dict())),
+    ]  # fmt: skip
+    out: dict[str, torch.Tensor] = {}
+    for path, prefix, convert in parts:
+        if Path(path).is_file() and any(k.startswith(prefix) for k in read_tensor_shapes(path)):
+            out |= {k: v for k, v in load_tensors(path).items() if k.startswith(prefix)}
+        else:
+            out |= {prefix + k: v.contiguous() for k, v in convert().items()}
+    return out
+
+
+@dataclass(frozen=True)
+class BundledLayout(CheckpointLayout):
+    """The SDXL UNet layout for a full fine-tune's file: the UNet under `model.diffusion_model.` beside the
+    VAE and both text encoders (`companions()`, e.g. `bundle_companions`), as A1111, Forge and ComfyUI's
+    checkpoint loader read it. Adapter names and loading are the UNet layout's."""
+
+    companions: Callable[[], Mapping[str, torch.Tensor]] | None = None
+
+    def to_original(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        unet = {UNET_PREFIX + k: v for k, v in super().to_original(state_dict).items()}
+        return unet | dict(self.companions() if self.companions else {})

@@ -213,6 +213,11 @@ class NetworkTrainer:
             name_map=self.layout.inverse, probe_forwards=probe_forwards, compile=self.cfg.train.compile,
         )  # fmt: skip
 
+    def export_layout(self):
+        """The layout saved files are written through: the architecture's. SDXL's full fine-tunes write
+        the bundled checkpoint UIs load (the UNet beside the VAE and both text encoders)."""
+        return self.layout
+
     def build_trained(self, model: nn.Module):
         """What trains (`tuner.networks.build_network` from the `[network]` section) on that model."""
         from tuner.networks.factory import build_network
@@ -268,7 +273,7 @@ class NetworkTrainer:
                     run.pos.epoch, run.pos.batch = run.pos.epoch + 1, 0
                     self._maybe_save(run, epoch_end=True)
             run.progress.close()
-            final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.layout, final=True)
+            final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=True)
             run.accelerator.end_training()
             run.log(f"saved {final}")
             return final
@@ -474,7 +479,7 @@ class NetworkTrainer:
         due = (sc.every_n_epochs and pos.epoch % sc.every_n_epochs == 0 and pos.step < run.total_steps
                if epoch_end else sc.every_n_steps and pos.step % sc.every_n_steps == 0)  # fmt: skip
         if due:
-            run.checkpoints.save(run.trained, pos, run.metadata, self.layout)
+            run.checkpoints.save(run.trained, pos, run.metadata, self.export_layout())
 
     def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
         """Mean loss on the held-out batches at fixed timesteps with fixed noise, so values

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuner.dtypes import DTYPES
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
 from tuner.models import sdxl
@@ -33,6 +34,21 @@ class SDXLTrainer(NetworkTrainer):
         path = self.weights_path("transformer")
         sdxl.warn_if_v_prediction(path, self.training_objective().prediction)
         return sdxl.load_unet(path, dtype)
+
+    def export_layout(self):
+        """A full fine-tune saves the bundled checkpoint (UNet, VAE, both text encoders), which A1111,
+        Forge and ComfyUI load; adapters and diffusers-named saves use the UNet layout."""
+        if self.cfg.network.type != "full" or self.cfg.save.format == "diffusers":
+            return self.layout
+        m = self.cfg.model
+        vae, text_encoder = self.weights_path("vae"), self.weights_path("text_encoder")
+
+        def companions() -> dict[str, torch.Tensor]:
+            return sdxl.bundle_companions(
+                vae, text_encoder, m.text_encoder_2 or None, DTYPES[self.cfg.save.precision]
+            )
+
+        return sdxl.BundledLayout(self.layout.keys, companions=companions)
 
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         return sdxl.load_vae(self.weights_path("vae"), dtype).to(device)
