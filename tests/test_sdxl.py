@@ -19,6 +19,7 @@ from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, sample_latents
 from tuner.io import save_safetensors
 from tuner.models import sdxl
+from tuner.models.flux_keys import vae_to_original
 from tuner.models.identify import diffusers_meta_keys
 from tuner.models.loading import load_tensors
 from tuner.models.sdxl_keys import SDXL_LAYOUT, clip_g_to_diffusers, clip_g_to_original, unet_key_to_original
@@ -64,12 +65,18 @@ def _unet_inputs(seed: int = 0, batch: int = 2):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_bundled_file_unet_file_and_diffusers_folder_load_identical_weights(paths):
+def test_bundled_file_unet_file_and_diffusers_folder_load_identical_weights(paths, tmp_path):
     root, bundled = paths["diffusers"], paths["bundled_file"]
     unet = sdxl.load_unet(root, torch.float32)
     _same_weights(sdxl.load_unet(bundled, torch.float32), unet)
     _same_weights(sdxl.load_unet(paths["transformer_file"], torch.float32), unet)
-    _same_weights(sdxl.load_vae(bundled, torch.float32), sdxl.load_vae(root, torch.float32))
+    vae = sdxl.load_vae(root, torch.float32)
+    _same_weights(sdxl.load_vae(bundled, torch.float32), vae)
+    # a VAE file of its own in either layout: sdxl_vae.safetensors (LDM), the fp16-fix VAE's diffusers file
+    save_safetensors(vae_to_original(vae.state_dict()), tmp_path / "sdxl_vae.safetensors")
+    save_safetensors(vae.state_dict(), tmp_path / "diffusion_pytorch_model.safetensors")
+    _same_weights(sdxl.load_vae(tmp_path / "sdxl_vae.safetensors", torch.float32), vae)
+    _same_weights(sdxl.load_vae(tmp_path / "diffusion_pytorch_model.safetensors", torch.float32), vae)
     single = sdxl.load_text_encoders(bundled, None, paths["tokenizer"], paths["tokenizer_2"], torch.float32)
     folder = sdxl.load_text_encoders(root, None, None, None, torch.float32)
     _same_weights(single.clip_l, folder.clip_l)
@@ -354,3 +361,14 @@ def test_bundle_companions_convert_parts_from_a_diffusers_folder(paths):
     assert set(copied) - set(converted) == {f"{sdxl.CLIP_G_PREFIX}logit_scale"}
     for key, value in converted.items():
         assert torch.equal(value, copied[key]), key
+
+
+def test_cli_generates_with_dpm_and_refuses_flow_options(trainer, capsys, tmp_path):
+    from tuner.cli import main
+
+    args = ["generate", "--config", str(trainer.cfg.path), "--prompt", "a red circle", "--size", "64x64",
+            "--frames", "1", "--steps", "3", "--out", str(tmp_path / "out.png")]  # fmt: skip
+    assert main([*args, "--sampler", "dpm++2m"]) == 0
+    assert (tmp_path / "out.png").is_file()
+    assert main([*args, "--shift", "3"]) != 0
+    assert "--shift 3.0" in capsys.readouterr().err
