@@ -115,7 +115,8 @@ def _generate(args) -> None:
         loras=tuple(parse_weighted_path(x) for x in args.lora),
         loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), images=tuple(args.image),
         width=width, height=height, frames=args.frames,
-        steps=args.steps, guidance_scale=args.guidance, shift=args.shift, seed=args.seed, device=args.device,
+        steps=args.steps, guidance_scale=args.guidance, shift=args.shift, sampler=args.sampler, seed=args.seed,
+        device=args.device,
     )  # fmt: skip
     generate(_load(args), opts)
 
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="sampling flow shift (default: the model's; resolution-dependent for FLUX and Qwen)",
+    )
+    p.add_argument(
+        "--sampler", choices=("euler", "dpm++2m"), default="euler", help="DDPM models (SDXL): the sampler"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")

@@ -48,6 +48,7 @@ class GenerateOptions:
     steps: int = 30
     guidance_scale: float = 5.0
     shift: float | None = None  # None: the architecture's default (resolution-dependent for FLUX / Qwen)
+    sampler: str = "euler"  # DDPM models (SDXL): "euler" or "dpm++2m"; flow models always use Euler
     seed: int = 0
     device: str = "auto"
 
@@ -65,6 +66,12 @@ def check_options(trainer, opts: GenerateOptions) -> None:
     for flag, value in (("--guidance", opts.guidance_scale), ("--shift", opts.shift)):
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{flag} {value}: must be a finite number.")
+    if trainer.objective == "ddpm" and opts.shift is not None:
+        raise ConfigError(f"--shift {opts.shift}: a flow-matching option; {arch} samples its DDPM schedule.")
+    if trainer.objective == "flow" and opts.sampler != "euler":
+        raise ConfigError(
+            f"--sampler {opts.sampler}: {arch} is a flow-matching model, sampled with Euler steps."
+        )
     if opts.steps < 1:
         raise ConfigError(f"--steps {opts.steps}: must be at least 1.")
     if opts.width % step or opts.height % step:
@@ -139,11 +146,16 @@ def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: di
     """Denoise from the seed's noise to latents [1, ...] with the model as it is (adapters attached)."""
     shape = trainer.latent_shape(opts.width, opts.height, opts.frames)
     noise = torch.randn((1, *shape), generator=torch.Generator().manual_seed(opts.seed))
-    shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
 
     def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
         return trainer.predict(model, x.to(dtype), t / 1000, c).float()
 
+    if trainer.objective == "ddpm":  # SDXL: diffusers' Euler / DPM++ 2M on the trained schedule
+        from tuner.ddpm import ddpm_sample
+
+        return ddpm_sample(model_fn, noise.to(device), trainer.training_objective(), opts.steps, cond, uncond,
+                           opts.guidance_scale, opts.sampler, progress, trainer.combine_guidance)  # fmt: skip
+    shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
     with torch.no_grad():
         return euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
                             opts.guidance_scale, progress=progress, combine=trainer.combine_guidance)  # fmt: skip

@@ -298,6 +298,27 @@ _COSMOS_PREDICT2 = Architecture(
     save_format="comfy",
 )
 
+_SDXL = Architecture(
+    name="sdxl",
+    title="SDXL text-to-image (base 1.0 and fine-tunes: Pony, Illustrious, NoobAI; epsilon or v-pred)",
+    trainer="tuner.trainers.sdxl:SDXLTrainer",
+    layout="tuner.models.sdxl_keys:SDXL_LAYOUT",
+    fixture="tuner.fixtures.sdxl:FIXTURE",
+    model_class="UNet2DConditionModel",
+    # the UNet's levels (the mid block is one module, not a list, and stays resident)
+    block_lists=("down_blocks", "up_blocks"),
+    # every linear layer of the attention modules: their projections in and out, self- and
+    # cross-attention and the feed-forward (kohya's default set for SDXL); resnets and embeddings left alone
+    default_targets=(
+        r".*attentions\.\d+\.(proj_in|proj_out)",
+        r".*attentions\.\d+\.transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
+        r".*attentions\.\d+\.transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+    ),
+    configs="sdxl",
+    # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
+    save_format="kohya",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -390,6 +411,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         _Z_IMAGE,
         _LUMINA2,
         _COSMOS_PREDICT2,
+        _SDXL,
     )
 }
 

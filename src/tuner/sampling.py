@@ -85,6 +85,33 @@ def _try_stack(cond: Any, uncond: Any, batch_size: int) -> tuple[bool, Any]:
         return False, None
 
 
+def guided(
+    model_fn: ModelFn,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    cond: Any,
+    uncond: Any,
+    guidance_scale: float,
+    combine: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+    batch_cfg: bool = True,
+) -> torch.Tensor:
+    """The model's prediction at (x, t) with classifier-free guidance (float32): the conditional one
+    alone when `guidance_scale` is 1, else uncond + g · (cond − uncond) (or `combine`), both passes as one
+    doubled batch when the conditionings stack (see `_stack`) and `batch_cfg` allows."""
+    if guidance_scale == 1.0:
+        return model_fn(x, t, cond).float()
+    if uncond is None:
+        raise ValueError("guidance_scale != 1 needs an unconditional conditioning (uncond).")
+    one_call, stacked = _try_stack(cond, uncond, x.shape[0]) if batch_cfg else (False, None)
+    if one_call:
+        v_cond, v_uncond = model_fn(torch.cat([x, x]), torch.cat([t, t]), stacked).float().chunk(2)
+    else:
+        v_cond, v_uncond = model_fn(x, t, cond).float(), model_fn(x, t, uncond).float()
+    if combine is not None:
+        return combine(v_cond, v_uncond, guidance_scale)
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
 @torch.no_grad()
 def euler_sample(
     model_fn: ModelFn,
@@ -113,26 +140,11 @@ def euler_sample(
         raise ValueError(f"sigmas must be a 1-D tensor of at least 2 times, got shape {tuple(sigmas.shape)}.")
 
     batch = noise.shape[0]
-    one_call, stacked = _try_stack(cond, uncond, batch) if use_cfg and batch_cfg else (False, None)
     # Accumulate in float32: many small bf16 updates would round away.
     x = noise.float()
     times = sigmas.double().tolist()
     for i in tqdm(range(len(times) - 1), disable=not progress, desc="sampling"):
         t = torch.full((batch,), times[i] * 1000.0, device=x.device, dtype=torch.float32)
-        x_in = x.to(noise.dtype)
-        if not use_cfg:
-            v = model_fn(x_in, t, cond).float()
-        else:
-            if one_call:
-                v_cond, v_uncond = (
-                    model_fn(torch.cat([x_in, x_in]), torch.cat([t, t]), stacked).float().chunk(2)
-                )
-            else:
-                v_cond = model_fn(x_in, t, cond).float()
-                v_uncond = model_fn(x_in, t, uncond).float()
-            if combine is not None:
-                v = combine(v_cond, v_uncond, guidance_scale)
-            else:
-                v = v_uncond + guidance_scale * (v_cond - v_uncond)
+        v = guided(model_fn, x.to(noise.dtype), t, cond, uncond, guidance_scale, combine, batch_cfg).float()
         x = x + (times[i + 1] - times[i]) * v
     return x.to(noise.dtype)

@@ -281,7 +281,14 @@ def flow_loss(
     weighting: str = "none",
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Weighted MSE: the mean squared error of each sample (in float32), times its weight, averaged.
+    """Weighted MSE (`weighted_mse`) with the per-sample weight of `weighting` at t."""
+    return weighted_mse(pred, target, loss_weight(t, weighting), mask)
+
+
+def weighted_mse(
+    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The mean squared error of each sample (in float32), times its weight, averaged.
 
     `mask` (0/1, broadcastable to `pred`) leaves elements out: each sample's error is then the mean over
     its kept elements (a given first frame that the model never predicts does not dilute the rest).
@@ -292,7 +299,28 @@ def flow_loss(
     else:
         mask = mask.to(error).expand_as(error).flatten(1)
         per_sample = (error.flatten(1) * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1)
-    return (per_sample * loss_weight(t, weighting).to(per_sample.device)).mean()
+    return (per_sample * weights.to(per_sample.device)).mean()
+
+
+@dataclass(frozen=True)
+class FlowObjective:
+    """Flow matching as a training objective (the default); `tuner.ddpm.DDPMObjective` is the other.
+    Both answer `discretize`, `add_noise` and `loss`, which is all the training loop asks."""
+
+    weighting: str = "none"
+    """One of `LOSS_WEIGHTINGS`."""
+
+    def discretize(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # continuous time: every t is a level of its own
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return add_noise(x0, noise, t)
+
+    def loss(
+        self, pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return flow_loss(pred.float(), flow_target(x0, noise).float(), t, self.weighting, mask=mask)
 
 
 # -- histogram (Pillow only, so `tuner timesteps` works without matplotlib) --------------------

@@ -198,7 +198,7 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                         for i, (key, job, _, _) in enumerate(loaded):
                             tensors = {
                                 name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
-                            }
+                            } | trainer.latent_conditions(job)
                             meta = {
                                 "bucket": job.bucket_key,
                                 "encoder": encoder.label(),

@@ -192,7 +192,7 @@ class TimestepConfig:
     mode: Literal["auto", "uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift"] = option(
         "auto",
         "How training timesteps t in [0, 1] are drawn; auto is the model's usual choice (shift for Wan, "
-        "flux_shift for FLUX.1, qwen_shift for Qwen-Image).",
+        "flux_shift for FLUX.1, qwen_shift for Qwen-Image, uniform for SDXL).",
     )
     sigmoid_scale: float = option(
         1.0, "Scale of the normal inside the sigmoid (sigmoid and shift modes).", gt=0
@@ -203,8 +203,23 @@ class TimestepConfig:
     min_timestep: float = option(0.0, "Smallest t drawn, in [0, 1].", ge=0, le=1)
     max_timestep: float = option(1.0, "Largest t drawn, in [0, 1].", ge=0, le=1)
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = option(
-        "none", "Per-timestep weighting of the MSE loss."
+        "none", "Per-timestep weighting of the MSE loss (flow-matching models)."
     )
+    noise_offset: float = option(
+        0.0, "Add this times a per-channel constant to the noise (learns brightness; e.g. 0.0357).", ge=0
+    )
+    prediction: Literal["auto", "epsilon", "v"] = option(
+        "auto",
+        "DDPM models (SDXL): what the model predicts, the noise (epsilon) or the velocity (v, for v-pred "
+        "fine-tunes); auto is epsilon.",
+    )
+    zero_terminal_snr: bool = option(
+        False, "DDPM models: rescale the schedule to end at pure noise (v-pred fine-tunes need it)."
+    )
+    min_snr_gamma: float = option(
+        0.0, "DDPM models: min-SNR-γ loss weighting (5 is usual); 0 disables it.", ge=0
+    )
+    debiased_estimation: bool = option(False, "DDPM models: weight the loss by 1/√SNR (debiased estimation).")
 
     def __post_init__(self) -> None:
         if self.min_timestep >= self.max_timestep:

@@ -36,7 +36,10 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "Lumina Image 2.0 (architecture lumina2)",
         ("cap_embedder.0.weight", "time_caption_embed.caption_embedder."),
     ),
-    ("SD / SDXL UNet", ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight")),
+    (
+        'an SD / SDXL UNet (SDXL: model.architecture = "sdxl")',
+        ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
+    ),
     ("Stable Diffusion 3 / 3.5 MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",)),
     ("Wan 2.1 transformer (original layout)", ("blocks.0.self_attn.q.weight",)),
     ("Wan 2.1 transformer (diffusers layout)", ("blocks.0.attn1.to_q.weight",)),

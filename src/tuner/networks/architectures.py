@@ -118,9 +118,12 @@ def architecture_keys(name: str) -> ArchitectureKeys:
     return ARCHITECTURES[name].key_table()
 
 
-def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where: str) -> ArchitectureKeys:
+def detect_architecture(
+    stems: Iterable[str], metadata: Mapping[str, str], where: str, context: Iterable[str] = ()
+) -> ArchitectureKeys:
     """The architecture of an adapter file: from tuner's metadata, else the one table that names every
-    module of the file."""
+    module of the file. When several do and read it differently, `context` (stems of every weight
+    matrix of the model, where one is at hand) decides: the table that names the most of them."""
     if arch := metadata.get("tuner.architecture"):
         return architecture_keys(arch)
     from tuner.registry import ARCHITECTURES
@@ -129,6 +132,14 @@ def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where
     # one entry per distinct table: architectures that share module names (FLUX.1 and Kontext) are one
     tables = list({id(keys): keys for keys in map(architecture_keys, ARCHITECTURES)}.values())
     fitting = [keys for keys in tables if _names_all(stems, keys)]
+    if len(fitting) > 1 and len({_reading(stems, keys) for keys in fitting}) == 1:
+        return fitting[0]  # the tables that fit read these modules alike (Chroma's are FLUX.1's blocks)
+    if len(fitting) > 1 and (context := list(context)):
+        # FLUX.1, Chroma and FLUX.2 share their attention layers' names, not their modulations'
+        scores = sorted(((sum(_names_all([c], keys) for c in context), i) for i, keys in enumerate(fitting)),
+                        reverse=True)  # fmt: skip
+        if scores[0][0] > scores[1][0]:
+            return fitting[scores[0][1]]
     if len(fitting) != 1:
         why = "fit several" if fitting else "fit none"
         raise CheckpointError(
@@ -136,6 +147,16 @@ def detect_architecture(stems: Iterable[str], metadata: Mapping[str, str], where
             "pass --arch"
         )
     return fitting[0]
+
+
+def _reading(stems: list[str], keys: ArchitectureKeys) -> str:
+    """How a table reads `stems` (their diffusers names or fused parts) and the layout its architecture
+    saves by default: two tables with the same reading convert the file the same way."""
+    from tuner.registry import ARCHITECTURES
+
+    names = [repr(_names_of_stem(stem, replace(keys, same_names=False))) for stem in stems]
+    record = ARCHITECTURES.get(keys.name)
+    return repr((names, record.save_format if record else None))
 
 
 def _names_all(stems: list[str], keys: ArchitectureKeys) -> bool:

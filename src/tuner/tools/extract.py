@@ -70,14 +70,18 @@ def extract_lora(
     if not modules:
         raise TunerError(f"{tuned} has no weight matrix that differs from {base} by more than {threshold}")
     stems = {COMFY_PREFIX + name: weights for name, weights in modules.items()}
+    matrices = [COMFY_PREFIX + k.removesuffix(".weight") for k, t in base_weights.items()
+                if k.endswith(".weight") and t.ndim == 2]  # fmt: skip
     keys = None
     if format == "auto":  # the layout training writes by default for this architecture
-        keys = architecture_keys(arch) if arch else detect_architecture(stems, {}, str(tuned))
+        keys = architecture_keys(arch) if arch else detect_architecture(stems, {}, str(tuned), matrices)
         format = resolve_save_format(arch or keys.name, format)
     if format == "comfy":
         state, layout_metadata = layout_state(modules, "comfy", dtype=DTYPES[dtype])
     else:  # kohya and diffusers go through the architecture's names
-        keys = keys or (architecture_keys(arch) if arch else detect_architecture(stems, {}, str(tuned)))
+        keys = keys or (
+            architecture_keys(arch) if arch else detect_architecture(stems, {}, str(tuned), matrices)
+        )
         canonical = canonical_modules(stems, keys, {}, str(tuned))
         state, layout_metadata = layout_state(canonical, format, keys, dtype=DTYPES[dtype])
     metadata = {

@@ -99,7 +99,10 @@ def _original_modules(
         else:
             via_table[stem] = weights
     if via_table:
-        keys = architecture_keys(arch) if arch else detect_architecture(via_table, metadata, str(path))
+        context = [COMFY_PREFIX + name for name in names]  # the checkpoint's modules decide ties
+        keys = (
+            architecture_keys(arch) if arch else detect_architecture(via_table, metadata, str(path), context)
+        )
         canonical = canonical_modules(via_table, keys, metadata, str(path))
         for original, weights in original_modules(canonical, keys)[0].items():
             if original in out:

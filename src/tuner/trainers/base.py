@@ -6,7 +6,7 @@ loop. The loop reads top to bottom:
 
     setup      accelerator, seed, cached batches (checked for staleness), model, adapter, optimizer
     resume     saved state, checked against its manifest (trainers/checkpoints.py) + our position
-    loop       _step: noise, t (+ draw_conditions) → x_t → predict → flow-matching loss (loss_mask)
+    loop       _step: noise, t (+ draw_conditions) → x_t → predict → the objective's loss (loss_mask)
                → backward (accumulate) → clip → step
                then _log_step, _maybe_sample, _maybe_validate, _maybe_save
     finish     the final adapter (and state)
@@ -94,6 +94,8 @@ class NetworkTrainer:
     sample_shift: ClassVar[float | str] = 3.0  # generate's default flow shift, or a RESOLUTION_SHIFTS name
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
     first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V models)
+    # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
+    objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
 
     def __init__(self, cfg: Config):
@@ -105,6 +107,7 @@ class NetworkTrainer:
         self.history: list[float] = []  # loss of each optimizer step, for tests and callers
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
         self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
+        self._objective = None  # `training_objective()`, built on first use
 
     @property
     def default_targets(self) -> tuple[str, ...]:
@@ -138,6 +141,12 @@ class NetworkTrainer:
         for i, control in enumerate(controls):
             out[f"control_{i}"] = self.encode_pixels(vae, control)
         return out
+
+    def latent_conditions(self, job) -> dict[str, torch.Tensor]:
+        """Tensors an item's latent entry holds beside what `encode_latents` made, from how the item was
+        sized (its `tuner.data.jobs.LatentJob`: source and crop); none by default. SDXL's size
+        conditioning comes from here."""
+        return {}
 
     def encode_frame_images(
         self, encoder, images: list[torch.Tensor], frames: int
@@ -225,6 +234,11 @@ class NetworkTrainer:
             name_map=self.layout.inverse, probe_forwards=probe_forwards, compile=self.cfg.train.compile,
         )  # fmt: skip
 
+    def export_layout(self):
+        """The layout saved files are written through: the architecture's. SDXL's full fine-tunes write
+        the bundled checkpoint UIs load (the UNet beside the VAE and both text encoders)."""
+        return self.layout
+
     def build_trained(self, model: nn.Module):
         """What trains (`tuner.networks.build_network` from the `[network]` section) on that model."""
         from tuner.networks.factory import build_network
@@ -240,17 +254,26 @@ class NetworkTrainer:
         )
 
     # --- the one loss ------------------------------------------------------------------------------
+    def training_objective(self):
+        """What the model is trained on: flow matching (`tuner.timesteps.FlowObjective`), or for
+        `objective = "ddpm"` architectures the DDPM schedule with the configured prediction type and
+        weights (`tuner.ddpm.DDPMObjective`)."""
+        if self._objective is None:
+            from tuner.ddpm import objective_from_config
+
+            self._objective = objective_from_config(self.objective, self.cfg.timesteps, self.architecture)
+        return self._objective
+
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
              accelerator) -> torch.Tensor:  # fmt: skip
-        """The flow-matching loss of one batch at timesteps `t` with `noise`: training and validation
-        both call this."""
-        from tuner.timesteps import add_noise, flow_loss, flow_target
-
-        noisy = add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
+        """The loss of one batch at timesteps `t` with `noise` (the objective's: flow matching unless the
+        architecture says otherwise): training and validation both call this."""
+        objective = self.training_objective()
+        t = objective.discretize(t)  # DDPM: the noise level the model is told is the one it gets
+        noisy = objective.add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
         with accelerator.autocast():
             pred = self.predict(model, noisy, t, cond)
-        return flow_loss(pred.float(), flow_target(x0, noise).float(), t, self.cfg.timesteps.loss_weighting,
-                         mask=self.loss_mask(x0, cond))  # fmt: skip
+        return objective.loss(pred.float(), x0, noise, t, mask=self.loss_mask(x0, cond))
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
@@ -271,7 +294,7 @@ class NetworkTrainer:
                     run.pos.epoch, run.pos.batch = run.pos.epoch + 1, 0
                     self._maybe_save(run, epoch_end=True)
             run.progress.close()
-            final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.layout, final=True)
+            final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=True)
             run.accelerator.end_training()
             run.log(f"saved {final}")
             return final
@@ -399,6 +422,10 @@ class NetworkTrainer:
         x0, cond = self._inputs(batch, run.accelerator.device)
         noise = torch.randn(x0.shape, generator=gen).to(x0)
         t = run.sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
+        if self.cfg.timesteps.noise_offset:  # drawn after t, so runs without it draw what they always did
+            from tuner.ddpm import offset_noise
+
+            noise = offset_noise(noise, self.cfg.timesteps.noise_offset, gen)
         cond = self.draw_conditions(x0, cond, gen)
         loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
         run.accelerator.backward(loss / (end - start))
@@ -492,10 +519,10 @@ class NetworkTrainer:
         due = (sc.every_n_epochs and pos.epoch % sc.every_n_epochs == 0 and pos.step < run.total_steps
                if epoch_end else sc.every_n_steps and pos.step % sc.every_n_steps == 0)  # fmt: skip
         if due:
-            run.checkpoints.save(run.trained, pos, run.metadata, self.layout)
+            run.checkpoints.save(run.trained, pos, run.metadata, self.export_layout())
 
     def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
-        """Mean flow-matching loss on the held-out batches at fixed timesteps with fixed noise, so values
+        """Mean loss on the held-out batches at fixed timesteps with fixed noise, so values
         at different steps compare. Draws nothing from the global random state."""
         cfg = self.cfg
         trained.eval()

@@ -1,0 +1,100 @@
+"""SDXL (and its fine-tunes) on diffusers' UNet2DConditionModel: the first DDPM-objective architecture.
+
+Latents: the SDXL VAE's mean × 0.13025, 4 channels at 1/8 of the pixels (sides multiples of 8; 64 keeps
+every UNet level even). Text: CLIP-L's and bigG's penultimate hidden states concatenated, and bigG's
+pooled projection (see `tuner.models.sdxl`). Size conditioning: each item's latent entry carries its
+`time_ids` (source height and width, crop top and left in the resized image, bucket height and width),
+as SDXL was trained; generation uses (H, W, 0, 0, H, W).
+
+The objective is DDPM's (`tuner.ddpm`): t ∈ [0, 1] from the timestep sampler (uniform by default, within
+`min_timestep` / `max_timestep`) picks one of the 1000 noise levels, and the model predicts the noise or,
+with `timesteps.prediction = "v"`, the velocity.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.dtypes import DTYPES
+from tuner.errors import ConfigError
+from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.models import sdxl
+from tuner.trainers.base import NetworkTrainer
+
+
+class SDXLTrainer(NetworkTrainer):
+    architecture = "sdxl"
+    objective = "ddpm"
+    timestep_mode = "uniform"
+    spatial_step = 64  # 8× VAE, then the UNet halves the latent twice
+    latent_patch = (1, 1)
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        path = self.weights_path("transformer")
+        sdxl.warn_if_v_prediction(path, self.training_objective().prediction)
+        return sdxl.load_unet(path, dtype)
+
+    def export_layout(self):
+        """A full fine-tune saves the bundled checkpoint (UNet, VAE, both text encoders), which A1111,
+        Forge and ComfyUI load; adapters and diffusers-named saves use the UNet layout."""
+        if self.cfg.network.type != "full" or self.cfg.save.format == "diffusers":
+            return self.layout
+        m = self.cfg.model
+        vae, text_encoder = self.weights_path("vae"), self.weights_path("text_encoder")
+
+        def companions() -> dict[str, torch.Tensor]:
+            return sdxl.bundle_companions(
+                vae, text_encoder, m.text_encoder_2 or None, DTYPES[self.cfg.save.precision]
+            )
+
+        return sdxl.BundledLayout(self.layout.keys, companions=companions)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return sdxl.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> sdxl.TextEncoders:
+        m = self.cfg.model
+        encoders = sdxl.load_text_encoders(
+            self.weights_path("text_encoder"), m.text_encoder_2 or None, m.tokenizer or None,
+            m.tokenizer_2 or None, text_encoder_dtype(dtype),
+        )  # fmt: skip
+        for model in (encoders.clip_l, encoders.clip_g):
+            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoders
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.shape[2] != 1:
+            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
+        return sdxl.encode_images(vae, pixels[:, :, 0])
+
+    def latent_conditions(self, job) -> dict[str, torch.Tensor]:
+        """SDXL's size conditioning of one item: its source size, where the bucket's crop starts in the
+        resized image, and the bucket size (each as (height, width))."""
+        from tuner.data.media import probe_image
+
+        width, height = probe_image(job.source)
+        left, top, right, bottom = job.crop.box
+        return {"time_ids": sdxl.time_ids((height, width), (top, left), (bottom - top, right - left))}
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return sdxl.decode_latents(vae, latents).unsqueeze(2)
+
+    def encode_text(
+        self, encoder: sdxl.TextEncoders, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
+        return sdxl.encode_prompts(encoder, captions)
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {name: torch.stack([e[name] for e in entries]) for name in ("hidden", "pooled")}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        level = (t.float() * 1000).round()
+        size_ids = cond.get("time_ids")
+        if size_ids is None:  # generation: the full picture at its own size, uncropped
+            h, w = noisy.shape[-2] * 8, noisy.shape[-1] * 8
+            size_ids = sdxl.time_ids((h, w), (0, 0), (h, w)).expand(noisy.shape[0], 6)
+        return sdxl.predict(model, noisy, level, cond["hidden"], cond["pooled"], size_ids)
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (4, height // 8, width // 8)
