@@ -3,6 +3,8 @@ our own two (Automagic, AdamW8bitKahan) follow their update rules."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -26,6 +28,7 @@ SETTINGS = {
     "came": (1e-2, {}),
     "automagic": (1e-2, {"max_lr": 1e-1}),
     "adamw8bitkahan": (1e-2, {}),
+    "genericoptim": (1e-2, {"subspace": "galore", "rank": 4, "update_every": 3, "orthogonalize": True}),
 }
 
 
@@ -164,7 +167,7 @@ def project(tmp_path_factory, wan_model):
 @pytest.mark.parametrize("name", ["adamw", "adafactor", *NAMED])
 def test_n_then_n_more_steps_equal_2n_steps(project, tmp_path, name):
     lr, kwargs = SETTINGS.get(name, (1e-3, {}))
-    args = ", ".join(f"{k} = {v}" for k, v in kwargs.items())
+    args = ", ".join(f"{k} = {json.dumps(v)}" for k, v in kwargs.items())  # JSON scalars are TOML
     common = (f"train.optimizer='{name}'", f"train.learning_rate={lr}", f"train.optimizer_args={{ {args} }}",
               "train.lr_warmup_steps=0", "save.every_n_epochs=0")  # fmt: skip
     straight = train_wan(project, tmp_path / "a", "train.max_steps=4", *common)

@@ -9,8 +9,8 @@ each is for, its memory per parameter and its arguments:
   per matrix instead of a full matrix). Given an lr it runs as a plain optimizer (relative_step,
   scale_parameter and warmup_init off); with lr None it computes its own relative step size.
 - the names in `NAMED`: bitsandbytes' 8-bit and paged AdamW and Lion, Prodigy (`prodigyopt`),
-  schedule-free AdamW (`schedulefree`), CAME (`pytorch_optimizer`), and our Automagic and
-  AdamW8bitKahan (`tuner.optimizers`). Those from optional packages name the extra that installs them.
+  schedule-free AdamW (`schedulefree`), CAME (`pytorch_optimizer`), and our Automagic,
+  AdamW8bitKahan and GenericOptim (`tuner.optimizers`). Those from optional packages name the extra that installs them.
 - any other class in `torch.optim` by name (`SGD`, `RAdam`, ...; `LBFGS` is left out because it needs
   a closure each step), or a dotted import path `package.module.Class` (`torch.optim.Adafactor`, whose
   short name `adafactor` means transformers' version here).
@@ -59,6 +59,7 @@ NAMED = {
     "came": ("pytorch_optimizer:CAME", "came"),
     "automagic": ("tuner.optimizers.automagic:Automagic", ""),
     "adamw8bitkahan": ("tuner.optimizers.kahan:AdamW8bitKahan", ""),
+    "genericoptim": ("tuner.optimizers.generic:GenericOptim", ""),
 }
 BUILTIN_OPTIMIZERS = ("adamw", "adafactor", *NAMED)
 SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts")

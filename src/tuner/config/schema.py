@@ -234,7 +234,7 @@ class TrainConfig:
     optimizer: str = option(
         "adamw",
         "adamw, adamw8bit, paged_adamw8bit, adafactor, lion, lion8bit, paged_lion8bit, prodigy, adamw_schedulefree, "
-        "came, automagic, adamw8bitkahan (see docs/optimizers.md), any torch.optim class, or a dotted path.",
+        "came, automagic, adamw8bitkahan, genericoptim (see docs/optimizers.md), any torch.optim class, or a dotted path.",
     )
     optimizer_args: dict[str, Any] = option(factory=dict, doc="Keyword arguments passed to the optimizer.")
     lr_scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts"] = option(
