@@ -76,6 +76,15 @@ def check_both_experts_resume_exactly(config, tmp_path, monkeypatch) -> None:
     assert not (tmp_path / "straight" / "demo_lora.safetensors").exists()
 
 
+def test_keep_last_keeps_both_experts_files_of_the_last_saves(project, tmp_path):
+    _train(project[0], tmp_path, *BOTH, "train.max_steps=6", "save.every_n_steps=2", "save.every_n_epochs=0",
+           "save.keep_last=1")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        "demo_lora-step000004_high_noise.safetensors", "demo_lora-step000004_low_noise.safetensors",
+        "demo_lora_high_noise.safetensors", "demo_lora_low_noise.safetensors",
+    ]  # fmt: skip
+
+
 def test_each_expert_file_loads_into_its_expert_in_comfy_names(project, tmp_path):
     config, paths = project
     trainer = _train(config, tmp_path, *BOTH, "train.max_steps=2")
