@@ -77,8 +77,12 @@ def check_both_experts_resume_exactly(config, tmp_path, monkeypatch) -> None:
 
 
 def test_keep_last_keeps_both_experts_files_of_the_last_saves(project, tmp_path):
-    _train(project[0], tmp_path, *BOTH, "train.max_steps=6", "save.every_n_steps=2", "save.every_n_epochs=0",
-           "save.keep_last=1")  # fmt: skip
+    c = cfg(project[0], f"save.output_dir='{tmp_path}'", *QUIET, *BOTH, "train.max_steps=6", "save.every_n_steps=2",
+            "save.every_n_epochs=0", "save.keep_last=1")  # fmt: skip
+    said = []
+    final = trainer_class(c.model.architecture)(c).train(log=said.append)
+    assert final == tmp_path / "demo_lora_high_noise.safetensors"  # a file that exists, not `demo_lora`
+    assert said[-1] == f"saved {final}, {tmp_path / 'demo_lora_low_noise.safetensors'}"
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
         "demo_lora-step000004_high_noise.safetensors", "demo_lora-step000004_low_noise.safetensors",
         "demo_lora_high_noise.safetensors", "demo_lora_low_noise.safetensors",

@@ -297,7 +297,7 @@ class NetworkTrainer:
             run.progress.close()
             final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=True)
             run.accelerator.end_training()
-            run.log(f"saved {final}")
+            run.log(f"saved {', '.join(map(str, run.checkpoints.written))}")
             return final
 
     def _setup(self, resume: str | None, log: Callable[[str], None]) -> _Run:

@@ -107,7 +107,9 @@ class Checkpoints:
         except OSError as e:
             raise self._write_error(e, network, pos) from None
         acc.wait_for_everyone()
-        return adapter
+        # two-expert networks write one file per expert beside `adapter`; the first is returned
+        self.written = network.files(adapter) if hasattr(network, "files") else [adapter]
+        return self.written[0]
 
     def _save_state(self, network, pos) -> None:
         acc = self.accelerator
