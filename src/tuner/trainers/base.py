@@ -382,6 +382,8 @@ class NetworkTrainer:
             parts["ema"] = WeightEMA(trained.parameters(), tc.ema_decay, tc.ema_warmup, tc.ema_on_host)
             identity["train.ema_decay"] = tc.ema_decay
         checkpoints = Checkpoints(out, cfg.save, accelerator, identity, parts, schedule)
+        if accelerator.is_main_process and (note := checkpoints.space_note(trained)):
+            log(f"warning: {note}")
         samples = None
         sc = cfg.sample
         if sc.prompts and (sc.every_n_steps or sc.at_start) and accelerator.is_main_process:

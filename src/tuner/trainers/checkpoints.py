@@ -170,6 +170,19 @@ class Checkpoints:
             total += sum(state.tree_bytes(part.state_dict()) for part in self.parts.values())
         return total
 
+    def space_note(self, network, free_bytes: int | None = None) -> str | None:
+        """A warning, before step 1, when the output folder's disk cannot hold the saves this run keeps
+        (one save's size from the network and state, times `keep_last`, or times two when it keeps all)."""
+        need = self._save_bytes(self.accelerator.unwrap_model(network)) * max(2, self.cfg.keep_last or 2)
+        free = shutil.disk_usage(self.out).free if free_bytes is None else free_bytes
+        if free >= need:
+            return None
+        return (
+            f"{self.out} has {free / 2**30:.1f} GiB free; this run's saves need about {need / 2**30:.1f} GiB "
+            f"({self._save_bytes(network) / 2**30:.2f} GiB each). Free some space, set save.keep_last, or "
+            "save.save_state = false."
+        )
+
     def _keep_last(self) -> None:
         k = self.cfg.keep_last
         if not k:
