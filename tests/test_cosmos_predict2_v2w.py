@@ -1,0 +1,164 @@
+"""Cosmos-Predict2 Video2World: loading both layouts, the Text2Image / Video2World refusals, and the model
+inputs (given frames, condition mask, per-frame timesteps, fps) against diffusers'
+Cosmos2VideoToWorldPipeline on the tiny fixture."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before diffusers / transformers read it
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    Cosmos2VideoToWorldPipeline,
+    CosmosTransformer3DModel,
+    FlowMatchEulerDiscreteScheduler,
+)
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from test_cosmos_predict2_models import PROMPT, _NoGuardrail, _same_weights, _torchvision_resize
+from transformers import AutoTokenizer, T5EncoderModel
+
+from tuner.errors import CheckpointError
+from tuner.fixtures import write_fixture
+from tuner.models import cosmos_predict2 as cosmos
+from tuner.trainers.cosmos_predict2_v2w import T_CONDITIONING, CosmosPredict2V2WTrainer
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return write_fixture("cosmos_predict2_v2w", tmp_path_factory.mktemp("cosmos_predict2_v2w_model"))
+
+
+@pytest.fixture
+def pipe(paths, monkeypatch):
+    """The pipeline on the fixture's diffusers folder with diffusers' own transformer (torchvision's
+    resize of the padding mask stood in for, as in the Text2Image tests)."""
+    from diffusers.models.transformers import transformer_cosmos
+
+    transforms = SimpleNamespace(
+        functional=SimpleNamespace(resize=_torchvision_resize),
+        InterpolationMode=SimpleNamespace(NEAREST="nearest"),
+    )
+    monkeypatch.setattr(transformer_cosmos, "transforms", transforms, raising=False)
+    root = paths["diffusers"]
+    return Cosmos2VideoToWorldPipeline(
+        transformer=CosmosTransformer3DModel.from_pretrained(root / "transformer").eval(),
+        vae=AutoencoderKLWan.from_pretrained(root / "vae").eval(),
+        text_encoder=T5EncoderModel.from_pretrained(root / "text_encoder").eval(),
+        tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler"),
+        safety_checker=_NoGuardrail(),
+    )
+
+
+def _trainer(text_length: int = 512) -> CosmosPredict2V2WTrainer:
+    return CosmosPredict2V2WTrainer(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_single_file_loads_like_the_diffusers_folder(paths, tmp_path):
+    single = cosmos.load_transformer(paths["transformer_file"], torch.float32, video2world=True)
+    folder = cosmos.load_transformer(paths["diffusers"], torch.float32, video2world=True)
+    _same_weights(single, folder)
+    assert single.config.in_channels == 18  # 16 latents + condition mask + padding mask
+    comfy = tmp_path / "cosmos_predict2_2B_video2world_480p_16fps.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(paths["transformer_file"]).items()}, comfy)
+    _same_weights(cosmos.load_transformer(comfy, torch.float32, video2world=True), single)
+
+
+def test_each_architecture_names_the_other(paths, tmp_path):
+    t2i = write_fixture("cosmos_predict2", tmp_path / "t2i")
+    for path in (paths["transformer_file"], paths["diffusers"]):
+        with pytest.raises(CheckpointError, match='architecture = "cosmos_predict2_v2w"'):
+            cosmos.load_transformer(path, torch.float32)
+    for path in (t2i["transformer_file"], t2i["diffusers"]):
+        with pytest.raises(CheckpointError, match='architecture = "cosmos_predict2"'):
+            cosmos.load_transformer(path, torch.float32, video2world=True)
+
+
+def test_video2world_configs_have_the_releases_rope_scale():
+    """NVIDIA's config_video2world.py: one RoPE extrapolation per size, the same for 480p and 720p
+    (2B: h, w 3.0, t 1.0; 14B: h, w 2.0, t 20/24); a condition-mask channel beside the 16 latents."""
+    for name, heads, layers, rope in [("2B-v2w", 16, 28, [1.0, 3.0, 3.0]), ("14B-v2w", 40, 36, [20 / 24, 2.0, 2.0])]:  # fmt: skip
+        config = CosmosTransformer3DModel.load_config(cosmos.CONFIGS / "transformer" / name)
+        assert (config["num_attention_heads"], config["num_layers"], config["in_channels"]) == (heads, layers, 17)
+        assert list(config["rope_scale"]) == pytest.approx(rope)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model inputs against the pipeline
+# ---------------------------------------------------------------------------------------------------
+
+
+def _frames(count: int) -> list[Image.Image]:
+    rng = np.random.default_rng(3)
+    return [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("given_pixels", [1, 5], ids=["image", "video5"])
+@torch.no_grad()
+def test_predict_matches_the_pipelines_transformer_call(pipe, paths, given_pixels):
+    """Every transformer call of two pipeline steps (an image gives one latent frame, five video frames
+    two) against `predict` on the same x_t, t and given latents: the same output on the generated frames,
+    and on the given ones the velocity whose x̂0 = x_t − t·v is the given latents (what the pipeline puts
+    there). Ours runs the transformer loaded from the release file."""
+    calls = []
+    forward = pipe.transformer.forward
+
+    def record(**kwargs):
+        out = forward(**kwargs)
+        calls.append((kwargs, out[0].clone()))
+        return out
+
+    pipe.transformer.forward = record
+    media = {"image": _frames(1)[0]} if given_pixels == 1 else {"video": _frames(given_pixels)}
+    pipe(**media, prompt=PROMPT, height=32, width=32, num_frames=9, num_inference_steps=2, guidance_scale=1.0,
+         output_type="latent", max_sequence_length=16, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert len(calls) == 2
+
+    trainer = _trainer(16)
+    model = cosmos.load_transformer(paths["transformer_file"], torch.float32, video2world=True)
+    context = trainer.collate_text(trainer.encode_text((pipe.text_encoder, pipe.tokenizer), [PROMPT]))
+    given = (given_pixels - 1) // 4 + 1
+    for kwargs, expected in calls:
+        assert kwargs["fps"] == trainer.model_fps
+        hidden, timestep = kwargs["hidden_states"], kwargs["timestep"]
+        assert torch.equal(kwargs["condition_mask"][0, 0, :, 0, 0], torch.tensor([1.0] * given + [0.0] * (3 - given)))
+        assert torch.allclose(timestep[0, 0, :given].flatten(), torch.tensor(T_CONDITIONING))
+        t = timestep[:, 0, -1, 0, 0]
+        noisy = hidden.clone()
+        noisy[:, :, :given] = torch.randn(noisy[:, :, :given].shape)  # x_t there is not the model's input
+        cond = {**context, "first_frame": hidden[:, :, :given], "given_frames": torch.tensor([given])}
+        v = trainer.predict(model, noisy, t, cond)
+        torch.testing.assert_close(v[:, :, given:], expected[:, :, given:], rtol=1e-4, atol=1e-4)
+        x0 = noisy - t.view(-1, 1, 1, 1, 1) * v
+        torch.testing.assert_close(x0[:, :, :given], hidden[:, :, :given], rtol=1e-4, atol=1e-4)
+
+
+def test_generates_first_frame_is_one_given_latent_frame():
+    """`tuner generate --image`: the encoded image (one latent frame) with `clean_first`."""
+    from tuner.trainers.cosmos_predict2_v2w import given_frames
+
+    cond = {"first_frame": torch.zeros(1, 16, 1, 4, 4), "clean_first": torch.ones(1, dtype=torch.bool)}
+    assert given_frames(cond, 1).tolist() == [1]
+    assert given_frames({}, 2) is None
+
+
+def test_training_gives_one_or_two_frames_and_masks_them():
+    trainer = _trainer()
+    x0 = torch.randn(64, 16, 3, 2, 2)
+    cond = trainer.draw_conditions(x0, {}, torch.Generator().manual_seed(0))
+    assert set(cond["given_frames"].tolist()) == {1, 2}
+    mask = trainer.loss_mask(x0, cond)
+    assert torch.equal(mask[:, 0, :, 0, 0].sum(1), 3 - cond["given_frames"].float())
+    assert mask[:, :, 0].eq(0).all() and mask[:, :, 2].eq(1).all()
+    two = trainer.draw_conditions(x0[:, :, :2], {}, torch.Generator().manual_seed(0))
+    assert two["given_frames"].eq(1).all()  # a two-frame clip keeps a frame to predict
