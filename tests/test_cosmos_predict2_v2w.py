@@ -19,11 +19,13 @@ from diffusers import (
 )
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from test_cosmos_predict2_models import PROMPT, _NoGuardrail, _same_weights, _torchvision_resize
 from transformers import AutoTokenizer, T5EncoderModel
 
+from project import cfg, make_project, run
+from test_cosmos_predict2_models import PROMPT, _NoGuardrail, _same_weights, _torchvision_resize
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
+from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
 from tuner.models import cosmos_predict2 as cosmos
 from tuner.trainers.cosmos_predict2_v2w import T_CONDITIONING, CosmosPredict2V2WTrainer
 
@@ -70,7 +72,9 @@ def test_single_file_loads_like_the_diffusers_folder(paths, tmp_path):
     _same_weights(single, folder)
     assert single.config.in_channels == 18  # 16 latents + condition mask + padding mask
     comfy = tmp_path / "cosmos_predict2_2B_video2world_480p_16fps.safetensors"
-    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(paths["transformer_file"]).items()}, comfy)
+    save_file(
+        {f"model.diffusion_model.{k}": v for k, v in load_file(paths["transformer_file"]).items()}, comfy
+    )
     _same_weights(cosmos.load_transformer(comfy, torch.float32, video2world=True), single)
 
 
@@ -89,7 +93,11 @@ def test_video2world_configs_have_the_releases_rope_scale():
     (2B: h, w 3.0, t 1.0; 14B: h, w 2.0, t 20/24); a condition-mask channel beside the 16 latents."""
     for name, heads, layers, rope in [("2B-v2w", 16, 28, [1.0, 3.0, 3.0]), ("14B-v2w", 40, 36, [20 / 24, 2.0, 2.0])]:  # fmt: skip
         config = CosmosTransformer3DModel.load_config(cosmos.CONFIGS / "transformer" / name)
-        assert (config["num_attention_heads"], config["num_layers"], config["in_channels"]) == (heads, layers, 17)
+        assert (config["num_attention_heads"], config["num_layers"], config["in_channels"]) == (
+            heads,
+            layers,
+            17,
+        )
         assert list(config["rope_scale"]) == pytest.approx(rope)
 
 
@@ -131,7 +139,9 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, paths, given_pixel
     for kwargs, expected in calls:
         assert kwargs["fps"] == trainer.model_fps
         hidden, timestep = kwargs["hidden_states"], kwargs["timestep"]
-        assert torch.equal(kwargs["condition_mask"][0, 0, :, 0, 0], torch.tensor([1.0] * given + [0.0] * (3 - given)))
+        assert torch.equal(
+            kwargs["condition_mask"][0, 0, :, 0, 0], torch.tensor([1.0] * given + [0.0] * (3 - given))
+        )
         assert torch.allclose(timestep[0, 0, :given].flatten(), torch.tensor(T_CONDITIONING))
         t = timestep[:, 0, -1, 0, 0]
         noisy = hidden.clone()
@@ -162,3 +172,30 @@ def test_training_gives_one_or_two_frames_and_masks_them():
     assert mask[:, :, 0].eq(0).all() and mask[:, :, 2].eq(1).all()
     two = trainer.draw_conditions(x0[:, :, :2], {}, torch.Generator().manual_seed(0))
     assert two["given_frames"].eq(1).all()  # a two-frame clip keeps a frame to predict
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation from a first frame
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_generation_ends_on_the_given_first_frame(paths, tmp_path, capsys):
+    """`--image` is the first frame: sampling ends exactly on its latent frame, and the CLI writes a video."""
+    config = make_project(tmp_path / "project", paths["root"], architecture="cosmos_predict2_v2w")
+    trainer = CosmosPredict2V2WTrainer(cfg(config))
+    model = trainer.load_transformer(torch.float32)
+    image = tmp_path / "first.png"
+    _frames(1)[0].resize((64, 48)).save(image)
+    opts = GenerateOptions(prompt="a red square", out="", images=(str(image),), width=64, height=48, frames=9,
+                           steps=3, guidance_scale=2.0)  # fmt: skip
+    check_options(trainer, opts)
+    cond, uncond = encode_conditions(trainer, trainer.cfg, opts, torch.device("cpu"))
+    latents = sample_latents(
+        trainer, model, opts, cond, uncond, torch.device("cpu"), torch.float32, progress=False
+    )
+    assert latents.shape == (1, 16, 3, 6, 8)
+    torch.testing.assert_close(latents[:, :, :1], cond["first_frame"], rtol=1e-5, atol=1e-5)
+    out = tmp_path / "v.mp4"
+    code, log = run(capsys, "generate", "--config", config, "--prompt", "x", "--image", image, "--size", "64x48",
+                    "--frames", "9", "--steps", "1", "--device", "cpu", "--out", out)  # fmt: skip
+    assert code == 0 and out.stat().st_size > 0, log
