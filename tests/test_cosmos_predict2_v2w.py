@@ -12,17 +12,14 @@ import numpy as np
 import pytest
 import torch
 from diffusers import (
-    AutoencoderKLWan,
     Cosmos2VideoToWorldPipeline,
     CosmosTransformer3DModel,
-    FlowMatchEulerDiscreteScheduler,
 )
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer, T5EncoderModel
 
 from project import cfg, make_project, run
-from test_cosmos_predict2_models import PROMPT, _NoGuardrail, _same_weights, _torchvision_resize
+from test_cosmos_predict2_models import PROMPT, _same_weights, load_pipeline
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
@@ -37,24 +34,7 @@ def paths(tmp_path_factory):
 
 @pytest.fixture
 def pipe(paths, monkeypatch):
-    """The pipeline on the fixture's diffusers folder with diffusers' own transformer (torchvision's
-    resize of the padding mask stood in for, as in the Text2Image tests)."""
-    from diffusers.models.transformers import transformer_cosmos
-
-    transforms = SimpleNamespace(
-        functional=SimpleNamespace(resize=_torchvision_resize),
-        InterpolationMode=SimpleNamespace(NEAREST="nearest"),
-    )
-    monkeypatch.setattr(transformer_cosmos, "transforms", transforms, raising=False)
-    root = paths["diffusers"]
-    return Cosmos2VideoToWorldPipeline(
-        transformer=CosmosTransformer3DModel.from_pretrained(root / "transformer").eval(),
-        vae=AutoencoderKLWan.from_pretrained(root / "vae").eval(),
-        text_encoder=T5EncoderModel.from_pretrained(root / "text_encoder").eval(),
-        tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"),
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler"),
-        safety_checker=_NoGuardrail(),
-    )
+    return load_pipeline(Cosmos2VideoToWorldPipeline, paths["diffusers"], monkeypatch)
 
 
 def _trainer(text_length: int = 512) -> CosmosPredict2V2WTrainer:
@@ -104,6 +84,15 @@ def test_video2world_configs_have_the_releases_rope_scale():
 # ---------------------------------------------------------------------------------------------------
 # Model inputs against the pipeline
 # ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_text_encoding_matches_the_pipeline(pipe):
+    """Video2World's `encode_prompt`: the prompt's rows, then zeros, as Text2Image's."""
+    captions = [PROMPT, "a b c d e f g h i j k l m n o p q r s t"]
+    embeds, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False, max_sequence_length=16)
+    trainer = _trainer(16)
+    assert torch.equal(trainer.collate_text(trainer.encode_text((pipe.text_encoder, pipe.tokenizer), captions))["context"], embeds)  # fmt: skip
 
 
 def _frames(count: int) -> list[Image.Image]:
