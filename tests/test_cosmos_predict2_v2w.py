@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from project import cfg, make_project, run
 from test_cosmos_predict2_models import PROMPT, _same_weights, load_pipeline
-from tuner.errors import CheckpointError
+from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
 from tuner.models import cosmos_predict2 as cosmos
@@ -142,15 +142,6 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, paths, given_pixel
         torch.testing.assert_close(x0[:, :, :given], hidden[:, :, :given], rtol=1e-4, atol=1e-4)
 
 
-def test_generates_first_frame_is_one_given_latent_frame():
-    """`tuner generate --image`: the encoded image (one latent frame) with `clean_first`."""
-    from tuner.trainers.cosmos_predict2_v2w import given_frames
-
-    cond = {"first_frame": torch.zeros(1, 16, 1, 4, 4), "clean_first": torch.ones(1, dtype=torch.bool)}
-    assert given_frames(cond, 1).tolist() == [1]
-    assert given_frames({}, 2) is None
-
-
 def test_training_gives_one_or_two_frames_and_masks_them():
     trainer = _trainer()
     x0 = torch.randn(64, 16, 3, 2, 2)
@@ -182,8 +173,10 @@ def test_generation_ends_on_the_given_first_frame(paths, tmp_path, capsys):
     latents = sample_latents(
         trainer, model, opts, cond, uncond, torch.device("cpu"), torch.float32, progress=False
     )
-    assert latents.shape == (1, 16, 3, 6, 8)
+    assert latents.shape == (1, 16, 3, 6, 8) and cond["given_frames"].tolist() == [1]
     torch.testing.assert_close(latents[:, :, :1], cond["first_frame"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="the first frame"):  # the pipeline, too, needs an image or a video
+        check_options(trainer, GenerateOptions(prompt="x", out="", width=64, height=48, frames=9))
     out = tmp_path / "v.mp4"
     code, log = run(capsys, "generate", "--config", config, "--prompt", "x", "--image", image, "--size", "64x48",
                     "--frames", "9", "--steps", "1", "--device", "cpu", "--out", out)  # fmt: skip

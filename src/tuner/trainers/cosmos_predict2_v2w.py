@@ -22,9 +22,9 @@ Which frames: NVIDIA trains with 1 or 2 given latent frames (`min/max_num_condit
 sample here from the step's seeded generator (`draw_conditions`; at most all frames but one). A latent
 frame is what the causal VAE encodes of the first picture (the first latent frame) or of the next four, so
 the given frames come from the clip's own latents and the cache holds nothing more. `tuner generate
---image` gives the first frame (one latent frame, as the pipeline does with an image); without it nothing
-is given, which the release was not trained for. Image datasets are refused: one frame leaves nothing to
-predict.
+--image FIRST` (required, as the pipeline requires an image or a video) gives the first frame: one latent
+frame, the VAE's encoding of that picture alone, as the pipeline takes from an image. Image datasets are
+refused: one frame leaves nothing to predict.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class CosmosPredict2V2WTrainer(CosmosPredict2Trainer):
     supports_images = False
     frame_multiple, frame_remainder = 4, 1  # the Wan 2.1 VAE's 4× temporal compression
     min_frames = 5  # two latent frames: one given, one to predict
-    first_frame_image = True  # `tuner generate --image` gives the first frame
+    frame_images = 1  # `tuner generate --image FIRST`
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return cosmos.load_transformer(self.weights_path("transformer"), dtype, video2world=True)
@@ -54,7 +54,12 @@ class CosmosPredict2V2WTrainer(CosmosPredict2Trainer):
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, (frames - 1) // 4 + 1, height // 8, width // 8)
 
-    # ---- which frames are given, per sample ----
+    # ---- which frames are given ----
+    def encode_frame_images(self, vae: nn.Module, images: list[torch.Tensor], frames: int) -> dict:
+        """Generation's given first frame ([B, 3, H, W] in [-1, 1]): its latent frame, given."""
+        first = self.encode_pixels(vae, images[0].unsqueeze(2))
+        return {"first_frame": first, "given_frames": torch.ones(first.shape[0], dtype=torch.long)}
+
     def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
         """`given_frames` [B] (1 or 2, never all of a clip's latent frames) and those frames' latents
         (`first_frame`, [B, 16, 2, H, W])."""
@@ -64,19 +69,16 @@ class CosmosPredict2V2WTrainer(CosmosPredict2Trainer):
         return {**cond, "first_frame": x0[:, :, :high], "given_frames": given}
 
     def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor | None:
-        given = given_frames(cond, x0.shape[0])
-        if given is None:
+        if "given_frames" not in cond:
             return None
-        return (~frame_indicator(given.to(x0.device), x0.shape[2])).to(x0.dtype)
+        return (~frame_indicator(cond["given_frames"].to(x0.device), x0.shape[2])).to(x0.dtype)
 
     # ---- the model's inputs ----
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity at x_t with the first `given_frames` latent frames given (see the module
         docstring); batches without given frames get an all-zero condition mask."""
         b, _, f, h, w = noisy.shape
-        given = given_frames(cond, b)
-        if given is None:
-            given = torch.zeros(b, dtype=torch.long)
+        given = cond.get("given_frames", torch.zeros(b, dtype=torch.long))
         indicator = frame_indicator(given.to(noisy.device), f)  # [B, 1, F, 1, 1]
         latents = torch.zeros_like(noisy)
         if "first_frame" in cond:
@@ -95,17 +97,6 @@ class CosmosPredict2V2WTrainer(CosmosPredict2Trainer):
         )[0]
         straight = (noisy.float() - latents.float()) / t.float().clamp_min(1e-3).view(b, 1, 1, 1, 1)
         return torch.where(indicator, straight.to(out.dtype), out)
-
-
-def given_frames(cond: dict, batch: int) -> torch.Tensor | None:
-    """Latent frames given per sample [B]: training's `given_frames`, or generate's `clean_first` (the
-    `--image` frame, one latent frame); None when nothing is given."""
-    if "given_frames" in cond:
-        return cond["given_frames"].long()
-    clean = cond.get("clean_first")
-    if clean is None or not clean.any():
-        return None
-    return clean.long().expand(batch) * cond["first_frame"].shape[2]
 
 
 def frame_indicator(given: torch.Tensor, frames: int) -> torch.Tensor:
