@@ -1,5 +1,5 @@
 """Cosmos-Predict2 Video2World: loading both layouts, the Text2Image / Video2World refusals, and the model
-inputs (given frames, condition mask, per-frame timesteps, fps) against diffusers'
+inputs (given frames, condition mask, per-frame timesteps, no fps modulation) against diffusers'
 Cosmos2VideoToWorldPipeline on the tiny fixture."""
 
 import os
@@ -106,7 +106,9 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, paths, given_pixel
     """Every transformer call of two pipeline steps (an image gives one latent frame, five video frames
     two) against `predict` on the same x_t, t and given latents: the same output on the generated frames,
     and on the given ones the velocity whose x̂0 = x_t − t·v is the given latents (what the pipeline puts
-    there). Ours runs the transformer loaded from the release file."""
+    there). Ours runs the transformer loaded from the release file. The pipeline is called with `fps=None`:
+    the releases' RoPE has no fps modulation, which diffusers applies for any fps it is given (its default
+    16 stretches temporal positions ×1.5; diffusers issue #14768), and that this differs is checked too."""
     calls = []
     forward = pipe.transformer.forward
 
@@ -118,7 +120,7 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, paths, given_pixel
     pipe.transformer.forward = record
     media = {"image": _frames(1)[0]} if given_pixels == 1 else {"video": _frames(given_pixels)}
     pipe(**media, prompt=PROMPT, height=32, width=32, num_frames=9, num_inference_steps=2, guidance_scale=1.0,
-         output_type="latent", max_sequence_length=16, generator=torch.Generator().manual_seed(0))  # fmt: skip
+         output_type="latent", max_sequence_length=16, generator=torch.Generator().manual_seed(0), fps=None)  # fmt: skip
     assert len(calls) == 2
 
     trainer = _trainer(16)
@@ -126,7 +128,8 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, paths, given_pixel
     context = trainer.collate_text(trainer.encode_text((pipe.text_encoder, pipe.tokenizer), [PROMPT]))
     given = (given_pixels - 1) // 4 + 1
     for kwargs, expected in calls:
-        assert kwargs["fps"] == trainer.model_fps
+        assert kwargs["fps"] is None
+        assert not torch.allclose(forward(**{**kwargs, "fps": 16})[0], expected, atol=1e-3)
         hidden, timestep = kwargs["hidden_states"], kwargs["timestep"]
         assert torch.equal(
             kwargs["condition_mask"][0, 0, :, 0, 0], torch.tensor([1.0] * given + [0.0] * (3 - given))

@@ -11,8 +11,11 @@ mask**, fed as diffusers' `Cosmos2VideoToWorldPipeline` feeds it:
   concatenates them in; the padding mask is the zero channel the Text2Image trainer appends too);
 * every latent frame has its own timestep ([B, 1, F, 1, 1]): t on the generated frames and
   t_cond = σ_cond / (1 + σ_cond), σ_cond = 1e-4 (the pipeline's `sigma_conditioning`), on the given ones;
-* `fps` goes to the RoPE (temporal positions scaled by 24 / fps): clips are resampled to
-  `model_fps` = 16, the releases' rate, so 16 is what is passed.
+* no `fps`: the released checkpoints were trained with `rope_enable_fps_modulation=False` (NVIDIA's
+  `config_video2world.py`; ComfyUI runs them so), their temporal RoPE positions plain frame indices.
+  diffusers' pipeline passes `fps=16`, and its transformer then scales those positions by 24 / fps (×1.5),
+  which the releases never saw (diffusers issue #14768); the test pins the pipeline's call made with
+  `fps=None`, and that `fps=16` differs. Clips are resampled to `model_fps` = 16, the releases' rate.
 
 The pipeline replaces x̂0 on the given frames by the given latents; in velocity terms that is the straight
 line (x_t − given) / t, which `predict` returns there, so sampling ends exactly on them. Training leaves
@@ -92,7 +95,7 @@ class CosmosPredict2V2WTrainer(CosmosPredict2Trainer):
             hidden_states=torch.cat([inputs, mask, padding], dim=1),
             timestep=timestep.to(noisy.dtype),
             encoder_hidden_states=cond["context"].to(noisy.dtype),
-            fps=int(self.model_fps),
+            fps=None,  # the releases' RoPE takes no fps modulation (see the module docstring)
             return_dict=False,
         )[0]
         straight = (noisy.float() - latents.float()) / t.float().clamp_min(1e-3).view(b, 1, 1, 1, 1)
