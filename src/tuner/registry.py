@@ -411,6 +411,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         _Z_IMAGE,
         _LUMINA2,
         _COSMOS_PREDICT2,
+        # Cosmos-Predict2 Video2World: the same network and names with a condition-mask input channel
+        replace(
+            _COSMOS_PREDICT2,
+            name="cosmos_predict2_v2w",
+            title="Cosmos-Predict2 Video2World 2B, 14B (480p, 720p; video from its first frames)",
+            trainer="tuner.trainers.cosmos_predict2_v2w:CosmosPredict2V2WTrainer",
+            fixture="tuner.fixtures.cosmos_predict2:V2W_FIXTURE",
+        ),
         _SDXL,
     )
 }

@@ -47,7 +47,7 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the official Wan T5 encoder (models_t5_umt5-xxl-enc-*.pth)", ("token_embedding.weight",)),
     ("a T5 / UMT5 text encoder", ("encoder.block.0.layer.0.SelfAttention.q.weight",)),
     (
-        "a Cosmos-Predict2 transformer (architecture cosmos_predict2)",
+        "a Cosmos-Predict2 transformer (architecture cosmos_predict2; Video2World: cosmos_predict2_v2w)",
         ("blocks.0.adaln_modulation_self_attn.",),
     ),
 )
