@@ -158,6 +158,7 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, height, width):
         # the pipeline steps its latents in place after the call: keep a copy
         captured.update(kwargs, hidden_states=kwargs["hidden_states"].clone(), output=output)
 
+    kandinsky5.rotate_in_compute_dtype(pipe.transformer)  # tuner's fp32 RoPE (bf16: identical, tested below)
     handle = pipe.transformer.register_forward_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
@@ -208,6 +209,36 @@ def test_bf16_forward_and_backward_run_on_the_fixture(fx):
     whole = kandinsky5.load_transformer(fx["transformer_file"], torch.float32).to(torch.bfloat16)
     with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
         kandinsky5.predict_velocity(whole, noisy, t, cond)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_in_compute_dtype_is_upstream_in_bf16(fx, dtype):
+    """Upstream rounds rotated q/k to bf16 in any dtype (this test fails when diffusers stops, and the
+    patch can go); tuner rotates in fp32 from the compute dtype: bit-identical to upstream in bf16,
+    within bf16 rounding of it in fp32."""
+    import inspect
+
+    from diffusers import Kandinsky5Transformer3DModel
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5AttnProcessor
+
+    from tuner.models.loading import cast_like_from_pretrained_
+
+    assert ".to(torch.bfloat16)" in inspect.getsource(Kandinsky5AttnProcessor.__call__)
+    ours = kandinsky5.load_transformer(fx["diffusers"], dtype)
+    upstream = Kandinsky5Transformer3DModel.from_pretrained(fx["diffusers"] / "transformer").eval()
+    cast_like_from_pretrained_(upstream, dtype)
+    assert ours.state_dict().keys() == upstream.state_dict().keys()
+    cond = _cond(7, (6, 6))
+    noisy = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(8)).to(dtype)
+    t = torch.tensor([0.2, 0.9])
+    with torch.no_grad():
+        got = kandinsky5.predict_velocity(ours, noisy, t, cond)
+        want = kandinsky5.predict_velocity(upstream, noisy, t, cond)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:
+        assert not torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
 
 
 # ---- adapters ---------------------------------------------------------------------------------------

@@ -27,6 +27,13 @@ cropped (no attention mask: one caption at a time, its true length), CLIP's pool
 tokens; latents channel-last with zeros for the visual condition (T2V); timestep t · 1000 in the
 model's dtype; RoPE positions and the pipeline's resolution-dependent RoPE scale.
 
+RoPE in fp32: diffusers' (and the original code's) attention rounds the rotated queries and keys to
+bf16 whatever the model's dtype (`apply_rotary` ends in `.to(torch.bfloat16)`). In bf16 that is the
+model's own dtype; in fp32 it makes the output jump where an input change flips a rounding (two
+adapters at half strength did not add up to one within 1e-5). tuner's loaders therefore rotate inside
+the q/k norms' outputs, in fp32, rounded to the compute dtype first (`rotate_in_compute_dtype`): the same
+numbers as upstream in bf16 (a test), exact fp32 rotation in fp32.
+
 bf16: the model computes its sinusoidal time embedding in fp32 and feeds it to `time_embeddings`;
 `Kandinsky5Transformer3DModel._keep_in_fp32_modules` (time embedding and modulations) must therefore
 stay fp32 when the rest is bf16 — what `from_pretrained` and tuner's loaders do. A model cast whole
@@ -36,6 +43,7 @@ runs under autocast).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -192,8 +200,9 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> Kandinsky5Transfor
     _refuse_i2v(path)
     folder = resolve_folder(path, "transformer")
     if folder is not None:
-        return load_diffusers_folder(
-            Kandinsky5Transformer3DModel, folder, dtype, "Kandinsky5Transformer3DModel"
+        cls = "Kandinsky5Transformer3DModel"
+        return rotate_in_compute_dtype(
+            load_diffusers_folder(Kandinsky5Transformer3DModel, folder, dtype, cls)
         )
     shapes = normalize_shapes(read_tensor_shapes(path))
     if not all(k in shapes for k in _MARKERS):
@@ -202,7 +211,58 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> Kandinsky5Transfor
     check_keys(diffusers_meta_keys(Kandinsky5Transformer3DModel, variant.config_dir), shapes, path, _WHAT)
     config_dir = transformer_config(path) if variant.name == "lite-5s" else variant.config_dir
     state_dict = normalize_state_dict(load_tensors(path), dtype)
-    return from_state_dict(Kandinsky5Transformer3DModel, state_dict, config_dir, dtype, Path(path))
+    model = from_state_dict(Kandinsky5Transformer3DModel, state_dict, config_dir, dtype, Path(path))
+    return rotate_in_compute_dtype(model)
+
+
+@functools.cache
+def _rope_stashing_processor() -> type:
+    """Kandinsky5AttnProcessor that hands the rotary table to the q/k norm hooks (`rotate_in_compute_dtype`)
+    instead of rotating itself; everything else (backends, sparse attention) is upstream's."""
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5AttnProcessor
+
+    class RopeInNormsProcessor(Kandinsky5AttnProcessor):
+        def __call__(
+            self, attn, hidden_states, encoder_hidden_states=None, rotary_emb=None, sparse_params=None
+        ):
+            device = hidden_states.device.type
+            dtype = (
+                torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden_states.dtype
+            )
+            for norm in (attn.query_norm, attn.key_norm):  # on the norms: a deep copy keeps its own
+                norm._tuner_rope, norm._tuner_dtype = rotary_emb, dtype
+            try:
+                return super().__call__(attn, hidden_states, encoder_hidden_states, None, sparse_params)
+            finally:
+                attn.query_norm._tuner_rope = attn.key_norm._tuner_rope = None
+
+    return RopeInNormsProcessor
+
+
+def _rotate_output(norm: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor | None:
+    """Forward hook of a q/k norm: RoPE as upstream applies it (the norm's output in the query's dtype,
+    as fp32 pairs times the 2×2 table), without the rounding to bf16 after it."""
+    rope = norm._tuner_rope
+    if rope is None:
+        return None
+    x = output.to(norm._tuner_dtype).float()
+    return (rope * x.reshape(*x.shape[:-1], -1, 1, 2)).sum(dim=-1).reshape(x.shape)
+
+
+def rotate_in_compute_dtype(model: Kandinsky5Transformer3DModel) -> Kandinsky5Transformer3DModel:
+    """Apply RoPE at the q/k norms' outputs without upstream's rounding to bf16 (module docstring).
+    State-dict keys are unchanged."""
+    from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Attention
+
+    for attn in model.modules():
+        if isinstance(attn, Kandinsky5Attention) and not isinstance(
+            attn.processor, _rope_stashing_processor()
+        ):
+            attn.set_processor(_rope_stashing_processor()())
+            for norm in (attn.query_norm, attn.key_norm):
+                norm._tuner_rope = None
+                norm.register_forward_hook(_rotate_output)
+    return model
 
 
 class TextEncoders(NamedTuple):
