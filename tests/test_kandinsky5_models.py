@@ -241,6 +241,31 @@ def test_rope_in_compute_dtype_is_upstream_in_bf16(fx, dtype):
         torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
 
 
+def test_ten_second_models_train_with_dense_attention(fx):
+    """A NABLA (10 s) config computes what the same weights compute with regular attention: dense
+    attention, with gradients (diffusers' NABLA needs its flex backend, which has no CPU backward)."""
+    import json
+
+    from diffusers import Kandinsky5Transformer3DModel as Transformer
+
+    ten = json.loads((kandinsky5.CONFIGS / "transformer" / "lite-10s" / "config.json").read_text())
+    tiny = Transformer.load_config(fx["diffusers"] / "transformer")
+    sparse = Transformer.from_config({**tiny, **{k: v for k, v in ten.items() if k.startswith("attention_")}})
+    sparse.load_state_dict(kandinsky5.load_transformer(fx["diffusers"], torch.float32).state_dict())
+    sparse = kandinsky5.rotate_in_compute_dtype(sparse.eval())
+    dense = kandinsky5.load_transformer(fx["diffusers"], torch.float32)
+    assert sparse.config.attention_type == "nabla" and dense.config.attention_type == "regular"
+    cond = _cond(9, (4,))
+    noisy = torch.randn(1, 16, 2, 16, 16, generator=torch.Generator().manual_seed(10))
+    t = torch.tensor([0.5])
+    out = kandinsky5.predict_velocity(sparse, noisy, t, cond)
+    out.square().mean().backward()
+    with torch.no_grad():  # the same numbers up to kernel rounding
+        torch.testing.assert_close(
+            out.detach(), kandinsky5.predict_velocity(dense, noisy, t, cond), rtol=1e-5, atol=1e-5
+        )
+
+
 # ---- adapters ---------------------------------------------------------------------------------------
 
 

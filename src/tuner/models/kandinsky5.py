@@ -17,8 +17,11 @@ Each loader takes either layout users have (see `tuner.models.loading`):
 
 The Lite T2V releases (pretrain, sft, nocfg, distilled16steps; 5 s and 10 s each) are one network of
 identical shapes (2 text + 32 visual blocks of width 1792, `visual_cond`). What tells them apart is the
-name of the file or folder (`release_name`): the 10 s models attend sparsely (NABLA, the `lite-10s`
-config), and generation's defaults differ (`RELEASES`). The Lite image model (another width and the
+name of the file or folder (`release_name`): the 10 s models were trained with NABLA sparse attention
+(the `lite-10s` config records it), and generation's defaults differ (`RELEASES`). tuner runs every
+model with dense attention, which NABLA approximates (it keeps the blocks holding 90 % of the attention
+mass): diffusers builds NABLA's block mask only for its `flex` attention backend, which has no backward
+pass on CPU and is not one of tuner's backends. The Lite image model (another width and the
 FLUX VAE), the I2V model and the 19B Pro models are not trained by this architecture.
 
 Model inputs are what Kandinsky5T2VPipeline computes: the cleaned prompt inside the video template
@@ -47,7 +50,6 @@ import functools
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -361,17 +363,13 @@ def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"text": text, "length": lengths, "pooled": torch.stack([e["pooled"] for e in entries])}
 
 
-def _pipeline_rules(model: Kandinsky5Transformer3DModel, latents: torch.Tensor):
-    """(RoPE scale, sparse attention parameters) for channel-last latents [B, F, H, W, C], by diffusers'
-    own pipeline methods (called unbound: they read only the transformer's config), so training uses
-    the rule generation uses: scale (1, 2, 2) when both pixel sides are in 480..854, else (1, 3.16,
-    3.16); NABLA block masks for the 10 s models (sides multiples of 128 pixels)."""
+def rope_scale(latents: torch.Tensor) -> tuple[float, float, float]:
+    """The pipeline's RoPE scale for channel-last latents [B, F, H, W, C], by diffusers' own method
+    (called unbound: it reads nothing else): (1, 2, 2) when both pixel sides are in 480..854, else
+    (1, 3.16, 3.16)."""
     from diffusers import Kandinsky5T2VPipeline
 
-    height, width = latents.shape[2] * 8, latents.shape[3] * 8
-    scale = Kandinsky5T2VPipeline._get_scale_factor(None, height, width)
-    shim = SimpleNamespace(transformer=model, fast_sta_nabla=Kandinsky5T2VPipeline.fast_sta_nabla)
-    return scale, Kandinsky5T2VPipeline.get_sparse_params(shim, latents, latents.device)
+    return Kandinsky5T2VPipeline._get_scale_factor(None, latents.shape[2] * 8, latents.shape[3] * 8)
 
 
 def predict_velocity(
@@ -389,7 +387,7 @@ def predict_velocity(
         x = torch.cat([x, torch.zeros_like(x), x.new_zeros(*x.shape[:-1], 1)], dim=-1)
     frames, height, width = x.shape[1:4]
     positions = [torch.arange(n, device=x.device) for n in (frames, height // 2, width // 2)]
-    scale, sparse = _pipeline_rules(model, x)
+    scale = rope_scale(x)
     timestep = (t.float() * 1000).to(dtype)
     lengths = cond["length"].tolist()
     groups = (
@@ -408,7 +406,7 @@ def predict_velocity(
                 visual_rope_pos=positions,
                 text_rope_pos=torch.arange(n, device=x.device),
                 scale_factor=scale,
-                sparse_params=sparse,
+                sparse_params=None,  # dense attention, also for the 10 s models (module docstring)
                 return_dict=False,
             )
         )

@@ -8,7 +8,8 @@ stored at their true length (`cache.text_max_length` is the pipeline's `max_sequ
 CLIP-L's pooled output. The T2V model's visual condition (an image-to-video input) is zeros.
 
 The releases (pretrain / sft / nocfg / distilled16steps, 5 s / 10 s) share shapes; the name of the file
-or folder picks the 10 s sparse-attention config. Sampling uses the release's flow shift 10; the
+or folder picks the 10 s config, whose NABLA sparse attention tuner replaces by the dense attention it
+approximates. Sampling uses the release's flow shift 10; the
 release's steps and guidance are sft / pretrain 50 and 5, nocfg 50 and 1 (`tuner generate --guidance 1`),
 distilled16steps 16 and 1 (`--steps 16 --guidance 1`). bf16 works because the loaders keep the time
 embedding and modulations in fp32 (see `tuner.models.kandinsky5`).
