@@ -85,6 +85,9 @@ def test_variants_releases_and_refusals(fx, tmp_path):
     i2v.write_bytes(fx["transformer_file"].read_bytes())
     with pytest.raises(CheckpointError, match="image-to-video"):
         kandinsky5.load_transformer(i2v, torch.float32)
+    from tuner.models.identify import guess_architecture
+
+    assert "kandinsky5" in guess_architecture(load_file(fx["transformer_file"]))  # named to other loaders
     wan = tmp_path / "wan.safetensors"
     save_file({"blocks.0.self_attn.q.weight": torch.zeros(64, 64)}, wan)
     with pytest.raises(CheckpointError, match="Wan 2.1"):
