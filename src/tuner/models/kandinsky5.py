@@ -8,8 +8,9 @@ Each loader takes either layout users have (see `tuner.models.loading`):
   diffusers-named** (`visual_transformer_blocks.0.self_attention.to_query.weight`: diffusers ported the
   original modules one to one, and the RoPE tables are not stored), so the single file is the diffusers
   state dict and the layout renames nothing;
-* VAE: HunyuanVideo's (`tuner.models.hunyuan_video.load_vae`; the Kandinsky release ships the same
-  network and config, scaling factor 0.476986);
+* VAE: HunyuanVideo's (`tuner.models.hunyuan_video.load_vae`, either layout). Latents are scaled by the
+  VAE config's `scaling_factor`, as Kandinsky5T2VPipeline does: the diffusers folder's own value, or
+  HunyuanVideo's shipped config (0.476986) for a single file;
 * Qwen2.5-VL-7B-Instruct (`text_encoder`): as Qwen-Image's (`tuner.models.qwen_image_text`), ComfyUI's
   `qwen_2.5_vl_7b.safetensors` + `tokenizer`, or the diffusers `text_encoder/` + `tokenizer/`;
 * CLIP ViT-L/14 (`text_encoder_2`): as FLUX.1's, `clip_l.safetensors` + `tokenizer_2`, or the diffusers
@@ -180,7 +181,11 @@ _MARKERS = (
 
 
 def _refuse_i2v(path: str | Path) -> None:
-    if re.search(r"i2v", Path(path).name if Path(path).is_file() else str(path), re.IGNORECASE):
+    path = Path(
+        path
+    )  # a file's own name; a folder's name and its parent's (`...-I2V-...-Diffusers/transformer`)
+    names = path.name if path.is_file() else "/".join(path.parts[-2:])
+    if re.search(r"i2v", names, re.IGNORECASE):
         raise CheckpointError(
             f"{path}: a Kandinsky 5 image-to-video model; tuner trains the text-to-video Lite models "
             "(kandinsky5lite_t2v_*). Point model.transformer at a T2V file or folder."
