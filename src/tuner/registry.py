@@ -319,6 +319,27 @@ _SDXL = Architecture(
     save_format="kohya",
 )
 
+_KANDINSKY5 = Architecture(
+    name="kandinsky5",
+    title="Kandinsky 5.0 Video Lite text-to-video (2B; sft, pretrain, nocfg, distilled, 5 s / 10 s)",
+    trainer="tuner.trainers.kandinsky5:Kandinsky5Trainer",
+    layout="tuner.models.kandinsky5:KANDINSKY5_LAYOUT",
+    fixture="tuner.fixtures.kandinsky5:FIXTURE",
+    model_class="Kandinsky5Transformer3DModel",
+    block_lists=("text_transformer_blocks", "visual_transformer_blocks"),
+    # attention (self- and cross-) and feed-forward linears of the visual blocks and the text blocks;
+    # modulations (kept in fp32), embeddings and the output layer are left alone
+    default_targets=(
+        r"(text|visual)_transformer_blocks\.\d+\.self_attention\.(to_query|to_key|to_value|out_layer)",
+        r"visual_transformer_blocks\.\d+\.cross_attention\.(to_query|to_key|to_value|out_layer)",
+        r"(text|visual)_transformer_blocks\.\d+\.feed_forward\.(in_layer|out_layer)",
+    ),
+    configs="kandinsky5",
+    # the release's names are diffusers' own: `diffusion_model.<name>` is ComfyUI's key map;
+    # diffusers' Kandinsky loader reads `save.format = "diffusers"` (`transformer.<name>`)
+    save_format="comfy",
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -420,6 +441,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.cosmos_predict2:V2W_FIXTURE",
         ),
         _SDXL,
+        _KANDINSKY5,
     )
 }
 
