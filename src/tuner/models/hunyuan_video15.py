@@ -469,7 +469,10 @@ def encode_video(vae: AutoencoderKLHunyuanVideo15, pixels: torch.Tensor) -> torc
             f"the HunyuanVideo 1.5 VAE needs 1 + 4k frames and sides divisible by 16, got {tuple(pixels.shape)}"
         )
     param = next(vae.parameters())
-    latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()
+    pixels = pixels.to(param.device, param.dtype)
+    # one video at a time: the VAE's mid-block attention builds a [B, L, L] causal mask that SDPA
+    # broadcasts against its batch (fails for B > 1 in diffusers 0.42)
+    latents = torch.cat([vae.encode(p.unsqueeze(0)).latent_dist.mode() for p in pixels])
     return latents * vae.config.scaling_factor
 
 
@@ -477,7 +480,8 @@ def encode_video(vae: AutoencoderKLHunyuanVideo15, pixels: torch.Tensor) -> torc
 def decode_latents(vae: AutoencoderKLHunyuanVideo15, latents: torch.Tensor) -> torch.Tensor:
     """Videos [B, 3, F, H, W] in about [-1, 1] from normalized latents (the inverse of `encode_video`)."""
     param = next(vae.parameters())
-    return vae.decode(latents.to(param.device, param.dtype) / vae.config.scaling_factor).sample
+    latents = latents.to(param.device, param.dtype) / vae.config.scaling_factor
+    return torch.cat([vae.decode(z.unsqueeze(0)).sample for z in latents])  # one at a time, as encoding
 
 
 def predict_velocity(
