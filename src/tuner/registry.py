@@ -418,6 +418,15 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         _HUNYUAN_VIDEO,
         _HUNYUAN_VIDEO15,
+        # HunyuanVideo 1.5 I2V: the same network (other weights) given the first frame as condition
+        # latents and SigLIP image tokens
+        replace(
+            _HUNYUAN_VIDEO15,
+            name="hunyuan_video15_i2v",
+            title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
+            trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15I2VTrainer",
+            fixture="tuner.fixtures.hunyuan_video15:I2V_FIXTURE",
+        ),
         _HIDREAM,
         _SD3,
         _FLUX2,

@@ -484,6 +484,16 @@ def decode_latents(vae: AutoencoderKLHunyuanVideo15, latents: torch.Tensor) -> t
     return torch.cat([vae.decode(z.unsqueeze(0)).sample for z in latents])  # one at a time, as encoding
 
 
+def first_frame_condition(image_latents: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """The I2V condition channels [B, C + 1, F, H, W] for latents like `noisy`: the first frame's latent
+    [B, C, 1, H, W] in latent frame 0 and zeros after it, then a mask channel that is 1 on frame 0."""
+    b, c, f, h, w = noisy.shape
+    frame_cond = noisy.new_zeros(b, c + 1, f, h, w)
+    frame_cond[:, :c, :1] = image_latents.to(noisy)
+    frame_cond[:, c, 0] = 1.0
+    return frame_cond
+
+
 def predict_velocity(
     model: HunyuanVideo15Transformer3DModel,
     noisy: torch.Tensor,

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.models import hunyuan_video15
+from tuner.models import hunyuan_video15, hunyuan_video15_siglip
 from tuner.trainers.base import NetworkTrainer
+from tuner.trainers.wan_i2v import LatentEncoders
 
 
 class HunyuanVideo15Trainer(NetworkTrainer):
@@ -69,3 +70,45 @@ class HunyuanVideo15Trainer(NetworkTrainer):
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (32, (frames - 1) // 4 + 1, height // 16, width // 16)
+
+
+class HunyuanVideo15I2VTrainer(HunyuanVideo15Trainer):
+    """Image-to-video (480p / 720p I2V): the same network given the first frame twice, as
+    HunyuanVideo15ImageToVideoPipeline gives it: its VAE latent (the frame encoded alone) in the
+    condition channels of latent frame 0 with the mask channel 1 there, and SigLIP's 729 tokens as image
+    context. The frame is the clip's own first frame, so caching stores per clip `image_latents` and
+    `image_embeds` beside `latents`, keyed by both the VAE and the image encoder."""
+
+    architecture = "hunyuan_video15_i2v"
+    task = "i2v"
+    supports_images = False
+    frame_images = 1
+    latent_encoders = ("vae", "image_encoder")
+
+    def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
+        image_encoder = hunyuan_video15_siglip.load_image_encoder(self.weights_path("image_encoder"), dtype)
+        image_encoder.model.to(device)
+        return LatentEncoders(self.load_vae(device, dtype), image_encoder)
+
+    def encode_latents(
+        self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        return {
+            "latents": self.encode_pixels(encoders.vae, pixels),
+            **self.encode_frame_images(encoders, [pixels[:, :, 0]], pixels.shape[2]),
+        }
+
+    def encode_frame_images(
+        self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
+    ) -> dict[str, torch.Tensor]:
+        """`image_latents` [B, 32, 1, H/16, W/16] and `image_embeds` [B, 729, 1152] of first frames
+        [B, 3, H, W] in [-1, 1]."""
+        first = images[0]
+        return {
+            "image_latents": self.encode_pixels(encoders.vae, first[:, :, None]),
+            "image_embeds": encoders.image_encoder.encode(first),
+        }
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        frame_cond = hunyuan_video15.first_frame_condition(cond["image_latents"], noisy)
+        return hunyuan_video15.predict_velocity(model, noisy, t, {**cond, "cond_latents": frame_cond})
