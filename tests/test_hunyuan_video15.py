@@ -9,7 +9,12 @@ key names pinned below.
 
 import pytest
 import torch
-from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+from diffusers import (
+    AutoencoderKLHunyuanVideo15,
+    HunyuanVideo15ImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
+)
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
 
 from tuner.errors import CheckpointError
@@ -31,10 +36,7 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(paths):
-    pipe = HunyuanVideo15Pipeline.from_pretrained(paths["diffusers"])
-    for component in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
-        component.eval()
-    return pipe
+    return HunyuanVideo15Pipeline.from_pretrained(paths["diffusers"])  # models in eval mode
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -239,3 +241,86 @@ def test_encode_video_and_decode_latents(paths, pipe):
         torch.testing.assert_close(decoded[1:], pipe.vae.decode(latents[1:] / pipe.vae.config.scaling_factor).sample,
                                    **TOLERANCE)  # fmt: skip
     assert decoded.shape == video.shape
+
+
+# ---------------------------------------------------------------------------------------------------
+# Image to video
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def i2v_paths(tmp_path_factory):
+    return write_fixture("hunyuan_video15_i2v", tmp_path_factory.mktemp("hunyuan_video15_i2v_model"))
+
+
+@pytest.fixture(scope="module")
+def i2v_pipe(i2v_paths):
+    return HunyuanVideo15ImageToVideoPipeline.from_pretrained(i2v_paths["diffusers"])
+
+
+def test_i2v_single_files_load_like_the_diffusers_folder(i2v_paths):
+    from tuner.models import hunyuan_video15_siglip as siglip
+
+    root = i2v_paths["diffusers"]
+    single = hv.load_transformer(i2v_paths["transformer_file"], torch.float32, "i2v")
+    _same_weights(single, hv.load_transformer(root, torch.float32, "i2v"))
+    assert single.config.task_type == "i2v"
+    _same_weights(siglip.load_image_encoder(i2v_paths["image_encoder_file"], torch.float32).model,
+                  siglip.load_image_encoder(root, torch.float32).model)  # fmt: skip
+    with pytest.raises(CheckpointError, match='"hunyuan_video15_i2v"'):  # an I2V file trains as I2V only
+        hv.load_transformer(i2v_paths["transformer_file"], torch.float32, "t2v")
+
+
+def test_t2v_file_is_refused_by_i2v(paths):
+    with pytest.raises(CheckpointError, match='"hunyuan_video15"'):
+        hv.load_transformer(paths["transformer_file"], torch.float32, "i2v")
+
+
+def test_i2v_inputs_match_the_pipeline(i2v_paths, i2v_pipe):
+    """The first frame's latent and SigLIP tokens, the condition channels and the transformer call, against
+    HunyuanVideo15ImageToVideoPipeline's `_get_image_latents`, `_get_image_embeds`,
+    `prepare_cond_latents_and_mask` and its transformer call."""
+    from PIL import Image
+
+    from tuner.models import hunyuan_video15_siglip as siglip
+
+    pixels = torch.randint(0, 256, (32, 48, 3), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    image = Image.fromarray(pixels.numpy())
+    frame = pixels.permute(2, 0, 1)[None].float() / 127.5 - 1  # [1, 3, H, W] in [-1, 1]
+    vae = hv.load_vae(i2v_paths["diffusers"], torch.float32)
+    encoder = siglip.load_image_encoder(i2v_paths["image_encoder_file"], torch.float32)
+    image_latents = hv.encode_video(vae, frame[:, :, None])
+    image_embeds = encoder.encode(frame)
+    noisy = torch.randn(1, 32, 2, 2, 3, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs_latents = i2v_pipe._get_image_latents(
+            i2v_pipe.vae, i2v_pipe.video_processor, image, 32, 48, "cpu"
+        )
+        theirs_embeds = i2v_pipe._get_image_embeds(
+            i2v_pipe.image_encoder, i2v_pipe.feature_extractor, image, "cpu"
+        )
+        cond, mask = i2v_pipe.prepare_cond_latents_and_mask(noisy, image, 1, 32, 48, torch.float32, "cpu")
+    torch.testing.assert_close(image_latents, theirs_latents, **TOLERANCE)
+    torch.testing.assert_close(image_embeds, theirs_embeds, **TOLERANCE)
+    frame_cond = hv.first_frame_condition(image_latents, noisy)
+    torch.testing.assert_close(frame_cond, torch.cat([cond, mask], dim=1), **TOLERANCE)
+
+    entries = hv.encode_prompts(_single_encoders_of(i2v_paths), CAPTIONS[:1])
+    text, text_mask, glyph, glyph_mask = i2v_pipe.encode_prompt(
+        CAPTIONS[:1], device="cpu", dtype=torch.float32
+    )
+    model = hv.load_transformer(i2v_paths["transformer_file"], torch.float32, "i2v")
+    t = torch.tensor([0.7])
+    with torch.no_grad():
+        ours = hv.predict_velocity(model, noisy, t, {**hv.collate(entries), "cond_latents": frame_cond,
+                                                     "image_embeds": image_embeds})  # fmt: skip
+        theirs = i2v_pipe.transformer(
+            hidden_states=torch.cat([noisy, cond, mask], dim=1), image_embeds=theirs_embeds, timestep=t * 1000,
+            encoder_hidden_states=text, encoder_attention_mask=text_mask, encoder_hidden_states_2=glyph,
+            encoder_attention_mask_2=glyph_mask, return_dict=False,
+        )[0]  # fmt: skip
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def _single_encoders_of(paths) -> hv.TextEncoders:
+    return hv.load_text_encoders(paths["diffusers"], None, None, None, torch.float32)

@@ -268,10 +268,10 @@ def _check_task(path: str | Path, task: str) -> None:
 
 
 def transformer_config(path: str | Path, variant: Variant, task: str) -> Path:
-    """The shipped config for a file of `variant`: the real ones differ only in the pipeline's default
-    size (480p / 720p, from the name) and task."""
-    if variant.name != "8.3B":
-        return variant.config_dir
+    """The shipped config for a file of `variant` trained as `task`: the real ones differ only in the
+    pipeline's default size (480p / 720p, from the name) and `task_type`."""
+    if variant.name == "tiny":
+        return CONFIGS / "transformer" / ("tiny_i2v" if task == "i2v" else "tiny")
     resolution = "720p" if "720" in "/".join(Path(path).parts[-3:]) else "480p"
     return CONFIGS / "transformer" / f"{resolution}_{task}"
 
