@@ -26,6 +26,8 @@ from tuner.trainers import trainer_class
 # timestep draws, the data order or the model inputs changed. Update only on purpose.
 GOLDEN = {
     "wan": [2.632645, 2.480175, 2.591850],
+    "hunyuan_video15": [7.776718, 7.425722, 7.662487],
+    "hunyuan_video15_i2v": [8.502964, 7.827737, 7.372025],
     "wan22_t2v": [2.428439, 2.537409, 2.436425],
     "wan22_i2v": [2.427903, 2.538272, 2.342146],
     "wan22_ti2v": [3.195842, 3.289405, 2.819544],

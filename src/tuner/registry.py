@@ -170,6 +170,26 @@ _HUNYUAN_VIDEO = Architecture(
     save_format="comfy",
 )
 
+_HUNYUAN_VIDEO15 = Architecture(
+    name="hunyuan_video15",
+    title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
+    trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15Trainer",
+    layout="tuner.models.hunyuan_video15_keys:HUNYUAN_VIDEO15_LAYOUT",
+    fixture="tuner.fixtures.hunyuan_video15:FIXTURE",
+    model_class="HunyuanVideo15Transformer3DModel",
+    block_lists=("transformer_blocks",),
+    # the attention and MLP linears of both streams of every double block (Tencent's img_attn_q ...
+    # txt_mlp.fc2, all unfused). Modulations, norms, the text refiner and the text / glyph / image
+    # embedders are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+    ),
+    configs="hunyuan_video15",
+    # Tencent names under `diffusion_model.`: ComfyUI's key map (diffusers has no HunyuanVideo 1.5 LoRA loader)
+    save_format="comfy",
+)
+
 _HIDREAM = Architecture(
     name="hidream",
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
@@ -418,6 +438,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
         _HUNYUAN_VIDEO,
+        _HUNYUAN_VIDEO15,
+        # HunyuanVideo 1.5 I2V: the same network (other weights) given the first frame as condition
+        # latents and SigLIP image tokens
+        replace(
+            _HUNYUAN_VIDEO15,
+            name="hunyuan_video15_i2v",
+            title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
+            trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15I2VTrainer",
+            fixture="tuner.fixtures.hunyuan_video15:I2V_FIXTURE",
+        ),
         _HIDREAM,
         _SD3,
         _FLUX2,

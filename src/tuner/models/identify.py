@@ -28,6 +28,10 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("a LoRA / adapter file, not a base model", ("lora_", ".lora.", "lora_A", "lora_down", "hada_", "lokr_")),
     ("FLUX (original BFL layout)", ("double_blocks.0.img_attn.qkv.weight",)),
     ("HunyuanVideo (original layout)", ("double_blocks.0.img_attn_qkv.weight",)),
+    (
+        "HunyuanVideo 1.5 (architecture hunyuan_video15)",
+        ("byt5_in.fc1.weight", "context_embedder_2.linear_1.weight"),
+    ),
     ("FLUX / HunyuanVideo (diffusers layout)", ("single_transformer_blocks.0.",)),
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
     ("HiDream-I1", ("double_stream_blocks.0.block.",)),
