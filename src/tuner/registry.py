@@ -170,6 +170,19 @@ _HUNYUAN_VIDEO = Architecture(
     save_format="comfy",
 )
 
+# FramePack: HunyuanVideo's network plus the history embedder and SigLIP projection, trained on sections;
+# adapters on the same modules as HunyuanVideo's, exported in its Tencent names
+_FRAMEPACK = replace(
+    _HUNYUAN_VIDEO,
+    name="framepack",
+    title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
+    trainer="tuner.trainers.framepack:FramePackTrainer",
+    layout="tuner.models.framepack_keys:FRAMEPACK_LAYOUT",
+    fixture="tuner.fixtures.framepack:FIXTURE",
+    model_class="HunyuanVideoFramepackTransformer3DModel",
+    configs="framepack",
+)
+
 _HIDREAM = Architecture(
     name="hidream",
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
@@ -397,6 +410,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
         _HUNYUAN_VIDEO,
+        _FRAMEPACK,
         _HIDREAM,
         _SD3,
         _FLUX2,

@@ -1,0 +1,86 @@
+"""FramePack image-to-video (lllyasviel's FramePackI2V_HY) on diffusers' HunyuanVideoFramepackTransformer3DModel.
+
+FramePack predicts a video one section of latent frames at a time, each given the image's latent frame,
+clean history latents at 1×/2×/4× compression and the image's SigLIP embedding (`tuner.models.framepack`
+explains the inputs). Text, VAE and guidance are HunyuanVideo's, so this is `HunyuanVideoTrainer` with
+the section's inputs added.
+
+Training on a clip (section training): the clip's first frame is the given image; the next
+`min(9, F' - 1)` latent frames are the section, and the latent frames after it (up to 19, zero-padded as
+the sampler's empty history is) are its history, split 1 / 2 / 16 into the three compressions. That is
+the section the release's sampler makes last (right after the image, padding 0), with the indices it
+uses. The cache holds per clip:
+
+* `latents` [16, 1 + W, H, W]: the image's latent frame followed by the section. The image's frame is
+  never predicted: `predict` returns the straight line from x_t to it (so sampling ends on it exactly)
+  and `loss_mask` leaves it out;
+* `first_frame` [16, 1, H, W]: the VAE's encoding of the first frame alone (the pipeline's image latent);
+* `history` [16, 19, H, W] and `image_embeds` [tokens, 1152] (SigLIP's last hidden state).
+
+The latent key covers `model.vae` and `model.image_encoder`. `tuner generate --image` makes one section
+of `--frames` frames after the image (history empty: the pipeline's one-section case).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.models import framepack
+from tuner.trainers.hunyuan_video import HunyuanVideoTrainer
+from tuner.trainers.wan_i2v import LatentEncoders
+
+
+class FramePackTrainer(HunyuanVideoTrainer):
+    architecture = "framepack"
+    supports_images = False  # a clip needs frames after the given image
+    min_frames = 5  # two latent frames: the image's and one to predict
+    frame_images = 1  # the given image (the video's first frame)
+    latent_encoders = ("vae", "image_encoder")
+    sample_shift = 3.0  # FramePack's demo samples at shift 3
+
+    # ---- loading ----
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return framepack.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
+        image_encoder = framepack.load_image_encoder(self.weights_path("image_encoder"), dtype)
+        image_encoder.model.to(device)
+        return LatentEncoders(self.load_vae(device, dtype), image_encoder)
+
+    # ---- what the cache holds ----
+    def encode_latents(
+        self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        clip = self.encode_pixels(encoders.vae, pixels)
+        window = min(framepack.LATENT_WINDOW, clip.shape[2] - 1)
+        given = self.encode_frame_images(encoders, [pixels[:, :, 0]], pixels.shape[2])
+        after = clip[:, :, 1 + window :][:, :, : given["history"].shape[2]]
+        given["history"][:, :, : after.shape[2]] = after
+        return {"latents": clip[:, :, : 1 + window], **given}
+
+    def encode_frame_images(
+        self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
+    ) -> dict[str, torch.Tensor]:
+        """`first_frame` (the image's latent frame), an empty `history` and `image_embeds` of the image."""
+        first = self.encode_pixels(encoders.vae, images[0].unsqueeze(2))
+        history = first.new_zeros(*first.shape[:2], sum(framepack.HISTORY_SIZES), *first.shape[3:])
+        return {
+            "first_frame": first,
+            "history": history,
+            "image_embeds": encoders.image_encoder.encode(images[0]),
+        }
+
+    # ---- the model's inputs ----
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The section's velocity from the model; for the image's frame (frame 0) the straight line from
+        x_t to the given latent, (x_t − x0) / t, which sampling follows to land on it."""
+        out = framepack.predict_section(model, noisy[:, :, 1:], t, cond, self.cfg.model.guidance)
+        first = cond["first_frame"].to(noisy)
+        straight = (noisy[:, :, :1].float() - first.float()) / t.float().clamp_min(1e-3).view(-1, 1, 1, 1, 1)
+        return torch.cat([straight.to(out.dtype), out], dim=2)
+
+    def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor:
+        mask = torch.ones(1, 1, x0.shape[2], 1, 1, device=x0.device)
+        mask[:, :, 0] = 0
+        return mask
