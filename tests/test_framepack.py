@@ -1,0 +1,207 @@
+"""FramePack: both layouts load alike, the section inputs are the pipeline's, text and SigLIP match it, and
+diffusers' LoRA loader reads our diffusers-layout file; all on the tiny fixture."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import HunyuanVideoFramepackPipeline, HunyuanVideoFramepackTransformer3DModel
+from PIL import Image
+
+from tuner.errors import CheckpointError
+from tuner.fixtures import write_fixture
+from tuner.models import framepack
+from tuner.models import hunyuan_video as hv
+from tuner.models.loading import read_tensor_shapes
+from tuner.networks import LoRANetwork, TargetSpec
+from tuner.registry import ARCHITECTURES
+from tuner.trainers.framepack import FramePackTrainer
+from tuner.trainers.wan_i2v import LatentEncoders
+
+CAPTIONS = ["a dog runs", "a red car drives on the street at night while the rain falls"]
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return write_fixture("framepack", tmp_path_factory.mktemp("framepack_model"))
+
+
+@pytest.fixture(scope="module")
+def pipe(paths):
+    pipe = HunyuanVideoFramepackPipeline.from_pretrained(paths["diffusers"])
+    for component in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.image_encoder):
+        component.eval()
+    return pipe
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_layout_loads_to_the_same_weights(paths, dtype):
+    folder = framepack.load_transformer(paths["diffusers"], dtype)
+    assert isinstance(folder, HunyuanVideoFramepackTransformer3DModel)
+    _same_weights(framepack.load_transformer(paths["release_file"], dtype), folder)
+    _same_weights(framepack.load_transformer(paths["transformer_file"], dtype), folder)
+    siglip = framepack.load_image_encoder(paths["diffusers"], dtype)
+    _same_weights(framepack.load_image_encoder(paths["image_encoder_file"], dtype).model, siglip.model)
+
+
+def test_release_file_has_diffusers_names_and_the_layout_hunyuan_videos(paths):
+    release = read_tensor_shapes(paths["release_file"])
+    assert "clean_x_embedder.proj_4x.weight" in release and "transformer_blocks.0.attn.to_q.weight" in release
+    hunyuan = read_tensor_shapes(paths["transformer_file"])
+    assert "double_blocks.0.img_attn_qkv.weight" in hunyuan and "clean_x_embedder.proj_4x.weight" in hunyuan
+    assert "single_blocks.0.linear1.weight" in hunyuan and "image_projection.up.weight" in hunyuan
+
+
+def test_files_of_the_other_architecture_are_refused_naming_it(paths):
+    with pytest.raises(CheckpointError, match='architecture = "hunyuan_video"'):
+        framepack.load_transformer(paths["hunyuan_video_file"], torch.float32)
+    for path in (paths["release_file"], paths["transformer_file"], paths["diffusers"]):
+        with pytest.raises(CheckpointError, match='architecture = "framepack"'):
+            hv.load_transformer(path, torch.float32)
+    with pytest.raises(CheckpointError, match="SigLIP"):
+        framepack.load_image_encoder(paths["vae_file"], torch.float32)
+
+
+def test_shipped_signatures_fit_the_shipped_configs():
+    for variant in framepack.TRANSFORMER_VARIANTS:
+        keys = framepack._transformer_keys(variant)
+        assert all(k in keys for k, shape in variant.signature.items() if shape is not None), variant.name
+
+
+# ---------------------------------------------------------------------------------------------------
+# The pipeline's inputs
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_encode_prompts_match_the_pipeline(paths, pipe):
+    encoders = hv.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2)
+    ours = hv.encode_prompts(encoders, CAPTIONS)
+    embeds, pooled, mask = pipe.encode_prompt(CAPTIONS, device="cpu")
+    for i, entry in enumerate(ours):
+        n = int(mask[i].sum())
+        torch.testing.assert_close(entry["text"], embeds[i, :n], **TOLERANCE)
+        torch.testing.assert_close(entry["pooled"], pooled[i], **TOLERANCE)
+
+
+def test_section_indices_are_the_pipelines():
+    """The release's inverted anti-drifting split, padding 0 and 2: [prefix | padding | section | 1x | 2x | 4x]."""
+    idx = framepack.section_indices(3)
+    assert idx.latents.tolist() == [1, 2, 3]
+    assert idx.clean.tolist() == [0, 4]
+    assert idx.history_2x.tolist() == [5, 6] and idx.history_4x.tolist() == list(range(7, 23))
+    assert framepack.section_indices(3, padding=2).latents.tolist() == [3, 4, 5]
+
+
+@torch.no_grad()
+def test_one_section_of_the_pipeline_is_what_the_trainer_feeds(pipe):
+    """A one-section pipeline run (inverted anti-drifting, window 2): every transformer call it makes is
+    `predict` on the trainer's inputs: text, SigLIP embedding, indices, an empty history, and the image's
+    latent frame (the pipeline samples it from the VAE; that latent is taken from the call)."""
+    image = Image.fromarray(
+        (torch.rand(32, 48, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy()
+    )
+    calls = []
+    hook = pipe.transformer.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append((kwargs, out[0])), with_kwargs=True
+    )
+    try:
+        pipe(image=image, prompt=CAPTIONS[1], height=32, width=48, num_frames=5, latent_window_size=2,
+             num_inference_steps=2, guidance_scale=6.0, output_type="latent",
+             generator=torch.Generator().manual_seed(0))  # fmt: skip
+    finally:
+        hook.remove()
+    assert len(calls) == 2
+    trainer = FramePackTrainer(SimpleNamespace(model=SimpleNamespace(guidance=6.0)))
+    pixels = pipe.video_processor.preprocess(image, 32, 48)
+    encoders = LatentEncoders(pipe.vae, framepack.ImageEncoder(pipe.image_encoder, pipe.feature_extractor))
+    given = trainer.encode_frame_images(encoders, [pixels], 5)
+    text = hv.collate(hv.encode_prompts(
+        hv.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2), CAPTIONS[1:]
+    ))  # fmt: skip
+    indices = framepack.section_indices(2)
+    for kwargs, out in calls:
+        torch.testing.assert_close(given["image_embeds"], kwargs["image_embeds"], **TOLERANCE)
+        for name, ours in (("latents", indices.latents), ("latents_clean", indices.clean),
+                           ("latents_history_2x", indices.history_2x), ("latents_history_4x", indices.history_4x)):  # fmt: skip
+            assert torch.equal(kwargs[f"indices_{name}"], ours), name
+        history = torch.cat([kwargs["latents_clean"][:, :, 1:], kwargs["latents_history_2x"],
+                             kwargs["latents_history_4x"]], dim=2)  # fmt: skip
+        assert torch.equal(history, given["history"])
+        cond = {**text, **given, "first_frame": kwargs["latents_clean"][:, :, :1]}
+        noisy = torch.cat([cond["first_frame"], kwargs["hidden_states"]], dim=2)
+        t = kwargs["timestep"] / 1000
+        pred = trainer.predict(pipe.transformer, noisy, t, cond)
+        torch.testing.assert_close(pred[:, :, 1:], out, **TOLERANCE)
+        assert pred[:, :, :1].abs().max() == 0  # x_t already is the given frame: the straight line is 0
+
+
+def test_latents_of_a_clip_are_image_then_section_then_history(paths, pipe):
+    """A 45-frame clip (12 latent frames): the image's frame and a 9-frame section; the 2 frames after
+    the section open the 19-frame history, the rest is zeros; the image's frame is not in the loss."""
+    trainer = FramePackTrainer(SimpleNamespace())
+    encoders = LatentEncoders(pipe.vae, framepack.ImageEncoder(pipe.image_encoder, pipe.feature_extractor))
+    pixels = torch.rand(1, 3, 45, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    entry = trainer.encode_latents(encoders, pixels, [])
+    clip = hv.encode_video(pipe.vae, pixels)
+    torch.testing.assert_close(entry["latents"], clip[:, :, :10])
+    torch.testing.assert_close(entry["history"][:, :, :2], clip[:, :, 10:])
+    assert entry["history"].shape[2] == 19 and entry["history"][:, :, 2:].abs().max() == 0
+    # the image's latent as the pipeline makes it: the frame encoded alone (the VAE's group norms see the
+    # whole clip, so the clip's own first latent frame differs; it is left out of the loss)
+    torch.testing.assert_close(entry["first_frame"], hv.encode_video(pipe.vae, pixels[:, :, :1]))
+    assert trainer.loss_mask(entry["latents"], {}).flatten().tolist() == [0.0] + [1.0] * 9
+
+
+# ---------------------------------------------------------------------------------------------------
+# diffusers' LoRA loader
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_diffusers_layout_loads_in_the_framepack_pipeline(paths, pipe, tmp_path):
+    """Every default target saved in the diffusers layout goes through
+    `HunyuanVideoFramepackPipeline.load_lora_weights` (HunyuanVideo's loader) to the same output. The
+    default (comfy) layout is HunyuanVideo's, which that converter does not read (its `.alpha` keys; see
+    tests/test_hunyuan_video.py)."""
+    ours = HunyuanVideoFramepackTransformer3DModel.from_pretrained(paths["diffusers"] / "transformer").eval()
+    record = ARCHITECTURES["framepack"]
+    network = LoRANetwork.apply_to(
+        ours, TargetSpec(record.default_targets), 4, 3.0, name_map=record.key_table()
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    trainer = FramePackTrainer(SimpleNamespace(model=SimpleNamespace(guidance=6.0)))
+    gen = torch.Generator().manual_seed(2)
+    cond = {"text": torch.randn(1, 7, 64, generator=gen), "mask": torch.ones(1, 7, dtype=torch.long),
+            "pooled": torch.randn(1, 32, generator=gen), "image_embeds": torch.randn(1, 16, 32, generator=gen),
+            "first_frame": torch.randn(1, 16, 1, 4, 6, generator=gen),
+            "history": torch.randn(1, 16, 19, 4, 6, generator=gen)}  # fmt: skip
+    noisy, t = torch.randn(1, 16, 3, 4, 6, generator=gen), torch.tensor([0.6])
+    with torch.no_grad():
+        expected = trainer.predict(ours, noisy, t, cond)
+        base = trainer.predict(pipe.transformer, noisy, t, cond)
+    network.save(tmp_path / "lora.safetensors", format="diffusers")
+    pipe.load_lora_weights(str(tmp_path / "lora.safetensors"), adapter_name="ours")
+    try:
+        injected = {k.split(".lora_A.")[0] for k in pipe.transformer.state_dict() if ".lora_A." in k}
+        assert injected == set(network.names())
+        with torch.no_grad():
+            got = trainer.predict(pipe.transformer, noisy, t, cond)
+    finally:
+        pipe.unload_lora_weights()
+    assert not torch.allclose(expected, base, atol=1e-3)
+    torch.testing.assert_close(got, expected, **TOLERANCE)
