@@ -411,6 +411,14 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         _HUNYUAN_VIDEO,
         _FRAMEPACK,
+        # FramePack's single-frame mode: one target image from one reference image (image editing)
+        replace(
+            _FRAMEPACK,
+            name="framepack_1f",
+            title="FramePack single-frame image editing (one target frame from one reference image)",
+            trainer="tuner.trainers.framepack:FramePackOneFrameTrainer",
+            fixture="tuner.fixtures.framepack:ONE_FRAME_FIXTURE",
+        ),
         _HIDREAM,
         _SD3,
         _FLUX2,

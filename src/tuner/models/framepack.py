@@ -265,6 +265,13 @@ def section_indices(window: int, padding: int = 0) -> SectionIndices:
     return SectionIndices(latents, torch.cat([prefix, one]), two, four)
 
 
+def one_frame_indices(window: int = LATENT_WINDOW) -> SectionIndices:
+    """musubi-tuner's default one-frame mode: the reference image at 0, the target frame alone at the end of
+    a `window`-frame section (index `window`), the empty 1× history (its zero "post" latent) after it."""
+    indices = section_indices(window)
+    return indices._replace(latents=indices.latents[-1:])
+
+
 def split_history(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """History latents [B, C, 19, H, W] (the frames after a section, nearest first) as 1×, 2×, 4× parts."""
     one, two, four = history.split(HISTORY_SIZES, dim=2)
@@ -277,13 +284,14 @@ def predict_section(
     t: torch.Tensor,
     cond: Mapping[str, torch.Tensor],
     guidance: float,
+    indices: SectionIndices | None = None,
 ) -> torch.Tensor:
     """The model's velocity for a noisy section [B, 16, F, H, W] at t ∈ [0, 1], given collated text
     (`hunyuan_video.collate`), the image's latent frame `first_frame` [B, 16, 1, H, W], the clean
     `history` [B, 16, 19, H, W] and `image_embeds`; called as the pipeline calls it (timestep and embedded
-    guidance × 1000)."""
+    guidance × 1000). `indices` default to the section next to the image (`section_indices`)."""
     b, dtype = noisy.shape[0], noisy.dtype
-    indices = section_indices(noisy.shape[2])
+    indices = indices if indices is not None else section_indices(noisy.shape[2])
     one, two, four = split_history(cond["history"].to(dtype))
     return model(
         hidden_states=noisy,

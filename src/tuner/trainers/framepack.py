@@ -23,10 +23,13 @@ of `--frames` frames after the image (history empty: the pipeline's one-section 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
-from tuner.models import framepack
+from tuner.memory import text_encoder_dtype
+from tuner.models import framepack, hunyuan_video
 from tuner.trainers.hunyuan_video import HunyuanVideoTrainer
 from tuner.trainers.wan_i2v import LatentEncoders
 
@@ -84,3 +87,64 @@ class FramePackTrainer(HunyuanVideoTrainer):
         mask = torch.ones(1, 1, x0.shape[2], 1, 1, device=x0.device)
         mask[:, :, 0] = 0
         return mask
+
+
+class OneFrameEncoders(NamedTuple):
+    """What the one-frame mode's `encode_text` needs: HunyuanVideo's text encoders and SigLIP."""
+
+    text: hunyuan_video.TextEncoders
+    image_encoder: framepack.ImageEncoder
+
+
+class FramePackOneFrameTrainer(HunyuanVideoTrainer):
+    """FramePack's single-frame mode (musubi-tuner's "one frame" training, used for image editing): one
+    target image generated from one reference image, as a one-frame section.
+
+    An image item with one control image (the reference): the target is one latent frame at the end of a
+    9-frame section (index 9), the reference's latent is the clean prefix (index 0) followed by a zero
+    "post" latent (index 10, musubi's default `fp_1f_no_post = false`), and the 2× / 4× history is zeros at
+    the indices after it (musubi's zeros when `one_frame_no_2x` / `no_4x` are off). The reference's SigLIP
+    embedding is computed with the caption (`text_uses_controls`), so `tuner generate --control REF`
+    gets it as training does; the latent entry holds `latents` and `control_0`."""
+
+    architecture = "framepack_1f"
+    supports_video = False
+    control_images = (1, 1)  # the reference image
+    text_uses_controls = True  # SigLIP sees the reference with the caption
+    sample_shift = 3.0
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return framepack.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> OneFrameEncoders:
+        image_encoder = framepack.load_image_encoder(
+            self.weights_path("image_encoder"), text_encoder_dtype(dtype)
+        )
+        image_encoder.model.to(device)
+        return OneFrameEncoders(super().load_text_encoder(device, dtype), image_encoder)
+
+    def encode_text(
+        self, encoder: OneFrameEncoders, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
+        entries = super().encode_text(encoder.text, captions)
+        for entry, images in zip(entries, controls):
+            entry["image_embeds"] = encoder.image_encoder.encode(images[0][:, 0].unsqueeze(0))[0]
+        return entries
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {
+            **super().collate_text(entries),
+            "image_embeds": torch.stack([e["image_embeds"] for e in entries]),
+        }
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        reference = cond["control_0"]
+        history = reference.new_zeros(
+            *reference.shape[:2], sum(framepack.HISTORY_SIZES), *reference.shape[3:]
+        )
+        inputs = {**cond, "first_frame": reference, "history": history}
+        indices = framepack.one_frame_indices()
+        return framepack.predict_section(model, noisy, t, inputs, self.cfg.model.guidance, indices)
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (16, 1, height // 8, width // 8)
