@@ -205,3 +205,51 @@ def test_diffusers_layout_loads_in_the_framepack_pipeline(paths, pipe, tmp_path)
         pipe.unload_lora_weights()
     assert not torch.allclose(expected, base, atol=1e-3)
     torch.testing.assert_close(got, expected, **TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The single-frame mode
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_one_frame_indices_are_musubis_defaults():
+    """target index 9 (= latent window), clean indices [0] + the zero post latent at 1 + 9, 2× and 4×
+    zeros after it (musubi-tuner's `fp_1f_*` defaults with `one_frame_no_2x` / `no_4x` off)."""
+    idx = framepack.one_frame_indices()
+    assert idx.latents.tolist() == [9] and idx.clean.tolist() == [0, 10]
+    assert idx.history_2x.tolist() == [11, 12] and idx.history_4x.tolist() == list(range(13, 29))
+
+
+@torch.no_grad()
+def test_one_frame_predict_and_text_entry(pipe):
+    """The reference's SigLIP embedding rides in the text entry (the pipeline's `encode_image`), and
+    `predict` is the transformer called with the reference and a zero post latent as clean latents."""
+    from tuner.trainers.framepack import FramePackOneFrameTrainer, OneFrameEncoders
+
+    trainer = FramePackOneFrameTrainer(
+        SimpleNamespace(model=SimpleNamespace(guidance=10.0), cache=SimpleNamespace(text_max_length=256))
+    )
+    reference = torch.rand(3, 1, 32, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    encoders = OneFrameEncoders(
+        hv.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2),
+        framepack.ImageEncoder(pipe.image_encoder, pipe.feature_extractor),
+    )
+    entry = trainer.encode_text(encoders, CAPTIONS[:1], [[reference]])[0]
+    torch.testing.assert_close(
+        entry["image_embeds"], pipe.encode_image(reference[:, 0][None], device="cpu")[0]
+    )
+    cond = trainer.collate_text([entry])
+    gen = torch.Generator().manual_seed(4)
+    cond["control_0"] = torch.randn(1, 16, 1, 4, 6, generator=gen)
+    noisy, t = torch.randn(1, 16, 1, 4, 6, generator=gen), torch.tensor([0.7])
+    zeros = torch.zeros(1, 16, 1, 4, 6)
+    expected = pipe.transformer(
+        hidden_states=noisy, timestep=t * 1000, encoder_hidden_states=cond["text"],
+        encoder_attention_mask=cond["mask"], pooled_projections=cond["pooled"], image_embeds=cond["image_embeds"],
+        indices_latents=torch.tensor([9]), guidance=torch.tensor([10000.0]),
+        latents_clean=torch.cat([cond["control_0"], zeros], dim=2), indices_latents_clean=torch.tensor([0, 10]),
+        latents_history_2x=zeros.repeat(1, 1, 2, 1, 1), indices_latents_history_2x=torch.tensor([11, 12]),
+        latents_history_4x=zeros.repeat(1, 1, 16, 1, 1), indices_latents_history_4x=torch.arange(13, 29),
+        return_dict=False,
+    )[0]  # fmt: skip
+    torch.testing.assert_close(trainer.predict(pipe.transformer, noisy, t, cond), expected, **TOLERANCE)
