@@ -253,3 +253,53 @@ def test_one_frame_predict_and_text_entry(pipe):
         return_dict=False,
     )[0]  # fmt: skip
     torch.testing.assert_close(trainer.predict(pipe.transformer, noisy, t, cond), expected, **TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation, section by section
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_section_paddings_are_the_pipelines():
+    assert framepack.section_paddings(1) == [0]
+    assert framepack.section_paddings(3) == [18, 9, 0]
+    assert framepack.section_paddings(6, window=2) == [6, 4, 4, 4, 2, 0]
+
+
+def test_sections_are_generated_from_the_end_with_the_later_ones_as_history():
+    """25 latent frames after the image: sections 18-24, 9-17, 0-8 in that order, at the pipeline's
+    paddings, each given the frames generated after it (zeros past the end) as its 19-frame history."""
+    trainer = FramePackTrainer(SimpleNamespace())
+    calls = []
+
+    def model_fn(x, t, c):  # a model that moves every frame towards its section's padding
+        calls.append((x.shape[2], c["padding"], c["history"].clone()))
+        return -torch.full_like(x, float(c["padding"] + 1))
+
+    noise = torch.zeros(1, 2, 26, 1, 1)
+    sigmas = torch.tensor([1.0, 0.0])
+    out = trainer.sample_flow(model_fn, noise, sigmas, {}, {}, 1.0)
+    assert [(n, p) for n, p, _ in calls] == [(8, 18), (10, 9), (10, 0)]
+    assert torch.equal(out[0, 0, 1:, 0, 0], torch.tensor([1.0] * 9 + [10.0] * 9 + [19.0] * 7))
+    history = [h[0, 0, :, 0, 0].tolist() for _, _, h in calls]
+    assert history[0] == [0.0] * 19
+    assert history[1] == [19.0] * 7 + [0.0] * 12
+    assert history[2] == [10.0] * 9 + [19.0] * 7 + [0.0] * 3
+
+
+def test_the_default_flow_sampler_is_eulers_with_the_models_guidance():
+    """`NetworkTrainer.sample_flow` (the hook FramePack overrides) is `euler_sample` with the trainer's
+    `combine_guidance`, so every other architecture generates as before."""
+    from tuner.sampling import euler_sample
+    from tuner.trainers.hunyuan_video import HunyuanVideoTrainer
+
+    trainer = HunyuanVideoTrainer(SimpleNamespace())
+    noise = torch.randn(1, 2, 3, 2, 2, generator=torch.Generator().manual_seed(0))
+    sigmas = torch.tensor([1.0, 0.6, 0.0])
+
+    def model_fn(x, t, c):
+        return x * c["k"] + t.view(-1, 1, 1, 1, 1)
+
+    cond, uncond = {"k": torch.tensor([0.5])}, {"k": torch.tensor([-0.25])}
+    want = euler_sample(model_fn, noise, sigmas, cond, uncond, 3.0, combine=trainer.combine_guidance)
+    torch.testing.assert_close(trainer.sample_flow(model_fn, noise, sigmas, cond, uncond, 3.0), want)

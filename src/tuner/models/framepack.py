@@ -265,6 +265,15 @@ def section_indices(window: int, padding: int = 0) -> SectionIndices:
     return SectionIndices(latents, torch.cat([prefix, one]), two, four)
 
 
+def section_paddings(sections: int, window: int = LATENT_WINDOW) -> list[int]:
+    """The padding (frames between the image and the section) of each section in generation order, from
+    the video's end to its start, as the release's sampler sets them: every section's own start, except
+    that beyond 4 sections the far ones are placed at most 3 windows away (3, 2, ..., 2, 1, 0)."""
+    if sections > 4:
+        return [w * window for w in [3] + [2] * (sections - 3) + [1, 0]]
+    return [k * window for k in reversed(range(sections))]
+
+
 def one_frame_indices(window: int = LATENT_WINDOW) -> SectionIndices:
     """musubi-tuner's default one-frame mode: the reference image at 0, the target frame alone at the end of
     a `window`-frame section (index `window`), the empty 1× history (its zero "post" latent) after it."""
@@ -289,9 +298,10 @@ def predict_section(
     """The model's velocity for a noisy section [B, 16, F, H, W] at t ∈ [0, 1], given collated text
     (`hunyuan_video.collate`), the image's latent frame `first_frame` [B, 16, 1, H, W], the clean
     `history` [B, 16, 19, H, W] and `image_embeds`; called as the pipeline calls it (timestep and embedded
-    guidance × 1000). `indices` default to the section next to the image (`section_indices`)."""
+    guidance × 1000). `indices` default to the section `cond["padding"]` frames after the image (0 when
+    absent: the section trained on a clip; generation sets it per section)."""
     b, dtype = noisy.shape[0], noisy.dtype
-    indices = indices if indices is not None else section_indices(noisy.shape[2])
+    indices = indices if indices is not None else section_indices(noisy.shape[2], cond.get("padding", 0))
     one, two, four = split_history(cond["history"].to(dtype))
     return model(
         hidden_states=noisy,
