@@ -10,9 +10,10 @@ from PIL import Image
 
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
+from tuner.io import save_safetensors
 from tuner.models import framepack
 from tuner.models import hunyuan_video as hv
-from tuner.models.loading import read_tensor_shapes
+from tuner.models.loading import load_tensors, read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
 from tuner.registry import ARCHITECTURES
 from tuner.trainers.framepack import FramePackTrainer
@@ -55,6 +56,21 @@ def test_every_layout_loads_to_the_same_weights(paths, dtype):
     _same_weights(framepack.load_transformer(paths["transformer_file"], dtype), folder)
     siglip = framepack.load_image_encoder(paths["diffusers"], dtype)
     _same_weights(framepack.load_image_encoder(paths["image_encoder_file"], dtype).model, siglip.model)
+
+
+def test_prefixed_and_fp8_release_files_load(paths, tmp_path):
+    """ComfyUI's `model.diffusion_model.` prefix, and Kijai's `FramePackI2V_HY_fp8_e4m3fn` (the release's
+    names, matrices cast to fp8 without scales) load; fp8 within its rounding."""
+    state = load_tensors(paths["release_file"])
+    prefixed = {f"model.diffusion_model.{k}": v for k, v in state.items()}
+    save_safetensors(prefixed, tmp_path / "prefixed.safetensors")
+    reference = framepack.load_transformer(paths["release_file"], torch.float32)
+    _same_weights(framepack.load_transformer(tmp_path / "prefixed.safetensors", torch.float32), reference)
+    fp8 = {k: v.to(torch.float8_e4m3fn) if v.ndim == 2 else v for k, v in state.items()}
+    save_safetensors(fp8, tmp_path / "fp8.safetensors")
+    loaded = framepack.load_transformer(tmp_path / "fp8.safetensors", torch.float32).state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(loaded[key], value, atol=0.1, rtol=0.07)
 
 
 def test_release_file_has_diffusers_names_and_the_layout_hunyuan_videos(paths):
