@@ -13,6 +13,7 @@ from tuner.fixtures import write_fixture
 from tuner.io import save_safetensors
 from tuner.models import framepack
 from tuner.models import hunyuan_video as hv
+from tuner.models.framepack_keys import FRAMEPACK_LAYOUT
 from tuner.models.loading import load_tensors, read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
 from tuner.registry import ARCHITECTURES
@@ -92,9 +93,25 @@ def test_files_of_the_other_architecture_are_refused_naming_it(paths):
 
 
 def test_shipped_signatures_fit_the_shipped_configs():
+    """Each variant's signature (HunyuanVideo names) is what a model of its config holds, shapes too, and
+    SigLIP's likewise."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
     for variant in framepack.TRANSFORMER_VARIANTS:
-        keys = framepack._transformer_keys(variant)
-        assert all(k in keys for k, shape in variant.signature.items() if shape is not None), variant.name
+        with torch.device("meta"):
+            model = HunyuanVideoFramepackTransformer3DModel.from_config(
+                HunyuanVideoFramepackTransformer3DModel.load_config(variant.config_dir)
+            )
+        shapes = {k: tuple(v.shape) for k, v in FRAMEPACK_LAYOUT.to_original(model.state_dict()).items()}
+        assert not variant.mismatches(shapes), (variant.name, variant.mismatches(shapes))
+    for variant in framepack.SIGLIP_VARIANTS:
+        with torch.device("meta"):
+            model = SiglipVisionModel(SiglipVisionConfig.from_pretrained(variant.config_dir))
+        shapes = {
+            f"vision_model.{k.removeprefix('vision_model.')}": tuple(v.shape)
+            for k, v in model.state_dict().items()
+        }
+        assert not variant.mismatches(shapes), (variant.name, variant.mismatches(shapes))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ TRANSFORMER_VARIANTS = (
         {
             "img_in.proj.weight": (3072, 16, 1, 2, 2),
             "clean_x_embedder.proj_4x.weight": (3072, 16, 4, 8, 8),
-            "image_projection.up.weight": (3456, 1152),
+            "image_projection.up.weight": (9216, 1152),
             "double_blocks.19.img_mod.linear.weight": (18432, 3072),
             "double_blocks.20.img_mod.linear.weight": None,
             "single_blocks.39.linear2.weight": (3072, 15360),
