@@ -336,3 +336,28 @@ def test_the_default_flow_sampler_is_eulers_with_the_models_guidance():
     cond, uncond = {"k": torch.tensor([0.5])}, {"k": torch.tensor([-0.25])}
     want = euler_sample(model_fn, noise, sigmas, cond, uncond, 3.0, combine=trainer.combine_guidance)
     torch.testing.assert_close(trainer.sample_flow(model_fn, noise, sigmas, cond, uncond, 3.0), want)
+
+
+def test_comfyui_framepack_wrappers_converter_reads_the_diffusers_layout_only(paths, tmp_path):
+    """ComfyUI's FramePack wrapper (kijai/ComfyUI-FramePackWrapper) passes a LoRA file through diffusers'
+    `_convert_hunyuan_video_lora_to_diffusers` before `load_lora_adapter`. The default (comfy: HunyuanVideo
+    names, fused qkv / linear1, `.alpha` keys) and kohya layouts stop there (it chunks the scalar alphas
+    of fused layers); the diffusers layout passes unchanged, and loads as the pipeline test above shows.
+    When this test fails, the converter reads alphas: the default layout then serves the wrapper too."""
+    from diffusers.loaders.lora_conversion_utils import _convert_hunyuan_video_lora_to_diffusers
+
+    from tuner.networks.keys import read_safetensors
+
+    model = framepack.load_transformer(paths["release_file"], torch.float32)
+    record = ARCHITECTURES["framepack"]
+    network = LoRANetwork.apply_to(
+        model, TargetSpec(record.default_targets), 4, 3.0, name_map=record.key_table()
+    )
+    for layout in ("comfy", "kohya", "diffusers"):
+        network.save(tmp_path / f"{layout}.safetensors", format=layout)
+        state = read_safetensors(tmp_path / f"{layout}.safetensors")[0]
+        if layout == "diffusers":
+            assert _convert_hunyuan_video_lora_to_diffusers(dict(state)).keys() == state.keys()
+        else:
+            with pytest.raises(RuntimeError, match="chunk"):
+                _convert_hunyuan_video_lora_to_diffusers(dict(state))

@@ -7,8 +7,10 @@ and 4× compression) and the SigLIP projection `image_projection` (`up`, `down`)
 from it) is saved by lllyasviel's own class, whose names are diffusers' (`transformer_blocks.0.attn.to_q`).
 
 Adapters are exported in HunyuanVideo's Tencent names with fused `img_attn_qkv` / `txt_attn_qkv` /
-`linear1`, exactly as `hunyuan_video` does: ComfyUI's FramePack wrapper reads a LoRA through diffusers'
-HunyuanVideo LoRA converter, which takes those names. The layout is therefore HunyuanVideo's table plus
+`linear1`, exactly as `hunyuan_video` does (HunyuanVideo LoRAs are what FramePack tools take). ComfyUI's
+FramePack wrapper reads a LoRA through diffusers' HunyuanVideo LoRA converter, which takes those names but
+not the `.alpha` keys of fused layers, so for it (and diffusers) save with `save.format = "diffusers"`
+(tests/test_framepack.py). The layout is therefore HunyuanVideo's table plus
 the FramePack modules under their own names; a whole checkpoint converted with it is a HunyuanVideo-named
 FramePack file, which the loader reads as well as the release's diffusers-named one.
 """
