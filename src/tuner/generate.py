@@ -28,7 +28,7 @@ from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError
 from tuner.networks.factory import apply_adapter_file
 from tuner.networks.keys import nonfinite_keys, read_safetensors
-from tuner.sampling import euler_sample, flow_sigmas
+from tuner.sampling import flow_sigmas
 from tuner.trainers import trainer_class
 
 
@@ -157,8 +157,8 @@ def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: di
                            opts.guidance_scale, opts.sampler, progress, trainer.combine_guidance)  # fmt: skip
     shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
     with torch.no_grad():
-        return euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
-                            opts.guidance_scale, progress=progress, combine=trainer.combine_guidance)  # fmt: skip
+        return trainer.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
+                                   opts.guidance_scale, progress)  # fmt: skip
 
 
 def decode_and_write(trainer, cfg, latents: torch.Tensor, out: str | Path, device) -> Path:

@@ -190,6 +190,19 @@ _HUNYUAN_VIDEO15 = Architecture(
     save_format="comfy",
 )
 
+# FramePack: HunyuanVideo's network plus the history embedder and SigLIP projection, trained on sections;
+# adapters on the same modules as HunyuanVideo's, exported in its Tencent names
+_FRAMEPACK = replace(
+    _HUNYUAN_VIDEO,
+    name="framepack",
+    title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
+    trainer="tuner.trainers.framepack:FramePackTrainer",
+    layout="tuner.models.framepack_keys:FRAMEPACK_LAYOUT",
+    fixture="tuner.fixtures.framepack:FIXTURE",
+    model_class="HunyuanVideoFramepackTransformer3DModel",
+    configs="framepack",
+)
+
 _HIDREAM = Architecture(
     name="hidream",
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
@@ -447,6 +460,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
             trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15I2VTrainer",
             fixture="tuner.fixtures.hunyuan_video15:I2V_FIXTURE",
+        ),
+        _FRAMEPACK,
+        # FramePack's single-frame mode: one target image from one reference image (image editing)
+        replace(
+            _FRAMEPACK,
+            name="framepack_1f",
+            title="FramePack single-frame image editing (one target frame from one reference image)",
+            trainer="tuner.trainers.framepack:FramePackOneFrameTrainer",
+            fixture="tuner.fixtures.framepack:ONE_FRAME_FIXTURE",
         ),
         _HIDREAM,
         _SD3,

@@ -196,6 +196,15 @@ class NetworkTrainer:
         """Classifier-free guidance as the model's own pipeline applies it (plain by default)."""
         return v_uncond + scale * (v_cond - v_uncond)
 
+    def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
+                    guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
+        """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas` (one pass over the
+        whole latent). Models that generate in parts (FramePack's sections) override it."""
+        from tuner.sampling import euler_sample
+
+        return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
+                            combine=self.combine_guidance)  # fmt: skip
+
     # --- for the subclasses ----------------------------------------------------------------------
     def weights_path(self, component: str) -> str:
         """Path of a model component from the config, with a clear error if it is not set."""
