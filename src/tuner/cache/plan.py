@@ -179,8 +179,8 @@ def text_encoder(trainer) -> EncoderIdentity:
                   m.tokenizer_4)
         if p
     ]  # fmt: skip
-    return EncoderIdentity(
-        architecture=f"{trainer.architecture}-text",
+    return EncoderIdentity(  # while the text encoders train, entries hold their inputs (token ids)
+        architecture=f"{trainer.architecture}-{'tokens' if trainer.trains_text_encoder else 'text'}",
         weights_fingerprint="+".join(_fingerprint(p, _TEXT_FOLDERS) for p in parts),
         dtype=cfg.cache.text_encoder_dtype,
         format_version=trainer.cache_format_version,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -124,7 +125,39 @@ def unet_rules() -> tuple[tuple[str, str], ...]:
 SDXL_KEYS = ArchitectureKeys("sdxl", unet_rules())
 """The adapter name map (diffusers module name -> original); no fused layers."""
 
-SDXL_LAYOUT = CheckpointLayout(SDXL_KEYS)
+# Text-encoder adapters (`network.train_text_encoder`) are named `te1.<CLIPTextModel module>` (CLIP-L) and
+# `te2.<CLIPTextModelWithProjection module>` (bigG), both in transformers' names. Their file stems are
+# kohya's (`lora_te1_text_model_encoder_layers_0_self_attn_q_proj`), which kohya, A1111, Forge, ComfyUI
+# and diffusers read, in the comfy layout too; diffusers' own layout says `text_encoder.` /
+# `text_encoder_2.`, and `unet.` for the UNet's modules.
+TEXT_ENCODER_STEMS = {"te1.": ("lora_te1_", "text_encoder."), "te2.": ("lora_te2_", "text_encoder_2.")}
+UNET_DIFFUSERS_PREFIX = "unet."
+
+
+@dataclass(frozen=True)
+class SDXLLayout(CheckpointLayout):
+    """The UNet checkpoint layout, whose name map also names the stems of the text encoders' adapters and
+    diffusers' `unet.` prefix (see `tuner.networks.keys.NameMap`)."""
+
+    def stem(self, name: str, layout: str) -> str | None:
+        for part, (kohya, diffusers) in TEXT_ENCODER_STEMS.items():
+            if name.startswith(part):
+                inner = name[len(part) :]
+                return diffusers + inner if layout == "diffusers" else kohya + inner.replace(".", "_")
+        return UNET_DIFFUSERS_PREFIX + name if layout == "diffusers" else None
+
+
+def is_text_encoder_module(name: str) -> bool:
+    """Whether an adapter's module name is one of the text encoders' (`te1.` / `te2.`)."""
+    return name.startswith(tuple(TEXT_ENCODER_STEMS))
+
+
+def is_text_encoder_stem(stem: str) -> bool:
+    """Whether an adapter file's stem names a text encoder's module, in any layout."""
+    return stem.startswith(tuple(p for pair in TEXT_ENCODER_STEMS.values() for p in pair))
+
+
+SDXL_LAYOUT = SDXLLayout(SDXL_KEYS)
 """The whole UNet checkpoint, both directions; `SDXL_LAYOUT.inverse` is the loaders' original -> diffusers
 map."""
 

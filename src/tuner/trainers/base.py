@@ -33,7 +33,7 @@ from torch import nn
 from tuner import registry
 from tuner.config import Config
 from tuner.dtypes import DTYPES
-from tuner.errors import CheckpointError, TrainingError
+from tuner.errors import CheckpointError, ConfigError, TrainingError
 from tuner.optim import averaged_weights, schedule_free
 from tuner.trainers import report
 
@@ -97,6 +97,7 @@ class NetworkTrainer:
     # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
     objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
+    text_encoder_trainable: ClassVar[bool] = False  # whether network.train_text_encoder is offered (SDXL)
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -108,6 +109,12 @@ class NetworkTrainer:
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
         self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
         self._objective = None  # `training_objective()`, built on first use
+        if cfg.network.train_text_encoder and (not self.text_encoder_trainable or cfg.network.type == "full"):
+            raise ConfigError(
+                f"{cfg.path}: network.train_text_encoder: "
+                + (f"{self.architecture} trains no text encoder adapter" if not self.text_encoder_trainable
+                   else "a full fine-tune trains the denoiser only; use an adapter type")
+            )  # fmt: skip
 
     @property
     def default_targets(self) -> tuple[str, ...]:
@@ -194,6 +201,32 @@ class NetworkTrainer:
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Classifier-free guidance as the model's own pipeline applies it (plain by default)."""
         return v_uncond + scale * (v_cond - v_uncond)
+
+    # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
+    @property
+    def trains_text_encoder(self) -> bool:
+        """Whether the text encoders train: their outputs are then computed at every step, not cached."""
+        return self.cfg.network.train_text_encoder
+
+    def load_text_cache_encoder(self, device: torch.device, dtype: str):
+        """What `tuner cache text` encodes with: `load_text_encoder`'s, unless the text encoders train
+        (then what makes their inputs, e.g. the tokenizers)."""
+        return self.load_text_encoder(device, dtype)
+
+    def encode_text_cache(self, encoder, captions: list[str], controls) -> list[dict[str, torch.Tensor]]:
+        """The text cache entries of `captions`: `encode_text`'s, unless the text encoders train (then their
+        inputs, e.g. token ids, which `collate_text` and `predict` take)."""
+        return self.encode_text(encoder, captions, controls)
+
+    def attach_adapter_file(self, model: nn.Module, path: str, strength: float):
+        """generate: attach an adapter file to the denoiser (`tuner.networks.apply_adapter_file`)."""
+        from tuner.networks.factory import apply_adapter_file
+
+        return apply_adapter_file(model, path, strength, name_map=self.layout)
+
+    def attach_text_adapters(self, encoder, loras: list[tuple[str, float]]) -> None:
+        """generate: attach the text-encoder parts of adapter files to what `load_text_encoder` returned;
+        an architecture whose files hold none does nothing."""
 
     # --- for the subclasses ----------------------------------------------------------------------
     def weights_path(self, component: str) -> str:
