@@ -180,3 +180,48 @@ def test_cli_generate_applies_a_trained_text_encoder_lora(project, tmp_path, cap
                     "--size", "64x64", "--frames", "1", "--steps", "2", "--out", tmp_path / "out.png")  # fmt: skip
     assert code == 0, log
     assert (tmp_path / "out.png").is_file()
+
+
+def test_lora_merge_folds_the_text_encoder_parts_into_the_bundled_checkpoint(paths, tmp_path):
+    """`tuner lora merge` into the A1111 / ComfyUI file: CLIP-L's parts into `conditioner.embedders.0.*`,
+    bigG's into OpenCLIP's `conditioner.embedders.1.*` (q / k / v into thirds of `in_proj_weight`), the
+    UNet's into `model.diffusion_model.*`; the merged file computes what the adapters do."""
+    trainer = SDXLTrainer(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
+    model = trainer.load_transformer(torch.float32)
+    bundled = paths["bundled_file"]
+    encoders = sdxl.load_text_encoders(bundled, None, paths["tokenizer"], paths["tokenizer_2"], torch.float32)
+    network = _random_network(trainer, model, sdxl.TextEncoderPair(encoders.clip_l, encoders.clip_g))
+    lora = tmp_path / "lora.safetensors"
+    network.save(lora, trainer.layout, format="kohya")  # no metadata: the table is found from the names
+    want = trainer.collate_text(trainer.encode_text(encoders, ["a red circle"]))
+    merged = tmp_path / "merged.safetensors"
+    assert tuner(["lora", "merge", "--model", str(bundled), "--lora", f"{lora}:1", "--out", str(merged)]) == 0
+    again = sdxl.load_text_encoders(merged, None, paths["tokenizer"], paths["tokenizer_2"], torch.float32)
+    got = trainer.collate_text(trainer.encode_text(again, ["a red circle"]))
+    for name in ("hidden", "pooled"):
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+    noisy = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    cond = {**want, "time_ids": sdxl.time_ids((64, 64), (0, 0), (64, 64)).unsqueeze(0)}
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.predict(sdxl.load_unet(merged, torch.float32), noisy, torch.tensor([0.5]), cond),
+                                   trainer.predict(model, noisy, torch.tensor([0.5]), cond), rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_lora_info_and_convert_read_the_text_encoder_parts(paths, tmp_path, capsys):
+    """`tuner lora info` says kohya; `convert` to diffusers (`unet.` / `text_encoder.` / `text_encoder_2.`)
+    and back to kohya gives the same tensors."""
+    trainer = SDXLTrainer(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
+    encoders = sdxl.load_text_encoders(paths["diffusers"], None, None, None, torch.float32)
+    network = _random_network(trainer, trainer.load_transformer(torch.float32),
+                              sdxl.TextEncoderPair(encoders.clip_l, encoders.clip_g))  # fmt: skip
+    lora, there, back = (tmp_path / f"{n}.safetensors" for n in ("lora", "diffusers", "back"))
+    network.save(lora, trainer.layout, format="kohya")
+    code, log = run(capsys, "lora", "info", lora)
+    assert code == 0 and re.search(r"format\s+kohya\n", log), log
+    assert run(capsys, "lora", "convert", lora, there, "--to", "diffusers")[0] == 0
+    assert {k.split(".")[0] for k in load_file(there)} == {"unet", "text_encoder", "text_encoder_2"}
+    assert run(capsys, "lora", "convert", there, back, "--to", "kohya")[0] == 0
+    a, b = load_file(lora), load_file(back)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-7)

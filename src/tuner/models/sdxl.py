@@ -57,6 +57,8 @@ from tuner.models.loading import (
     resolve_folder,
 )
 from tuner.models.sdxl_keys import (
+    BUNDLED_CLIP_G,
+    BUNDLED_CLIP_L,
     OPEN_CLIP_IGNORED,
     SDXLLayout,
     clip_g_to_diffusers,
@@ -75,8 +77,7 @@ T = TypeVar("T")
 # Where each model sits in a bundled checkpoint.
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
-CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
-CLIP_G_PREFIX = "conditioner.embedders.1.model."
+CLIP_L_PREFIX, CLIP_G_PREFIX = BUNDLED_CLIP_L, BUNDLED_CLIP_G
 V_PRED_MARKER = "v_pred"  # an empty tensor some v-prediction checkpoints carry (with `ztsnr`)
 
 # ---------------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from tuner.networks.keys import (
     COMFY_PREFIX,
     DIFFUSERS_PREFIXES,
     KOHYA_PREFIXES,
+    KOHYA_TEXT_PREFIXES,
     NameMap,
     describe_source,
     identity_name_map,
@@ -101,7 +102,7 @@ def layout_of(stem: str) -> str:
     """The layout a stem is written in, by its prefix: comfy, kohya, diffusers or unknown."""
     if stem.startswith(COMFY_PREFIX):
         return "comfy"
-    if stem.startswith(KOHYA_PREFIXES):
+    if stem.startswith(KOHYA_PREFIXES + KOHYA_TEXT_PREFIXES):
         return "kohya"
     if stem.startswith(DIFFUSERS_PREFIXES):
         return "diffusers"

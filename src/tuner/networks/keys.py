@@ -33,8 +33,9 @@ from tuner.errors import CheckpointError
 
 NameMap = Callable[[str], str]
 """Maps a diffusers module name to the original-release module name. A name map may also name some
-modules' whole stems itself: a method `stem(name, layout) -> str | None` (None: the usual stem). SDXL's
-does, for its text encoders (`lora_te1_...`) and diffusers' `unet.` prefix."""
+modules' whole stems itself: a method `stem(name, layout) -> str | None` (None: the usual stem), and back,
+`name_of_stem(stem) -> str | None`. SDXL's does, for its text encoders (`lora_te1_...`) and diffusers'
+`unet.` prefix."""
 
 
 def own_stem(name_map: NameMap | None, name: str, layout: str) -> str | None:
@@ -43,8 +44,15 @@ def own_stem(name_map: NameMap | None, name: str, layout: str) -> str | None:
     return stem(name, layout) if stem is not None else None
 
 
+def own_name(name_map: NameMap | None, stem: str) -> str | None:
+    """The module a stem of `own_stem`'s names (the name map's `name_of_stem`), or None."""
+    name_of_stem = getattr(name_map, "name_of_stem", None)
+    return name_of_stem(stem) if name_of_stem is not None else None
+
+
 COMFY_PREFIX = "diffusion_model."
 KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
+KOHYA_TEXT_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_")  # kohya's text encoders' (SD, SDXL)
 # diffusers' prefix of the denoiser (`unet.` in UNet pipelines) and of its text encoders' LoRA parts
 DIFFUSERS_PREFIXES = ("transformer.", "base_model.model.", "unet.", "text_encoder.", "text_encoder_2.")
 ADAPTER_LAYOUTS = ("comfy", "kohya", "diffusers")
