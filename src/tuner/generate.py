@@ -116,6 +116,8 @@ def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict
     _release_memory()
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
+    if trainer.zero_empty_negative and not opts.negative_prompt:
+        uncond = {k: torch.zeros_like(v) for k, v in uncond.items()}
     first_frame = opts.images[0] if trainer.first_frame_image and opts.images else ""
     if control_pixels or first_frame:
         vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()

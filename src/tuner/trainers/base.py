@@ -98,6 +98,9 @@ class NetworkTrainer:
     objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
     text_encoder_trainable: ClassVar[bool] = False  # whether network.train_text_encoder is offered (SDXL)
+    # generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as
+    # diffusers' `force_zeros_for_empty_prompt`: SDXL's caption dropout zeroed the conditioning)
+    zero_empty_negative: ClassVar[bool] = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -42,6 +42,7 @@ class SDXLTrainer(NetworkTrainer):
     spatial_step = 64  # 8× VAE, then the UNet halves the latent twice
     latent_patch = (1, 1)
     text_encoder_trainable = True
+    zero_empty_negative = True
     _trained_text: sdxl.TextEncoderPair | None = None  # the text encoders training adapts, once built
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
