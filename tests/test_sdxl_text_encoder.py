@@ -12,7 +12,7 @@ import torch
 from diffusers import StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
-from project import cfg, killed_at_first_save, make_project, run
+from project import cfg, killed_at_first_save, make_cached_project, make_project, run
 from tuner.cache.commands import cache_text
 from tuner.cli import main as tuner
 from tuner.fixtures import write_fixture
@@ -61,6 +61,15 @@ def test_cache_text_stores_token_ids_and_both_commands_say_so(project, tmp_path)
     trainer = _train(project, tmp_path / "run", "train.max_steps=1", "save.save_state=false", log=logs.append)
     assert any("their outputs are computed at every step" in line for line in logs), logs
     assert trainer.history and all(map(torch.isfinite, torch.tensor(trainer.history)))
+
+
+def test_train_names_the_missing_token_ids_when_only_outputs_are_cached(paths, tmp_path):
+    """Text outputs cached before text-encoder training was switched on are not silently used."""
+    from tuner.errors import CacheError
+
+    config = make_cached_project(tmp_path / "p", paths["root"], architecture="sdxl")
+    with pytest.raises(CacheError, match="token ids: the text encoders train, their outputs are not cached"):
+        _train(config, tmp_path / "run", "train.max_steps=1")
 
 
 def test_text_encoder_adapters_train_at_their_rate_and_resume_exactly(project, tmp_path, monkeypatch):

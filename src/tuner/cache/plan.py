@@ -298,7 +298,9 @@ def open_training_data(
         lat_keys = latent_keys(store, plan.jobs, lat_enc)
         txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
-        require_cached(store, list(requests), "text", "cache text", cfg)
+        what = "text (token ids: the text encoders train, their outputs are not cached)" if (
+            trainer.trains_text_encoder) else "text"  # fmt: skip
+        require_cached(store, list(requests), what, "cache text", cfg)
         failed = set(store.keys(FAILED))
         for job, key, (text, empty) in zip(plan.jobs, lat_keys, txt_keys):
             if key in failed:
