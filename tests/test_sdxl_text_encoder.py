@@ -106,11 +106,14 @@ def test_text_encoder_learning_rate_has_its_own_groups(project, paths):
     assert sum(n.startswith("te1.") for n in network.names()) == 2 * 6  # 2 layers × q k v out fc1 fc2
 
 
-def test_text_encoder_training_is_refused_for_a_full_fine_tune(project):
+def test_text_encoder_training_is_refused_for_a_full_fine_tune_and_other_models(project):
     from tuner.errors import ConfigError
+    from tuner.trainers.wan import WanTrainer
 
     with pytest.raises(ConfigError, match="train_text_encoder"):
-        SDXLTrainer(cfg(project, "network.type='full'", *TEXT))
+        cache_text(cfg(project, "network.type='full'", *TEXT))
+    with pytest.raises(ConfigError, match="wan trains no text encoder adapter"):
+        assert WanTrainer(cfg(project, *TEXT)).trains_text_encoder
 
 
 def _random_network(trainer, model, pair) -> LoRANetwork:

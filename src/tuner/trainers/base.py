@@ -112,12 +112,6 @@ class NetworkTrainer:
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
         self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
         self._objective = None  # `training_objective()`, built on first use
-        if cfg.network.train_text_encoder and (not self.text_encoder_trainable or cfg.network.type == "full"):
-            raise ConfigError(
-                f"{cfg.path}: network.train_text_encoder: "
-                + (f"{self.architecture} trains no text encoder adapter" if not self.text_encoder_trainable
-                   else "a full fine-tune trains the denoiser only; use an adapter type")
-            )  # fmt: skip
 
     @property
     def default_targets(self) -> tuple[str, ...]:
@@ -208,8 +202,16 @@ class NetworkTrainer:
     # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
     @property
     def trains_text_encoder(self) -> bool:
-        """Whether the text encoders train: their outputs are then computed at every step, not cached."""
-        return self.cfg.network.train_text_encoder
+        """Whether the text encoders train: their outputs are then computed at every step, not cached.
+        Every command that caches or trains asks, so a model that cannot is refused before any work."""
+        nc = self.cfg.network
+        if nc.train_text_encoder and (not self.text_encoder_trainable or nc.type == "full"):
+            raise ConfigError(
+                f"{self.cfg.path}: network.train_text_encoder: "
+                + (f"{self.architecture} trains no text encoder adapter" if not self.text_encoder_trainable
+                   else "a full fine-tune trains the denoiser only; use an adapter type")
+            )  # fmt: skip
+        return nc.train_text_encoder
 
     def load_text_cache_encoder(self, device: torch.device, dtype: str):
         """What `tuner cache text` encodes with: `load_text_encoder`'s, unless the text encoders train
