@@ -237,3 +237,17 @@ def test_lora_info_and_convert_read_the_text_encoder_parts(paths, tmp_path, caps
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-7)
+
+
+def test_samples_drawn_while_training_use_the_text_encoders_as_trained(project, tmp_path):
+    """Samples during training encode their prompts with the encoders being trained (adapters and all)."""
+    cache_text(cfg(project), log=lambda s: None)
+    samples = ("sample.prompts=['a red circle']", "sample.every_n_steps=1", "sample.width=64", "sample.height=64",
+               "sample.steps=2", "train.learning_rate=1e-2")  # fmt: skip
+    trainer = _train(project, tmp_path / "run", "train.max_steps=1", "save.save_state=false", *samples)
+    assert list((tmp_path / "run" / "samples").glob("*step000001*.png"))
+    trained = trainer.load_text_encoder(torch.device("cpu"), "fp32")
+    assert trained.clip_l is trainer._trained_text.encoders[0]
+    fresh = SDXLTrainer(cfg(project)).load_text_encoder(torch.device("cpu"), "fp32")
+    moved = trainer.encode_text(trained, ["a red circle"])[0]["hidden"]
+    assert not torch.allclose(moved, trainer.encode_text(fresh, ["a red circle"])[0]["hidden"])

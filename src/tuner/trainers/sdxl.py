@@ -90,7 +90,12 @@ class SDXLTrainer(NetworkTrainer):
         return sdxl.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> sdxl.TextEncoders:
+        """Both encoders and tokenizers; while the text encoders train (samples), the ones training."""
         m = self.cfg.model
+        if self._trained_text is not None:
+            clip_l, clip_g = self._trained_text.encoders
+            tokenizer, tokenizer_2 = self.load_text_cache_encoder(device, dtype)
+            return sdxl.TextEncoders(clip_l, tokenizer, clip_g, tokenizer_2)
         encoders = sdxl.load_text_encoders(
             self.weights_path("text_encoder"), m.text_encoder_2 or None, m.tokenizer or None,
             m.tokenizer_2 or None, text_encoder_dtype(dtype),
