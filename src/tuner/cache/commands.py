@@ -257,6 +257,9 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
     dev = torch_device(procs.device(device or cfg.cache.device))
     encoded = reused = pruned = repaired = 0
     te = None
+    if trainer.trains_text_encoder and procs.main:
+        log("network.train_text_encoder: the text encoders train, so their outputs are computed at every "
+            "training step and not cached; caching the captions' token ids only.")  # fmt: skip
     for cache_dir, store in stores_of(plans, readonly=False).items():
         wanted: dict[str, TextRequest] = {}
         for plan in plans:
@@ -273,7 +276,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
             todo = sorted(missing, key=lambda k: (wanted[k].caption, k))
             batches = procs.mine(list(_chunks(todo, batch_size)))  # every N-th of a one-process run's
             if batches and te is None:
-                te = trainer.load_text_encoder(dev, cfg.cache.text_encoder_dtype)
+                te = trainer.load_text_cache_encoder(dev, cfg.cache.text_encoder_dtype)
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
                 tqdm(
@@ -290,7 +293,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                         controls = None
                         if trainer.text_uses_controls:
                             controls = [load_control_pixels(r.job) for r in requests]
-                        outputs = trainer.encode_text(te, captions, controls)
+                        outputs = trainer.encode_text_cache(te, captions, controls)
                     for key, request, out in zip(chunk, requests, outputs):
                         tensors = {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
                         meta = {"encoder": encoder.label(), "caption": request.caption}

@@ -179,8 +179,8 @@ def text_encoder(trainer) -> EncoderIdentity:
                   m.tokenizer_4)
         if p
     ]  # fmt: skip
-    return EncoderIdentity(
-        architecture=f"{trainer.architecture}-text",
+    return EncoderIdentity(  # while the text encoders train, entries hold their inputs (token ids)
+        architecture=f"{trainer.architecture}-{'tokens' if trainer.trains_text_encoder else 'text'}",
         weights_fingerprint="+".join(_fingerprint(p, _TEXT_FOLDERS) for p in parts),
         dtype=cfg.cache.text_encoder_dtype,
         format_version=trainer.cache_format_version,
@@ -298,7 +298,9 @@ def open_training_data(
         lat_keys = latent_keys(store, plan.jobs, lat_enc)
         txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
-        require_cached(store, list(requests), "text", "cache text", cfg)
+        what = "text (token ids: the text encoders train, their outputs are not cached)" if (
+            trainer.trains_text_encoder) else "text"  # fmt: skip
+        require_cached(store, list(requests), what, "cache text", cfg)
         failed = set(store.keys(FAILED))
         for job, key, (text, empty) in zip(plan.jobs, lat_keys, txt_keys):
             if key in failed:

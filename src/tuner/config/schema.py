@@ -182,6 +182,14 @@ class NetworkConfig:
     stochastic_rounding: bool = option(
         False, "Full fine-tune: round bf16 weights stochastically after each optimizer step."
     )
+    train_text_encoder: bool = option(
+        False,
+        "Also train an adapter on the text encoder(s) (SDXL: CLIP-L and bigG). Their outputs are then "
+        "computed at every step instead of cached (`tuner cache text` stores token ids only).",
+    )
+    text_encoder_lr: float | None = option(
+        None, "Learning rate of the text encoders' adapters (unset: train.learning_rate).", gt=0
+    )
 
     def __post_init__(self) -> None:
         check_network_options(self)

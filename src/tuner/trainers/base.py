@@ -33,7 +33,7 @@ from torch import nn
 from tuner import registry
 from tuner.config import Config
 from tuner.dtypes import DTYPES
-from tuner.errors import CheckpointError, TrainingError
+from tuner.errors import CheckpointError, ConfigError, TrainingError
 from tuner.optim import averaged_weights, schedule_free
 from tuner.trainers import report
 
@@ -98,6 +98,10 @@ class NetworkTrainer:
     # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
     objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
+    text_encoder_trainable: ClassVar[bool] = False  # whether network.train_text_encoder is offered (SDXL)
+    # generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as
+    # diffusers' `force_zeros_for_empty_prompt`: SDXL's caption dropout zeroed the conditioning)
+    zero_empty_negative: ClassVar[bool] = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -204,6 +208,40 @@ class NetworkTrainer:
 
         return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
                             combine=self.combine_guidance)  # fmt: skip
+
+    # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
+    @property
+    def trains_text_encoder(self) -> bool:
+        """Whether the text encoders train: their outputs are then computed at every step, not cached.
+        Every command that caches or trains asks, so a model that cannot is refused before any work."""
+        nc = self.cfg.network
+        if nc.train_text_encoder and (not self.text_encoder_trainable or nc.type == "full"):
+            raise ConfigError(
+                f"{self.cfg.path}: network.train_text_encoder: "
+                + (f"{self.architecture} trains no text encoder adapter" if not self.text_encoder_trainable
+                   else "a full fine-tune trains the denoiser only; use an adapter type")
+            )  # fmt: skip
+        return nc.train_text_encoder
+
+    def load_text_cache_encoder(self, device: torch.device, dtype: str):
+        """What `tuner cache text` encodes with: `load_text_encoder`'s, unless the text encoders train
+        (then what makes their inputs, e.g. the tokenizers)."""
+        return self.load_text_encoder(device, dtype)
+
+    def encode_text_cache(self, encoder, captions: list[str], controls) -> list[dict[str, torch.Tensor]]:
+        """The text cache entries of `captions`: `encode_text`'s, unless the text encoders train (then their
+        inputs, e.g. token ids, which `collate_text` and `predict` take)."""
+        return self.encode_text(encoder, captions, controls)
+
+    def attach_adapter_file(self, model: nn.Module, path: str, strength: float):
+        """generate: attach an adapter file to the denoiser (`tuner.networks.apply_adapter_file`)."""
+        from tuner.networks.factory import apply_adapter_file
+
+        return apply_adapter_file(model, path, strength, name_map=self.layout)
+
+    def attach_text_adapters(self, encoder, loras: list[tuple[str, float]]) -> None:
+        """generate: attach the text-encoder parts of adapter files to what `load_text_encoder` returned;
+        an architecture whose files hold none does nothing."""
 
     # --- for the subclasses ----------------------------------------------------------------------
     def weights_path(self, component: str) -> str:

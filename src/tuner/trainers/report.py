@@ -19,9 +19,14 @@ def summary(trainer, network, data, total_steps: int, steps_per_epoch: int, acce
         f"a {nc.type}{' + DoRA' if nc.dora else ''} (rank {nc.rank}, alpha {nc.alpha})"
     )  # fmt: skip
     batch = data.summary()
+    text = []
+    if trainer.trains_text_encoder:
+        text = [f"  text encoders         trained too (lr {nc.text_encoder_lr or tc.learning_rate:g}): their outputs "
+                "are computed at every step; cached text outputs are not used"]  # fmt: skip
     return "\n".join(
         [
             f"tuner: training {what} on {trainer.architecture}",
+            *text,
             f"  trainable parameters  {trainable:,} in {len(network)} modules",
             f"  data                  {batch['samples']} samples, {batch['batches_per_epoch']} batches/epoch, "
             f"buckets {', '.join(batch['buckets'])}",
