@@ -4,7 +4,8 @@ Each dataset's samples are repeated `num_repeats` times, grouped by bucket and c
 dataset's batch size (a short remainder stays a smaller batch and is reported, never dropped); the
 batches of all datasets are then shuffled together. The order is a pure function of (seed, epoch), so a
 resumed run replays it exactly and can skip the batches it already trained on. Caption dropout swaps
-in the empty caption's entry with a draw seeded by the sample's position, for the same reason.
+in the empty caption's entry with a draw seeded by the sample's position, for the same reason; an item
+with caption variants (`tuner.data.captions`) gets one of them per epoch the same way.
 
 Batches are read with `EntryReads`: workers locate and prefetch a batch's entries, the main process
 slices them out of its own shard maps and stacks the latents (`tuner.cache.reads` explains why). When
@@ -37,6 +38,7 @@ class TrainingSample:
     empty_text_key: str
     bucket_key: str
     dataset_index: int
+    variant_text_keys: tuple[str, ...] = ()  # caption variants: one is drawn per epoch (else text_key)
 
 
 class TrainingData:
@@ -89,17 +91,21 @@ class TrainingData:
             spec = self.specs[index]
             rate = spec.caption_dropout_rate if self.caption_dropout else 0.0
             for b, batch in enumerate(plan_batches(buckets, spec.batch_size, self.seed + index, epoch)):
+                texts = [s.text_key for s in batch.items]
+                if any(s.variant_text_keys for s in batch.items):  # one caption variant per epoch
+                    pick = random.Random(f"{self.seed}/{epoch}/{index}/{b}/caption")
+                    texts = [pick.choice(s.variant_text_keys) if s.variant_text_keys else t
+                             for s, t in zip(batch.items, texts)]  # fmt: skip
                 if rate <= 0.0:  # no draw can drop: skip seeding a generator per batch (most of the cost)
-                    batches.append([(s.cache_dir, s.latent_key, s.text_key) for s in batch.items])
+                    batches.append([(s.cache_dir, s.latent_key, t) for s, t in zip(batch.items, texts)])
                     continue
                 drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
                 batches.append(
                     [
-                        (s.cache_dir, s.latent_key,
-                         s.empty_text_key if drop.random() < rate else s.text_key)
-                        for s in batch.items
+                        (s.cache_dir, s.latent_key, s.empty_text_key if drop.random() < rate else t)
+                        for s, t in zip(batch.items, texts)
                     ]
-                )  # fmt: skip
+                )
         random.Random(f"{self.seed}/{epoch}").shuffle(batches)
         return batches
 

@@ -48,6 +48,7 @@ from tuner.cache.plan import (
 from tuner.cache.store import CacheStore, VerifyReport
 from tuner.cache.writer import WriterLock
 from tuner.data.jobs import load_control_pixels, load_job_pixels
+from tuner.data.masks import latent_mask
 from tuner.dtypes import DTYPES
 from tuner.errors import CacheError, DataError
 from tuner.trainers import trainer_class
@@ -199,6 +200,8 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                             tensors = {
                                 name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
                             } | trainer.latent_conditions(job)
+                            if job.mask:  # the loss mask on the latents' grid (`tuner.data.masks`)
+                                tensors["loss_mask"] = latent_mask(job, tensors["latents"])
                             meta = {
                                 "bucket": job.bucket_key,
                                 "encoder": encoder.label(),

@@ -212,8 +212,9 @@ class TextRequest:
 
 def text_requests(
     trainer, store: CacheStore, plan: DatasetPlan, encoder: EncoderIdentity, max_length: int
-) -> tuple[list[tuple[str, str]], dict[str, TextRequest]]:
-    """(text key, empty-caption key) for each job of `plan`, and what each key encodes.
+) -> tuple[list[tuple[tuple[str, ...], str]], dict[str, TextRequest]]:
+    """(text keys, empty-caption key) for each job of `plan`, and what each key encodes. A job has one
+    text key per caption variant (`tuner.data.captions`; usually one), the first being its plain caption.
 
     Usually a text entry depends on the caption alone and is shared by every item with that caption.
     When the architecture's text encoder also looks at the control images, the entry is keyed by their
@@ -231,7 +232,7 @@ def text_requests(
                 "crops": job.params()["controls"],
             }
         keys = []
-        for caption in (job.caption, ""):
+        for caption in (*(job.captions or (job.caption,)), ""):
             if controls is None:
                 if caption not in plain:
                     plain[caption] = text_key(caption, encoder, max_length)
@@ -240,7 +241,7 @@ def text_requests(
                 key = text_key(caption, encoder, max_length, controls)
             requests.setdefault(key, TextRequest(caption, job if controls else None))
             keys.append(key)
-        per_job.append((keys[0], keys[1]))
+        per_job.append((tuple(keys[:-1]), keys[-1]))
     return per_job, requests
 
 
@@ -300,7 +301,7 @@ def open_training_data(
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
         require_cached(store, list(requests), "text", "cache text", cfg)
         failed = set(store.keys(FAILED))
-        for job, key, (text, empty) in zip(plan.jobs, lat_keys, txt_keys):
+        for job, key, (texts, empty) in zip(plan.jobs, lat_keys, txt_keys):
             if key in failed:
                 if plan.spec.on_error == "stop":
                     raise CacheError(
@@ -313,8 +314,9 @@ def open_training_data(
                 TrainingSample(
                     cache_dir=plan.spec.cache_directory,
                     latent_key=key,
-                    text_key=text,
+                    text_key=texts[0],
                     empty_text_key=empty,
+                    variant_text_keys=texts if len(texts) > 1 else (),
                     bucket_key=job.bucket_key,
                     dataset_index=plan.spec.index,
                 )

@@ -50,6 +50,33 @@ class SharedOptions:
     source_fps: float | None = option(
         None, "Video: fps of the source clips; frames are dropped to the model fps.", gt=0
     )
+    alpha_mask: bool | None = option(
+        None,
+        "Use each image's alpha channel as its loss mask (opaque = weight 1, transparent = mask_min_weight).",
+    )
+    mask_min_weight: float | None = option(
+        None, "Loss weight of fully masked-out (black / transparent) pixels; 0 leaves them out.", ge=0, le=1
+    )
+    captions_per_line: bool | None = option(
+        None, "Each line of a caption sidecar is a caption of its own; one is drawn per epoch."
+    )
+    caption_prefix: str | None = option(None, "Text put before every caption (e.g. a trigger word and ', ').")
+    caption_suffix: str | None = option(None, "Text put after every caption.")
+    shuffle_tags: bool | None = option(
+        None, "Shuffle a caption's comma-separated tags (after the first keep_tokens) in each variant."
+    )
+    keep_tokens: int | None = option(
+        None, "Leading comma-separated tags that are never shuffled or dropped.", ge=0
+    )
+    tag_dropout_rate: float | None = option(
+        None, "Probability of dropping each tag (after the first keep_tokens) in each variant.", ge=0, le=1
+    )
+    caption_variants: int | None = option(
+        None,
+        "Variants of each caption encoded when shuffle_tags or tag_dropout_rate is set; one is drawn per "
+        "item per epoch.",
+        ge=1,
+    )
 
 
 GENERAL_DEFAULTS = {
@@ -68,6 +95,15 @@ GENERAL_DEFAULTS = {
     "frame_sample": 1,
     "max_frames": 129,
     "source_fps": None,
+    "alpha_mask": False,
+    "mask_min_weight": 0.0,
+    "captions_per_line": False,
+    "caption_prefix": "",
+    "caption_suffix": "",
+    "shuffle_tags": False,
+    "keep_tokens": 0,
+    "tag_dropout_rate": 0.0,
+    "caption_variants": 8,
 }
 
 
@@ -86,6 +122,12 @@ class DatasetEntry(SharedOptions):
     control_directory: str | None = option(
         None,
         "Folder of control/reference images paired with items by file stem (name, name_0, name_1...).",
+        path=True,
+    )
+    mask_directory: str | None = option(
+        None,
+        "Folder of loss-mask images paired with items by file stem (white = weight 1, black = "
+        "mask_min_weight; grey in between); a video's mask is an image or a video of the same size.",
         path=True,
     )
     validation: bool = option(
@@ -126,6 +168,16 @@ class DatasetSpec:
     max_frames: int
     source_fps: float | None
     validation: bool = False
+    mask_directory: str | None = None
+    alpha_mask: bool = False
+    mask_min_weight: float = 0.0
+    captions_per_line: bool = False
+    caption_prefix: str = ""
+    caption_suffix: str = ""
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    tag_dropout_rate: float = 0.0
+    caption_variants: int = 8
 
 
 SOURCE_KEYS = ("image_directory", "image_jsonl_file", "video_directory", "video_jsonl_file")
@@ -164,6 +216,18 @@ def resolve_datasets(
             )
         if any(n < 1 for n in merged["target_frames"]):
             raise ConfigError(f"{source}: key '{key}.target_frames': frame counts must be >= 1.")
+        if merged["alpha_mask"] and src_key.startswith("video"):
+            raise ConfigError(
+                f"{source}: key '{key}.alpha_mask': videos have no alpha channel; use mask_directory."
+            )
+        if merged["alpha_mask"] and entry.mask_directory:
+            raise ConfigError(
+                f"{source}: key '{key}.alpha_mask': set either alpha_mask or mask_directory, not both."
+            )
+        if check_paths and entry.mask_directory and not Path(entry.mask_directory).is_dir():
+            raise ConfigError(
+                f"{source}: key '{key}.mask_directory': {entry.mask_directory} is not a folder. Fix the path."
+            )
         if merged["cache_directory"] is None:
             merged["cache_directory"] = str(base_dir / "cache")
         src = getattr(entry, src_key)
@@ -176,6 +240,7 @@ def resolve_datasets(
                 source=src,
                 source_is_manifest=src_key.endswith("jsonl_file"),
                 control_directory=entry.control_directory,
+                mask_directory=entry.mask_directory,
                 validation=entry.validation,
                 **{**merged, "resolution": tuple(merged["resolution"])},
             )

@@ -271,9 +271,14 @@ class NetworkTrainer:
         objective = self.training_objective()
         t = objective.discretize(t)  # DDPM: the noise level the model is told is the one it gets
         noisy = objective.add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
+        cond = dict(cond)
+        weights = cond.pop("loss_mask", None)  # a dataset's cached loss mask (`tuner.data.masks`)
         with accelerator.autocast():
             pred = self.predict(model, noisy, t, cond)
-        return objective.loss(pred.float(), x0, noise, t, mask=self.loss_mask(x0, cond))
+        mask = self.loss_mask(x0, cond)
+        if weights is not None:  # [B, 1, *latent grid]: broadcasts over channels
+            mask = weights if mask is None else mask * weights
+        return objective.loss(pred.float(), x0, noise, t, mask=mask)
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
