@@ -202,3 +202,31 @@ def test_caption_variants_are_encoded_once_and_drawn_per_epoch(tmp_path, wan_mod
     picked = [{t for batch in data.plan_epoch(e) for _, _, t in batch} for e in range(4)]
     assert len(set.union(*picked)) > len(picked[0])  # other variants in other epochs
     assert data.plan_epoch(1) == open_training_data(trainer, cfg(config), log=lambda s: None).plan_epoch(1)
+
+
+# ---------------------------------------------------------------- tuner data check
+
+
+def test_data_check_reports_items_buckets_frames_and_drops(tmp_path, wan_model, capsys):
+    from project import run
+    from tuner.fixtures.dataset import write_videos
+
+    config = make_project(tmp_path, wan_model)
+    videos = config.parent / "data" / "videos"
+    write_videos(tmp_path / "short", 1, (64, 48), frames=5, fps=24, seed=3)
+    (tmp_path / "short" / "video_000.mp4").rename(videos / "short.mp4")
+    (videos / "broken.mp4").write_bytes(b"not a video")
+    image(config.parent / "data" / "images" / "wide.png", size=(128, 32), caption="wide")
+    code, out = run(capsys, "data", "check", "--config", config)
+    assert code == 0, out
+    assert re.search(r"datasets\[0\] \(.*images\): 5 items → 5 images", out)
+    assert re.search(r"buckets: 64x48x1 ×4, 96x32x1 ×1", out)
+    assert re.search(r"datasets\[1\] \(.*videos\): 4 items → 2 clips", out)
+    assert "frames per clip: 9 ×2" in out
+    assert re.search(r"dropped 2 items: too short ×1 \(short.mp4\), undecodable ×1 \(broken.mp4\)", out)
+    assert not (config.parent / "cache").exists()  # nothing encoded, no store made
+
+    code, out = run(
+        capsys, "data", "check", "--dataset", config.parent / "dataset.toml", "--architecture", "flux"
+    )
+    assert code == 0 and "datasets[1]" in out  # flux is an image model: planning still reports
