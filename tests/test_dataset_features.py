@@ -230,3 +230,42 @@ def test_data_check_reports_items_buckets_frames_and_drops(tmp_path, wan_model, 
         capsys, "data", "check", "--dataset", config.parent / "dataset.toml", "--architecture", "flux"
     )
     assert code == 0 and "datasets[1]" in out  # flux is an image model: planning still reports
+
+
+# ---------------------------------------------------------------- several resolutions
+
+
+def test_several_resolutions_train_each_item_at_each(tmp_path, wan_model):
+    from tuner.config import load_datasets
+    from tuner.errors import ConfigError
+
+    config = make_project(tmp_path, wan_model, steps=3)
+    dataset = config.parent / "dataset.toml"
+    text = dataset.read_text()
+    multi = text.replace("num_repeats = 2\n", "num_repeats = [2, 1]\nresolution = [[64, 48], [32, 32]]\n", 1)
+    dataset.write_text(multi)
+    specs = load_datasets(dataset)
+    assert [(s.index, s.part, s.resolution, s.num_repeats) for s in specs[:2]] == [
+        (0, 0, (64, 48), 2), (0, 1, (32, 32), 1)]  # fmt: skip
+    assert tuner(["cache", "latents", "--config", str(config)]) == 0
+    assert tuner(["cache", "text", "--config", str(config)]) == 0
+    trainer = train_wan(config, tmp_path / "out")
+    data = open_training_data(trainer, trainer.cfg, log=lambda s: None)
+    buckets = {s.bucket_key for s in data.samples if s.bucket_key.endswith("x1")}
+    assert buckets == {"64x48x1", "32x32x1"}
+    assert data.summary()["samples"] == 4 * 2 + 4 * 1 + 2
+
+    dataset.write_text(
+        text.replace("num_repeats = 2\n", "num_repeats = [2, 1, 1]\nresolution = [[64, 48], [32, 32]]\n", 1)
+    )
+    with pytest.raises(ConfigError, match=r"datasets\[0\].num_repeats': 3 values for 2 resolution"):
+        load_datasets(dataset)
+    dataset.write_text(text.replace("num_repeats = 2\n", "resolution = [60, 48]\nenable_bucket = false\n", 1))
+    with pytest.raises(
+        ConfigError, match=r"key 'resolution' \[60, 48\] is not a multiple of the model's spatial step 16"
+    ):
+        tuner_cfg = cfg(config)
+        from tuner.cache.plan import plan_datasets
+        from tuner.trainers.wan import WanTrainer
+
+        plan_datasets(WanTrainer(tuner_cfg), tuner_cfg, log=lambda s: None)

@@ -58,7 +58,7 @@ class TrainingData:
         pin_memory: bool = False,
     ):
         self.samples = samples
-        self.specs = {s.index: s for s in specs}
+        self.specs = {s.uid: s for s in specs}  # samples name their dataset (and resolution) by uid
         self.seed = seed
         self.num_workers = num_workers
         self.rank, self.world = rank, world
@@ -73,9 +73,8 @@ class TrainingData:
     def warnings(self) -> list[str]:
         out = []
         for index, buckets in sorted(self.by_dataset.items()):
-            out += [
-                f"datasets[{index}]: {w}" for w in short_batch_warnings(buckets, self.specs[index].batch_size)
-            ]
+            spec = self.specs[index]
+            out += [f"datasets[{spec.index}]: {w}" for w in short_batch_warnings(buckets, spec.batch_size)]
         return out
 
     def plan_epoch(self, epoch: int) -> list[list[tuple[str, str, str]]]:

@@ -318,7 +318,7 @@ def open_training_data(
                     empty_text_key=empty,
                     variant_text_keys=texts if len(texts) > 1 else (),
                     bucket_key=job.bucket_key,
-                    dataset_index=plan.spec.index,
+                    dataset_index=plan.spec.uid,
                 )
             )
     if not samples:

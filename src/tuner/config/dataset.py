@@ -23,10 +23,20 @@ OnError = Literal["stop", "skip"]
 class SharedOptions:
     """Options allowed both in [general] and in each [[datasets]] table (None = inherit)."""
 
-    resolution: tuple[int, ...] | None = option(None, "Target [width, height]; buckets keep this area.")
+    resolution: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = option(
+        None,
+        "Target [width, height]; buckets keep this area. Several, [[512, 512], [1024, 1024]], train each "
+        "item at each (its own cache entries and buckets).",
+    )
     caption_extension: str | None = option(None, "Extension of caption sidecar files, e.g. '.txt'.")
-    batch_size: int | None = option(None, "Items per batch for this dataset.", ge=1)
-    num_repeats: int | None = option(None, "How many times each item is repeated per epoch.", ge=1)
+    batch_size: int | tuple[int, ...] | None = option(
+        None,
+        "Items per batch for this dataset; with several resolutions, one for all or one per resolution.",
+        ge=1,
+    )
+    num_repeats: int | tuple[int, ...] | None = option(
+        None, "How many times each item is repeated per epoch (one, or one per resolution).", ge=1
+    )
     enable_bucket: bool | None = option(None, "Group items into aspect-ratio buckets of equal area.")
     bucket_no_upscale: bool | None = option(None, "Never pick a bucket larger than the source image.")
     caption_dropout_rate: float | None = option(
@@ -178,6 +188,13 @@ class DatasetSpec:
     keep_tokens: int = 0
     tag_dropout_rate: float = 0.0
     caption_variants: int = 8
+    part: int = 0  # which of the table's resolutions (`resolution = [[w, h], ...]`) this spec trains
+
+    @property
+    def uid(self) -> int:
+        """A number naming this spec among all (seeds and sample grouping use it): the table's index for
+        its first resolution, so single-resolution datasets draw what they always did."""
+        return self.index + 1_000_003 * self.part
 
 
 SOURCE_KEYS = ("image_directory", "image_jsonl_file", "video_directory", "video_jsonl_file")
@@ -209,11 +226,9 @@ def resolve_datasets(
             if value is None:
                 value = GENERAL_DEFAULTS[f.name]
             merged[f.name] = value
-        if len(merged["resolution"]) != 2 or min(merged["resolution"]) < 16:
-            raise ConfigError(
-                f"{source}: key '{key}.resolution': expected [width, height] of at least 16 px, "
-                f"got {list(merged['resolution'])}."
-            )
+        resolutions = _resolutions(merged["resolution"], source, key)
+        per = {name: _per_resolution(merged[name], len(resolutions), source, f"{key}.{name}")
+               for name in ("batch_size", "num_repeats")}  # fmt: skip
         if any(n < 1 for n in merged["target_frames"]):
             raise ConfigError(f"{source}: key '{key}.target_frames': frame counts must be >= 1.")
         if merged["alpha_mask"] and src_key.startswith("video"):
@@ -233,19 +248,46 @@ def resolve_datasets(
         src = getattr(entry, src_key)
         if check_paths and not Path(src).exists():
             raise ConfigError(f"{source}: key '{key}.{src_key}': {src} does not exist. Fix the path.")
-        specs.append(
-            DatasetSpec(
-                index=i,
-                kind="image" if src_key.startswith("image") else "video",
-                source=src,
-                source_is_manifest=src_key.endswith("jsonl_file"),
-                control_directory=entry.control_directory,
-                mask_directory=entry.mask_directory,
-                validation=entry.validation,
-                **{**merged, "resolution": tuple(merged["resolution"])},
+        for part, resolution in enumerate(resolutions):
+            specs.append(
+                DatasetSpec(
+                    index=i,
+                    kind="image" if src_key.startswith("image") else "video",
+                    source=src,
+                    source_is_manifest=src_key.endswith("jsonl_file"),
+                    control_directory=entry.control_directory,
+                    mask_directory=entry.mask_directory,
+                    validation=entry.validation,
+                    part=part,
+                    **{**merged, "resolution": resolution, **{k: v[part] for k, v in per.items()}},
+                )
             )
-        )
     return specs
+
+
+def _resolutions(value: tuple, source: str, key: str) -> list[tuple[int, int]]:
+    """[w, h] or [[w, h], ...] as a list of (w, h), each checked."""
+    listed = [tuple(r) for r in value] if value and isinstance(value[0], tuple) else [tuple(value)]
+    for r in listed:
+        if len(r) != 2 or min(r) < 16:
+            raise ConfigError(
+                f"{source}: key '{key}.resolution': expected [width, height] (or a list of them) of at least "
+                f"16 px, got {list(r)}."
+            )
+    if len(set(listed)) != len(listed):
+        raise ConfigError(f"{source}: key '{key}.resolution': a resolution is listed twice.")
+    return listed
+
+
+def _per_resolution(value: int | tuple, count: int, source: str, key: str) -> list[int]:
+    values = list(value) if isinstance(value, tuple) else [value] * count
+    if len(values) != count:
+        raise ConfigError(
+            f"{source}: key '{key}': {len(values)} values for {count} resolution(s); give one, or one per resolution."
+        )
+    if min(values) < 1:
+        raise ConfigError(f"{source}: key '{key}': {min(values)} is out of range: it must be >= 1.")
+    return values
 
 
 def parse_dataset_table(

@@ -46,7 +46,8 @@ class Item:
 
 def describe(spec: DatasetSpec) -> str:
     """How messages name a dataset: its table and source."""
-    return f"datasets[{spec.index}] ({spec.source})"
+    at = f" at {spec.resolution[0]}x{spec.resolution[1]}" if spec.part else ""
+    return f"datasets[{spec.index}]{at} ({spec.source})"
 
 
 def _read_caption(path: Path) -> str | None:

@@ -242,6 +242,12 @@ def plan_latent_jobs(
     """
     on_error = on_error or spec.on_error
     _check_targets(spec, valid_frames)
+    if not spec.enable_bucket and (spec.resolution[0] % step or spec.resolution[1] % step):
+        fit = [max(step, r // step * step) for r in spec.resolution]
+        raise ConfigError(
+            f"{describe(spec)}: key 'resolution' {list(spec.resolution)} is not a multiple of the model's "
+            f"spatial step {step} (with enable_bucket = false it is the size trained); use {fit}."
+        )
     buckets = dataset_buckets(spec.resolution, step, spec.enable_bucket)
     jobs: list[LatentJob] = []
     problems: list[str] = []
