@@ -269,3 +269,31 @@ def test_several_resolutions_train_each_item_at_each(tmp_path, wan_model):
         from tuner.trainers.wan import WanTrainer
 
         plan_datasets(WanTrainer(tuner_cfg), tuner_cfg, log=lambda s: None)
+
+
+# ---------------------------------------------------------------- regularization datasets
+
+
+def test_regularization_dataset_is_mixed_in_at_its_ratio_with_its_loss_weight(tmp_path, wan_model):
+    from tuner.cache.batches import WeightedBatch
+    from tuner.fixtures.dataset import write_images
+
+    config = make_project(tmp_path, wan_model, steps=9)
+    write_images(config.parent / "data" / "prior", 3, (64, 48), seed=7)
+    dataset = config.parent / "dataset.toml"
+    dataset.write_text(
+        dataset.read_text()
+        + '\n[[datasets]]\nimage_directory = "data/prior"\nregularization = true\n'
+        + "regularization_ratio = 0.5\nloss_weight = 0.0\n"
+    )
+    assert tuner(["cache", "latents", "--config", str(config)]) == 0
+    assert tuner(["cache", "text", "--config", str(config)]) == 0
+    trainer = train_wan(config, tmp_path / "out")
+    data = open_training_data(trainer, trainer.cfg, log=lambda s: None)
+    assert sum(len(v) for v in data.by_dataset[2].values()) == 5  # 0.5 × (4 images × 2 repeats + 2 clips)
+    plan = data.plan_epoch(0)
+    weighted = [i for i, batch in enumerate(plan) if isinstance(batch, WeightedBatch)]
+    assert len(plan) == 9 and len(weighted) == 3
+    assert [i for i, loss in enumerate(trainer.history) if loss == 0.0] == weighted  # loss_weight 0
+    batch = next(b for i, b in enumerate(data.epoch(0)) if i == weighted[0])
+    assert batch["extra"]["loss_weight"].tolist() == [0.0] * batch["latents"].shape[0]

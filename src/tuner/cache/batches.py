@@ -28,6 +28,7 @@ import torch
 from tuner.cache.reads import EntryReads
 from tuner.config.dataset import DatasetSpec
 from tuner.data.buckets import plan_batches, short_batch_warnings
+from tuner.data.regularization import draw_regularization, regularization_count
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,14 @@ class TrainingSample:
     bucket_key: str
     dataset_index: int
     variant_text_keys: tuple[str, ...] = ()  # caption variants: one is drawn per epoch (else text_key)
+
+
+class WeightedBatch(list):
+    """A batch (list of (cache_dir, latent_key, text_key)) of a dataset whose loss is weighted."""
+
+    def __init__(self, entries: list, loss_weight: float):
+        super().__init__(entries)
+        self.loss_weight = loss_weight
 
 
 class TrainingData:
@@ -67,8 +76,19 @@ class TrainingData:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._planned: tuple[int, list[list[tuple[str, str, str]]]] | None = None  # (epoch, its plan)
         self.by_dataset: dict[int, dict[str, list[TrainingSample]]] = defaultdict(lambda: defaultdict(list))
+        prior: dict[int, list[TrainingSample]] = defaultdict(list)
         for s in samples:
+            if self.specs[s.dataset_index].regularization:
+                prior[s.dataset_index].append(s)
+                continue
             self.by_dataset[s.dataset_index][s.bucket_key] += [s] * self.specs[s.dataset_index].num_repeats
+        training_items = sum(len(v) for b in self.by_dataset.values() for v in b.values())
+        for uid, items in sorted(
+            prior.items()
+        ):  # a share of the training items (`tuner.data.regularization`)
+            count = regularization_count(self.specs[uid].regularization_ratio, training_items)
+            for s in draw_regularization(items, count, f"{seed}/regularization/{uid}"):
+                self.by_dataset[uid][s.bucket_key].append(s)
 
     def warnings(self) -> list[str]:
         out = []
@@ -95,15 +115,14 @@ class TrainingData:
                     pick = random.Random(f"{self.seed}/{epoch}/{index}/{b}/caption")
                     texts = [pick.choice(s.variant_text_keys) if s.variant_text_keys else t
                              for s, t in zip(batch.items, texts)]  # fmt: skip
-                if rate <= 0.0:  # no draw can drop: skip seeding a generator per batch (most of the cost)
-                    batches.append([(s.cache_dir, s.latent_key, t) for s, t in zip(batch.items, texts)])
-                    continue
-                drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
-                batches.append(
-                    [
-                        (s.cache_dir, s.latent_key, s.empty_text_key if drop.random() < rate else t)
-                        for s, t in zip(batch.items, texts)
+                if rate > 0.0:  # when no draw can drop, skip seeding a generator per batch (most of the cost)
+                    drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
+                    texts = [
+                        s.empty_text_key if drop.random() < rate else t for s, t in zip(batch.items, texts)
                     ]
+                entries = [(s.cache_dir, s.latent_key, t) for s, t in zip(batch.items, texts)]
+                batches.append(
+                    entries if spec.loss_weight == 1.0 else WeightedBatch(entries, spec.loss_weight)
                 )
         random.Random(f"{self.seed}/{epoch}").shuffle(batches)
         return batches
@@ -127,6 +146,7 @@ class TrainingData:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Batches of `epoch` from index `start` on (to resume mid-epoch)."""
         # One item per batch: its latent and text entries, interleaved.
+        plan = self.local_plan(epoch)[start:]
         reads = EntryReads(
             [
                 [
@@ -134,16 +154,19 @@ class TrainingData:
                     for cache_dir, latent_key, text_key in batch
                     for key in (latent_key, text_key)
                 ]
-                for batch in self.local_plan(epoch)[start:]
+                for batch in plan
             ]
         )
         # A private generator: creating a loader must not draw from the global RNG, or a run resumed
         # mid-epoch would see different dropout than an uninterrupted one.
-        for entries in reads.load(self.num_workers, generator=torch.Generator().manual_seed(self.seed)):
+        loaded = reads.load(self.num_workers, generator=torch.Generator().manual_seed(self.seed))
+        for batch, entries in zip(plan, loaded):
             # The stack copies the latents out of the shard maps into a batch the step may edit.
             # Every entry of a batch shares one bucket, so each of its tensors (latents, control_0...) stacks.
             latents = entries[0::2]
             stacked = {name: _stack([e[name] for e in latents], self.pin_memory) for name in latents[0]}
+            if isinstance(batch, WeightedBatch):  # `NetworkTrainer.loss` multiplies the batch's loss by it
+                stacked["loss_weight"] = torch.full((len(latents),), batch.loss_weight)
             yield {"latents": stacked.pop("latents"), "extra": stacked, "text": entries[1::2]}
 
     def summary(self) -> dict:

@@ -143,6 +143,17 @@ class DatasetEntry(SharedOptions):
     validation: bool = option(
         False, "Hold this dataset out of training and report its loss (train.validate_every_n_steps)."
     )
+    regularization: bool = option(
+        False,
+        "A regularization (prior) dataset: instead of all its items, regularization_ratio × the training "
+        "items per epoch are drawn from it, trained with loss_weight.",
+    )
+    regularization_ratio: float = option(
+        1.0, "Regularization datasets: their items per epoch, as a share of the other datasets' items.", gt=0
+    )
+    loss_weight: float = option(
+        1.0, "Factor on the loss of this dataset's batches (e.g. 0.5 for a prior).", ge=0
+    )
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,9 @@ class DatasetSpec:
     keep_tokens: int = 0
     tag_dropout_rate: float = 0.0
     caption_variants: int = 8
+    regularization: bool = False
+    regularization_ratio: float = 1.0
+    loss_weight: float = 1.0
     part: int = 0  # which of the table's resolutions (`resolution = [[w, h], ...]`) this spec trains
 
     @property
@@ -243,6 +257,11 @@ def resolve_datasets(
             raise ConfigError(
                 f"{source}: key '{key}.mask_directory': {entry.mask_directory} is not a folder. Fix the path."
             )
+        if entry.regularization and entry.validation:
+            raise ConfigError(
+                f"{source}: key '{key}.regularization': a dataset is either held out (validation) or a "
+                "regularization set, not both."
+            )
         if merged["cache_directory"] is None:
             merged["cache_directory"] = str(base_dir / "cache")
         src = getattr(entry, src_key)
@@ -258,6 +277,9 @@ def resolve_datasets(
                     control_directory=entry.control_directory,
                     mask_directory=entry.mask_directory,
                     validation=entry.validation,
+                    regularization=entry.regularization,
+                    regularization_ratio=entry.regularization_ratio,
+                    loss_weight=entry.loss_weight,
                     part=part,
                     **{**merged, "resolution": resolution, **{k: v[part] for k, v in per.items()}},
                 )
