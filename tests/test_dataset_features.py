@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -219,9 +220,9 @@ def test_data_check_reports_items_buckets_frames_and_drops(tmp_path, wan_model, 
     image(config.parent / "data" / "images" / "wide.png", size=(128, 32), caption="wide")
     code, out = run(capsys, "data", "check", "--config", config)
     assert code == 0, out
-    assert re.search(r"datasets\[0\] \(.*images\): 5 items → 5 images", out)
+    assert re.search(r"datasets\[0\] at 64x48 \(.*images\): 5 items → 5 images", out)
     assert re.search(r"buckets: 64x48x1 ×4, 96x32x1 ×1", out)
-    assert re.search(r"datasets\[1\] \(.*videos\): 4 items → 2 clips", out)
+    assert re.search(r"datasets\[1\] at 64x48 \(.*videos\): 4 items → 2 clips", out)
     assert "frames per clip: 9 ×2" in out
     assert re.search(r"dropped 2 items: too short ×1 \(short.mp4\), undecodable ×1 \(broken.mp4\)", out)
     assert not (config.parent / "cache").exists()  # nothing encoded, no store made
@@ -297,3 +298,41 @@ def test_regularization_dataset_is_mixed_in_at_its_ratio_with_its_loss_weight(tm
     assert [i for i, loss in enumerate(trainer.history) if loss == 0.0] == weighted  # loss_weight 0
     batch = next(b for i, b in enumerate(data.epoch(0)) if i == weighted[0])
     assert batch["extra"]["loss_weight"].tolist() == [0.0] * batch["latents"].shape[0]
+
+
+def test_video_masks_from_an_image_or_a_video(tmp_path):
+    from tuner.fixtures.dataset import write_videos
+
+    write_videos(tmp_path / "clips", 1, (64, 48), frames=12, fps=16, seed=0)
+    (tmp_path / "masks").mkdir()
+    spec = make_spec(
+        tmp_path / "clips", kind="video", target_frames=(9,), mask_directory=str(tmp_path / "masks")
+    )
+    Image.new("L", (64, 48), 255).save(tmp_path / "masks" / "video_000.png")
+    job = plan_latent_jobs(spec, discover_items(spec)[0], step=16)[0][0]
+    assert load_job_mask(job).shape == (1, 1, 48, 64)  # one image for every frame
+    (tmp_path / "masks" / "video_000.png").unlink()
+    shutil.copy(tmp_path / "clips" / "video_000.mp4", tmp_path / "masks" / "video_000.mp4")
+    job = plan_latent_jobs(spec, discover_items(spec)[0], step=16)[0][0]
+    assert load_job_mask(job).shape == (1, 9, 48, 64)  # the item's frames
+    assert to_latent_grid(load_job_mask(job), (3, 6, 8), 0.0).shape == (1, 3, 6, 8)
+
+
+def test_mask_and_caption_options_enter_the_cache_keys(tmp_path):
+    from dataclasses import replace
+
+    image(tmp_path / "imgs" / "a.png", caption="x, y, z")
+    (tmp_path / "masks").mkdir()
+    Image.new("L", (64, 48), 128).save(tmp_path / "masks" / "a.png")
+    spec = make_spec(tmp_path / "imgs", mask_directory=str(tmp_path / "masks"))
+    params = [
+        plan_latent_jobs(s, discover_items(s)[0], step=16)[0][0].params()
+        for s in (spec, replace(spec, mask_min_weight=0.1), replace(spec, mask_directory=None))
+    ]
+    assert len({json.dumps(p, sort_keys=True) for p in params}) == 3
+    captions = {
+        discover_items(s)[0][0].captions or (discover_items(s)[0][0].caption,)
+        for s in (spec, replace(spec, caption_prefix="t, "), replace(spec, shuffle_tags=True),
+                  replace(spec, shuffle_tags=True, keep_tokens=1))
+    }  # fmt: skip
+    assert len(captions) == 4  # text entries are keyed by these texts

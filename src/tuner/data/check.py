@@ -5,7 +5,7 @@ Caching a large dataset takes hours; finding out afterwards that half the clips 
 the datasets exactly as caching plans them (`discover_items`, `plan_latent_jobs`, the model's spatial
 step, frame rule and fps) but reads only file headers, and reports per dataset:
 
-    datasets[0] (/data/clips): 120 items → 143 clips
+    datasets[0] at 832x480 (/data/clips): 120 items → 143 clips
       buckets: 832x480x33 ×97, 480x832x33 ×40, 624x624x33 ×6
       frames per clip: 33 ×143
       dropped 7 items: too short ×5 (a.mp4, b.mp4, ...), undecodable ×2 (c.mp4, d.mp4)
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tuner.config.dataset import DatasetSpec
-from tuner.data.datasets import describe, discover_items
+from tuner.data.datasets import discover_items
 from tuner.data.frames import FrameRule
 from tuner.data.jobs import LatentJob, plan_latent_jobs
 from tuner.errors import ConfigError, DataError
@@ -54,7 +54,9 @@ class DatasetCheck:
     error: str | None = None  # the dataset cannot be used at all
 
     def lines(self) -> list[str]:
-        head = f"{describe(self.spec)}" + (" [validation]" if self.spec.validation else "")
+        spec = self.spec
+        head = f"datasets[{spec.index}] at {spec.resolution[0]}x{spec.resolution[1]} ({spec.source})"
+        head += " [validation]" if spec.validation else " [regularization]" if spec.regularization else ""
         if self.error:
             return [f"{head}: unusable: {self.error}"]
         unit = "images" if self.spec.kind == "image" else "clips"
