@@ -130,8 +130,3 @@ def to_latent_grid(mask: torch.Tensor, grid: tuple[int, ...], min_weight: float)
             m = F.adaptive_avg_pool3d(m[None], (f_lat, *m.shape[2:]))[0]
         m = F.adaptive_avg_pool2d(m, grid[1:])
     return (min_weight + (1.0 - min_weight) * m).contiguous()
-
-
-def latent_mask(job, latents: torch.Tensor) -> torch.Tensor:
-    """The `loss_mask` cache tensor of a job whose latents (without batch: [C, *grid]) are `latents`."""
-    return to_latent_grid(load_job_mask(job), tuple(latents.shape[1:]), job.mask_min_weight)
