@@ -336,3 +336,26 @@ def test_mask_and_caption_options_enter_the_cache_keys(tmp_path):
                   replace(spec, shuffle_tags=True, keep_tokens=1))
     }  # fmt: skip
     assert len(captions) == 4  # text entries are keyed by these texts
+
+
+def test_alpha_masks_and_caption_lines_through_cache_and_training(tmp_path, wan_model):
+    config = make_project(tmp_path, wan_model, steps=2)
+    for path in sorted((config.parent / "data" / "images").glob("*.png")):
+        rgba = Image.open(path).convert("RGBA")
+        alpha = Image.new("L", rgba.size, 0)
+        alpha.paste(255, (0, 0, 32, 48))  # the left half is opaque
+        rgba.putalpha(alpha)
+        rgba.save(path)
+        sidecar = path.with_suffix(".txt")
+        sidecar.write_text(sidecar.read_text() + "\nanother caption\n")
+    _dataset(config, "alpha_mask = true\ncaptions_per_line = true\nmask_min_weight = 0.1\n")
+    assert tuner(["cache", "latents", "--config", str(config)]) == 0
+    assert tuner(["cache", "text", "--config", str(config)]) == 0
+    store = CacheStore(tmp_path / "cache", readonly=True)
+    assert "another caption" in {store.meta(k)["caption"] for k in store.keys("text")}
+    trainer = train_wan(config, tmp_path / "out")
+    data = open_training_data(trainer, trainer.cfg, log=lambda s: None)
+    entry = store.get(next(s.latent_key for s in data.samples if s.bucket_key.endswith("_m")))
+    weights = entry["loss_mask"][0, 0]
+    assert weights[:, 0].min() == 1 and weights[:, -1].max() == pytest.approx(0.1)
+    assert len(trainer.history) == 2
