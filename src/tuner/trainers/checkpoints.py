@@ -107,7 +107,9 @@ class Checkpoints:
         except OSError as e:
             raise self._write_error(e, network, pos) from None
         acc.wait_for_everyone()
-        return adapter
+        # two-expert networks write one file per expert beside `adapter`; the first is returned
+        self.written = network.files(adapter) if hasattr(network, "files") else [adapter]
+        return self.written[0]
 
     def _save_state(self, network, pos) -> None:
         acc = self.accelerator
@@ -172,8 +174,9 @@ class Checkpoints:
         k = self.cfg.keep_last
         if not k:
             return
-        # adapters of the steps before the last k (with their -ema files)
-        pattern = re.compile(rf"{re.escape(self.cfg.output_name)}-step(\d+)(-ema)?\.safetensors$")
+        # every file of the steps before the last k: the adapter, its -ema twin, two experts' _high_noise /
+        # _low_noise files
+        pattern = re.compile(rf"{re.escape(self.cfg.output_name)}-step(\d+)([-_][A-Za-z_-]+)?\.safetensors$")
         saved = [(int(m.group(1)), f) for f in self.out.iterdir() if (m := pattern.match(f.name))]
         kept = sorted({step for step, _ in saved})[-k:]
         for step, old in saved:
