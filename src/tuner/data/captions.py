@@ -8,7 +8,7 @@ learn tag order, with the first `keep_tokens` tags (a trigger word, a character 
 
 The text encoder's output is cached, so a caption that changes every step would need an encode per
 step. We encode a *finite pool* instead: each item gets `caption_variants` processed captions (its
-captions taken in turn, each shuffled / thinned by a generator seeded with the item's path and
+captions taken in turn, each shuffled / thinned by a generator seeded with the item's file name and
 captions), all planned here before anything is encoded, so `tuner cache text` encodes every variant
 once and training's key check sees the same set. Training draws one variant per item per epoch from
 the run's seed and the epoch (`tuner.cache.batches`), so a resumed run draws what a straight run does.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 from tuner.config.dataset import DatasetSpec
 from tuner.data.datasets import Item
@@ -54,7 +55,8 @@ def caption_variants(item: Item, spec: DatasetSpec) -> tuple[str, ...]:
     """The item's final captions (distinct, in a fixed order); the first is its plain caption."""
     raws = item.captions or (item.caption,)
     if _randomized(spec):
-        rng = random.Random("\0".join((item.path, *raws)))  # the same pool on every run and machine
+        # the same pool on every run and machine, and after the dataset folder moves (the file's name only)
+        rng = random.Random("\0".join((Path(item.path).name, *raws)))
         count = max(spec.caption_variants, len(raws))
         texts = [process_tags(raws[j % len(raws)], spec, rng) for j in range(count)]
     else:
