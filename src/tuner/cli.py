@@ -89,7 +89,7 @@ def _timesteps(args) -> None:
 def _config_check(args) -> None:
     cfg = _load(args)
     print(
-        f"{cfg.path}: ok ({len(cfg.datasets)} dataset(s), architecture {cfg.model.architecture}, "
+        f"{cfg.path}: ok ({len({s.index for s in cfg.datasets})} dataset(s), architecture {cfg.model.architecture}, "
         f"adapters saved in the {cfg.save.format} layout)"
     )
 

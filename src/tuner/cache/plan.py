@@ -70,7 +70,8 @@ def plan_datasets(
         _check_controls(trainer, spec, jobs, cfg)
         _check_frames(trainer, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
-        for problem in problems + more:
+        # a table's further resolutions (`part` > 0) found the same items: say their problems once
+        for problem in (problems if spec.part == 0 else []) + more:
             log(f"warning: {problem}")
     return plans
 
