@@ -89,9 +89,30 @@ def _timesteps(args) -> None:
 def _config_check(args) -> None:
     cfg = _load(args)
     print(
-        f"{cfg.path}: ok ({len(cfg.datasets)} dataset(s), architecture {cfg.model.architecture}, "
+        f"{cfg.path}: ok ({len({s.index for s in cfg.datasets})} dataset(s), architecture {cfg.model.architecture}, "
         f"adapters saved in the {cfg.save.format} layout)"
     )
+
+
+def _data_check(args) -> None:
+    from tuner.config import load_datasets
+    from tuner.data.check import check_datasets
+    from tuner.errors import DataError
+    from tuner.trainers import trainer_class
+
+    if args.config:
+        cfg = _load(args)
+        architecture, specs = cfg.model.architecture, cfg.datasets
+    elif args.dataset and args.architecture:
+        architecture, specs = args.architecture, load_datasets(args.dataset)
+    else:
+        raise SystemExit(
+            "tuner data check: give --config TRAIN.toml, or --dataset DATASET.toml and --architecture"
+        )
+    reports = check_datasets(trainer_class(architecture), specs)
+    unusable = [r for r in reports if r.error]
+    if unusable:
+        raise DataError(f"{len(unusable)} of {len(reports)} datasets cannot be used (see above).")
 
 
 def _train(args) -> None:
@@ -172,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="load and validate a config without running anything")
     _config_args(p)
     p.set_defaults(func=_config_check)
+
+    data = sub.add_parser("data", help="look at datasets before caching them")
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="WHAT")
+    p = dsub.add_parser(
+        "check",
+        help="per dataset: items, bucket histogram, frames per clip, items dropped and why; encodes nothing",
+    )
+    p.add_argument("--config", default=None, help="training TOML (its architecture and dataset TOML)")
+    p.add_argument(
+        "--dataset", default=None, help="a dataset TOML, with --architecture (instead of --config)"
+    )
+    p.add_argument("--architecture", default=None, help="model.architecture to plan for, with --dataset")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a training-config key (with --config)")  # fmt: skip
+    p.set_defaults(func=_data_check)
 
     p = sub.add_parser(
         "train", help="train an adapter from the cache (run under `accelerate launch -m tuner`)"

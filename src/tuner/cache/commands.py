@@ -52,6 +52,7 @@ from tuner.cache.processes import CachingProcesses
 from tuner.cache.store import CacheStore, VerifyReport
 from tuner.cache.writer import WriterLock
 from tuner.data.jobs import load_control_pixels, load_job_pixels
+from tuner.data.masks import load_job_mask, to_latent_grid
 from tuner.dtypes import DTYPES
 from tuner.errors import CacheError, DataError
 from tuner.trainers import trainer_class
@@ -203,7 +204,8 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     loaded = []
                     for key, job in chunk:
                         try:
-                            loaded.append((key, job, load_job_pixels(job), load_control_pixels(job)))
+                            mask = load_job_mask(job) if job.mask else None  # unreadable: on_error too
+                            loaded.append((key, job, load_job_pixels(job), load_control_pixels(job), mask))
                         except DataError as e:
                             if specs[job.dataset_index].on_error == "stop":
                                 raise
@@ -219,10 +221,13 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*(item[3] for item in loaded))]
                     with torch.no_grad():
                         latents = trainer.encode_latents(vae, pixels, controls)
-                    for i, (key, job, _, _) in enumerate(loaded):
+                    for i, (key, job, _, _, mask) in enumerate(loaded):
                         tensors = {
                             name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
                         } | trainer.latent_conditions(job)
+                        if mask is not None:  # the loss mask on the latents' grid (`tuner.data.masks`)
+                            grid = tuple(tensors["latents"].shape[1:])
+                            tensors["loss_mask"] = to_latent_grid(mask, grid, job.mask_min_weight)
                         meta = {
                             "bucket": job.bucket_key,
                             "encoder": encoder.label(),

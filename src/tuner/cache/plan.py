@@ -70,7 +70,8 @@ def plan_datasets(
         _check_controls(trainer, spec, jobs, cfg)
         _check_frames(trainer, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
-        for problem in problems + more:
+        # a table's further resolutions (`part` > 0) found the same items: say their problems once
+        for problem in (problems if spec.part == 0 else []) + more:
             log(f"warning: {problem}")
     return plans
 
@@ -212,8 +213,9 @@ class TextRequest:
 
 def text_requests(
     trainer, store: CacheStore, plan: DatasetPlan, encoder: EncoderIdentity, max_length: int
-) -> tuple[list[tuple[str, str]], dict[str, TextRequest]]:
-    """(text key, empty-caption key) for each job of `plan`, and what each key encodes.
+) -> tuple[list[tuple[tuple[str, ...], str]], dict[str, TextRequest]]:
+    """(text keys, empty-caption key) for each job of `plan`, and what each key encodes. A job has one
+    text key per caption variant (`tuner.data.captions`; usually one), the first being its plain caption.
 
     Usually a text entry depends on the caption alone and is shared by every item with that caption.
     When the architecture's text encoder also looks at the control images, the entry is keyed by their
@@ -231,7 +233,7 @@ def text_requests(
                 "crops": job.params()["controls"],
             }
         keys = []
-        for caption in (job.caption, ""):
+        for caption in (*(job.captions or (job.caption,)), ""):
             if controls is None:
                 if caption not in plain:
                     plain[caption] = text_key(caption, encoder, max_length)
@@ -240,7 +242,7 @@ def text_requests(
                 key = text_key(caption, encoder, max_length, controls)
             requests.setdefault(key, TextRequest(caption, job if controls else None))
             keys.append(key)
-        per_job.append((keys[0], keys[1]))
+        per_job.append((tuple(keys[:-1]), keys[-1]))
     return per_job, requests
 
 
@@ -302,7 +304,7 @@ def open_training_data(
             trainer.trains_text_encoder) else "text"  # fmt: skip
         require_cached(store, list(requests), what, "cache text", cfg)
         failed = set(store.keys(FAILED))
-        for job, key, (text, empty) in zip(plan.jobs, lat_keys, txt_keys):
+        for job, key, (texts, empty) in zip(plan.jobs, lat_keys, txt_keys):
             if key in failed:
                 if plan.spec.on_error == "stop":
                     raise CacheError(
@@ -315,10 +317,11 @@ def open_training_data(
                 TrainingSample(
                     cache_dir=plan.spec.cache_directory,
                     latent_key=key,
-                    text_key=text,
+                    text_key=texts[0],
                     empty_text_key=empty,
+                    variant_text_keys=texts if len(texts) > 1 else (),
                     bucket_key=job.bucket_key,
-                    dataset_index=plan.spec.index,
+                    dataset_index=plan.spec.uid,
                 )
             )
     if not samples:

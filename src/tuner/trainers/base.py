@@ -319,9 +319,16 @@ class NetworkTrainer:
         objective = self.training_objective()
         t = objective.discretize(t)  # DDPM: the noise level the model is told is the one it gets
         noisy = objective.add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
+        cond = dict(cond)
+        weights = cond.pop("loss_mask", None)  # a dataset's cached loss mask (`tuner.data.masks`)
+        factor = cond.pop("loss_weight", None)  # a dataset's loss_weight (regularization sets), per sample
         with accelerator.autocast():
             pred = self.predict(model, noisy, t, cond)
-        return objective.loss(pred.float(), x0, noise, t, mask=self.loss_mask(x0, cond))
+        mask = self.loss_mask(x0, cond)
+        if weights is not None:  # [B, 1, *latent grid]: broadcasts over channels
+            mask = weights if mask is None else mask * weights
+        loss = objective.loss(pred.float(), x0, noise, t, mask=mask)
+        return loss if factor is None else loss * factor.mean()  # a batch holds one dataset: one factor
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:

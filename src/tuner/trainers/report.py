@@ -51,7 +51,9 @@ def _batch_size(data) -> str:
         size, largest = data.specs[index].batch_size, max(len(items) for items in buckets.values())
         sizes.add(min(size, largest))
         if largest < size:
-            capped.append(f"datasets[{index}] has batch_size {size} but at most {largest} items per bucket")
+            capped.append(
+                f"datasets[{data.specs[index].index}] has batch_size {size} but at most {largest} items per bucket"
+            )
     text = "/".join(str(s) for s in sorted(sizes))
     return f"{text} ({'; '.join(capped)})" if capped else text
 
