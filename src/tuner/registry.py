@@ -59,6 +59,10 @@ class Architecture:
     """Two-expert models (Wan 2.2 A14B): the release's t in [0, 1] where denoising switches from the
     high-noise expert (`model.transformer`) to the low-noise one (`model.transformer_2`); None for models
     with one transformer."""
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    """(config field, hub folder) of the tokenizer of each text encoder, e.g. ("tokenizer",
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"): used when the config gives none and the encoder is a
+    single file, which carries none (see `tuner.hub`). Every record names one per text encoder."""
 
     def trainer_class(self) -> type:
         return _resolve(self.trainer)
@@ -106,6 +110,7 @@ _WAN = Architecture(
     ),
     configs="wan",
     save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
+    tokenizers=(("tokenizer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"),),  # UMT5, the same for 2.2
 )
 
 _FLUX = Architecture(
@@ -125,6 +130,11 @@ _FLUX = Architecture(
         r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
     ),
     configs="flux",
+    # FLUX.1-schnell's (the same CLIP-L and T5-XXL tokenizers as dev's, in a repository that is not gated)
+    tokenizers=(
+        ("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer"),
+        ("tokenizer_2", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),
+    ),
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)
     save_format="kohya",
@@ -145,6 +155,7 @@ _QWEN_IMAGE = Architecture(
         r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
     ),
     configs="qwen_image",
+    tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
 )
 
@@ -165,6 +176,10 @@ _HUNYUAN_VIDEO = Architecture(
         r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
     ),
     configs="hunyuan_video",
+    tokenizers=(  # LLaVA-Llama-3 and CLIP-L
+        ("tokenizer", "hunyuanvideo-community/HunyuanVideo:tokenizer"),
+        ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo:tokenizer_2"),
+    ),
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
@@ -188,6 +203,9 @@ _HIDREAM = Architecture(
         r"double_stream_blocks\.\d+\.block\.ff_t\.(w1|w2|w3)",
     ),
     configs="hidream",
+    tokenizers=tuple(
+        (f"tokenizer{n}", f"HiDream-ai/HiDream-I1-Full:tokenizer{n}") for n in ("", "_2", "_3", "_4")
+    ),
     # `transformer.<name>` with alpha folded in: diffusers' HiDream loader refuses files with `.alpha`
     # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
     # format); the release's names are diffusers' own
@@ -210,6 +228,11 @@ _SD3 = Architecture(
         r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
     ),
     configs="sd3",
+    tokenizers=(  # CLIP-L, OpenCLIP bigG, T5-XXL
+        ("tokenizer", "stabilityai/stable-diffusion-3.5-medium:tokenizer"),
+        ("tokenizer_2", "stabilityai/stable-diffusion-3.5-medium:tokenizer_2"),
+        ("tokenizer_3", "stabilityai/stable-diffusion-3.5-medium:tokenizer_3"),
+    ),
     # the release's names, qkv fused exactly: ComfyUI's key map, and full fine-tunes in the release's file
     # layout. diffusers' SD3 loader reads only its own names (it has no converter): save.format =
     # "diffusers" (or `tuner lora convert --to diffusers`) writes those, which ComfyUI maps as well
@@ -234,6 +257,7 @@ _FLUX2 = Architecture(
         r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
     ),
     configs="flux2",
+    tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-dev:tokenizer"),),  # Mistral-Small 3
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
@@ -254,6 +278,7 @@ _Z_IMAGE = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
     ),
     configs="z_image",
+    tokenizers=(("tokenizer", "Tongyi-MAI/Z-Image-Turbo:tokenizer"),),  # Qwen3
     # the release's names (fused `attention.qkv`, `attention.out`) in kohya's spelling: ComfyUI maps
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
@@ -275,6 +300,7 @@ _LUMINA2 = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.linear_[123]",
     ),
     configs="lumina2",
+    tokenizers=(("tokenizer", "Alpha-VLLM/Lumina-Image-2.0:tokenizer"),),  # Gemma 2
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
 )
 
@@ -293,6 +319,7 @@ _COSMOS_PREDICT2 = Architecture(
         r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
     ),
     configs="cosmos_predict2",
+    tokenizers=(("tokenizer", "nvidia/Cosmos-Predict2-2B-Text2Image:tokenizer"),),  # T5-11B
     # release names (`diffusion_model.blocks.0.self_attn.q_proj`): ComfyUI's key map; diffusers has no
     # LoRA loader for the Predict2 pipelines
     save_format="comfy",
@@ -315,6 +342,10 @@ _SDXL = Architecture(
         r".*attentions\.\d+\.transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
     ),
     configs="sdxl",
+    tokenizers=(
+        ("tokenizer", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer"),
+        ("tokenizer_2", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer_2"),
+    ),
     # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
     save_format="kohya",
 )
@@ -386,6 +417,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.chroma:FIXTURE",
             model_class="ChromaTransformer2DModel",
             configs="chroma",
+            tokenizers=(("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),),  # T5-XXL only
         ),
         _QWEN_IMAGE,
         # Qwen-Image-Edit 2509 / 2511: the same network given one to three control images
@@ -407,6 +439,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
             trainer="tuner.trainers.flux2:Flux2KleinTrainer",
             fixture="tuner.fixtures.flux2:KLEIN_FIXTURE",
+            tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-klein-4B:tokenizer"),),  # Qwen3
         ),
         _Z_IMAGE,
         _LUMINA2,

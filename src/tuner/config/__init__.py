@@ -9,6 +9,7 @@ mistake is one `ConfigError` that names the file, the key and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,10 @@ def load_config(
         architecture(file.model.architecture)
     except ConfigError as e:
         raise ConfigError(f"{path}: key 'model.architecture': {e}") from None
+    from tuner.hub import resolve_model_paths  # hub ids and default tokenizers (tuner/hub.py)
+
+    if (model := resolve_model_paths(file.model, data.get("model", {}), path.parent)) is not file.model:
+        file = dataclasses.replace(file, model=model)
     datasets = load_datasets(file.data.dataset_config, check_paths)
     if file.train.validate_every_n_steps and not any(d.validation for d in datasets):
         raise ConfigError(

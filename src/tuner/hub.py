@@ -1,0 +1,230 @@
+"""Hub ids wherever a checkpoint path goes, and the default tokenizer of every text encoder.
+
+A model path in a config may name a Hugging Face hub repository instead of a local file or folder:
+
+    transformer = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"            # the whole repository (a pipeline folder)
+    vae = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:vae"                 # one folder of it
+    text_encoder = "Comfy-Org/Wan_2.1_ComfyUI_repackaged/split_files/text_encoders/umt5_xxl_fp16.safetensors"
+
+A value is a hub id only when no local path of that name exists. It is resolved through `huggingface_hub`
+into its cache (`HF_HOME` / `HF_HUB_CACHE`), so a file is downloaded once and shared with every other tool
+that uses the cache; a cut download is resumed by the next run. A file fresh from the hub is checked against
+the hub's checksum (the sha256 of large files, the git blob hash of small ones) and removed if it does not
+match. With `HF_HUB_OFFLINE=1` ids resolve from the cache alone, or fail naming the command that fetches
+them. Every failure is one `HubError` line: no such repository, a gated one without a token, a file the
+repository lacks, a cut download, a checksum that does not match.
+
+Text encoders shipped as single files (ComfyUI's `umt5_xxl_fp16.safetensors`, `clip_l.safetensors`, ...)
+carry no tokenizer. Each architecture record names the official tokenizer folder of each of its text
+encoders (`Architecture.tokenizers`); when a config gives no tokenizer and the encoder is a single file,
+that folder is used (only its tokenizer files are downloaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+from tuner.errors import TunerError
+
+# owner/name, then either /path/to/file (a file) or :folder (a folder; empty = the whole repository)
+_REF = re.compile(
+    r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:/(?P<file>[\w.+-][\w./+-]*)|:(?P<sub>[\w./+-]*))?$"
+)
+_LOCAL_FILE = re.compile(r"\.(safetensors|sft|pt|pth|bin|ckpt|gguf|json|toml)$")
+TOKENIZER_FILES = (
+    "tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json", "spiece.model",
+    "*.tiktoken", "chat_template*", "preprocessor_config.json", "processor_config.json",
+)  # fmt: skip
+"""What a tokenizer (or processor) folder holds: all that is fetched when a repository root is a tokenizer."""
+
+
+class HubError(TunerError):
+    """A hub id cannot be resolved: unknown, gated, offline and not cached, cut, or corrupt."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A file or folder of a hub repository."""
+
+    repo: str
+    filename: str = ""
+    """A file in the repository (`repo/file`), or "" for a folder."""
+    subfolder: str = ""
+    """A folder of the repository (`repo:folder`); "" with no filename is the whole repository."""
+
+    def __str__(self) -> str:
+        return (
+            f"{self.repo}/{self.filename}" if self.filename else f"{self.repo}:{self.subfolder}".rstrip(":")
+        )
+
+    def fetch_command(self) -> str:
+        """The command that puts this into the hub cache."""
+        if self.filename:
+            return f"hf download {self.repo} {self.filename}"
+        return f"hf download {self.repo}" + (f" --include '{self.subfolder}/*'" if self.subfolder else "")
+
+
+def parse_ref(value: str) -> HubRef | None:
+    """The hub reference `value` spells, or None when it can only be a local path."""
+    if not value or value.startswith((".", "/", "~")) or "\\" in value or "//" in value:
+        return None
+    m = _REF.match(value)
+    if m is None or (not m["file"] and m["sub"] is None and _LOCAL_FILE.search(value)):
+        return None  # `models/wan.safetensors` is a missing local file, not a repository named so
+    return HubRef(m["repo"], m["file"] or "", (m["sub"] or "").strip("/"))
+
+
+def resolve(ref: HubRef, patterns: tuple[str, ...] = ()) -> Path:
+    """The local path of `ref` in the hub cache, downloading what is missing. `patterns` (fnmatch, over
+    names inside the folder) limit what a folder fetches."""
+    if ref.filename:
+        return _file(ref, ref.filename)
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.hf_api import RepoFile
+
+    if constants.HF_HUB_OFFLINE:
+        return _cached_folder(ref)
+    with _errors(ref):
+        entries = HfApi(endpoint=constants.ENDPOINT).list_repo_tree(
+            ref.repo, path_in_repo=ref.subfolder or None, recursive=True
+        )
+        names = [e.path for e in entries if isinstance(e, RepoFile)]
+    prefix = f"{ref.subfolder}/" if ref.subfolder else ""
+    wanted = [n for n in names if not patterns or any(fnmatch(n[len(prefix) :], p) for p in patterns)]
+    if not wanted:
+        raise HubError(f"{ref}: holds no files{' matching ' + ', '.join(patterns) if patterns else ''}.")
+    root = None
+    for name in wanted:
+        path = _file(ref, name)
+        root = Path(str(path)[: -len(name)])  # the snapshot folder every file of the commit lies in
+    return root / ref.subfolder if ref.subfolder else root
+
+
+def resolve_tokenizer(ref: HubRef) -> Path:
+    """A tokenizer folder: `ref`'s folder, only its tokenizer files."""
+    return resolve(ref, TOKENIZER_FILES)
+
+
+def _file(ref: HubRef, filename: str) -> Path:
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(ref.repo, filename)
+    if isinstance(cached, str):
+        return Path(cached)
+    if constants.HF_HUB_OFFLINE:
+        raise HubError(_offline_message(ref))
+    with _errors(ref, filename):
+        path = Path(hf_hub_download(ref.repo, filename, endpoint=constants.ENDPOINT))
+    _verify(path, ref, filename)
+    return path
+
+
+def _cached_folder(ref: HubRef) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        root = Path(snapshot_download(ref.repo, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError and kin: nothing of this repository is cached
+        raise HubError(_offline_message(ref)) from None
+    folder = root / ref.subfolder if ref.subfolder else root
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise HubError(_offline_message(ref))
+    return folder
+
+
+def _offline_message(ref: HubRef) -> str:
+    from huggingface_hub import constants
+
+    return (
+        f"{ref}: not in the hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set; fetch it once "
+        f"online: `{ref.fetch_command()}`."
+    )
+
+
+def _verify(path: Path, ref: HubRef, filename: str) -> None:
+    """Check a fresh download against the hub's checksum, which names its blob in the cache: a sha256
+    (large files) or a git blob sha1 (small ones). A mismatch removes the file."""
+    blob = Path(os.path.realpath(path))
+    expected = blob.name
+    if re.fullmatch(r"[0-9a-f]{64}", expected):
+        digest = hashlib.sha256()
+    elif re.fullmatch(r"[0-9a-f]{40}", expected):
+        digest = hashlib.sha1()
+        digest.update(b"blob %d\0" % blob.stat().st_size)
+    else:
+        return  # no checksum to compare with
+    with open(blob, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        path.unlink(missing_ok=True)
+        blob.unlink(missing_ok=True)
+        raise HubError(
+            f"{ref.repo}/{filename}: the download does not match the hub's checksum (expected {expected}, got "
+            f"{digest.hexdigest()}); it was removed, run the command again to download it anew."
+        )
+
+
+@contextmanager
+def _errors(ref: HubRef, filename: str = ""):
+    """huggingface_hub's exceptions as one `HubError` line each."""
+    from huggingface_hub import errors
+
+    what = f"{ref.repo}/{filename}" if filename else str(ref)
+    try:
+        yield
+    except errors.GatedRepoError:
+        raise HubError(
+            f"{ref.repo}: a gated repository; accept its terms on https://huggingface.co/{ref.repo} and log in "
+            "(`hf auth login`, or set HF_TOKEN)."
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise HubError(
+            f"{ref.repo}: no such repository on the hub (check the name; a private one needs `hf auth login`)."
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise HubError(f"{ref.repo}: has no main revision.") from None
+    except errors.EntryNotFoundError:
+        raise HubError(f"{what}: the repository has no such file.") from None
+    except errors.OfflineModeIsEnabled:
+        raise HubError(_offline_message(ref)) from None
+    except (HubError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # network failures, a download cut short (its part stays for the next run)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise HubError(f"{what}: download failed ({first}); run the command again to resume it.") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config paths
+# ---------------------------------------------------------------------------------------------------
+
+
+def resolve_model_paths(model: Any, raw: dict, base_dir: Path) -> Any:
+    """`model` (a `ModelConfig`) with every hub id resolved to its cache path, and the record's default
+    tokenizer filled in where a text encoder is a single file and no tokenizer is given. `raw` is the
+    TOML's `[model]` table (the values as written, before they were joined to `base_dir`, the config's
+    folder). A value whose first folder exists in `base_dir` stays a (missing) local path."""
+    from tuner.registry import architecture
+
+    changes: dict[str, str] = {}
+    for f in fields(model):
+        value, written = getattr(model, f.name), raw.get(f.name)
+        if not f.metadata.get("path") or not isinstance(written, str) or not value or Path(value).exists():
+            continue
+        if (ref := parse_ref(written)) and not (base_dir / written.split("/")[0]).is_dir():
+            changes[f.name] = str(resolve(ref))
+    model = replace(model, **changes) if changes else model
+    defaults = {}
+    for name, spec in architecture(model.architecture).tokenizers:
+        encoder = getattr(model, name.replace("tokenizer", "text_encoder"))
+        if not getattr(model, name) and encoder and Path(encoder).is_file():
+            defaults[name] = str(resolve_tokenizer(parse_ref(spec)))
+    return replace(model, **defaults) if defaults else model
