@@ -145,7 +145,7 @@ def test_keep_last_and_files_written(cached_project, tmp_path):
     assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard events written"
 
 
-def test_exported_keys_match_original_layout(cached_project, tmp_path, wan_model):
+def test_exported_keys_match_original_layout(cached_project, tmp_path, wan_model, capsys):
     out = tmp_path / "out"
     train(cached_project, out, "train.max_steps=1")
     original = read_tensor_shapes(wan_model / "single" / "wan2.1_t2v_tiny.safetensors")
@@ -168,6 +168,12 @@ def test_exported_keys_match_original_layout(cached_project, tmp_path, wan_model
     assert meta["tuner.architecture"] == "wan" and meta["tuner.steps"] == "1"
     assert json.loads(meta["tuner.dataset"])["samples"] == 10
     assert meta["tuner.base_model_fingerprint"]
+    assert meta["modelspec.architecture"] == "wan/lora" and meta["modelspec.title"] == "demo_lora"
+    assert meta["tuner.dataset_size"] == "10" and meta["tuner.rank"]
+    from tuner.cli import main
+
+    assert main(["lora", "info", str(lora)]) == 0
+    assert "modelspec.architecture" in capsys.readouterr().out  # `tuner lora info` shows them
 
 
 @pytest.mark.slow
