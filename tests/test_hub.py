@@ -218,7 +218,7 @@ def test_load_config_resolves_hub_ids(hub, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_every_architecture_names_a_tokenizer_per_text_encoder(name):
+def test_every_architecture_names_its_tokenizers_and_repositories(name):
     record = ARCHITECTURES[name]
     assert record.tokenizers, f"{name}: Architecture.tokenizers is empty"
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -227,3 +227,61 @@ def test_every_architecture_names_a_tokenizer_per_text_encoder(name):
         assert field.replace("tokenizer", "text_encoder") in model_fields
         ref = parse_ref(spec)
         assert ref is not None and ref.subfolder and not ref.filename, spec
+    assert record.hub_repos, f"{name}: Architecture.hub_repos is empty (what `tuner download` fetches)"
+    for _, repo in record.hub_repos:
+        assert parse_ref(repo) == HubRef(repo), repo
+
+
+# --- tuner download -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wan_hub(hub, wan_model):
+    """The tiny Wan pipeline served as the 1.3B repository, with a release single file at its root and
+    a second weight format that `tuner download` must leave alone."""
+    folder = wan_model / "diffusers"
+    files = {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    files |= {"wan2.1_t2v_1.3B.safetensors": WEIGHTS, "transformer/diffusion_pytorch_model.bin": b"pickle"}
+    hub.repos[WAN] = files
+    return hub, folder
+
+
+def test_download_fetches_the_pipeline_and_writes_the_model_section(wan_hub, tmp_path, capsys):
+    from tuner.cli import main
+
+    hub, folder = wan_hub
+    to = tmp_path / "wan"
+    assert main(["download", "wan", "--to", str(to)]) == 0
+    out = capsys.readouterr().out
+    assert f'transformer = "{to}"' in out and f'tokenizer = "{to}"' in out and (to / "model.toml").is_file()
+    for p in folder.rglob("*"):
+        if p.is_file():
+            assert (to / p.relative_to(folder)).read_bytes() == p.read_bytes(), p
+    assert not (to / "wan2.1_t2v_1.3B.safetensors").exists()
+    assert not (to / "transformer/diffusion_pytorch_model.bin").exists()
+
+
+def test_download_resumes_and_checks_checksums(wan_hub, tmp_path, capsys):
+    from tuner.cli import main
+
+    hub, folder = wan_hub
+    to = tmp_path / "wan"
+    weights = next(
+        str(p.relative_to(folder)) for p in folder.rglob("*.safetensors") if "transformer" in str(p)
+    )
+    hub.corrupt.add(f"{WAN}/{weights}")
+    assert main(["download", "wan", "1.3B", "--to", str(to)]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the hub's checksum" in err and err.count("\n") == 1
+    assert not (to / weights).exists()
+    hub.corrupt.clear()
+    fetched, kept = len(hub.requests), {str(p.relative_to(to)) for p in to.rglob("*") if p.is_file()}
+    assert main(["download", "wan", "--to", str(to)]) == 0
+    prefix = f"/{WAN}/resolve/main/"
+    again = {
+        p.removeprefix(prefix) for m, p, r in hub.requests[fetched:] if m == "GET" and p.startswith(prefix)
+    }
+    assert weights in again and not again & kept  # only what the first run did not finish
+    assert (to / weights).read_bytes() == (folder / weights).read_bytes()
+    assert main(["download", "wan", "2B", "--to", str(to)]) == 2
+    assert "no variant '2B' to download; known: 1.3B, 14B" in capsys.readouterr().err

@@ -44,6 +44,13 @@ def _fixtures(args) -> None:
         print(f"{name}: {path}")
 
 
+def _download(args) -> None:
+    from tuner.download import download
+
+    print(download(args.architecture, args.variant, args.to), end="")
+    print(f"(written to {args.to}/model.toml; paste it into your training TOML)")
+
+
 def _cache_latents(args) -> None:
     from tuner.cache.commands import cache_latents
 
@@ -139,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_fixtures)
+
+    p = sub.add_parser(
+        "download", help="fetch an architecture's components from its official hub repository", epilog=known,
+        formatter_class=raw,
+    )  # fmt: skip
+    p.add_argument("architecture", help="architecture name (listed below)")
+    p.add_argument("variant", nargs="?", default="", help="e.g. 1.3B or 14B for wan (default: the first)")
+    p.add_argument("--to", required=True, help="folder the pipeline is written to")
+    p.set_defaults(func=_download)
 
     cache = sub.add_parser("cache", help="encode latents and text once, before training")
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="WHAT")

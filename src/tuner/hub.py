@@ -8,7 +8,8 @@ A model path in a config may name a Hugging Face hub repository instead of a loc
 
 A value is a hub id only when no local path of that name exists. It is resolved through `huggingface_hub`
 into its cache (`HF_HOME` / `HF_HUB_CACHE`), so a file is downloaded once and shared with every other tool
-that uses the cache; a cut download is resumed by the next run. A file fresh from the hub is checked against
+that uses the cache. A stream cut mid-file is resumed where it stopped (huggingface_hub retries with a byte
+range); a download that fails for good leaves no partial file. A file fresh from the hub is checked against
 the hub's checksum (the sha256 of large files, the git blob hash of small ones) and removed if it does not
 match. With `HF_HUB_OFFLINE=1` ids resolve from the cache alone, or fail naming the command that fetches
 them. Every failure is one `HubError` line: no such repository, a gated one without a token, a file the
@@ -91,7 +92,7 @@ def resolve(ref: HubRef, patterns: tuple[str, ...] = ()) -> Path:
 
     if constants.HF_HUB_OFFLINE:
         return _cached_folder(ref)
-    with _errors(ref):
+    with one_line_errors(ref):
         entries = HfApi(endpoint=constants.ENDPOINT).list_repo_tree(
             ref.repo, path_in_repo=ref.subfolder or None, recursive=True
         )
@@ -120,7 +121,7 @@ def _file(ref: HubRef, filename: str) -> Path:
         return Path(cached)
     if constants.HF_HUB_OFFLINE:
         raise HubError(_offline_message(ref))
-    with _errors(ref, filename):
+    with one_line_errors(ref, filename):
         path = Path(hf_hub_download(ref.repo, filename, endpoint=constants.ENDPOINT))
     _verify(path, ref, filename)
     return path
@@ -149,17 +150,21 @@ def _offline_message(ref: HubRef) -> str:
 
 
 def _verify(path: Path, ref: HubRef, filename: str) -> None:
-    """Check a fresh download against the hub's checksum, which names its blob in the cache: a sha256
-    (large files) or a git blob sha1 (small ones). A mismatch removes the file."""
+    """Check a fresh download against the hub's checksum, which names its blob in the cache."""
     blob = Path(os.path.realpath(path))
-    expected = blob.name
-    if re.fullmatch(r"[0-9a-f]{64}", expected):
+    if re.fullmatch(r"[0-9a-f]{64}|[0-9a-f]{40}", blob.name):
+        check_digest(path, blob.name, f"{ref.repo}/{filename}")
+
+
+def check_digest(path: Path, expected: str, what: str) -> None:
+    """`HubError` (and `path` removed, its cache blob too) unless the file's hub checksum is `expected`: a
+    sha256 (64 hex digits, large files) or a git blob sha1 (40, small ones)."""
+    blob = Path(os.path.realpath(path))
+    if len(expected) == 64:
         digest = hashlib.sha256()
-    elif re.fullmatch(r"[0-9a-f]{40}", expected):
+    else:
         digest = hashlib.sha1()
         digest.update(b"blob %d\0" % blob.stat().st_size)
-    else:
-        return  # no checksum to compare with
     with open(blob, "rb") as f:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
@@ -167,37 +172,37 @@ def _verify(path: Path, ref: HubRef, filename: str) -> None:
         path.unlink(missing_ok=True)
         blob.unlink(missing_ok=True)
         raise HubError(
-            f"{ref.repo}/{filename}: the download does not match the hub's checksum (expected {expected}, got "
+            f"{what}: the download does not match the hub's checksum (expected {expected}, got "
             f"{digest.hexdigest()}); it was removed, run the command again to download it anew."
         )
 
 
 @contextmanager
-def _errors(ref: HubRef, filename: str = ""):
+def one_line_errors(ref: HubRef, filename: str = ""):
     """huggingface_hub's exceptions as one `HubError` line each."""
-    from huggingface_hub import errors
+    from huggingface_hub import errors as hf
 
     what = f"{ref.repo}/{filename}" if filename else str(ref)
     try:
         yield
-    except errors.GatedRepoError:
+    except hf.GatedRepoError:
         raise HubError(
             f"{ref.repo}: a gated repository; accept its terms on https://huggingface.co/{ref.repo} and log in "
             "(`hf auth login`, or set HF_TOKEN)."
         ) from None
-    except errors.RepositoryNotFoundError:
+    except hf.RepositoryNotFoundError:
         raise HubError(
             f"{ref.repo}: no such repository on the hub (check the name; a private one needs `hf auth login`)."
         ) from None
-    except errors.RevisionNotFoundError:
+    except hf.RevisionNotFoundError:
         raise HubError(f"{ref.repo}: has no main revision.") from None
-    except errors.EntryNotFoundError:
+    except hf.EntryNotFoundError:
         raise HubError(f"{what}: the repository has no such file.") from None
-    except errors.OfflineModeIsEnabled:
+    except hf.OfflineModeIsEnabled:
         raise HubError(_offline_message(ref)) from None
     except (HubError, KeyboardInterrupt):
         raise
-    except Exception as e:  # network failures, a download cut short (its part stays for the next run)
+    except Exception as e:  # network failures; a stream cut for good (huggingface_hub resumed it a few times)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise HubError(f"{what}: download failed ({first}); run the command again to resume it.") from None
 
