@@ -48,15 +48,6 @@ def log_samples(accelerator, paths: Sequence[Path], step: int) -> None:
 
 def frame_strip(path: str | Path) -> np.ndarray:
     """An image file as an HxWx3 uint8 array; a video as up to `STRIP_FRAMES` of its frames side by side."""
-    path = Path(path)
-    if path.suffix.lower() != ".mp4":
-        from PIL import Image
+    from tuner.caption import read_frames  # the frames a captioning model is shown, the same way
 
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
-    import av
-
-    with av.open(str(path)) as container:
-        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    picks = np.linspace(0, len(frames) - 1, min(STRIP_FRAMES, len(frames))).round().astype(int)
-    return np.concatenate([frames[i] for i in picks], axis=1)
+    return np.concatenate([np.asarray(frame) for frame in read_frames(Path(path), STRIP_FRAMES)], axis=1)
