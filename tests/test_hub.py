@@ -285,3 +285,24 @@ def test_download_resumes_and_checks_checksums(wan_hub, tmp_path, capsys):
     assert (to / weights).read_bytes() == (folder / weights).read_bytes()
     assert main(["download", "wan", "2B", "--to", str(to)]) == 2
     assert "no variant '2B' to download; known: 1.3B, 14B" in capsys.readouterr().err
+
+
+def test_check_offline_names_the_tokenizer_to_fetch(hub, tmp_path, monkeypatch, capsys):
+    from tuner.cli import main
+
+    encoder = tmp_path / "umt5_xxl_fp16.safetensors"
+    encoder.write_bytes(b"x")
+    _offline(monkeypatch)
+    config = Path(__file__).parent.parent / "examples" / "wan21_t2v_lora.toml"
+    args = [
+        "check",
+        "--config",
+        str(config),
+        "--set",
+        f"model.text_encoder='{encoder}'",
+        "--set",
+        "model.tokenizer=''",
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"hf download {WAN} --include 'tokenizer/*'" in err and err.count("\n") == 1
