@@ -208,10 +208,13 @@ def test_load_config_resolves_hub_ids(hub, tmp_path):
     from tuner.config import load_config
 
     examples = Path(__file__).parent.parent / "examples"
-    cfg = load_config(
-        examples / "wan21_t2v_lora.toml", ["model.transformer=org/model:transformer"], check_paths=False
-    )
+    overrides = [
+        "model.transformer=org/model:transformer",
+        "network.network_weights=org/model/transformer/config.json",
+    ]
+    cfg = load_config(examples / "wan21_t2v_lora.toml", overrides, check_paths=False)
     assert (Path(cfg.model.transformer) / "config.json").is_file()
+    assert Path(cfg.network.network_weights).read_bytes() == b'{"a": 1}'
 
 
 # --- every record names its tokenizers --------------------------------------------------------------

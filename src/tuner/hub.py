@@ -212,21 +212,26 @@ def one_line_errors(ref: HubRef, filename: str = ""):
 # ---------------------------------------------------------------------------------------------------
 
 
-def resolve_model_paths(model: Any, raw: dict, base_dir: Path) -> Any:
-    """`model` (a `ModelConfig`) with every hub id resolved to its cache path, and the record's default
-    tokenizer filled in where a text encoder is a single file and no tokenizer is given. `raw` is the
-    TOML's `[model]` table (the values as written, before they were joined to `base_dir`, the config's
-    folder). A value whose first folder exists in `base_dir` stays a (missing) local path."""
-    from tuner.registry import architecture
-
+def resolve_hub_paths(section: Any, raw: dict, base_dir: Path) -> Any:
+    """`section` (a config dataclass) with every path field that holds a hub id resolved to its cache
+    path. `raw` is the section's TOML table: the values as written, before they were joined to `base_dir`
+    (the config's folder). A value whose first folder exists in `base_dir` stays a (missing) local path."""
     changes: dict[str, str] = {}
-    for f in fields(model):
-        value, written = getattr(model, f.name), raw.get(f.name)
+    for f in fields(section):
+        value, written = getattr(section, f.name), raw.get(f.name)
         if not f.metadata.get("path") or not isinstance(written, str) or not value or Path(value).exists():
             continue
         if (ref := parse_ref(written)) and not (base_dir / written.split("/")[0]).is_dir():
             changes[f.name] = str(resolve(ref))
-    model = replace(model, **changes) if changes else model
+    return replace(section, **changes) if changes else section
+
+
+def resolve_model_paths(model: Any, raw: dict, base_dir: Path) -> Any:
+    """`model` (a `ModelConfig`) with its hub ids resolved (`resolve_hub_paths`) and the record's default
+    tokenizer filled in where a text encoder is a single file and no tokenizer is given."""
+    from tuner.registry import architecture
+
+    model = resolve_hub_paths(model, raw, base_dir)
     defaults = {}
     for name, spec in architecture(model.architecture).tokenizers:
         encoder = getattr(model, name.replace("tokenizer", "text_encoder"))

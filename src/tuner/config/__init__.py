@@ -95,10 +95,12 @@ def load_config(
         architecture(file.model.architecture)
     except ConfigError as e:
         raise ConfigError(f"{path}: key 'model.architecture': {e}") from None
-    from tuner.hub import resolve_model_paths  # hub ids and default tokenizers (tuner/hub.py)
+    from tuner.hub import resolve_hub_paths, resolve_model_paths  # hub ids, default tokenizers (tuner/hub.py)
 
-    if (model := resolve_model_paths(file.model, data.get("model", {}), path.parent)) is not file.model:
-        file = dataclasses.replace(file, model=model)
+    model = resolve_model_paths(file.model, data.get("model", {}), path.parent)
+    network = resolve_hub_paths(file.network, data.get("network", {}), path.parent)  # network_weights
+    if model is not file.model or network is not file.network:
+        file = dataclasses.replace(file, model=model, network=network)
     datasets = load_datasets(file.data.dataset_config, check_paths)
     if file.train.validate_every_n_steps and not any(d.validation for d in datasets):
         raise ConfigError(
