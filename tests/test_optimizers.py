@@ -52,6 +52,12 @@ def test_an_argument_the_optimizer_does_not_take_is_named():
         build_optimizer("automagic", tiny_model().parameters(), 1e-4, {"lr_bumb": 1e-6})
 
 
+def test_an_argument_a_package_optimizer_would_swallow_is_named():
+    """pytorch_optimizer's CAME takes **kwargs and ignores what it does not know."""
+    with pytest.raises(ConfigError, match="'came' does not take the argument 'betas2'"):
+        build_optimizer("came", tiny_model().parameters(), 1e-4, {"betas2": (0.9, 0.99)})
+
+
 def test_schedule_free_with_a_schedule_is_refused(tmp_path):
     config = tmp_path / "train.toml"
     config.write_text(

@@ -175,9 +175,9 @@ def _normalize_groups(param_groups: Iterable) -> list[dict[str, Any]]:
 def _check_kwargs(cls: type, name: str, kwargs: dict[str, Any]) -> None:
     """Name the first kwarg the optimizer does not take, before construction hides it in a TypeError."""
     params = inspect.signature(cls).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return  # the class forwards **kwargs; let its own check speak
-    accepted = [p for p in params if p not in ("self", "params")]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and name.lower() not in NAMED:
+        return  # the class forwards **kwargs; let its own check speak (ours swallow them: CAME's ignores them)
+    accepted = [n for n, p in params.items() if n not in ("self", "params") and p.kind is not p.VAR_KEYWORD]
     for key in kwargs:
         if key not in accepted:
             raise ConfigError(
