@@ -309,3 +309,15 @@ def test_check_offline_names_the_tokenizer_to_fetch(hub, tmp_path, monkeypatch, 
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"hf download {WAN} --include 'tokenizer/*'" in err and err.count("\n") == 1
+
+
+def test_a_pipeline_repository_fetches_its_components_only(wan_hub, monkeypatch):
+    hub, folder = wan_hub
+    root = resolve(parse_ref(WAN))
+    for p in folder.rglob("*"):
+        if p.is_file():
+            assert (root / p.relative_to(folder)).read_bytes() == p.read_bytes(), p
+    assert not (root / "wan2.1_t2v_1.3B.safetensors").exists()  # the release's single file at the root
+    assert not (root / "transformer/diffusion_pytorch_model.bin").exists()  # the same weights again
+    _offline(monkeypatch)
+    assert resolve(parse_ref(WAN)) == root

@@ -15,10 +15,7 @@ import json
 from pathlib import Path
 
 from tuner.errors import ConfigError
-from tuner.hub import HubRef, check_digest, one_line_errors
-
-# other formats of the same weights, fetched only where a folder has no safetensors
-_OTHER_FORMATS = (".bin", ".msgpack", ".onnx", ".pb", ".h5", ".ckpt", ".pt", ".pth", ".gguf")
+from tuner.hub import HubRef, check_digest, one_line_errors, pipeline_files
 
 
 def download(name: str, variant: str = "", to: str | Path = ".") -> str:
@@ -44,7 +41,8 @@ def download(name: str, variant: str = "", to: str | Path = ".") -> str:
         }
     if "model_index.json" not in listing:
         raise ConfigError(f"{ref.repo}: has no model_index.json; it is not a diffusers pipeline.")
-    wanted = _wanted(listing, _fetch(ref, listing["model_index.json"], to, hf_hub_download))
+    index = json.loads(_fetch(ref, listing["model_index.json"], to, hf_hub_download).read_text())
+    wanted = pipeline_files(list(listing), index)
     for path in wanted:
         _fetch(ref, listing[path], to, hf_hub_download)
     model = {"architecture": name}
@@ -54,16 +52,6 @@ def download(name: str, variant: str = "", to: str | Path = ".") -> str:
     section = "[model]\n" + "".join(f'{k} = "{v}"\n' for k, v in model.items())
     (to / "model.toml").write_text(section)
     return section
-
-
-def _wanted(listing: dict, model_index: Path) -> list[str]:
-    """The files of the pipeline's components: weights in safetensors where a folder has them."""
-    components = [k for k in json.loads(model_index.read_text()) if not k.startswith("_")]
-    files = [p for p in listing if p.split("/")[0] in components and "/" in p]
-    has_safetensors = {p.rsplit("/", 1)[0] for p in files if p.endswith(".safetensors")}
-    return sorted(
-        p for p in files if not (p.endswith(_OTHER_FORMATS) and p.rsplit("/", 1)[0] in has_safetensors)
-    )
 
 
 def _fetch(ref: HubRef, entry, to: Path, hf_hub_download) -> Path:

@@ -2,7 +2,7 @@
 
 A model path in a config may name a Hugging Face hub repository instead of a local file or folder:
 
-    transformer = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"            # the whole repository (a pipeline folder)
+    transformer = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"            # a pipeline: the components it names
     vae = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:vae"                 # one folder of it
     text_encoder = "Comfy-Org/Wan_2.1_ComfyUI_repackaged/split_files/text_encoders/umt5_xxl_fp16.safetensors"
 
@@ -24,6 +24,7 @@ that folder is used (only its tokenizer files are downloaded).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from contextlib import contextmanager
@@ -99,6 +100,9 @@ def resolve(ref: HubRef, patterns: tuple[str, ...] = ()) -> Path:
         names = [e.path for e in entries if isinstance(e, RepoFile)]
     prefix = f"{ref.subfolder}/" if ref.subfolder else ""
     wanted = [n for n in names if not patterns or any(fnmatch(n[len(prefix) :], p) for p in patterns)]
+    if not ref.subfolder and not patterns and "model_index.json" in names:  # a diffusers pipeline
+        index = json.loads(_file(ref, "model_index.json").read_text())
+        wanted = ["model_index.json", *pipeline_files(names, index)]
     if not wanted:
         raise HubError(f"{ref}: holds no files{' matching ' + ', '.join(patterns) if patterns else ''}.")
     root = None
@@ -106,6 +110,22 @@ def resolve(ref: HubRef, patterns: tuple[str, ...] = ()) -> Path:
         path = _file(ref, name)
         root = Path(str(path)[: -len(name)])  # the snapshot folder every file of the commit lies in
     return root / ref.subfolder if ref.subfolder else root
+
+
+# other formats of the same weights, fetched only where a folder has no safetensors
+_OTHER_FORMATS = (".bin", ".msgpack", ".onnx", ".pb", ".h5", ".ckpt", ".pt", ".pth", ".gguf")
+
+
+def pipeline_files(names: list[str], model_index: dict) -> list[str]:
+    """Of a diffusers pipeline repository's files `names`, those of the components its `model_index`
+    names, weights in safetensors where a folder has them: not the release's single files at the root
+    (FLUX.1-dev's 24 GB `flux1-dev.safetensors`) nor other formats of the same weights."""
+    components = {k for k in model_index if not k.startswith("_")}
+    files = [n for n in names if "/" in n and n.split("/")[0] in components]
+    has_safetensors = {n.rsplit("/", 1)[0] for n in files if n.endswith(".safetensors")}
+    return sorted(
+        n for n in files if not (n.endswith(_OTHER_FORMATS) and n.rsplit("/", 1)[0] in has_safetensors)
+    )
 
 
 def resolve_tokenizer(ref: HubRef) -> Path:
