@@ -44,6 +44,23 @@ def _fixtures(args) -> None:
         print(f"{name}: {path}")
 
 
+def _download(args) -> None:
+    from tuner.download import download
+
+    print(download(args.architecture, args.variant, args.to), end="")
+    print(f"(written to {args.to}/model.toml; paste it into your training TOML)")
+
+
+def _caption(args) -> None:
+    from tuner.caption import CaptionOptions, caption_folder, transformers_captioner
+
+    opts = CaptionOptions(
+        prompt=args.prompt, trigger=args.trigger, overwrite=args.overwrite, frames=args.frames
+    )
+    done = caption_folder(args.dir, transformers_captioner(args.model, args.device), opts)
+    print(f"captioned {len(done['written'])} file(s), skipped {len(done['skipped'])} that had a caption")
+
+
 def _cache_latents(args) -> None:
     from tuner.cache.commands import cache_latents
 
@@ -160,6 +177,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_fixtures)
+
+    p = sub.add_parser(
+        "download", help="fetch an architecture's components from its official hub repository", epilog=known,
+        formatter_class=raw,
+    )  # fmt: skip
+    p.add_argument("architecture", help="architecture name (listed below)")
+    p.add_argument("variant", nargs="?", default="", help="e.g. 1.3B or 14B for wan (default: the first)")
+    p.add_argument("--to", required=True, help="folder the pipeline is written to")
+    p.set_defaults(func=_download)
+
+    from tuner.caption import DEFAULT_MODEL, DEFAULT_PROMPT
+
+    p = sub.add_parser("caption", help="write a caption file beside every image and video of a folder")
+    p.add_argument("dir", help="folder of images and videos")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="image-text-to-text model: hub id or folder")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="question asked; {kind} is image or video")
+    p.add_argument("--trigger", default="", help="word(s) put before every caption")
+    p.add_argument("--frames", type=int, default=4, help="frames shown of each video")
+    p.add_argument("--overwrite", action="store_true", help="caption files that already have a caption")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=_caption)
 
     cache = sub.add_parser("cache", help="encode latents and text once, before training")
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="WHAT")

@@ -312,7 +312,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class SaveConfig:
     output_dir: str = option("output", "Folder for adapters, checkpoints and logs.", path=True)
-    output_name: str = option("lora", "File name stem of saved adapters.")
+    output_name: str = option("lora", "File name stem of saved adapters (also their `modelspec.title`).")
+    trigger_phrase: str = option(
+        "", "Word(s) the captions use to call up what is trained; saved as `modelspec.trigger_phrase`."
+    )
     every_n_steps: int = option(0, "Save every N optimizer steps; 0 disables.", ge=0)
     every_n_epochs: int = option(1, "Save every N epochs; 0 disables.", ge=0)
     keep_last: int = option(0, "Keep only the last K saves (adapters and states); 0 keeps all.", ge=0)

@@ -35,7 +35,7 @@ from tuner.config import Config
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError, TrainingError
 from tuner.optim import averaged_weights, schedule_free
-from tuner.trainers import report
+from tuner.trainers import board, report
 
 
 @dataclass
@@ -466,6 +466,7 @@ class NetworkTrainer:
             log(f"note: {note}")
         if cfg.log.tensorboard:
             accelerator.init_trackers("tuner", config=report.flat_scalars(cfg))
+            board.start(accelerator, self.timestep_sampler(), out / "logs", log)
         run = _Run(
             accelerator, model, trained, optimizer, scheduler, data, held_out, self.timestep_sampler(),
             checkpoints, samples, report.adapter_metadata(self, data), total_steps,
@@ -474,7 +475,7 @@ class NetworkTrainer:
         if sf := schedule_free(optimizer):
             sf.train()  # schedule-free optimizers take their steps in train mode
         if samples and sc.at_start and pos.step == 0:
-            samples.draw(model, trained, 0, log)
+            board.log_samples(accelerator, samples.draw(model, trained, 0, log), 0)
         run.ema, run.fused = parts.get("ema"), fused
         run.progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         _freeze_gc()  # the model, data plan and optimizer: long-lived, never garbage
@@ -573,7 +574,8 @@ class NetworkTrainer:
             if run.samples:  # the main process draws; the others wait for it
                 ema = run.ema.applied() if run.ema and sc.use_ema else contextlib.nullcontext()
                 with averaged_weights(run.optimizer), ema:
-                    run.samples.draw(run.model, run.trained, run.pos.step, run.log)
+                    written = run.samples.draw(run.model, run.trained, run.pos.step, run.log)
+                    board.log_samples(run.accelerator, written, run.pos.step)
             run.accelerator.wait_for_everyone()
 
     def _maybe_validate(self, run: _Run) -> None:

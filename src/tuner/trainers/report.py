@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 from tuner.config import Config
@@ -69,8 +70,10 @@ def adapter_metadata(trainer, data) -> dict[str, str]:
             "tuner.merged_adapters": json.dumps([[Path(path).name, strength] for path, strength in merges])
         }
     return {
+        **modelspec(cfg),
         **merged,
         "tuner.architecture": trainer.architecture,
+        "tuner.dataset_size": str(data.summary()["samples"]),
         "tuner.base_model": Path(cfg.model.transformer).name,
         "tuner.base_model_fingerprint": fingerprint_weights(cfg.model.transformer),
         "tuner.dataset": json.dumps(data.summary()),
@@ -78,6 +81,35 @@ def adapter_metadata(trainer, data) -> dict[str, str]:
             {**asdict(cfg.train), "timesteps": asdict(cfg.timesteps), "network": asdict(cfg.network)}
         ),
     }
+
+
+# what each saved layout is loaded by (ModelSpec's `implementation`)
+_IMPLEMENTATIONS = {
+    "comfy": "https://github.com/comfyanonymous/ComfyUI",
+    "diffusers": "https://github.com/huggingface/diffusers",
+    "kohya": "https://github.com/kohya-ss/sd-scripts",
+}
+
+
+def modelspec(cfg: Config, now: datetime | None = None) -> dict[str, str]:
+    """The ModelSpec keys (`modelspec.*`) that galleries and UIs read from a saved adapter, plus the
+    adapter's rank and alpha under `tuner.*`."""
+    nc = cfg.network
+    training = [d for d in cfg.datasets if not d.validation] or list(cfg.datasets)
+    width, height = training[0].resolution if training else (0, 0)
+    full = nc.type == "full"
+    spec = {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": cfg.model.architecture if full else f"{cfg.model.architecture}/{nc.type}",
+        "modelspec.title": cfg.save.output_name,
+        "modelspec.resolution": f"{width}x{height}",
+        "modelspec.date": (now or datetime.now(timezone.utc)).isoformat(timespec="seconds"),
+        "modelspec.implementation": _IMPLEMENTATIONS[cfg.save.format],
+        **({"modelspec.trigger_phrase": cfg.save.trigger_phrase} if cfg.save.trigger_phrase else {}),
+    }
+    if not full:
+        spec |= {"tuner.rank": str(nc.rank), "tuner.alpha": str(nc.alpha)}
+    return spec
 
 
 def flat_scalars(cfg: Config) -> dict[str, int | float | str | bool]:
