@@ -466,7 +466,7 @@ class NetworkTrainer:
             log(f"note: {note}")
         if cfg.log.tensorboard:
             accelerator.init_trackers("tuner", config=report.flat_scalars(cfg))
-            board.start(accelerator, self.timestep_sampler(), out / "logs", log)
+            board.start(accelerator, out / "logs", log)
         run = _Run(
             accelerator, model, trained, optimizer, scheduler, data, held_out, self.timestep_sampler(),
             checkpoints, samples, report.adapter_metadata(self, data), total_steps,
@@ -490,6 +490,8 @@ class NetworkTrainer:
         x0, cond = self._inputs(batch, run.accelerator.device)
         noise = torch.randn(x0.shape, generator=gen).to(x0)
         t = run.sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
+        if self.cfg.log.tensorboard and pos.step == 0 and pos.batch == 0:
+            board.log_timesteps(run.accelerator, run.sampler, self.seq_len(x0))
         if self.cfg.timesteps.noise_offset:  # drawn after t, so runs without it draw what they always did
             from tuner.ddpm import offset_noise
 

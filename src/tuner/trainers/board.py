@@ -26,14 +26,20 @@ def _writer(accelerator):
     return writer if hasattr(writer, "add_image") else None  # accelerate's no-op stand-in when it is off
 
 
-def start(accelerator, sampler, logdir: Path, log: Callable[[str], None]) -> None:
-    """Log the timestep distribution once, and say how to watch the run."""
+def start(accelerator, logdir: Path, log: Callable[[str], None]) -> None:
+    """Say how to watch the run."""
+    if _writer(accelerator) is not None and accelerator.is_main_process:
+        log(f"  tensorboard           tensorboard --logdir {logdir}")
+
+
+def log_timesteps(accelerator, sampler, seq_len: int | None) -> None:
+    """Log the distribution the training timesteps are drawn from, once (at the first step: modes whose
+    shift depends on the resolution, FLUX's and Qwen-Image's, need the image-token count of a batch)."""
     writer = _writer(accelerator)
     if writer is None or not accelerator.is_main_process:
         return
-    draws = sampler.sample(100_000, generator=torch.Generator().manual_seed(0))
+    draws = sampler.sample(100_000, generator=torch.Generator().manual_seed(0), seq_len=seq_len)
     writer.add_histogram("timesteps", draws.float(), 0)
-    log(f"  tensorboard           tensorboard --logdir {logdir}")
 
 
 def log_samples(accelerator, paths: Sequence[Path], step: int) -> None:
