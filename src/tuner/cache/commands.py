@@ -47,7 +47,7 @@ from tuner.cache.plan import (
 )
 from tuner.cache.store import CacheStore, VerifyReport
 from tuner.cache.writer import WriterLock
-from tuner.data.jobs import load_control_pixels, load_job_pixels
+from tuner.data.jobs import load_control_pixels, load_job_audio, load_job_pixels
 from tuner.dtypes import DTYPES
 from tuner.errors import CacheError, DataError
 from tuner.trainers import trainer_class
@@ -177,7 +177,8 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                         loaded = []
                         for key, job in chunk:
                             try:
-                                loaded.append((key, job, load_job_pixels(job), load_control_pixels(job)))
+                                pixels = load_job_pixels(job), load_control_pixels(job), load_job_audio(job)
+                                loaded.append((key, job, *pixels))
                             except DataError as e:
                                 if specs[job.dataset_index].on_error == "stop":
                                     raise
@@ -195,10 +196,16 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                         ]
                         with torch.no_grad():
                             latents = trainer.encode_latents(vae, pixels, controls)
-                        for i, (key, job, _, _) in enumerate(loaded):
+                        for i, (key, job, _, _, audio) in enumerate(loaded):
                             tensors = {
                                 name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
                             } | trainer.latent_conditions(job)
+                            if audio is not None:  # the clip's sound (audio-video models)
+                                with torch.no_grad():
+                                    sound = trainer.encode_audio(vae, audio.to(dev, vae_dtype))
+                                tensors |= {
+                                    name: t.detach().to("cpu").contiguous() for name, t in sound.items()
+                                }
                             meta = {
                                 "bucket": job.bucket_key,
                                 "encoder": encoder.label(),

@@ -17,6 +17,7 @@ from tuner.errors import ConfigError
 
 FrameExtraction = Literal["head", "chunk", "slide", "uniform", "full"]
 OnError = Literal["stop", "skip"]
+AudioMode = Literal["require", "optional", "ignore"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class SharedOptions:
     source_fps: float | None = option(
         None, "Video: fps of the source clips; frames are dropped to the model fps.", gt=0
     )
+    audio: AudioMode | None = option(
+        None,
+        "Video, audio-video models (ltx2): the sound of each clip's frames, resampled to the model's rate. "
+        "'optional' trains clips without an audio track video-only, 'require' refuses them (by on_error), "
+        "'ignore' trains pictures only.",
+    )
 
 
 GENERAL_DEFAULTS = {
@@ -68,6 +75,7 @@ GENERAL_DEFAULTS = {
     "frame_sample": 1,
     "max_frames": 129,
     "source_fps": None,
+    "audio": "optional",
 }
 
 
@@ -126,6 +134,7 @@ class DatasetSpec:
     max_frames: int
     source_fps: float | None
     validation: bool = False
+    audio: AudioMode = "optional"
 
 
 SOURCE_KEYS = ("image_directory", "image_jsonl_file", "video_directory", "video_jsonl_file")

@@ -93,6 +93,9 @@ class NetworkTrainer:
     timestep_mode: ClassVar[str] = "shift"  # what timesteps.mode = "auto" means for this model
     sample_shift: ClassVar[float | str] = 3.0  # generate's default flow shift, or a RESOLUTION_SHIFTS name
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
+    audio_format: ClassVar[tuple[int, int] | None] = (
+        None  # (sample rate, channels) of models that learn sound
+    )
     first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V models)
     # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
     objective: ClassVar[str] = "flow"
@@ -147,6 +150,11 @@ class NetworkTrainer:
         sized (its `tuner.data.jobs.LatentJob`: source and crop); none by default. SDXL's size
         conditioning comes from here."""
         return {}
+
+    def encode_audio(self, encoder, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Audio-video models (`audio_format` set): the latent entry's tensors for a clip's sound, float
+        [channels, samples] at `audio_format`'s rate; `encoder` is what `load_latent_encoder` returned."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
 
     def encode_frame_images(
         self, encoder, images: list[torch.Tensor], frames: int
