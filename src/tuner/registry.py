@@ -319,6 +319,25 @@ _SDXL = Architecture(
     save_format="kohya",
 )
 
+_LTX2 = Architecture(
+    name="ltx2",
+    title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
+    trainer="tuner.trainers.ltx2:LTX2Trainer",
+    layout="tuner.models.ltx2_keys:LTX2_LAYOUT",
+    fixture="tuner.fixtures.ltx2:FIXTURE",
+    model_class="LTX2VideoTransformer3DModel",
+    block_lists=("transformer_blocks",),
+    # every attention (self, text, and audio<->video of both streams) and both feed-forwards of the
+    # blocks; the embedders, modulation and output projections are left alone
+    default_targets=(
+        r"transformer_blocks\.\d+\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
+        r"\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)",
+    ),
+    configs="ltx2",
+    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -412,6 +431,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         _LUMINA2,
         _COSMOS_PREDICT2,
         _SDXL,
+        _LTX2,
     )
 }
 

@@ -46,6 +46,7 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Wan VAE", ("encoder.downsamples.0.residual.0.gamma", "encoder.down_blocks.0.norm1.gamma")),
     ("the official Wan T5 encoder (models_t5_umt5-xxl-enc-*.pth)", ("token_embedding.weight",)),
     ("a T5 / UMT5 text encoder", ("encoder.block.0.layer.0.SelfAttention.q.weight",)),
+    ("an LTX-2 transformer (architecture ltx2)", ("av_ca_a2v_gate_adaln_single.", "audio_patchify_proj.")),
     (
         "a Cosmos-Predict2 transformer (architecture cosmos_predict2)",
         ("blocks.0.adaln_modulation_self_attn.",),
