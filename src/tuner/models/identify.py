@@ -41,12 +41,12 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
     ),
     ("Stable Diffusion 3 / 3.5 MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",)),
+    ("an LTX-2 transformer (architecture ltx2)", ("av_ca_a2v_gate_adaln_single.", "audio_patchify_proj.")),
     ("Wan 2.1 transformer (original layout)", ("blocks.0.self_attn.q.weight",)),
     ("Wan 2.1 transformer (diffusers layout)", ("blocks.0.attn1.to_q.weight",)),
     ("Wan VAE", ("encoder.downsamples.0.residual.0.gamma", "encoder.down_blocks.0.norm1.gamma")),
     ("the official Wan T5 encoder (models_t5_umt5-xxl-enc-*.pth)", ("token_embedding.weight",)),
     ("a T5 / UMT5 text encoder", ("encoder.block.0.layer.0.SelfAttention.q.weight",)),
-    ("an LTX-2 transformer (architecture ltx2)", ("av_ca_a2v_gate_adaln_single.", "audio_patchify_proj.")),
     (
         "a Cosmos-Predict2 transformer (architecture cosmos_predict2)",
         ("blocks.0.adaln_modulation_self_attn.",),
