@@ -172,3 +172,16 @@ def _swap_sound(video, donor) -> None:
                 packet.stream = a_out
                 out.mux(packet)
     tmp.replace(video)
+
+
+def test_clips_with_and_without_sound_never_share_a_batch(videos):
+    from tuner.data.jobs import LatentJob
+
+    sound, silent = videos
+    window = audio_window(tuple(range(9)), 24.0, TONE_RATE, 2)
+    base = dict(kind="video", bucket=(64, 48, 9), frame_indices=tuple(range(9)), crop=None, control_paths=(),
+                control_crops=(), caption="", dataset_index=0)  # fmt: skip
+    with_sound = LatentJob(source=str(sound[0]), audio=window, **base)
+    without = LatentJob(source=str(silent), **base)
+    assert without.bucket_key == "64x48x9" and with_sound.bucket_key == "64x48x9_a6000"
+    assert "audio" not in without.params() and with_sound.params()["audio"]["duration"] == 0.375

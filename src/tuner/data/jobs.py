@@ -82,7 +82,9 @@ class LatentJob:
     def bucket_key(self) -> str:
         w, h, f = self.bucket
         # the control count is part of the key: a batch must have the same number of control latents
-        return f"{w}x{h}x{f}" + (f"_c{len(self.control_paths)}" if self.control_paths else "")
+        key = f"{w}x{h}x{f}" + (f"_c{len(self.control_paths)}" if self.control_paths else "")
+        # so does the sound: clips with and without it, or of other lengths, do not stack
+        return key + (f"_a{self.audio.samples}" if self.audio else "")
 
     @property
     def input_paths(self) -> tuple[str, ...]:
