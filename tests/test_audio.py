@@ -175,11 +175,12 @@ def _swap_sound(video, donor) -> None:
 
 
 def test_clips_with_and_without_sound_never_share_a_batch(videos):
+    from tuner.data.buckets import plan_crop
     from tuner.data.jobs import LatentJob
 
     sound, silent = videos
     window = audio_window(tuple(range(9)), 24.0, TONE_RATE, 2)
-    base = dict(kind="video", bucket=(64, 48, 9), frame_indices=tuple(range(9)), crop=None, control_paths=(),
+    base = dict(kind="video", bucket=(64, 48, 9), frame_indices=tuple(range(9)), crop=plan_crop(64, 48, (64, 48)), control_paths=(),
                 control_crops=(), caption="", dataset_index=0)  # fmt: skip
     with_sound = LatentJob(source=str(sound[0]), audio=window, **base)
     without = LatentJob(source=str(silent), **base)
