@@ -37,8 +37,9 @@ def _bare_trainer() -> LTX2Trainer:
     return LTX2Trainer.__new__(LTX2Trainer)
 
 
-def test_single_file_and_diffusers_folder_load_identical_weights(fx):
-    single = ltx2.load_transformer(fx["transformer_file"], torch.float32)
+@pytest.mark.parametrize("file", ["checkpoint_file", "transformer_file"])
+def test_single_file_and_diffusers_folder_load_identical_weights(fx, file):
+    single = ltx2.load_transformer(fx[file], torch.float32)
     folder = ltx2.load_transformer(fx["diffusers"], torch.float32)
     a, b = single.state_dict(), folder.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -46,6 +47,24 @@ def test_single_file_and_diffusers_folder_load_identical_weights(fx):
     assert "model.diffusion_model.patchify_proj.weight" in keys
     assert "model.diffusion_model.transformer_blocks.0.attn1.q_norm.weight" in keys
     assert "model.diffusion_model.av_ca_a2v_gate_adaln_single.linear.weight" in keys
+
+
+@pytest.mark.parametrize("load", [ltx2.load_vae, ltx2.load_audio_vae], ids=["video", "audio"])
+def test_vaes_of_the_release_file_equal_the_diffusers_folders(fx, load):
+    single, folder = load(fx["checkpoint_file"], torch.float32), load(fx["diffusers"], torch.float32)
+    a, b = single.state_dict(), folder.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    keys = load_file(fx["checkpoint_file"])
+    # the release's names: one sequence of stages and resamplers, `res_blocks`, per-channel statistics
+    assert "vae.encoder.down_blocks.8.res_blocks.0.conv1.conv.weight" in keys
+    assert "vae.decoder.up_blocks.1.conv.conv.weight" in keys
+    assert "audio_vae.per_channel_statistics.mean-of-means" in keys
+
+
+def test_a_file_without_vaes_is_named(fx):
+    only = fx["transformer_file"]
+    with pytest.raises(CheckpointError, match=r"holds no LTX-2 video VAE \(no `vae\.\*` keys"):
+        ltx2.load_vae(only, torch.float32)
 
 
 def test_release_file_bundling_connectors_loads_and_another_architecture_is_named(fx, tmp_path):

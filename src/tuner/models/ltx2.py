@@ -33,7 +33,14 @@ import torch
 from tuner.data.audio import log_mel
 from tuner.errors import CheckpointError
 from tuner.models.flux import from_state_dict
-from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys, identify_shapes
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    check_keys,
+    diffusers_meta_keys,
+    identify_shapes,
+    pick_variant,
+)
 from tuner.models.loading import (
     load_diffusers_folder,
     load_tensors_of,
@@ -42,7 +49,7 @@ from tuner.models.loading import (
     read_shapes_of,
     resolve_folder,
 )
-from tuner.models.ltx2_keys import LTX2_LAYOUT
+from tuner.models.ltx2_keys import AUDIO_VAE_LAYOUT, LTX2_LAYOUT, VAE_STATISTICS_UNUSED, VIDEO_VAE_LAYOUT
 
 if TYPE_CHECKING:
     from torch import nn
@@ -155,15 +162,60 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The video VAE: the diffusers folder's `vae/`, or `vae.*` of the release's single file."""
     from diffusers import AutoencoderKLLTX2Video
 
+    if Path(path).is_file():
+        return _bundled_vae(AutoencoderKLLTX2Video, path, "vae", VIDEO_VAE_LAYOUT, dtype, "LTX-2 video VAE")
     return _from_pretrained(AutoencoderKLLTX2Video, path, "vae", dtype)
 
 
 def load_audio_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The audio VAE: `audio_vae/` of the diffusers folder (beside the `vae/` given), or `audio_vae.*` of
+    the release's single file."""
     from diffusers import AutoencoderKLLTX2Audio
 
+    if Path(path).is_file():
+        return _bundled_vae(
+            AutoencoderKLLTX2Audio, path, "audio_vae", AUDIO_VAE_LAYOUT, dtype, "LTX-2 audio VAE"
+        )
     return _from_pretrained(AutoencoderKLLTX2Audio, path, "audio_vae", dtype)
+
+
+def _bundled_vae(cls, path: str | Path, name: str, layout, dtype: torch.dtype, what: str) -> nn.Module:
+    """A VAE stored as `<name>.*` in the release's single file (read alone, not the whole file)."""
+    from safetensors import safe_open
+
+    prefix = f"{name}."
+    with safe_open(str(path), "pt") as f:
+        tensors = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    if not tensors:
+        raise CheckpointError(
+            f"{path}: holds no {what} (no `{prefix}*` keys, as the release's ltx-2-19b-*.safetensors has). "
+            "Point to that file or to the diffusers folder."
+        )
+    for unused in VAE_STATISTICS_UNUSED:
+        tensors.pop(unused, None)
+    variants = [
+        Variant(d.name, d, {_SIGNATURE: _meta_shapes(cls, d)[_SIGNATURE]})
+        for d in sorted((CONFIGS / name).iterdir())
+    ]
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    variant = pick_variant(shapes, variants, path, what)
+    check_keys([layout.key_to_original(k) for k in _meta_shapes(cls, variant.config_dir)], shapes, path, what)
+    state_dict = {
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in layout.to_diffusers(tensors).items()
+    }
+    return from_state_dict(cls, state_dict, variant.config_dir, dtype, Path(path))
+
+
+_SIGNATURE = "encoder.conv_out.conv.weight"  # the same name in both layouts; its shape tells the variant
+
+
+def _meta_shapes(cls, config_dir: Path) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(config_dir))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def load_vocoder(path: str | Path, dtype: torch.dtype) -> nn.Module:

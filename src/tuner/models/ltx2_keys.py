@@ -64,3 +64,45 @@ LTX2_LAYOUT = CheckpointLayout(
         ("audio_scale_shift_table", "audio_scale_shift_table"),
     ),
 )  # fmt: skip
+
+
+# ---------------------------------------------------------------- the VAEs in the release's file
+
+_STATISTICS = (
+    ("latents_mean", "per_channel_statistics.mean-of-means"),
+    ("latents_std", "per_channel_statistics.std-of-means"),
+)
+VAE_STATISTICS_UNUSED = ("per_channel_statistics.channel", "per_channel_statistics.mean-of-stds")
+"""Tensors of the release's VAEs (`vae.*`) that diffusers has no place for."""
+
+# The release numbers the video VAE's stages and their resamplers in one sequence: encoder
+# `down_blocks.0, 2, 4, 6` are diffusers' four stages, `1, 3, 5, 7` their downsamplers, `8` the mid
+# block; decoder `up_blocks.0` is the mid block, `1, 3, 5` the upsamplers of stages 0-2, `2, 4, 6`
+# their ResNets. ResNets are `res_blocks` there, `resnets` here.
+VIDEO_VAE_LAYOUT = CheckpointLayout(
+    ArchitectureKeys(
+        "ltx2 video VAE",
+        (
+            *((f"encoder.down_blocks.{k}.resnets.{{i}}", f"encoder.down_blocks.{2 * k}.res_blocks.{{i}}") for k in range(4)),
+            *((f"encoder.down_blocks.{k}.downsamplers.0", f"encoder.down_blocks.{2 * k + 1}") for k in range(4)),
+            *((f"encoder.down_blocks.{k}", f"encoder.down_blocks.{2 * k}") for k in range(4)),
+            ("encoder.mid_block.resnets.{i}", "encoder.down_blocks.8.res_blocks.{i}"),
+            ("encoder.mid_block", "encoder.down_blocks.8"),
+            ("decoder.mid_block.resnets.{i}", "decoder.up_blocks.0.res_blocks.{i}"),
+            ("decoder.mid_block", "decoder.up_blocks.0"),
+            *((f"decoder.up_blocks.{k}.upsamplers.0", f"decoder.up_blocks.{2 * k + 1}") for k in range(3)),
+            *((f"decoder.up_blocks.{k}.resnets.{{i}}", f"decoder.up_blocks.{2 * k + 2}.res_blocks.{{i}}") for k in range(3)),
+            *((f"decoder.up_blocks.{k}", f"decoder.up_blocks.{2 * k + 2}") for k in range(3)),
+            ("encoder", "encoder"),
+            ("decoder", "decoder"),
+        ),
+    ),
+    tensor_renames=_STATISTICS,
+)  # fmt: skip
+"""The video VAE (`vae.*` in the release's file) relative to diffusers' `AutoencoderKLLTX2Video`."""
+
+AUDIO_VAE_LAYOUT = CheckpointLayout(
+    ArchitectureKeys("ltx2 audio VAE", (("encoder", "encoder"), ("decoder", "decoder"))),
+    tensor_renames=_STATISTICS,
+)
+"""The audio VAE (`audio_vae.*`): diffusers' names, but for the latent statistics."""
