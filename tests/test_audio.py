@@ -186,3 +186,28 @@ def test_clips_with_and_without_sound_never_share_a_batch(videos):
     without = LatentJob(source=str(silent), **base)
     assert without.bucket_key == "64x48x9" and with_sound.bucket_key == "64x48x9_a6000"
     assert "audio" not in without.params() and with_sound.params()["audio"]["duration"] == 0.375
+
+
+@pytest.mark.parametrize("mode", ["require", "optional", "ignore"])
+def test_planning_follows_the_datasets_audio_option(tmp_path, mode):
+    from tuner.config.dataset import parse_dataset_table
+    from tuner.data.datasets import discover_items
+    from tuner.data.frames import FrameRule
+    from tuner.data.jobs import plan_latent_jobs
+
+    folder = tmp_path / "clips"
+    write_videos(folder, 1, (64, 48), 24, 24, 0, tone=True)
+    (silent,) = write_videos(tmp_path / "other", 1, (64, 48), 24, 24, 0)
+    silent.rename(folder / "silent.mp4")
+    table = {"general": {"resolution": [64, 48], "target_frames": [9], "audio": mode, "on_error": "skip"},
+             "datasets": [{"video_directory": str(folder)}]}  # fmt: skip
+    (spec,) = parse_dataset_table(table, "dataset.toml", tmp_path)
+    items, _ = discover_items(spec)
+    jobs, problems = plan_latent_jobs(spec, items, 32, FrameRule(8, 1), 24.0, audio_format=(TONE_RATE, 2))
+    sounds = {job.source.rsplit("/", 1)[1]: job.audio for job in jobs}
+    if mode == "require":
+        assert list(sounds) == ["video_000.mp4"] and any("silent.mp4: no audio track" in p for p in problems)
+    elif mode == "optional":
+        assert sounds["silent.mp4"] is None and sounds["video_000.mp4"].samples == 6000
+    else:
+        assert set(sounds.values()) == {None}
