@@ -14,6 +14,7 @@ Two figures per optimizer, measured in one run:
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,7 @@ RECOMMENDED = {
     "came": (1e-3, {}),
     "automagic": (1e-4, {"max_lr": 1e-2, "lr_bump": 1e-5}),
     "adamw8bitkahan": (1e-3, {}),
+    "genericoptim": (1e-3, {"second_moment": "factored", "subspace": "galore", "rank": 4}),
 }
 
 
@@ -60,7 +62,7 @@ def demo_loss(name: str, project: Path, out: Path, steps: int, tail: int) -> flo
     from tuner.trainers.wan import WanTrainer
 
     lr, kwargs = RECOMMENDED[name]
-    args = ", ".join(f"{k} = {v}" for k, v in kwargs.items())
+    args = ", ".join(f"{k} = {json.dumps(v)}" for k, v in kwargs.items())  # JSON scalars are TOML
     cfg = load_config(project, [
         f"save.output_dir='{out}'", "log.tensorboard=false", f"train.max_steps={steps}", "train.lr_warmup_steps=0",
         f"train.optimizer='{name}'", f"train.learning_rate={lr}", f"train.optimizer_args={{ {args} }}",

@@ -53,9 +53,13 @@ def _torchvision_resize(x, size, interpolation):
 
 @pytest.fixture
 def pipe(paths, monkeypatch):
-    """The pipeline on the fixture's diffusers folder, its transformer diffusers' own (with the released
-    `concat_padding_mask=True`). That transformer resizes the padding mask with torchvision, which does
-    not import beside this torch; it is given a stand-in doing what torchvision does."""
+    return load_pipeline(Cosmos2TextToImagePipeline, paths["diffusers"], monkeypatch)
+
+
+def load_pipeline(pipeline_class, root, monkeypatch):
+    """The pipeline on the fixture's diffusers folder `root`, its transformer diffusers' own (with the
+    released `concat_padding_mask=True`). That transformer resizes the padding mask with torchvision,
+    which does not import beside this torch; it is given a stand-in doing what torchvision does."""
     from diffusers.models.transformers import transformer_cosmos
 
     transforms = SimpleNamespace(
@@ -63,8 +67,7 @@ def pipe(paths, monkeypatch):
         InterpolationMode=SimpleNamespace(NEAREST="nearest"),
     )
     monkeypatch.setattr(transformer_cosmos, "transforms", transforms, raising=False)
-    root = paths["diffusers"]
-    return Cosmos2TextToImagePipeline(
+    return pipeline_class(
         transformer=CosmosTransformer3DModel.from_pretrained(root / "transformer").eval(),
         vae=AutoencoderKLWan.from_pretrained(root / "vae").eval(),
         text_encoder=T5EncoderModel.from_pretrained(root / "text_encoder").eval(),

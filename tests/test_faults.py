@@ -323,6 +323,18 @@ def test_a_full_or_unwritable_disk_during_a_save_keeps_the_previous_state(
     _assert_same_adapter(saved[0], out)
 
 
+def test_too_little_free_space_for_the_saves_is_said_before_step_1(project, tmp_path, monkeypatch):
+    from tuner.trainers import checkpoints
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    said = []
+    train(project, tmp_path / "out", "train.max_steps=1", log=said.append)
+    warning = next(line for line in said if line.startswith("warning:"))
+    assert "has 0.0 GiB free; this run's saves need about" in warning and "save.keep_last" in warning
+    assert said.index(warning) < len(said) - 1  # said at setup, not at the end
+
+
 # ---- 9. kills at seeded random points --------------------------------------------------------------
 
 

@@ -3,6 +3,8 @@ our own two (Automagic, AdamW8bitKahan) follow their update rules."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -26,6 +28,7 @@ SETTINGS = {
     "came": (1e-2, {}),
     "automagic": (1e-2, {"max_lr": 1e-1}),
     "adamw8bitkahan": (1e-2, {}),
+    "genericoptim": (1e-2, {"subspace": "galore", "rank": 4, "update_every": 3, "orthogonalize": True}),
 }
 
 
@@ -47,6 +50,12 @@ def test_named_optimizer_lowers_the_loss(name):
 def test_an_argument_the_optimizer_does_not_take_is_named():
     with pytest.raises(ConfigError, match="'automagic' does not take the argument 'lr_bumb'.*lr_bump"):
         build_optimizer("automagic", tiny_model().parameters(), 1e-4, {"lr_bumb": 1e-6})
+
+
+def test_an_argument_a_package_optimizer_would_swallow_is_named():
+    """pytorch_optimizer's CAME takes **kwargs and ignores what it does not know."""
+    with pytest.raises(ConfigError, match="'came' does not take the argument 'betas2'"):
+        build_optimizer("came", tiny_model().parameters(), 1e-4, {"betas2": (0.9, 0.99)})
 
 
 def test_schedule_free_with_a_schedule_is_refused(tmp_path):
@@ -164,7 +173,7 @@ def project(tmp_path_factory, wan_model):
 @pytest.mark.parametrize("name", ["adamw", "adafactor", *NAMED])
 def test_n_then_n_more_steps_equal_2n_steps(project, tmp_path, name):
     lr, kwargs = SETTINGS.get(name, (1e-3, {}))
-    args = ", ".join(f"{k} = {v}" for k, v in kwargs.items())
+    args = ", ".join(f"{k} = {json.dumps(v)}" for k, v in kwargs.items())  # JSON scalars are TOML
     common = (f"train.optimizer='{name}'", f"train.learning_rate={lr}", f"train.optimizer_args={{ {args} }}",
               "train.lr_warmup_steps=0", "save.every_n_epochs=0")  # fmt: skip
     straight = train_wan(project, tmp_path / "a", "train.max_steps=4", *common)

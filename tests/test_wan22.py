@@ -76,6 +76,19 @@ def check_both_experts_resume_exactly(config, tmp_path, monkeypatch) -> None:
     assert not (tmp_path / "straight" / "demo_lora.safetensors").exists()
 
 
+def test_keep_last_keeps_both_experts_files_of_the_last_saves(project, tmp_path):
+    c = cfg(project[0], f"save.output_dir='{tmp_path}'", *QUIET, *BOTH, "train.max_steps=6", "save.every_n_steps=2",
+            "save.every_n_epochs=0", "save.keep_last=1")  # fmt: skip
+    said = []
+    final = trainer_class(c.model.architecture)(c).train(log=said.append)
+    assert final == tmp_path / "demo_lora_high_noise.safetensors"  # a file that exists, not `demo_lora`
+    assert said[-1] == f"saved {final}, {tmp_path / 'demo_lora_low_noise.safetensors'}"
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
+        "demo_lora-step000004_high_noise.safetensors", "demo_lora-step000004_low_noise.safetensors",
+        "demo_lora_high_noise.safetensors", "demo_lora_low_noise.safetensors",
+    ]  # fmt: skip
+
+
 def test_each_expert_file_loads_into_its_expert_in_comfy_names(project, tmp_path):
     config, paths = project
     trainer = _train(config, tmp_path, *BOTH, "train.max_steps=2")

@@ -108,6 +108,10 @@ class ExpertAdapters(nn.Module):
     def load_weights(self, source, name_map_inverse=None) -> dict[str, str]:
         raise NotImplementedError("continue training one expert at a time (checked when the config is read)")
 
+    def files(self, path: str | os.PathLike) -> list[Path]:
+        """The files `save(path)` writes: one per expert."""
+        return [Path(expert_file(path, expert)) for expert in self.networks()]
+
     def save(self, path: str | os.PathLike, name_map=None, *, metadata=None, dtype=torch.float32,
              format: str = "comfy") -> None:  # fmt: skip
         """One file per expert beside `path` (see `expert_file`), each recording its expert."""

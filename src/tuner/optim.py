@@ -9,8 +9,8 @@ each is for, its memory per parameter and its arguments:
   per matrix instead of a full matrix). Given an lr it runs as a plain optimizer (relative_step,
   scale_parameter and warmup_init off); with lr None it computes its own relative step size.
 - the names in `NAMED`: bitsandbytes' 8-bit and paged AdamW and Lion, Prodigy (`prodigyopt`),
-  schedule-free AdamW (`schedulefree`), CAME (`pytorch_optimizer`), and our Automagic and
-  AdamW8bitKahan (`tuner.optimizers`). Those from optional packages name the extra that installs them.
+  schedule-free AdamW (`schedulefree`), CAME (`pytorch_optimizer`), and our Automagic,
+  AdamW8bitKahan and GenericOptim (`tuner.optimizers`). Those from optional packages name the extra that installs them.
 - any other class in `torch.optim` by name (`SGD`, `RAdam`, ...; `LBFGS` is left out because it needs
   a closure each step), or a dotted import path `package.module.Class` (`torch.optim.Adafactor`, whose
   short name `adafactor` means transformers' version here).
@@ -59,6 +59,7 @@ NAMED = {
     "came": ("pytorch_optimizer:CAME", "came"),
     "automagic": ("tuner.optimizers.automagic:Automagic", ""),
     "adamw8bitkahan": ("tuner.optimizers.kahan:AdamW8bitKahan", ""),
+    "genericoptim": ("tuner.optimizers.generic:GenericOptim", ""),
 }
 BUILTIN_OPTIMIZERS = ("adamw", "adafactor", *NAMED)
 SCHEDULERS = ("constant", "linear", "cosine", "cosine_with_restarts")
@@ -174,9 +175,9 @@ def _normalize_groups(param_groups: Iterable) -> list[dict[str, Any]]:
 def _check_kwargs(cls: type, name: str, kwargs: dict[str, Any]) -> None:
     """Name the first kwarg the optimizer does not take, before construction hides it in a TypeError."""
     params = inspect.signature(cls).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return  # the class forwards **kwargs; let its own check speak
-    accepted = [p for p in params if p not in ("self", "params")]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and name.lower() not in NAMED:
+        return  # the class forwards **kwargs; let its own check speak (ours swallow them: CAME's ignores them)
+    accepted = [n for n, p in params.items() if n not in ("self", "params") and p.kind is not p.VAR_KEYWORD]
     for key in kwargs:
         if key not in accepted:
             raise ConfigError(

@@ -170,6 +170,26 @@ _HUNYUAN_VIDEO = Architecture(
     save_format="comfy",
 )
 
+_HUNYUAN_VIDEO15 = Architecture(
+    name="hunyuan_video15",
+    title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
+    trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15Trainer",
+    layout="tuner.models.hunyuan_video15_keys:HUNYUAN_VIDEO15_LAYOUT",
+    fixture="tuner.fixtures.hunyuan_video15:FIXTURE",
+    model_class="HunyuanVideo15Transformer3DModel",
+    block_lists=("transformer_blocks",),
+    # the attention and MLP linears of both streams of every double block (Tencent's img_attn_q ...
+    # txt_mlp.fc2, all unfused). Modulations, norms, the text refiner and the text / glyph / image
+    # embedders are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+    ),
+    configs="hunyuan_video15",
+    # Tencent names under `diffusion_model.`: ComfyUI's key map (diffusers has no HunyuanVideo 1.5 LoRA loader)
+    save_format="comfy",
+)
+
 _HIDREAM = Architecture(
     name="hidream",
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
@@ -319,6 +339,27 @@ _SDXL = Architecture(
     save_format="kohya",
 )
 
+_KANDINSKY5 = Architecture(
+    name="kandinsky5",
+    title="Kandinsky 5.0 Video Lite text-to-video (2B; sft, pretrain, nocfg, distilled, 5 s / 10 s)",
+    trainer="tuner.trainers.kandinsky5:Kandinsky5Trainer",
+    layout="tuner.models.kandinsky5:KANDINSKY5_LAYOUT",
+    fixture="tuner.fixtures.kandinsky5:FIXTURE",
+    model_class="Kandinsky5Transformer3DModel",
+    block_lists=("text_transformer_blocks", "visual_transformer_blocks"),
+    # attention (self- and cross-) and feed-forward linears of the visual blocks and the text blocks;
+    # modulations (kept in fp32), embeddings and the output layer are left alone
+    default_targets=(
+        r"(text|visual)_transformer_blocks\.\d+\.self_attention\.(to_query|to_key|to_value|out_layer)",
+        r"visual_transformer_blocks\.\d+\.cross_attention\.(to_query|to_key|to_value|out_layer)",
+        r"(text|visual)_transformer_blocks\.\d+\.feed_forward\.(in_layer|out_layer)",
+    ),
+    configs="kandinsky5",
+    # the release's names are diffusers' own: `diffusion_model.<name>` is ComfyUI's key map;
+    # diffusers' Kandinsky loader reads `save.format = "diffusers"` (`transformer.<name>`)
+    save_format="comfy",
+)
+
 _LTX2 = Architecture(
     name="ltx2",
     title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
@@ -416,6 +457,16 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
         ),
         _HUNYUAN_VIDEO,
+        _HUNYUAN_VIDEO15,
+        # HunyuanVideo 1.5 I2V: the same network (other weights) given the first frame as condition
+        # latents and SigLIP image tokens
+        replace(
+            _HUNYUAN_VIDEO15,
+            name="hunyuan_video15_i2v",
+            title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
+            trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15I2VTrainer",
+            fixture="tuner.fixtures.hunyuan_video15:I2V_FIXTURE",
+        ),
         _HIDREAM,
         _SD3,
         _FLUX2,
@@ -430,7 +481,16 @@ ARCHITECTURES: dict[str, Architecture] = {
         _Z_IMAGE,
         _LUMINA2,
         _COSMOS_PREDICT2,
+        # Cosmos-Predict2 Video2World: the same network and names with a condition-mask input channel
+        replace(
+            _COSMOS_PREDICT2,
+            name="cosmos_predict2_v2w",
+            title="Cosmos-Predict2 Video2World 2B, 14B (480p, 720p; video from its first frames)",
+            trainer="tuner.trainers.cosmos_predict2_v2w:CosmosPredict2V2WTrainer",
+            fixture="tuner.fixtures.cosmos_predict2:V2W_FIXTURE",
+        ),
         _SDXL,
+        _KANDINSKY5,
         _LTX2,
     )
 }

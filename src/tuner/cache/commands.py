@@ -17,6 +17,9 @@ One run at a time. A run holds `caching-<kind>.lock` in the store from before it
 until it has committed everything, so a second `tuner cache latents` on the same store waits (saying
 so) and then reuses the first run's entries instead of encoding them again. Latents and text may be
 cached in parallel: they never share entries.
+
+Several processes. Started by `accelerate launch --num_processes N` or `torchrun`, the processes split
+the batches of one run between them (`tuner.cache.processes`): the same entries, in one store.
 """
 
 from __future__ import annotations
@@ -45,12 +48,17 @@ from tuner.cache.plan import (
     text_requests,
     torch_device,
 )
+from tuner.cache.processes import CachingProcesses
 from tuner.cache.store import CacheStore, VerifyReport
 from tuner.cache.writer import WriterLock
 from tuner.data.jobs import load_control_pixels, load_job_audio, load_job_pixels
 from tuner.dtypes import DTYPES
 from tuner.errors import CacheError, DataError
 from tuner.trainers import trainer_class
+
+
+def _silent(_: str) -> None:
+    pass
 
 
 def _summary(encoded: int, reused: int, pruned: int) -> str:
@@ -90,9 +98,16 @@ def _stop_on_signals(command: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _one_run_at_a_time(
-    store: CacheStore, kind: str, command: str, log: Callable[[str], None]
+    store: CacheStore, kind: str, command: str, log: Callable[[str], None], procs: CachingProcesses
 ) -> Iterator[None]:
-    """Hold the store's caching lock for `kind`, waiting (with a message) while another run holds it."""
+    """Hold the store's caching lock for `kind`, waiting (with a message) while another run holds it.
+    With several processes, process 0 holds it for all of them: the others wait for it to, and it lets
+    go once every process is done."""
+    if not procs.main:
+        procs.barrier()
+        yield
+        procs.barrier()
+        return
     lock = WriterLock(store.root, f"caching-{kind}.lock")
     try:
         if not lock.try_exclusive():
@@ -103,7 +118,9 @@ def _one_run_at_a_time(
             )
             lock.exclusive()
         lock.path.write_text(f"{os.getpid()}\n")
+        procs.barrier()
         yield
+        procs.barrier()
     finally:
         lock.release()
 
@@ -141,12 +158,13 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
     A file that cannot be decoded stops the command (`on_error = "stop"`), or is reported and recorded
     as a failed entry (`"skip"`), which training then leaves out; fixing the file changes its key, so
     the next run encodes it."""
+    procs = CachingProcesses()
     trainer = trainer_class(cfg.model.architecture)(cfg)
-    plans = plan_datasets(trainer, cfg, log)
+    plans = plan_datasets(trainer, cfg, log if procs.main else _silent)
     specs = {plan.spec.index: plan.spec for plan in plans}
     encoder = latent_encoder(trainer)
     batch_size = batch_size or cfg.cache.batch_size
-    dev = torch_device(device or cfg.cache.device)
+    dev = torch_device(procs.device(device or cfg.cache.device))
     vae_dtype = DTYPES[cfg.model.vae_dtype]
     encoded = reused = pruned = skipped = repaired = 0
     vae = None
@@ -157,65 +175,72 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                 for key, job in zip(latent_keys(store, plan.jobs, encoder), plan.jobs):
                     todo.setdefault(key, job)
         with (
-            _one_run_at_a_time(store, LATENT, "tuner cache latents", log),
+            _one_run_at_a_time(store, LATENT, "tuner cache latents", log, procs),
             _stop_on_signals(f"tuner cache latents --config {cfg.path}"),
         ):
             missing, damaged = _missing_or_damaged(store, list(todo), log)
+            procs.barrier()  # every process knows the work before any writes
             reused += len(todo) - len(missing)
             repaired += damaged
             by_bucket: dict[str, list] = defaultdict(list)
             for key in missing:
                 by_bucket[todo[key].bucket_key].append((key, todo[key]))
-            if missing and vae is None:
+            # the batches a one-process run encodes, every N-th of them to this process
+            batches = procs.mine([chunk for bucket in sorted(by_bucket) for chunk in
+                                  _chunks(sorted(by_bucket[bucket], key=lambda kj: kj[1].source), batch_size)])  # fmt: skip
+            if batches and vae is None:
                 vae = trainer.load_latent_encoder(dev, vae_dtype).eval()
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
-                tqdm(total=len(missing), desc=f"latents → {cache_dir}", unit="item") as bar,
+                tqdm(
+                    total=sum(map(len, batches)),
+                    desc=f"latents → {cache_dir}",
+                    unit="item",
+                    disable=not procs.main,
+                ) as bar,  # fmt: skip
             ):
-                for bucket in sorted(by_bucket):
-                    for chunk in _chunks(sorted(by_bucket[bucket], key=lambda kj: kj[1].source), batch_size):
-                        loaded = []
-                        for key, job in chunk:
-                            try:
-                                pixels = load_job_pixels(job), load_control_pixels(job), load_job_audio(job)
-                                loaded.append((key, job, *pixels))
-                            except DataError as e:
-                                if specs[job.dataset_index].on_error == "stop":
-                                    raise
-                                log(f"skipped: {e}")
-                                meta = {"source": job.source, "error": str(e), "encoder": encoder.label()}
-                                writer.put(key, FAILED, {"failed": torch.zeros(0)}, meta)
-                                skipped += 1
-                                bar.update(1)
-                        if not loaded:
-                            continue
-                        pixels = torch.stack([item[2] for item in loaded]).to(dev, vae_dtype)
-                        # jobs of one bucket key have the same number of controls, so they stack too
-                        controls = [
-                            torch.stack(c).to(dev, vae_dtype) for c in zip(*(item[3] for item in loaded))
-                        ]
-                        with torch.no_grad():
-                            latents = trainer.encode_latents(vae, pixels, controls)
-                        for i, (key, job, _, _, audio) in enumerate(loaded):
-                            tensors = {
-                                name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
-                            } | trainer.latent_conditions(job)
-                            if audio is not None:  # the clip's sound (audio-video models)
-                                with torch.no_grad():
-                                    sound = trainer.encode_audio(vae, audio.to(dev, vae_dtype))
-                                tensors |= {
-                                    name: t.detach().to("cpu").contiguous() for name, t in sound.items()
-                                }
-                            meta = {
-                                "bucket": job.bucket_key,
-                                "encoder": encoder.label(),
-                                "source": job.source,
-                            }
-                            writer.put(key, LATENT, tensors, meta)
-                        encoded += len(loaded)
-                        bar.update(len(loaded))
-        if prune:
+                for chunk in batches:
+                    loaded = []
+                    for key, job in chunk:
+                        try:
+                            pixels = load_job_pixels(job), load_control_pixels(job), load_job_audio(job)
+                            loaded.append((key, job, *pixels))
+                        except DataError as e:
+                            if specs[job.dataset_index].on_error == "stop":
+                                raise
+                            log(f"skipped: {e}")
+                            meta = {"source": job.source, "error": str(e), "encoder": encoder.label()}
+                            writer.put(key, FAILED, {"failed": torch.zeros(0)}, meta)
+                            skipped += 1
+                            bar.update(1)
+                    if not loaded:
+                        continue
+                    pixels = torch.stack([item[2] for item in loaded]).to(dev, vae_dtype)
+                    # jobs of one bucket key have the same number of controls, so they stack too
+                    controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*(item[3] for item in loaded))]
+                    with torch.no_grad():
+                        latents = trainer.encode_latents(vae, pixels, controls)
+                    for i, (key, job, _, _, audio) in enumerate(loaded):
+                        tensors = {
+                            name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
+                        } | trainer.latent_conditions(job)
+                        if audio is not None:  # the clip's sound (audio-video models)
+                            with torch.no_grad():
+                                sound = trainer.encode_audio(vae, audio.to(dev, vae_dtype))
+                            tensors |= {name: t.detach().to("cpu").contiguous() for name, t in sound.items()}
+                        meta = {
+                            "bucket": job.bucket_key,
+                            "encoder": encoder.label(),
+                            "source": job.source,
+                        }
+                        writer.put(key, LATENT, tensors, meta)
+                    encoded += len(loaded)
+                    bar.update(len(loaded))
+        if prune and procs.main:
             pruned += store.prune(set(todo) | set(store.keys(TEXT)))
+    encoded, skipped = procs.total(encoded, skipped)
+    if not procs.main:
+        return encoded, reused, pruned
     log(
         _summary(encoded, reused, pruned)
         + (f", skipped {skipped}" if skipped else "")
@@ -228,12 +253,13 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                log: Callable[[str], None] = print) -> tuple[int, int, int]:  # fmt: skip
     """Encode every distinct caption (and the empty one) not cached yet, or whose entry is damaged;
     return (encoded, reused, pruned)."""
+    procs = CachingProcesses()
     trainer = trainer_class(cfg.model.architecture)(cfg)
-    plans = plan_datasets(trainer, cfg, log)
+    plans = plan_datasets(trainer, cfg, log if procs.main else _silent)
     encoder = text_encoder(trainer)
     max_len = cfg.cache.text_max_length
     batch_size = batch_size or cfg.cache.batch_size
-    dev = torch_device(device or cfg.cache.device)
+    dev = torch_device(procs.device(device or cfg.cache.device))
     encoded = reused = pruned = repaired = 0
     te = None
     for cache_dir, store in stores_of(plans, readonly=False).items():
@@ -242,20 +268,27 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
             if plan.spec.cache_directory == cache_dir:
                 wanted.update(text_requests(trainer, store, plan, encoder, max_len)[1])
         with (
-            _one_run_at_a_time(store, TEXT, "tuner cache text", log),
+            _one_run_at_a_time(store, TEXT, "tuner cache text", log, procs),
             _stop_on_signals(f"tuner cache text --config {cfg.path}"),
         ):
             missing, damaged = _missing_or_damaged(store, list(wanted), log)
+            procs.barrier()  # every process knows the work before any writes
             reused += len(wanted) - len(missing)
             repaired += damaged
-            if missing and te is None:
-                te = trainer.load_text_encoder(dev, cfg.cache.text_encoder_dtype)
             todo = sorted(missing, key=lambda k: (wanted[k].caption, k))
+            batches = procs.mine(list(_chunks(todo, batch_size)))  # every N-th of a one-process run's
+            if batches and te is None:
+                te = trainer.load_text_encoder(dev, cfg.cache.text_encoder_dtype)
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
-                tqdm(total=len(todo), desc=f"text → {cache_dir}", unit="caption") as bar,
+                tqdm(
+                    total=sum(map(len, batches)),
+                    desc=f"text → {cache_dir}",
+                    unit="caption",
+                    disable=not procs.main,
+                ) as bar,  # fmt: skip
             ):
-                for chunk in _chunks(todo, batch_size):
+                for chunk in batches:
                     requests = [wanted[k] for k in chunk]
                     captions = [r.caption for r in requests]
                     with torch.no_grad():
@@ -269,9 +302,11 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                         writer.put(key, TEXT, tensors, meta)
                     encoded += len(chunk)
                     bar.update(len(chunk))
-        if prune:
+        if prune and procs.main:
             pruned += store.prune(set(wanted) | set(store.keys(LATENT)))
-    log(_summary(encoded, reused, pruned) + (f" (re-encoded {repaired} damaged)" if repaired else ""))
+    (encoded,) = procs.total(encoded)
+    if procs.main:
+        log(_summary(encoded, reused, pruned) + (f" (re-encoded {repaired} damaged)" if repaired else ""))
     return encoded, reused, pruned
 
 

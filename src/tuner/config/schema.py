@@ -234,7 +234,7 @@ class TrainConfig:
     optimizer: str = option(
         "adamw",
         "adamw, adamw8bit, paged_adamw8bit, adafactor, lion, lion8bit, paged_lion8bit, prodigy, adamw_schedulefree, "
-        "came, automagic, adamw8bitkahan (see docs/optimizers.md), any torch.optim class, or a dotted path.",
+        "came, automagic, adamw8bitkahan, genericoptim (see docs/optimizers.md), any torch.optim class, or a dotted path.",
     )
     optimizer_args: dict[str, Any] = option(factory=dict, doc="Keyword arguments passed to the optimizer.")
     lr_scheduler: Literal["constant", "linear", "cosine", "cosine_with_restarts"] = option(
@@ -267,6 +267,12 @@ class TrainConfig:
     )
     validation_timesteps: tuple[float, ...] = option(
         (0.25, 0.5, 0.75), "Fixed timesteps the validation loss averages over (same noise every time)."
+    )
+    fused_backward: bool = option(
+        False,
+        "Step each parameter's optimizer inside backward and free its gradient at once, so no full set of "
+        "gradients is ever held (full fine-tunes). Needs max_grad_norm = 0, gradient_accumulation_steps = 1, "
+        "one process, no fp16, and a per-parameter optimizer (not prodigy / adamw_schedulefree).",
     )
     ema_decay: float = option(
         0.0,
@@ -417,6 +423,7 @@ class TrainingFile:
             object.__setattr__(self, "save", replace(self.save, format=layout))  # frozen: set once, here
         check_save_format(self.network.dora, layout)
         _check_experts(self)
+        _check_fused_backward(self.train)
         if self.sample.use_ema and not self.train.ema_decay:
             raise ConfigError(
                 "key 'sample.use_ema': there is no EMA to draw with; set train.ema_decay (e.g. 0.999) or remove it."
@@ -429,6 +436,24 @@ class TrainingFile:
                 "memory.blocks_to_swap expect frozen; turn those off (use gradient checkpointing, "
                 "activation_offload and an 8-bit or Adafactor optimizer instead)."
             )
+
+
+def _check_fused_backward(train: TrainConfig) -> None:
+    """train.fused_backward steps each parameter as its gradient completes: refuse what needs them all."""
+    if not train.fused_backward:
+        return
+    from tuner.fused_backward import NOT_PER_PARAMETER
+
+    conflicts = [
+        (train.max_grad_norm > 0, "train.max_grad_norm = 0 (clipping by the total norm needs every gradient)"),
+        (train.gradient_accumulation_steps > 1, "train.gradient_accumulation_steps = 1"),
+        (train.mixed_precision == "fp16", "train.mixed_precision = 'bf16' (fp16's scaler checks all gradients)"),
+        (train.optimizer.lower() in NOT_PER_PARAMETER,
+         f"another optimizer than {train.optimizer} (its step looks at all parameters at once)"),
+    ]  # fmt: skip
+    needed = [fix for conflict, fix in conflicts if conflict]
+    if needed:
+        raise ConfigError(f"key 'train.fused_backward': set {'; '.join(needed)}, or turn fused_backward off.")
 
 
 def _check_experts(file: TrainingFile) -> None:

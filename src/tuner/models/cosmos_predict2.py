@@ -9,8 +9,13 @@ normalized latents by `sigma_data` = 1.0, so they are exactly Wan's) with **T5-1
   pipeline root), or the release's single file (`net.blocks.0.self_attn.q_proj.weight`, ...; NVIDIA's
   `model.pt` converted to safetensors, or ComfyUI's `cosmos_predict2_2B_t2i.safetensors`; with or without
   `net.` / `model.diffusion_model.`; scaled-fp8 files are dequantized). 2B and 14B are told apart by
-  shapes; Video2World (an extra condition-mask input channel), Cosmos 1.0 and Predict2.5 files are named
-  and refused;
+  shapes, and so is Video2World (`Cosmos-Predict2-*-Video2World`, ComfyUI's
+  `cosmos_predict2_2B_video2world_480p_16fps.safetensors`: one more input channel, the condition mask),
+  which architecture `cosmos_predict2_v2w` trains; each architecture refuses the other's files, and Cosmos
+  1.0 and Predict2.5 files are named and refused. Video2World's 480p and 720p (and 10 / 16 fps) files
+  hold the same network with the same RoPE scale (NVIDIA's `config_video2world.py` sets one
+  `rope_*_extrapolation_ratio` per model size, whatever the resolution; diffusers' converter and
+  ComfyUI agree): 2B (1, 3, 3), 14B (20/24, 2, 2);
 * T5-11B: a diffusers folder (`text_encoder/`) or a single file in transformers' T5 layout.
 
 **The padding mask.** Every released config sets `concat_padding_mask=True`: the patch embedding takes
@@ -95,6 +100,36 @@ TRANSFORMER_VARIANTS = (
             "blocks.36.mlp.layer1.weight": None,
         },
     ),
+    Variant(  # nvidia/Cosmos-Predict2-2B-Video2World (480p and 720p): 16 + 1 condition mask + 1 padding mask
+        "2B-v2w",
+        CONFIGS / "transformer" / "2B-v2w",
+        {
+            "x_embedder.proj.1.weight": (2048, 72),
+            "blocks.0.cross_attn.k_proj.weight": (2048, 1024),
+            "blocks.27.mlp.layer1.weight": (8192, 2048),
+            "blocks.28.mlp.layer1.weight": None,
+        },
+    ),
+    Variant(  # nvidia/Cosmos-Predict2-14B-Video2World (480p and 720p)
+        "14B-v2w",
+        CONFIGS / "transformer" / "14B-v2w",
+        {
+            "x_embedder.proj.1.weight": (5120, 72),
+            "blocks.0.cross_attn.k_proj.weight": (5120, 1024),
+            "blocks.35.mlp.layer1.weight": (20480, 5120),
+            "blocks.36.mlp.layer1.weight": None,
+        },
+    ),
+    Variant(  # the Video2World test fixture (tuner.fixtures.cosmos_predict2_v2w)
+        "tiny-v2w",
+        CONFIGS / "transformer" / "tiny-v2w",
+        {
+            "x_embedder.proj.1.weight": (64, 72),
+            "blocks.0.cross_attn.k_proj.weight": (64, 64),
+            "blocks.1.mlp.layer1.weight": (256, 64),
+            "blocks.2.mlp.layer1.weight": None,
+        },
+    ),
     Variant(  # the test fixture (tuner.fixtures.cosmos_predict2): 2 heads of 32, 2 blocks, text dim 64
         "tiny",
         CONFIGS / "transformer" / "tiny",
@@ -112,9 +147,10 @@ _OTHER_COSMOS = (
     ("blocks.block1.blocks.0.block.attn.to_q.0.weight", "a Cosmos 1.0 Diffusion transformer"),
     ("crossattn_proj.0.weight", "a Cosmos-Predict2.5 transformer"),
 )
-# patch-embedding input channels per patch (1×2×2): 16 latents + the padding mask; Video2World adds a
-# condition-mask channel
-_T2I_PATCH_INPUTS, _V2W_PATCH_INPUTS = 17 * 4, 18 * 4
+# latent input channels of the released configs (`in_channels`): Video2World adds the condition mask
+_T2I_CHANNELS, _V2W_CHANNELS = 16, 17
+_ARCHITECTURE = {False: "cosmos_predict2", True: "cosmos_predict2_v2w"}
+_MODEL = {False: "Text2Image", True: "Video2World"}
 
 _ORIGINAL_MARKERS = ("x_embedder.proj.1.weight", "blocks.0.self_attn.q_proj.weight")
 _DIFFUSERS_MARKERS = ("patch_embed.proj.weight", "transformer_blocks.0.attn1.to_q.weight")
@@ -205,12 +241,6 @@ def identify_transformer(path: str | Path) -> Variant:
         shapes = {_original_or_keep(k): v for k, v in shapes.items()}
     elif not all(k in shapes for k in _ORIGINAL_MARKERS):
         raise wrong_architecture(path, shapes, "Cosmos-Predict2 transformer", _ORIGINAL_MARKERS)
-    patch = shapes["x_embedder.proj.1.weight"]
-    if patch[1] == _V2W_PATCH_INPUTS:
-        raise CheckpointError(
-            f"{path}: this is a Cosmos-Predict2 Video2World transformer (a condition-mask input channel), "
-            'which architecture "cosmos_predict2" does not train (yet); use a Text2Image checkpoint.'
-        )
     variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, "Cosmos-Predict2 transformer")
     check_keys(_transformer_keys(variant), shapes, path, f"Cosmos-Predict2 transformer {variant.name}")
     return variant
@@ -223,9 +253,25 @@ def _original_or_keep(key: str) -> str:
         return key
 
 
-def load_transformer(path: str | Path, dtype: torch.dtype) -> CosmosTransformer3DModel:
-    """The Cosmos-Predict2 transformer from a diffusers folder or a single file, in eval mode, with its
-    padding-mask channel taken as an ordinary input channel (see the module docstring)."""
+def is_video2world(variant: Variant) -> bool:
+    return variant.name.endswith("-v2w")
+
+
+def _check_model(path, video2world: bool, wanted: bool) -> None:
+    if video2world != wanted:
+        raise CheckpointError(
+            f"{path}: this is a Cosmos-Predict2 {_MODEL[video2world]} transformer; train it with "
+            f'architecture = "{_ARCHITECTURE[video2world]}" ("{_ARCHITECTURE[wanted]}" takes '
+            f"{_MODEL[wanted]} checkpoints)."
+        )
+
+
+def load_transformer(
+    path: str | Path, dtype: torch.dtype, video2world: bool = False
+) -> CosmosTransformer3DModel:
+    """The Cosmos-Predict2 Text2Image (or, with `video2world`, Video2World) transformer from a diffusers
+    folder or a single file, in eval mode, with its padding-mask channel taken as an ordinary input
+    channel (see the module docstring). A checkpoint of the other model is refused naming its architecture."""
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         config = read_folder_config(folder)
@@ -234,19 +280,21 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> CosmosTransformer3
                 f"{folder}: config.json describes a {config.get('_class_name')!r}, not a CosmosTransformer3DModel."
             )
         if (
-            config.get("in_channels") != 16
+            config.get("in_channels") not in (_T2I_CHANNELS, _V2W_CHANNELS)
             or config.get("img_context_dim_in")
             or config.get("use_crossattn_projection")
         ):
             raise CheckpointError(
-                f"{folder}: not a Cosmos-Predict2 Text2Image transformer (in_channels "
-                f"{config.get('in_channels')}; Video2World and Predict2.5 are not supported yet)."
+                f"{folder}: not a Cosmos-Predict2 transformer (in_channels {config.get('in_channels')}; "
+                "Predict2.5 is not supported yet)."
             )
+        _check_model(folder, config["in_channels"] == _V2W_CHANNELS, video2world)
         files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
         if not files:
             raise CheckpointError(f"{folder}: no diffusion_pytorch_model*.safetensors in it.")
         return build_transformer(config, load_tensors_of(files), dtype, folder)
     variant = identify_transformer(path)
+    _check_model(path, is_video2world(variant), video2world)
     stored = normalize_state_dict(load_tensors(path), dtype)
     tensors = {k: stored[s] for k, s in release_keys(stored).items()}
     if all(k in tensors for k in _ORIGINAL_MARKERS):

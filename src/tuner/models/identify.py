@@ -28,9 +28,14 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("a LoRA / adapter file, not a base model", ("lora_", ".lora.", "lora_A", "lora_down", "hada_", "lokr_")),
     ("FLUX (original BFL layout)", ("double_blocks.0.img_attn.qkv.weight",)),
     ("HunyuanVideo (original layout)", ("double_blocks.0.img_attn_qkv.weight",)),
+    (
+        "HunyuanVideo 1.5 (architecture hunyuan_video15)",
+        ("byt5_in.fc1.weight", "context_embedder_2.linear_1.weight"),
+    ),
     ("FLUX / HunyuanVideo (diffusers layout)", ("single_transformer_blocks.0.",)),
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
     ("HiDream-I1", ("double_stream_blocks.0.block.",)),
+    ("Kandinsky 5 (architecture kandinsky5)", ("visual_transformer_blocks.0.visual_modulation.",)),
     ("Z-Image (architecture z_image)", ("x_pad_token", "cap_pad_token")),  # Lumina 2 has neither
     (
         "Lumina Image 2.0 (architecture lumina2)",
@@ -48,7 +53,7 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the official Wan T5 encoder (models_t5_umt5-xxl-enc-*.pth)", ("token_embedding.weight",)),
     ("a T5 / UMT5 text encoder", ("encoder.block.0.layer.0.SelfAttention.q.weight",)),
     (
-        "a Cosmos-Predict2 transformer (architecture cosmos_predict2)",
+        "a Cosmos-Predict2 transformer (architecture cosmos_predict2; Video2World: cosmos_predict2_v2w)",
         ("blocks.0.adaln_modulation_self_attn.",),
     ),
 )

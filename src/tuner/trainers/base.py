@@ -71,6 +71,7 @@ class _Run:
     skipped: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     last_step_end: float = field(default_factory=time.perf_counter)
     ema: Any = None  # `tuner.ema.WeightEMA` with train.ema_decay
+    fused: Any = None  # `tuner.fused_backward.FusedBackward` with train.fused_backward
 
 
 class NetworkTrainer:
@@ -304,7 +305,7 @@ class NetworkTrainer:
             run.progress.close()
             final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=True)
             run.accelerator.end_training()
-            run.log(f"saved {final}")
+            run.log(f"saved {', '.join(map(str, run.checkpoints.written))}")
             return final
 
     def _setup(self, resume: str | None, log: Callable[[str], None]) -> _Run:
@@ -364,6 +365,16 @@ class NetworkTrainer:
         scheduler = build_scheduler(
             tc.lr_scheduler, optimizer, tc.lr_warmup_steps, total_steps, num_cycles=tc.lr_num_cycles
         )
+        fused = None
+        if tc.fused_backward:  # each parameter steps inside backward (tuner.fused_backward)
+            if accelerator.num_processes > 1:
+                raise TrainingError(
+                    "train.fused_backward runs in one process: gradients are not averaged "
+                    "across processes before each parameter steps. Turn it off or use one GPU."
+                )
+            from tuner.fused_backward import FusedBackward
+
+            fused = FusedBackward(optimizer, trained.parameters())
         # The adapter is not wrapped in DDP: the base model's forward calls it, never DDP's forward, so
         # DDP would not synchronize it. Its gradients are averaged explicitly at each optimizer step.
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
@@ -379,6 +390,8 @@ class NetworkTrainer:
             parts["ema"] = WeightEMA(trained.parameters(), tc.ema_decay, tc.ema_warmup, tc.ema_on_host)
             identity["train.ema_decay"] = tc.ema_decay
         checkpoints = Checkpoints(out, cfg.save, accelerator, identity, parts, schedule)
+        if accelerator.is_main_process and (note := checkpoints.space_note(trained)):
+            log(f"warning: {note}")
         samples = None
         sc = cfg.sample
         if sc.prompts and (sc.every_n_steps or sc.at_start) and accelerator.is_main_process:
@@ -416,7 +429,7 @@ class NetworkTrainer:
             sf.train()  # schedule-free optimizers take their steps in train mode
         if samples and sc.at_start and pos.step == 0:
             samples.draw(model, trained, 0, log)
-        run.ema = parts.get("ema")
+        run.ema, run.fused = parts.get("ema"), fused
         run.progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         _freeze_gc()  # the model, data plan and optimizer: long-lived, never garbage
         return run
@@ -436,8 +449,13 @@ class NetworkTrainer:
             noise = offset_noise(noise, self.cfg.timesteps.noise_offset, gen)
         cond = self.draw_conditions(x0, cond, gen)
         loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
-        run.accelerator.backward(loss / (end - start))
-        run.recent.append(loss.item())  # the one sync per batch, for logging and the finite check
+        if run.fused is None:
+            run.accelerator.backward(loss / (end - start))
+            run.recent.append(loss.item())  # the one sync per batch, for logging and the finite check
+        else:  # backward steps the optimizer: check the loss first, as no update can be taken back
+            run.recent.append(loss.item())
+            if math.isfinite(run.recent[-1]):
+                run.accelerator.backward(loss)
         pos.batch += 1
         if pos.batch != end:
             return False
@@ -445,7 +463,8 @@ class NetworkTrainer:
         grad_norm = _grad_norm(run.trained, run.accelerator, tc.max_grad_norm)
         step_loss = sum(run.recent[-(end - start) :]) / (end - start)
         if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
-            run.optimizer.step()
+            if run.fused is None:  # fused: every parameter has stepped inside backward
+                run.optimizer.step()
             if run.ema:
                 run.ema.update()
         else:  # the update is skipped; the schedule and the data move on as if it had been taken

@@ -107,7 +107,9 @@ class Checkpoints:
         except OSError as e:
             raise self._write_error(e, network, pos) from None
         acc.wait_for_everyone()
-        return adapter
+        # two-expert networks write one file per expert beside `adapter`; the first is returned
+        self.written = network.files(adapter) if hasattr(network, "files") else [adapter]
+        return self.written[0]
 
     def _save_state(self, network, pos) -> None:
         acc = self.accelerator
@@ -168,12 +170,26 @@ class Checkpoints:
             total += sum(state.tree_bytes(part.state_dict()) for part in self.parts.values())
         return total
 
+    def space_note(self, network, free_bytes: int | None = None) -> str | None:
+        """A warning, before step 1, when the output folder's disk cannot hold the saves this run keeps
+        (one save's size from the network and state, times `keep_last`, or times two when it keeps all)."""
+        need = self._save_bytes(self.accelerator.unwrap_model(network)) * max(2, self.cfg.keep_last or 2)
+        free = shutil.disk_usage(self.out).free if free_bytes is None else free_bytes
+        if free >= need:
+            return None
+        return (
+            f"{self.out} has {free / 2**30:.1f} GiB free; this run's saves need about {need / 2**30:.1f} GiB "
+            f"({self._save_bytes(network) / 2**30:.2f} GiB each). Free some space, set save.keep_last, or "
+            "save.save_state = false."
+        )
+
     def _keep_last(self) -> None:
         k = self.cfg.keep_last
         if not k:
             return
-        # adapters of the steps before the last k (with their -ema files)
-        pattern = re.compile(rf"{re.escape(self.cfg.output_name)}-step(\d+)(-ema)?\.safetensors$")
+        # every file of the steps before the last k: the adapter, its -ema twin, two experts' _high_noise /
+        # _low_noise files
+        pattern = re.compile(rf"{re.escape(self.cfg.output_name)}-step(\d+)([-_][A-Za-z_-]+)?\.safetensors$")
         saved = [(int(m.group(1)), f) for f in self.out.iterdir() if (m := pattern.match(f.name))]
         kept = sorted({step for step, _ in saved})[-k:]
         for step, old in saved:
