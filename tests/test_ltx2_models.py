@@ -218,3 +218,22 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
             pipe.delete_adapters("tuner")
     for a, b in zip(theirs, ours):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_writes_an_mp4_with_sound(fx, tmp_path):
+    """`tuner generate` denoises the audio stream beside the video and muxes the vocoder's waveform."""
+    import av
+
+    from project import cfg, make_project
+    from tuner.data.audio import has_audio, read_audio
+    from tuner.generate import GenerateOptions, generate
+
+    config = make_project(tmp_path, fx["root"], architecture="ltx2")
+    opts = GenerateOptions(prompt="a red circle", out=str(tmp_path / "clip.mp4"), width=64, height=64, frames=17,
+                           steps=2, guidance_scale=2.0, device="cpu")  # fmt: skip
+    out = generate(cfg(config), opts, log=lambda s: None)
+    assert out.suffix == ".mp4" and has_audio(out)
+    with av.open(str(out)) as container:
+        assert container.streams.audio[0].rate == 16000  # the tiny vocoder's output rate
+    sound = read_audio(out, 16000, 2)
+    assert sound.shape[1] > 0 and torch.isfinite(sound).all()

@@ -157,6 +157,20 @@ class NetworkTrainer:
         [channels, samples] at `audio_format`'s rate; `encoder` is what `load_latent_encoder` returned."""
         raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
 
+    def sound_latent_shape(self, frames: int) -> tuple[int, ...]:
+        """Audio-video models: the shape (without batch) of the sound latents of a clip of `frames`
+        frames, which generation denoises beside the video's."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def predict_streams(self, model: nn.Module, noisy: torch.Tensor, noisy_sound: torch.Tensor, t: torch.Tensor,
+                        cond: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Audio-video models: the velocities of both streams at the same t (generation)."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def decode_sound(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        """Audio-video models: sound latents [1, ...] → (waveform [channels, samples] in [-1, 1], rate)."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
     def encode_frame_images(
         self, encoder, images: list[torch.Tensor], frames: int
     ) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ stereo. Text entries hold the connectors' video and audio contexts and their mas
 Training noises both streams at the same t (the release trains them jointly) and the loss is the
 flow-matching loss of each stream, summed. A clip without sound trains video-only: its audio stream is
 pure noise at t = 1 (nothing to learn from, as at the first step of generation) and adds no loss.
+Generation denoises both streams and writes the vocoder's waveform into the mp4.
 """
 
 from __future__ import annotations
@@ -145,6 +146,29 @@ class LTX2Trainer(NetworkTrainer):
         if audio is not None:
             loss = loss + objective.loss(audio_pred.float(), audio, cond["audio_noise"], t)
         return loss
+
+    # --- generation with sound -------------------------------------------------------------------
+    def sound_latent_shape(self, frames: int) -> tuple[int, ...]:
+        """As LTX2Pipeline: the clip's duration at 24 fps × 25 latent audio frames per second (16 kHz,
+        hop 160, 4× compression); 8 channels × 16 mel bins."""
+        return (8, round(frames / self.model_fps * 16000 / 160 / 4), 16)
+
+    def predict_streams(self, model, noisy, noisy_sound, t, cond):
+        return self.forward_streams(model, noisy, t, noisy_sound, t, cond)
+
+    def decode_sound(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        path = self.weights_path("vae")
+        audio_vae = ltx2.load_audio_vae(path, dtype).to(device)
+        vocoder = ltx2.load_vocoder(self._vocoder_path(path), dtype).to(device)
+        waveform = ltx2.decode_audio(audio_vae, vocoder, latents.to(device))[0]
+        return waveform.clamp(-1, 1), vocoder.config.output_sampling_rate
+
+    def _vocoder_path(self, vae_path: str) -> str:
+        """The vocoder is in the diffusers folder (`vocoder/`); beside a single file, the text encoder's
+        diffusers folder holds it."""
+        from pathlib import Path
+
+        return vae_path if Path(vae_path).is_dir() else self.weights_path("text_encoder")
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (128, (frames - 1) // 8 + 1, height // 32, width // 32)
