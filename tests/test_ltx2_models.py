@@ -239,3 +239,18 @@ def test_generate_writes_an_mp4_with_sound(fx, tmp_path):
     assert torch.isfinite(sound).all()
     # the tiny vocoder keeps the real 160 samples per mel frame: the sound lasts as long as the clip
     assert abs(sound.shape[1] / 16000 - 17 / 24) < 0.1
+
+
+def test_another_audio_vae_in_the_pipeline_folder_re_encodes_the_latents(fx, tmp_path, capsys):
+    import shutil
+
+    from project import make_project, run, summary
+
+    folder = tmp_path / "LTX-2"
+    shutil.copytree(fx["diffusers"], folder)
+    config = make_project(tmp_path / "project", fx["root"], architecture="ltx2", vae=f'"{folder}"')
+    assert summary(run(capsys, "cache", "latents", "--config", config)[1]) == (6, 0, 0)
+    assert summary(run(capsys, "cache", "latents", "--config", config)[1]) == (0, 6, 0)
+    weights = next((folder / "audio_vae").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)  # another audio VAE
+    assert summary(run(capsys, "cache", "latents", "--config", config)[1])[0] == 6

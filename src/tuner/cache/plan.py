@@ -155,8 +155,9 @@ def _fingerprint(path: str, components: tuple[str, ...]) -> str:
     return fingerprint_weights(root)
 
 
-# what each model field of `latent_encoders` loads from a diffusers pipeline root
-_LATENT_FOLDERS = {"vae": ("vae",), "image_encoder": ("image_encoder", "image_processor")}
+# what each model field of `latent_encoders` loads from a diffusers pipeline root (audio-video models
+# encode sound with the `audio_vae/` beside `vae/`; other pipelines have none, so their keys stay)
+_LATENT_FOLDERS = {"vae": ("vae", "audio_vae"), "image_encoder": ("image_encoder", "image_processor")}
 
 
 def latent_encoder(trainer) -> EncoderIdentity:
