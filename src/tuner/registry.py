@@ -379,6 +379,23 @@ _LTX2 = Architecture(
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
 )
 
+_LTX_VIDEO = Architecture(
+    name="ltx_video",
+    title="LTX-Video 0.9 text-to-video (2B)",
+    trainer="tuner.trainers.ltx_video:LTXVideoTrainer",
+    layout="tuner.models.ltx_video_keys:LTX_VIDEO_LAYOUT",
+    fixture="tuner.fixtures.ltx_video:FIXTURE",
+    model_class="LTXVideoTransformer3DModel",
+    block_lists=("transformer_blocks",),
+    # the self- and text attention and the feed-forward of every block
+    default_targets=(
+        r"transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+    ),
+    configs="ltx_video",
+    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -492,6 +509,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         _SDXL,
         _KANDINSKY5,
         _LTX2,
+        _LTX_VIDEO,
     )
 }
 

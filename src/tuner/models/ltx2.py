@@ -142,23 +142,33 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
     `model.diffusion_model.` optional, fp8 too; its bundled connectors, VAEs and vocoder are skipped)."""
     from diffusers import LTX2VideoTransformer3DModel
 
+    return load_release_transformer(
+        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, _NOT_TRANSFORMER
+    )
+
+
+def load_release_transformer(
+    model_cls: type,
+    path: str | Path,
+    dtype: torch.dtype,
+    spec: SingleFileSpec,
+    layout,
+    skip: tuple[str, ...] = (),
+) -> nn.Module:
+    """An LTX transformer (LTX-2, LTX-Video) from a diffusers folder, or a single file in the release's
+    names (`layout`) or in diffusers' names; keys starting with `skip` belong to other components of
+    the file."""
     folder = resolve_folder(path, "transformer")
     if folder is not None:
-        return load_diffusers_folder(
-            LTX2VideoTransformer3DModel, folder, dtype, "LTX2VideoTransformer3DModel"
-        )
-    shapes = {
-        k: v for k, v in normalize_shapes(read_shapes_of(path)).items() if not k.startswith(_NOT_TRANSFORMER)
-    }
-    variant = identify_shapes(shapes, TRANSFORMER_SPEC, path)
+        return load_diffusers_folder(model_cls, folder, dtype, model_cls.__name__)
+    shapes = {k: v for k, v in normalize_shapes(read_shapes_of(path)).items() if not k.startswith(skip)}
+    variant = identify_shapes(shapes, spec, path)
     state_dict = {
-        k: v
-        for k, v in normalize_state_dict(load_tensors_of(path), dtype).items()
-        if not k.startswith(_NOT_TRANSFORMER)
+        k: v for k, v in normalize_state_dict(load_tensors_of(path), dtype).items() if not k.startswith(skip)
     }
-    if "patchify_proj.weight" in state_dict:  # the release's names (else a file saved with diffusers' names)
-        state_dict = LTX2_LAYOUT.to_diffusers(state_dict)
-    return from_state_dict(LTX2VideoTransformer3DModel, state_dict, variant.config_dir, dtype, Path(path))
+    if all(k in state_dict for k in spec.original_markers):  # else a file saved with diffusers' names
+        state_dict = layout.to_diffusers(state_dict)
+    return from_state_dict(model_cls, state_dict, variant.config_dir, dtype, Path(path))
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
