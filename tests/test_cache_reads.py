@@ -8,12 +8,13 @@ that reads survive workers exiting, a writer appending and a prune compacting sh
 import multiprocessing
 import pickle
 import time
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
 
 import tuner.cache.writer as writer_module
+from test_datasets import make_spec
 from tuner.cache import CacheStore
 from tuner.cache import reads as reads_module
 from tuner.cache.batches import TrainingData, TrainingSample
@@ -222,7 +223,7 @@ def test_training_batches_are_the_planned_entries_with_and_without_workers(tmp_p
         TrainingSample(str(tmp_path), f"latent{i}", f"text{i}", "empty", f"b{i % 2}", dataset_index=0)
         for i in range(7)
     ]
-    spec = SimpleNamespace(index=0, batch_size=2, num_repeats=2, caption_dropout_rate=0.3)
+    spec = replace(make_spec("/data"), batch_size=2, num_repeats=2, caption_dropout_rate=0.3)
     by_workers = {}
     for workers in (0, 2):
         data = TrainingData(samples, (spec,), seed=5, num_workers=workers)

@@ -5,13 +5,14 @@ batch count is known without planning. Batches stack into pinned memory when ask
 elsewhere the request is a no-op.
 """
 
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
 
 import tuner.cache.batches as batches_module
 from project import cfg, make_cached_project
+from test_datasets import make_spec
 from tuner.cache import CacheStore
 from tuner.cache.batches import TrainingData, TrainingSample
 from tuner.trainers.wan import WanTrainer
@@ -27,8 +28,12 @@ def _samples(counts: dict[tuple[int, str], int]) -> list[TrainingSample]:
 
 
 def _spec(index: int, batch_size: int, repeats: int = 1, dropout: float = 0.0):
-    return SimpleNamespace(
-        index=index, batch_size=batch_size, num_repeats=repeats, caption_dropout_rate=dropout
+    return replace(
+        make_spec("/data"),
+        index=index,
+        batch_size=batch_size,
+        num_repeats=repeats,
+        caption_dropout_rate=dropout,
     )
 
 

@@ -145,7 +145,7 @@ def test_keep_last_and_files_written(cached_project, tmp_path):
     assert list((out / "logs").rglob("events.out.tfevents*")), "no TensorBoard events written"
 
 
-def test_exported_keys_match_original_layout(cached_project, tmp_path, wan_model):
+def test_exported_keys_match_original_layout(cached_project, tmp_path, wan_model, capsys):
     out = tmp_path / "out"
     train(cached_project, out, "train.max_steps=1")
     original = read_tensor_shapes(wan_model / "single" / "wan2.1_t2v_tiny.safetensors")
@@ -168,6 +168,12 @@ def test_exported_keys_match_original_layout(cached_project, tmp_path, wan_model
     assert meta["tuner.architecture"] == "wan" and meta["tuner.steps"] == "1"
     assert json.loads(meta["tuner.dataset"])["samples"] == 10
     assert meta["tuner.base_model_fingerprint"]
+    assert meta["modelspec.architecture"] == "wan/lora" and meta["modelspec.title"] == "demo_lora"
+    assert meta["tuner.dataset_size"] == "10" and meta["tuner.rank"]
+    from tuner.cli import main
+
+    assert main(["lora", "info", str(lora)]) == 0
+    assert "modelspec.architecture" in capsys.readouterr().out  # `tuner lora info` shows them
 
 
 @pytest.mark.slow
@@ -274,3 +280,20 @@ def test_an_image_to_video_checkpoint_is_refused_by_name(cached_project, tmp_pat
     code, out = run(capsys, "train", "--config", cached_project, "--set", f"model.transformer='{tmp_path / 'i2v'}'",
                     "--set", f"save.output_dir='{tmp_path / 'out'}'")  # fmt: skip
     assert code == 2 and "image-to-video" in out and "i2v" in out
+
+
+def test_tensorboard_shows_samples_timesteps_and_the_schedule(cached_project, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, lines = tmp_path / "out", []
+    WanTrainer(cfg(cached_project, f"save.output_dir='{out}'", "log.tensorboard=true", "train.max_steps=2",
+                   "sample.prompts=['a red circle']", "sample.every_n_steps=2", "sample.width=64",
+                   "sample.height=48", "sample.frames=9", "sample.steps=2")).train(log=lines.append)  # fmt: skip
+    assert f"tensorboard --logdir {out / 'logs'}" in "\n".join(lines)
+    tags = {"images": set(), "histograms": set(), "scalars": set()}
+    for events_file in (out / "logs").rglob("events.out.tfevents*"):
+        events = EventAccumulator(str(events_file), size_guidance={"images": 0, "histograms": 0})
+        events.Reload()
+        for kind in tags:
+            tags[kind] |= set(events.Tags()[kind])
+    assert "samples/00" in tags["images"] and "timesteps" in tags["histograms"] and "lr" in tags["scalars"]

@@ -44,6 +44,23 @@ def _fixtures(args) -> None:
         print(f"{name}: {path}")
 
 
+def _download(args) -> None:
+    from tuner.download import download
+
+    print(download(args.architecture, args.variant, args.to), end="")
+    print(f"(written to {args.to}/model.toml; paste it into your training TOML)")
+
+
+def _caption(args) -> None:
+    from tuner.caption import CaptionOptions, caption_folder, transformers_captioner
+
+    opts = CaptionOptions(
+        prompt=args.prompt, trigger=args.trigger, overwrite=args.overwrite, frames=args.frames
+    )
+    done = caption_folder(args.dir, transformers_captioner(args.model, args.device), opts)
+    print(f"captioned {len(done['written'])} file(s), skipped {len(done['skipped'])} that had a caption")
+
+
 def _cache_latents(args) -> None:
     from tuner.cache.commands import cache_latents
 
@@ -89,9 +106,30 @@ def _timesteps(args) -> None:
 def _config_check(args) -> None:
     cfg = _load(args)
     print(
-        f"{cfg.path}: ok ({len(cfg.datasets)} dataset(s), architecture {cfg.model.architecture}, "
+        f"{cfg.path}: ok ({len({s.index for s in cfg.datasets})} dataset(s), architecture {cfg.model.architecture}, "
         f"adapters saved in the {cfg.save.format} layout)"
     )
+
+
+def _data_check(args) -> None:
+    from tuner.config import load_datasets
+    from tuner.data.check import check_datasets
+    from tuner.errors import DataError
+    from tuner.trainers import trainer_class
+
+    if args.config:
+        cfg = _load(args)
+        architecture, specs = cfg.model.architecture, cfg.datasets
+    elif args.dataset and args.architecture:
+        architecture, specs = args.architecture, load_datasets(args.dataset)
+    else:
+        raise SystemExit(
+            "tuner data check: give --config TRAIN.toml, or --dataset DATASET.toml and --architecture"
+        )
+    reports = check_datasets(trainer_class(architecture), specs)
+    unusable = [r for r in reports if r.error]
+    if unusable:
+        raise DataError(f"{len(unusable)} of {len(reports)} datasets cannot be used (see above).")
 
 
 def _train(args) -> None:
@@ -140,6 +178,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_fixtures)
 
+    p = sub.add_parser(
+        "download", help="fetch an architecture's components from its official hub repository", epilog=known,
+        formatter_class=raw,
+    )  # fmt: skip
+    p.add_argument("architecture", help="architecture name (listed below)")
+    p.add_argument("variant", nargs="?", default="", help="e.g. 1.3B or 14B for wan (default: the first)")
+    p.add_argument("--to", required=True, help="folder the pipeline is written to")
+    p.set_defaults(func=_download)
+
+    from tuner.caption import DEFAULT_MODEL, DEFAULT_PROMPT
+
+    p = sub.add_parser("caption", help="write a caption file beside every image and video of a folder")
+    p.add_argument("dir", help="folder of images and videos")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="image-text-to-text model: hub id or folder")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="question asked; {kind} is image or video")
+    p.add_argument("--trigger", default="", help="word(s) put before every caption")
+    p.add_argument("--frames", type=int, default=4, help="frames shown of each video")
+    p.add_argument("--overwrite", action="store_true", help="caption files that already have a caption")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=_caption)
+
     cache = sub.add_parser("cache", help="encode latents and text once, before training")
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="WHAT")
     for name, func, what in (
@@ -172,6 +231,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="load and validate a config without running anything")
     _config_args(p)
     p.set_defaults(func=_config_check)
+
+    data = sub.add_parser("data", help="look at datasets before caching them")
+    dsub = data.add_subparsers(dest="data_command", required=True, metavar="WHAT")
+    p = dsub.add_parser(
+        "check",
+        help="per dataset: items, bucket histogram, frames per clip, items dropped and why; encodes nothing",
+    )
+    p.add_argument("--config", default=None, help="training TOML (its architecture and dataset TOML)")
+    p.add_argument(
+        "--dataset", default=None, help="a dataset TOML, with --architecture (instead of --config)"
+    )
+    p.add_argument("--architecture", default=None, help="model.architecture to plan for, with --dataset")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a training-config key (with --config)")  # fmt: skip
+    p.set_defaults(func=_data_check)
 
     p = sub.add_parser(
         "train", help="train an adapter from the cache (run under `accelerate launch -m tuner`)"

@@ -26,9 +26,8 @@ from PIL import Image
 from tuner.cache.plan import torch_device
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError
-from tuner.networks.factory import apply_adapter_file
 from tuner.networks.keys import nonfinite_keys, read_safetensors
-from tuner.sampling import euler_sample, flow_sigmas
+from tuner.sampling import flow_sigmas
 from tuner.trainers import trainer_class
 
 
@@ -107,6 +106,7 @@ def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict
     before returning."""
     control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
     encoder = trainer.load_text_encoder(device, cfg.cache.text_encoder_dtype)
+    trainer.attach_text_adapters(encoder, opts.loras)  # SDXL files may hold its text encoders' parts
     # edit models whose text encoder sees the control images get them for both prompts, as in training
     seen = [control_pixels] if trainer.text_uses_controls else None
     with torch.no_grad():
@@ -116,6 +116,8 @@ def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict
     _release_memory()
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
+    if trainer.zero_empty_negative and not opts.negative_prompt:
+        uncond = {k: torch.zeros_like(v) for k, v in uncond.items()}
     first_frame = opts.images[0] if trainer.first_frame_image and opts.images else ""
     if control_pixels or first_frame:
         vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
@@ -169,8 +171,8 @@ def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: di
                            opts.guidance_scale, opts.sampler, progress, trainer.combine_guidance)  # fmt: skip
     shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
     with torch.no_grad():
-        latents = euler_sample(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
-                               opts.guidance_scale, progress=progress, combine=trainer.combine_guidance)  # fmt: skip
+        latents = trainer.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
+                                      opts.guidance_scale, progress)  # fmt: skip
     if sound_shape is None:
         return latents
     size = math.prod(shape)
@@ -223,7 +225,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
                                                             (model.transformer_2, opts.loras_2)]  # fmt: skip
     for target, loras in targets:
         for path, strength in loras:
-            network = apply_adapter_file(target, path, strength, name_map=trainer.layout)
+            network = trainer.attach_adapter_file(target, path, strength)
             network.to(device)
             log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)

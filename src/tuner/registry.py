@@ -59,6 +59,13 @@ class Architecture:
     """Two-expert models (Wan 2.2 A14B): the release's t in [0, 1] where denoising switches from the
     high-noise expert (`model.transformer`) to the low-noise one (`model.transformer_2`); None for models
     with one transformer."""
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    """(config field, hub folder) of the tokenizer of each text encoder, e.g. ("tokenizer",
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"): used when the config gives none and the encoder is a
+    single file, which carries none (see `tuner.hub`). Every record names one per text encoder."""
+    hub_repos: tuple[tuple[str, str], ...] = ()
+    """(variant, repository) of the official diffusers pipelines, the first the default: what
+    `tuner download ARCH [VARIANT]` fetches the components from."""
 
     def trainer_class(self) -> type:
         return _resolve(self.trainer)
@@ -106,6 +113,8 @@ _WAN = Architecture(
     ),
     configs="wan",
     save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
+    tokenizers=(("tokenizer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"),),  # UMT5, the same for 2.2
+    hub_repos=(("1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
 )
 
 _FLUX = Architecture(
@@ -125,6 +134,12 @@ _FLUX = Architecture(
         r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
     ),
     configs="flux",
+    # FLUX.1-schnell's (the same CLIP-L and T5-XXL tokenizers as dev's, in a repository that is not gated)
+    tokenizers=(
+        ("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer"),
+        ("tokenizer_2", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),
+    ),
+    hub_repos=(("dev", "black-forest-labs/FLUX.1-dev"),),
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)
     save_format="kohya",
@@ -145,6 +160,8 @@ _QWEN_IMAGE = Architecture(
         r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
     ),
     configs="qwen_image",
+    tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),
+    hub_repos=(("", "Qwen/Qwen-Image"),),
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
 )
 
@@ -165,6 +182,11 @@ _HUNYUAN_VIDEO = Architecture(
         r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
     ),
     configs="hunyuan_video",
+    tokenizers=(  # LLaVA-Llama-3 and CLIP-L
+        ("tokenizer", "hunyuanvideo-community/HunyuanVideo:tokenizer"),
+        ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo:tokenizer_2"),
+    ),
+    hub_repos=(("", "hunyuanvideo-community/HunyuanVideo"),),
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
@@ -187,7 +209,30 @@ _HUNYUAN_VIDEO15 = Architecture(
     ),
     configs="hunyuan_video15",
     # Tencent names under `diffusion_model.`: ComfyUI's key map (diffusers has no HunyuanVideo 1.5 LoRA loader)
+    tokenizers=(  # Qwen2.5-VL and the ByT5 glyph encoder
+        ("tokenizer", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer"),
+        ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer_2"),
+    ),
+    hub_repos=tuple(
+        (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_t2v") for r in ("480p", "720p")
+    ),
     save_format="comfy",
+)
+
+# FramePack: HunyuanVideo's network plus the history embedder and SigLIP projection, trained on sections;
+# adapters on the same modules as HunyuanVideo's, exported in its Tencent names
+_FRAMEPACK = replace(
+    _HUNYUAN_VIDEO,
+    name="framepack",
+    title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
+    trainer="tuner.trainers.framepack:FramePackTrainer",
+    layout="tuner.models.framepack_keys:FRAMEPACK_LAYOUT",
+    fixture="tuner.fixtures.framepack:FIXTURE",
+    model_class="HunyuanVideoFramepackTransformer3DModel",
+    configs="framepack",
+    # the transformer; VAE, text and image encoders are HunyuanVideo's (`hunyuanvideo-community/HunyuanVideo`)
+    # and SigLIP (`lllyasviel/flux_redux_bfl`), as diffusers' FramePack example loads them
+    hub_repos=(("i2v", "lllyasviel/FramePackI2V_HY"),),
 )
 
 _HIDREAM = Architecture(
@@ -208,6 +253,10 @@ _HIDREAM = Architecture(
         r"double_stream_blocks\.\d+\.block\.ff_t\.(w1|w2|w3)",
     ),
     configs="hidream",
+    tokenizers=tuple(
+        (f"tokenizer{n}", f"HiDream-ai/HiDream-I1-Full:tokenizer{n}") for n in ("", "_2", "_3", "_4")
+    ),
+    hub_repos=tuple((v.lower(), f"HiDream-ai/HiDream-I1-{v}") for v in ("Full", "Dev", "Fast")),
     # `transformer.<name>` with alpha folded in: diffusers' HiDream loader refuses files with `.alpha`
     # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
     # format); the release's names are diffusers' own
@@ -230,6 +279,12 @@ _SD3 = Architecture(
         r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
     ),
     configs="sd3",
+    tokenizers=(  # CLIP-L, OpenCLIP bigG, T5-XXL
+        ("tokenizer", "stabilityai/stable-diffusion-3.5-medium:tokenizer"),
+        ("tokenizer_2", "stabilityai/stable-diffusion-3.5-medium:tokenizer_2"),
+        ("tokenizer_3", "stabilityai/stable-diffusion-3.5-medium:tokenizer_3"),
+    ),
+    hub_repos=tuple((v, f"stabilityai/stable-diffusion-3.5-{v}") for v in ("medium", "large", "large-turbo")),
     # the release's names, qkv fused exactly: ComfyUI's key map, and full fine-tunes in the release's file
     # layout. diffusers' SD3 loader reads only its own names (it has no converter): save.format =
     # "diffusers" (or `tuner lora convert --to diffusers`) writes those, which ComfyUI maps as well
@@ -254,6 +309,8 @@ _FLUX2 = Architecture(
         r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
     ),
     configs="flux2",
+    tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-dev:tokenizer"),),  # Mistral-Small 3
+    hub_repos=(("dev", "black-forest-labs/FLUX.2-dev"),),
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
@@ -274,6 +331,8 @@ _Z_IMAGE = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
     ),
     configs="z_image",
+    tokenizers=(("tokenizer", "Tongyi-MAI/Z-Image-Turbo:tokenizer"),),  # Qwen3
+    hub_repos=(("turbo", "Tongyi-MAI/Z-Image-Turbo"),),
     # the release's names (fused `attention.qkv`, `attention.out`) in kohya's spelling: ComfyUI maps
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
@@ -295,6 +354,8 @@ _LUMINA2 = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.linear_[123]",
     ),
     configs="lumina2",
+    tokenizers=(("tokenizer", "Alpha-VLLM/Lumina-Image-2.0:tokenizer"),),  # Gemma 2
+    hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
 )
 
@@ -313,6 +374,8 @@ _COSMOS_PREDICT2 = Architecture(
         r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
     ),
     configs="cosmos_predict2",
+    tokenizers=(("tokenizer", "nvidia/Cosmos-Predict2-2B-Text2Image:tokenizer"),),  # T5-11B
+    hub_repos=tuple((v, f"nvidia/Cosmos-Predict2-{v}-Text2Image") for v in ("2B", "14B")),
     # release names (`diffusion_model.blocks.0.self_attn.q_proj`): ComfyUI's key map; diffusers has no
     # LoRA loader for the Predict2 pipelines
     save_format="comfy",
@@ -335,6 +398,11 @@ _SDXL = Architecture(
         r".*attentions\.\d+\.transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
     ),
     configs="sdxl",
+    tokenizers=(
+        ("tokenizer", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer"),
+        ("tokenizer_2", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer_2"),
+    ),
+    hub_repos=(("base", "stabilityai/stable-diffusion-xl-base-1.0"),),
     # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
     save_format="kohya",
 )
@@ -357,6 +425,13 @@ _KANDINSKY5 = Architecture(
     configs="kandinsky5",
     # the release's names are diffusers' own: `diffusion_model.<name>` is ComfyUI's key map;
     # diffusers' Kandinsky loader reads `save.format = "diffusers"` (`transformer.<name>`)
+    tokenizers=(  # Qwen2.5-VL and CLIP-L
+        ("tokenizer", "ai-forever/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers:tokenizer"),
+        ("tokenizer_2", "ai-forever/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers:tokenizer_2"),
+    ),
+    hub_repos=tuple(
+        (f"lite-{d}", f"ai-forever/Kandinsky-5.0-T2V-Lite-sft-{d}-Diffusers") for d in ("5s", "10s")
+    ),
     save_format="comfy",
 )
 
@@ -377,6 +452,8 @@ _LTX2 = Architecture(
     ),
     configs="ltx2",
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    tokenizers=(("tokenizer", "Lightricks/LTX-2:tokenizer"),),  # Gemma 3
+    hub_repos=(("19b", "Lightricks/LTX-2"),),
 )
 
 _LTX_VIDEO = Architecture(
@@ -394,6 +471,8 @@ _LTX_VIDEO = Architecture(
     ),
     configs="ltx_video",
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
+    hub_repos=(("0.9", "Lightricks/LTX-Video"),),
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -404,6 +483,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         replace(
             _WAN,
             name="wan22_t2v",
+            hub_repos=(("A14B", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),),
             title="Wan 2.2 text-to-video A14B (high- and low-noise 14B experts)",
             trainer="tuner.trainers.wan22:Wan22T2VTrainer",
             fixture="tuner.fixtures.wan22:T2V_FIXTURE",
@@ -414,6 +494,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         replace(
             _WAN,
             name="wan22_i2v",
+            hub_repos=(("A14B", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),),
             title="Wan 2.2 image-to-video A14B (high- and low-noise 14B experts; first frame, no CLIP)",
             trainer="tuner.trainers.wan22:Wan22I2VTrainer",
             fixture="tuner.fixtures.wan22:I2V_FIXTURE",
@@ -423,6 +504,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         replace(
             _WAN,
             name="wan22_ti2v",
+            hub_repos=(("5B", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),),
             title="Wan 2.2 TI2V-5B text/image-to-video (48-channel Wan 2.2 VAE)",
             trainer="tuner.trainers.wan22_ti2v:Wan22TI2VTrainer",
             fixture="tuner.fixtures.wan22_ti2v:FIXTURE",
@@ -432,6 +514,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         replace(
             _WAN,
             name="wan_i2v",
+            hub_repos=(
+                ("480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
+                ("720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"),
+            ),
             title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
             trainer="tuner.trainers.wan_i2v:WanI2VTrainer",
             fixture="tuner.fixtures.wan_i2v:I2V_FIXTURE",
@@ -439,6 +525,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         replace(
             _WAN,
             name="wan_flf2v",
+            hub_repos=(("720p", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"),),
             title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",
             trainer="tuner.trainers.wan_i2v:WanFLF2VTrainer",
             fixture="tuner.fixtures.wan_i2v:FLF2V_FIXTURE",
@@ -448,6 +535,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         replace(
             _FLUX,
             name="flux_kontext",
+            hub_repos=(("dev", "black-forest-labs/FLUX.1-Kontext-dev"),),
             title="FLUX.1 Kontext dev image editing (one reference image)",
             trainer="tuner.trainers.flux:FluxKontextTrainer",
             fixture="tuner.fixtures.flux:KONTEXT_FIXTURE",
@@ -463,12 +551,15 @@ ARCHITECTURES: dict[str, Architecture] = {
             fixture="tuner.fixtures.chroma:FIXTURE",
             model_class="ChromaTransformer2DModel",
             configs="chroma",
+            tokenizers=(("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),),  # T5-XXL only
+            hub_repos=(("HD", "lodestones/Chroma1-HD"),),
         ),
         _QWEN_IMAGE,
         # Qwen-Image-Edit 2509 / 2511: the same network given one to three control images
         replace(
             _QWEN_IMAGE,
             name="qwen_image_edit",
+            hub_repos=(("2509", "Qwen/Qwen-Image-Edit-2509"), ("2511", "Qwen/Qwen-Image-Edit-2511")),
             title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",
             trainer="tuner.trainers.qwen_image:QwenImageEditTrainer",
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
@@ -483,6 +574,18 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
             trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15I2VTrainer",
             fixture="tuner.fixtures.hunyuan_video15:I2V_FIXTURE",
+            hub_repos=tuple(
+                (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_i2v") for r in ("480p", "720p")
+            ),
+        ),
+        _FRAMEPACK,
+        # FramePack's single-frame mode: one target image from one reference image (image editing)
+        replace(
+            _FRAMEPACK,
+            name="framepack_1f",
+            title="FramePack single-frame image editing (one target frame from one reference image)",
+            trainer="tuner.trainers.framepack:FramePackOneFrameTrainer",
+            fixture="tuner.fixtures.framepack:ONE_FRAME_FIXTURE",
         ),
         _HIDREAM,
         _SD3,
@@ -494,6 +597,11 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
             trainer="tuner.trainers.flux2:Flux2KleinTrainer",
             fixture="tuner.fixtures.flux2:KLEIN_FIXTURE",
+            tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-klein-4B:tokenizer"),),  # Qwen3
+            hub_repos=(
+                ("4B", "black-forest-labs/FLUX.2-klein-4B"),
+                ("9B", "black-forest-labs/FLUX.2-klein-9B"),
+            ),
         ),
         _Z_IMAGE,
         _LUMINA2,
@@ -505,6 +613,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="Cosmos-Predict2 Video2World 2B, 14B (480p, 720p; video from its first frames)",
             trainer="tuner.trainers.cosmos_predict2_v2w:CosmosPredict2V2WTrainer",
             fixture="tuner.fixtures.cosmos_predict2:V2W_FIXTURE",
+            hub_repos=tuple((v, f"nvidia/Cosmos-Predict2-{v}-Video2World") for v in ("2B", "14B")),
         ),
         _SDXL,
         _KANDINSKY5,

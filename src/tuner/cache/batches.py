@@ -4,7 +4,8 @@ Each dataset's samples are repeated `num_repeats` times, grouped by bucket and c
 dataset's batch size (a short remainder stays a smaller batch and is reported, never dropped); the
 batches of all datasets are then shuffled together. The order is a pure function of (seed, epoch), so a
 resumed run replays it exactly and can skip the batches it already trained on. Caption dropout swaps
-in the empty caption's entry with a draw seeded by the sample's position, for the same reason.
+in the empty caption's entry with a draw seeded by the sample's position, for the same reason; an item
+with caption variants (`tuner.data.captions`) gets one of them per epoch the same way.
 
 Batches are read with `EntryReads`: workers locate and prefetch a batch's entries, the main process
 slices them out of its own shard maps and stacks the latents (`tuner.cache.reads` explains why). When
@@ -27,6 +28,7 @@ import torch
 from tuner.cache.reads import EntryReads
 from tuner.config.dataset import DatasetSpec
 from tuner.data.buckets import plan_batches, short_batch_warnings
+from tuner.data.regularization import draw_regularization, regularization_count
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,15 @@ class TrainingSample:
     empty_text_key: str
     bucket_key: str
     dataset_index: int
+    variant_text_keys: tuple[str, ...] = ()  # caption variants: one is drawn per epoch (else text_key)
+
+
+class WeightedBatch(list):
+    """A batch (list of (cache_dir, latent_key, text_key)) of a dataset whose loss is weighted."""
+
+    def __init__(self, entries: list, loss_weight: float):
+        super().__init__(entries)
+        self.loss_weight = loss_weight
 
 
 class TrainingData:
@@ -56,7 +67,7 @@ class TrainingData:
         pin_memory: bool = False,
     ):
         self.samples = samples
-        self.specs = {s.index: s for s in specs}
+        self.specs = {s.uid: s for s in specs}  # samples name their dataset (and resolution) by uid
         self.seed = seed
         self.num_workers = num_workers
         self.rank, self.world = rank, world
@@ -65,15 +76,25 @@ class TrainingData:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self._planned: tuple[int, list[list[tuple[str, str, str]]]] | None = None  # (epoch, its plan)
         self.by_dataset: dict[int, dict[str, list[TrainingSample]]] = defaultdict(lambda: defaultdict(list))
+        prior: dict[int, list[TrainingSample]] = defaultdict(list)
         for s in samples:
+            if self.specs[s.dataset_index].regularization:
+                prior[s.dataset_index].append(s)
+                continue
             self.by_dataset[s.dataset_index][s.bucket_key] += [s] * self.specs[s.dataset_index].num_repeats
+        training_items = sum(len(v) for b in self.by_dataset.values() for v in b.values())
+        for uid, items in sorted(
+            prior.items()
+        ):  # a share of the training items (`tuner.data.regularization`)
+            count = regularization_count(self.specs[uid].regularization_ratio, training_items)
+            for s in draw_regularization(items, count, f"{seed}/regularization/{uid}"):
+                self.by_dataset[uid][s.bucket_key].append(s)
 
     def warnings(self) -> list[str]:
         out = []
         for index, buckets in sorted(self.by_dataset.items()):
-            out += [
-                f"datasets[{index}]: {w}" for w in short_batch_warnings(buckets, self.specs[index].batch_size)
-            ]
+            spec = self.specs[index]
+            out += [f"datasets[{spec.index}]: {w}" for w in short_batch_warnings(buckets, spec.batch_size)]
         return out
 
     def plan_epoch(self, epoch: int) -> list[list[tuple[str, str, str]]]:
@@ -89,17 +110,20 @@ class TrainingData:
             spec = self.specs[index]
             rate = spec.caption_dropout_rate if self.caption_dropout else 0.0
             for b, batch in enumerate(plan_batches(buckets, spec.batch_size, self.seed + index, epoch)):
-                if rate <= 0.0:  # no draw can drop: skip seeding a generator per batch (most of the cost)
-                    batches.append([(s.cache_dir, s.latent_key, s.text_key) for s in batch.items])
-                    continue
-                drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
-                batches.append(
-                    [
-                        (s.cache_dir, s.latent_key,
-                         s.empty_text_key if drop.random() < rate else s.text_key)
-                        for s in batch.items
+                texts = [s.text_key for s in batch.items]
+                if any(s.variant_text_keys for s in batch.items):  # one caption variant per epoch
+                    pick = random.Random(f"{self.seed}/{epoch}/{index}/{b}/caption")
+                    texts = [pick.choice(s.variant_text_keys) if s.variant_text_keys else t
+                             for s, t in zip(batch.items, texts)]  # fmt: skip
+                if rate > 0.0:  # when no draw can drop, skip seeding a generator per batch (most of the cost)
+                    drop = random.Random(f"{self.seed}/{epoch}/{index}/{b}")
+                    texts = [
+                        s.empty_text_key if drop.random() < rate else t for s, t in zip(batch.items, texts)
                     ]
-                )  # fmt: skip
+                entries = [(s.cache_dir, s.latent_key, t) for s, t in zip(batch.items, texts)]
+                batches.append(
+                    entries if spec.loss_weight == 1.0 else WeightedBatch(entries, spec.loss_weight)
+                )
         random.Random(f"{self.seed}/{epoch}").shuffle(batches)
         return batches
 
@@ -122,6 +146,7 @@ class TrainingData:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[dict]:
         """Batches of `epoch` from index `start` on (to resume mid-epoch)."""
         # One item per batch: its latent and text entries, interleaved.
+        plan = self.local_plan(epoch)[start:]
         reads = EntryReads(
             [
                 [
@@ -129,16 +154,19 @@ class TrainingData:
                     for cache_dir, latent_key, text_key in batch
                     for key in (latent_key, text_key)
                 ]
-                for batch in self.local_plan(epoch)[start:]
+                for batch in plan
             ]
         )
         # A private generator: creating a loader must not draw from the global RNG, or a run resumed
         # mid-epoch would see different dropout than an uninterrupted one.
-        for entries in reads.load(self.num_workers, generator=torch.Generator().manual_seed(self.seed)):
+        loaded = reads.load(self.num_workers, generator=torch.Generator().manual_seed(self.seed))
+        for batch, entries in zip(plan, loaded):
             # The stack copies the latents out of the shard maps into a batch the step may edit.
             # Every entry of a batch shares one bucket, so each of its tensors (latents, control_0...) stacks.
             latents = entries[0::2]
             stacked = {name: _stack([e[name] for e in latents], self.pin_memory) for name in latents[0]}
+            if isinstance(batch, WeightedBatch):  # `NetworkTrainer.loss` multiplies the batch's loss by it
+                stacked["loss_weight"] = torch.full((len(latents),), batch.loss_weight)
             yield {"latents": stacked.pop("latents"), "extra": stacked, "text": entries[1::2]}
 
     def summary(self) -> dict:

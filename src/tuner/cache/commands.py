@@ -52,6 +52,7 @@ from tuner.cache.processes import CachingProcesses
 from tuner.cache.store import CacheStore, VerifyReport
 from tuner.cache.writer import WriterLock
 from tuner.data.jobs import load_control_pixels, load_job_audio, load_job_pixels
+from tuner.data.masks import load_job_mask, to_latent_grid
 from tuner.dtypes import DTYPES
 from tuner.errors import CacheError, DataError
 from tuner.trainers import trainer_class
@@ -203,8 +204,13 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     loaded = []
                     for key, job in chunk:
                         try:
-                            pixels = load_job_pixels(job), load_control_pixels(job), load_job_audio(job)
-                            loaded.append((key, job, *pixels))
+                            mask = load_job_mask(job) if job.mask else None  # unreadable: on_error too
+                            audio = load_job_audio(
+                                job
+                            )  # the clip's sound (audio-video models); bad sound too
+                            loaded.append(
+                                (key, job, load_job_pixels(job), load_control_pixels(job), mask, audio)
+                            )
                         except DataError as e:
                             if specs[job.dataset_index].on_error == "stop":
                                 raise
@@ -220,10 +226,13 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*(item[3] for item in loaded))]
                     with torch.no_grad():
                         latents = trainer.encode_latents(vae, pixels, controls)
-                    for i, (key, job, _, _, audio) in enumerate(loaded):
+                    for i, (key, job, _, _, mask, audio) in enumerate(loaded):
                         tensors = {
                             name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
                         } | trainer.latent_conditions(job)
+                        if mask is not None:  # the loss mask on the latents' grid (`tuner.data.masks`)
+                            grid = tuple(tensors["latents"].shape[1:])
+                            tensors["loss_mask"] = to_latent_grid(mask, grid, job.mask_min_weight)
                         if audio is not None:  # the clip's sound (audio-video models)
                             with torch.no_grad():
                                 sound = trainer.encode_audio(vae, audio.to(dev, vae_dtype))
@@ -262,6 +271,9 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
     dev = torch_device(procs.device(device or cfg.cache.device))
     encoded = reused = pruned = repaired = 0
     te = None
+    if trainer.trains_text_encoder and procs.main:
+        log("network.train_text_encoder: the text encoders train, so their outputs are computed at every "
+            "training step and not cached; caching the captions' token ids only.")  # fmt: skip
     for cache_dir, store in stores_of(plans, readonly=False).items():
         wanted: dict[str, TextRequest] = {}
         for plan in plans:
@@ -278,7 +290,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
             todo = sorted(missing, key=lambda k: (wanted[k].caption, k))
             batches = procs.mine(list(_chunks(todo, batch_size)))  # every N-th of a one-process run's
             if batches and te is None:
-                te = trainer.load_text_encoder(dev, cfg.cache.text_encoder_dtype)
+                te = trainer.load_text_cache_encoder(dev, cfg.cache.text_encoder_dtype)
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
                 tqdm(
@@ -295,7 +307,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                         controls = None
                         if trainer.text_uses_controls:
                             controls = [load_control_pixels(r.job) for r in requests]
-                        outputs = trainer.encode_text(te, captions, controls)
+                        outputs = trainer.encode_text_cache(te, captions, controls)
                     for key, request, out in zip(chunk, requests, outputs):
                         tensors = {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
                         meta = {"encoder": encoder.label(), "caption": request.caption}

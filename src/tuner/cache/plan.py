@@ -78,7 +78,8 @@ def plan_datasets(
         _check_controls(trainer, spec, jobs, cfg)
         _check_frames(trainer, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
-        for problem in problems + more:
+        # a table's further resolutions (`part` > 0) found the same items: say their problems once
+        for problem in (problems if spec.part == 0 else []) + more:
             log(f"warning: {problem}")
     return plans
 
@@ -188,8 +189,8 @@ def text_encoder(trainer) -> EncoderIdentity:
                   m.tokenizer_4)
         if p
     ]  # fmt: skip
-    return EncoderIdentity(
-        architecture=f"{trainer.architecture}-text",
+    return EncoderIdentity(  # while the text encoders train, entries hold their inputs (token ids)
+        architecture=f"{trainer.architecture}-{'tokens' if trainer.trains_text_encoder else 'text'}",
         weights_fingerprint="+".join(_fingerprint(p, _TEXT_FOLDERS) for p in parts),
         dtype=cfg.cache.text_encoder_dtype,
         format_version=trainer.cache_format_version,
@@ -221,8 +222,9 @@ class TextRequest:
 
 def text_requests(
     trainer, store: CacheStore, plan: DatasetPlan, encoder: EncoderIdentity, max_length: int
-) -> tuple[list[tuple[str, str]], dict[str, TextRequest]]:
-    """(text key, empty-caption key) for each job of `plan`, and what each key encodes.
+) -> tuple[list[tuple[tuple[str, ...], str]], dict[str, TextRequest]]:
+    """(text keys, empty-caption key) for each job of `plan`, and what each key encodes. A job has one
+    text key per caption variant (`tuner.data.captions`; usually one), the first being its plain caption.
 
     Usually a text entry depends on the caption alone and is shared by every item with that caption.
     When the architecture's text encoder also looks at the control images, the entry is keyed by their
@@ -240,7 +242,7 @@ def text_requests(
                 "crops": job.params()["controls"],
             }
         keys = []
-        for caption in (job.caption, ""):
+        for caption in (*(job.captions or (job.caption,)), ""):
             if controls is None:
                 if caption not in plain:
                     plain[caption] = text_key(caption, encoder, max_length)
@@ -249,7 +251,7 @@ def text_requests(
                 key = text_key(caption, encoder, max_length, controls)
             requests.setdefault(key, TextRequest(caption, job if controls else None))
             keys.append(key)
-        per_job.append((keys[0], keys[1]))
+        per_job.append((tuple(keys[:-1]), keys[-1]))
     return per_job, requests
 
 
@@ -307,9 +309,11 @@ def open_training_data(
         lat_keys = latent_keys(store, plan.jobs, lat_enc)
         txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
-        require_cached(store, list(requests), "text", "cache text", cfg)
+        what = "text (token ids: the text encoders train, their outputs are not cached)" if (
+            trainer.trains_text_encoder) else "text"  # fmt: skip
+        require_cached(store, list(requests), what, "cache text", cfg)
         failed = set(store.keys(FAILED))
-        for job, key, (text, empty) in zip(plan.jobs, lat_keys, txt_keys):
+        for job, key, (texts, empty) in zip(plan.jobs, lat_keys, txt_keys):
             if key in failed:
                 if plan.spec.on_error == "stop":
                     raise CacheError(
@@ -322,10 +326,11 @@ def open_training_data(
                 TrainingSample(
                     cache_dir=plan.spec.cache_directory,
                     latent_key=key,
-                    text_key=text,
+                    text_key=texts[0],
                     empty_text_key=empty,
+                    variant_text_keys=texts if len(texts) > 1 else (),
                     bucket_key=job.bucket_key,
-                    dataset_index=plan.spec.index,
+                    dataset_index=plan.spec.uid,
                 )
             )
     if not samples:

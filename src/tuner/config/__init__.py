@@ -9,6 +9,7 @@ mistake is one `ConfigError` that names the file, the key and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,12 @@ def load_config(
         architecture(file.model.architecture)
     except ConfigError as e:
         raise ConfigError(f"{path}: key 'model.architecture': {e}") from None
+    from tuner.hub import resolve_hub_paths, resolve_model_paths  # hub ids, default tokenizers (tuner/hub.py)
+
+    model = resolve_model_paths(file.model, data.get("model", {}), path.parent)
+    network = resolve_hub_paths(file.network, data.get("network", {}), path.parent)  # network_weights
+    if model is not file.model or network is not file.network:
+        file = dataclasses.replace(file, model=model, network=network)
     datasets = load_datasets(file.data.dataset_config, check_paths)
     if file.train.validate_every_n_steps and not any(d.validation for d in datasets):
         raise ConfigError(

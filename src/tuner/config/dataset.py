@@ -24,10 +24,20 @@ AudioMode = Literal["require", "optional", "ignore"]
 class SharedOptions:
     """Options allowed both in [general] and in each [[datasets]] table (None = inherit)."""
 
-    resolution: tuple[int, ...] | None = option(None, "Target [width, height]; buckets keep this area.")
+    resolution: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = option(
+        None,
+        "Target [width, height]; buckets keep this area. Several, [[512, 512], [1024, 1024]], train each "
+        "item at each (its own cache entries and buckets).",
+    )
     caption_extension: str | None = option(None, "Extension of caption sidecar files, e.g. '.txt'.")
-    batch_size: int | None = option(None, "Items per batch for this dataset.", ge=1)
-    num_repeats: int | None = option(None, "How many times each item is repeated per epoch.", ge=1)
+    batch_size: int | tuple[int, ...] | None = option(
+        None,
+        "Items per batch for this dataset; with several resolutions, one for all or one per resolution.",
+        ge=1,
+    )
+    num_repeats: int | tuple[int, ...] | None = option(
+        None, "How many times each item is repeated per epoch (one, or one per resolution).", ge=1
+    )
     enable_bucket: bool | None = option(None, "Group items into aspect-ratio buckets of equal area.")
     bucket_no_upscale: bool | None = option(None, "Never pick a bucket larger than the source image.")
     caption_dropout_rate: float | None = option(
@@ -50,6 +60,33 @@ class SharedOptions:
     max_frames: int | None = option(None, "Video, full mode: the most frames taken from a clip.", ge=1)
     source_fps: float | None = option(
         None, "Video: fps of the source clips; frames are dropped to the model fps.", gt=0
+    )
+    alpha_mask: bool | None = option(
+        None,
+        "Use each image's alpha channel as its loss mask (opaque = weight 1, transparent = mask_min_weight).",
+    )
+    mask_min_weight: float | None = option(
+        None, "Loss weight of fully masked-out (black / transparent) pixels; 0 leaves them out.", ge=0, le=1
+    )
+    captions_per_line: bool | None = option(
+        None, "Each line of a caption sidecar is a caption of its own; one is drawn per epoch."
+    )
+    caption_prefix: str | None = option(None, "Text put before every caption (e.g. a trigger word and ', ').")
+    caption_suffix: str | None = option(None, "Text put after every caption.")
+    shuffle_tags: bool | None = option(
+        None, "Shuffle a caption's comma-separated tags (after the first keep_tokens) in each variant."
+    )
+    keep_tokens: int | None = option(
+        None, "Leading comma-separated tags that are never shuffled or dropped.", ge=0
+    )
+    tag_dropout_rate: float | None = option(
+        None, "Probability of dropping each tag (after the first keep_tokens) in each variant.", ge=0, le=1
+    )
+    caption_variants: int | None = option(
+        None,
+        "Variants of each caption encoded when shuffle_tags or tag_dropout_rate is set; one is drawn per "
+        "item per epoch.",
+        ge=1,
     )
     audio: AudioMode | None = option(
         None,
@@ -75,6 +112,15 @@ GENERAL_DEFAULTS = {
     "frame_sample": 1,
     "max_frames": 129,
     "source_fps": None,
+    "alpha_mask": False,
+    "mask_min_weight": 0.0,
+    "captions_per_line": False,
+    "caption_prefix": "",
+    "caption_suffix": "",
+    "shuffle_tags": False,
+    "keep_tokens": 0,
+    "tag_dropout_rate": 0.0,
+    "caption_variants": 8,
     "audio": "optional",
 }
 
@@ -96,8 +142,25 @@ class DatasetEntry(SharedOptions):
         "Folder of control/reference images paired with items by file stem (name, name_0, name_1...).",
         path=True,
     )
+    mask_directory: str | None = option(
+        None,
+        "Folder of loss-mask images paired with items by file stem (white = weight 1, black = "
+        "mask_min_weight; grey in between); a video's mask is an image or a video of the same size.",
+        path=True,
+    )
     validation: bool = option(
         False, "Hold this dataset out of training and report its loss (train.validate_every_n_steps)."
+    )
+    regularization: bool = option(
+        False,
+        "A regularization (prior) dataset: instead of all its items, regularization_ratio × the training "
+        "items per epoch are drawn from it, trained with loss_weight.",
+    )
+    regularization_ratio: float = option(
+        1.0, "Regularization datasets: their items per epoch, as a share of the other datasets' items.", gt=0
+    )
+    loss_weight: float = option(
+        1.0, "Factor on the loss of this dataset's batches (e.g. 0.5 for a prior).", ge=0
     )
 
 
@@ -134,7 +197,27 @@ class DatasetSpec:
     max_frames: int
     source_fps: float | None
     validation: bool = False
+    mask_directory: str | None = None
+    alpha_mask: bool = False
+    mask_min_weight: float = 0.0
+    captions_per_line: bool = False
+    caption_prefix: str = ""
+    caption_suffix: str = ""
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    tag_dropout_rate: float = 0.0
+    caption_variants: int = 8
+    regularization: bool = False
+    regularization_ratio: float = 1.0
+    loss_weight: float = 1.0
+    part: int = 0  # which of the table's resolutions (`resolution = [[w, h], ...]`) this spec trains
     audio: AudioMode = "optional"
+
+    @property
+    def uid(self) -> int:
+        """A number naming this spec among all (seeds and sample grouping use it): the table's index for
+        its first resolution, so single-resolution datasets draw what they always did."""
+        return self.index + 1_000_003 * self.part
 
 
 SOURCE_KEYS = ("image_directory", "image_jsonl_file", "video_directory", "video_jsonl_file")
@@ -166,30 +249,76 @@ def resolve_datasets(
             if value is None:
                 value = GENERAL_DEFAULTS[f.name]
             merged[f.name] = value
-        if len(merged["resolution"]) != 2 or min(merged["resolution"]) < 16:
-            raise ConfigError(
-                f"{source}: key '{key}.resolution': expected [width, height] of at least 16 px, "
-                f"got {list(merged['resolution'])}."
-            )
+        resolutions = _resolutions(merged["resolution"], source, key)
+        per = {name: _per_resolution(merged[name], len(resolutions), source, f"{key}.{name}")
+               for name in ("batch_size", "num_repeats")}  # fmt: skip
         if any(n < 1 for n in merged["target_frames"]):
             raise ConfigError(f"{source}: key '{key}.target_frames': frame counts must be >= 1.")
+        if merged["alpha_mask"] and src_key.startswith("video"):
+            raise ConfigError(
+                f"{source}: key '{key}.alpha_mask': videos have no alpha channel; use mask_directory."
+            )
+        if merged["alpha_mask"] and entry.mask_directory:
+            raise ConfigError(
+                f"{source}: key '{key}.alpha_mask': set either alpha_mask or mask_directory, not both."
+            )
+        if check_paths and entry.mask_directory and not Path(entry.mask_directory).is_dir():
+            raise ConfigError(
+                f"{source}: key '{key}.mask_directory': {entry.mask_directory} is not a folder. Fix the path."
+            )
+        if entry.regularization and entry.validation:
+            raise ConfigError(
+                f"{source}: key '{key}.regularization': a dataset is either held out (validation) or a "
+                "regularization set, not both."
+            )
         if merged["cache_directory"] is None:
             merged["cache_directory"] = str(base_dir / "cache")
         src = getattr(entry, src_key)
         if check_paths and not Path(src).exists():
             raise ConfigError(f"{source}: key '{key}.{src_key}': {src} does not exist. Fix the path.")
-        specs.append(
-            DatasetSpec(
-                index=i,
-                kind="image" if src_key.startswith("image") else "video",
-                source=src,
-                source_is_manifest=src_key.endswith("jsonl_file"),
-                control_directory=entry.control_directory,
-                validation=entry.validation,
-                **{**merged, "resolution": tuple(merged["resolution"])},
+        for part, resolution in enumerate(resolutions):
+            specs.append(
+                DatasetSpec(
+                    index=i,
+                    kind="image" if src_key.startswith("image") else "video",
+                    source=src,
+                    source_is_manifest=src_key.endswith("jsonl_file"),
+                    control_directory=entry.control_directory,
+                    mask_directory=entry.mask_directory,
+                    validation=entry.validation,
+                    regularization=entry.regularization,
+                    regularization_ratio=entry.regularization_ratio,
+                    loss_weight=entry.loss_weight,
+                    part=part,
+                    **{**merged, "resolution": resolution, **{k: v[part] for k, v in per.items()}},
+                )
             )
-        )
     return specs
+
+
+def _resolutions(value: tuple, source: str, key: str) -> list[tuple[int, int]]:
+    """[w, h] or [[w, h], ...] as a list of (w, h), each checked."""
+    listed = [tuple(r) for r in value] if value and isinstance(value[0], tuple) else [tuple(value)]
+    for r in listed:
+        if len(r) != 2 or min(r) < 16:
+            raise ConfigError(
+                f"{source}: key '{key}.resolution': expected [width, height] (or a list of them) of at least "
+                f"16 px, got {list(r)}."
+            )
+    if len(set(listed)) != len(listed):
+        raise ConfigError(f"{source}: key '{key}.resolution': a resolution is listed twice.")
+    return listed
+
+
+def _per_resolution(value: int | tuple, count: int, source: str, key: str) -> list[int]:
+    values = list(value) if isinstance(value, tuple) else [value] * count
+    if len(values) != count:
+        raise ConfigError(
+            f"{source}: key '{key}': {len(values)} values for {count} resolution(s); give one, or one per resolution."
+        )
+    if min(values) < 1:
+        raise ConfigError(f"{source}: key '{key}': {min(values)} is out of range: it must be >= 1.")
+    return values
 
 
 def parse_dataset_table(

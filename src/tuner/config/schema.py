@@ -182,6 +182,14 @@ class NetworkConfig:
     stochastic_rounding: bool = option(
         False, "Full fine-tune: round bf16 weights stochastically after each optimizer step."
     )
+    train_text_encoder: bool = option(
+        False,
+        "Also train an adapter on the text encoder(s) (SDXL: CLIP-L and bigG). Their outputs are then "
+        "computed at every step instead of cached (`tuner cache text` stores token ids only).",
+    )
+    text_encoder_lr: float | None = option(
+        None, "Learning rate of the text encoders' adapters (unset: train.learning_rate).", gt=0
+    )
 
     def __post_init__(self) -> None:
         check_network_options(self)
@@ -304,7 +312,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class SaveConfig:
     output_dir: str = option("output", "Folder for adapters, checkpoints and logs.", path=True)
-    output_name: str = option("lora", "File name stem of saved adapters.")
+    output_name: str = option("lora", "File name stem of saved adapters (also their `modelspec.title`).")
+    trigger_phrase: str = option(
+        "", "Word(s) the captions use to call up what is trained; saved as `modelspec.trigger_phrase`."
+    )
     every_n_steps: int = option(0, "Save every N optimizer steps; 0 disables.", ge=0)
     every_n_epochs: int = option(1, "Save every N epochs; 0 disables.", ge=0)
     keep_last: int = option(0, "Keep only the last K saves (adapters and states); 0 keeps all.", ge=0)

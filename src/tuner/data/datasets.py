@@ -19,6 +19,7 @@ the caller to print; problems that make a source unusable raise `DataError` nami
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -39,11 +40,14 @@ class Item:
     kind: Literal["image", "video"]
     control_paths: tuple[str, ...] = ()
     dataset_index: int = 0
+    mask_path: str | None = None  # loss mask paired from mask_directory (`tuner.data.masks`)
+    captions: tuple[str, ...] = ()  # caption variants, one drawn per epoch (`tuner.data.captions`)
 
 
 def describe(spec: DatasetSpec) -> str:
     """How messages name a dataset: its table and source."""
-    return f"datasets[{spec.index}] ({spec.source})"
+    at = f" at {spec.resolution[0]}x{spec.resolution[1]}" if spec.part else ""
+    return f"datasets[{spec.index}]{at} ({spec.source})"
 
 
 def _read_caption(path: Path) -> str | None:
@@ -91,7 +95,11 @@ def _scan_directory(spec: DatasetSpec, problems: list[str]) -> list[Item]:
             problems.append(
                 f"{path}: no caption file {caption_path.name}; training it with an empty caption."
             )
-        items.append(Item(str(path), caption or "", spec.kind, (), spec.index))
+        variants: tuple[str, ...] = ()
+        if caption and spec.captions_per_line:  # one caption per non-empty line
+            variants = tuple(line.strip() for line in caption.splitlines() if line.strip())
+            caption = variants[0]
+        items.append(Item(str(path), caption or "", spec.kind, (), spec.index, captions=variants))
     if not items:
         raise DataError(_empty_message(spec, exts, others))
     return items
@@ -154,8 +162,16 @@ def _read_manifest(spec: DatasetSpec, problems: list[str]) -> list[Item]:
             hint = f' It has "{other}": list it in a {other[:5]}_jsonl_file instead.' if other in obj else ""
             raise DataError(f'{where}: missing "{key}" (a file path).{hint}')
         caption = obj.get("caption")
+        variants: tuple[str, ...] = ()
+        if isinstance(caption, list):  # several captions: one is drawn per epoch
+            if not caption or not all(isinstance(c, str) for c in caption):
+                raise DataError(f'{where}: "caption" as a list must hold one or more strings.')
+            variants = tuple(c.strip() for c in caption)
+            caption = caption[0]
         if caption is not None and not isinstance(caption, str):
-            raise DataError(f'{where}: "caption" must be a string, got {type(caption).__name__}.')
+            raise DataError(
+                f'{where}: "caption" must be a string or a list of strings, got {type(caption).__name__}.'
+            )
         path = base / media
         if caption is None:
             problems.append(f'{where}: {path.name} has no "caption"; training it with an empty caption.')
@@ -166,6 +182,7 @@ def _read_manifest(spec: DatasetSpec, problems: list[str]) -> list[Item]:
                 spec.kind,
                 _manifest_controls(obj, where, base),
                 spec.index,
+                captions=variants,
             )
         )
     if not items:
@@ -215,7 +232,7 @@ def _pair_controls(
                 raise DataError(msg + '. Add it, or set on_error = "skip" to leave the item out.')
             problems.append(msg + "; item skipped.")
             continue
-        paired.append(Item(item.path, item.caption, item.kind, tuple(map(str, controls)), item.dataset_index))
+        paired.append(dataclasses.replace(item, control_paths=tuple(map(str, controls))))
     return paired
 
 
@@ -235,4 +252,10 @@ def discover_items(spec: DatasetSpec, on_error: OnError | None = None) -> tuple[
         items = _pair_controls(spec, items, on_error, problems)
         if not items:
             raise DataError(f"{describe(spec)}: no item has a control image in {spec.control_directory}.")
-    return items, problems
+    if spec.mask_directory:
+        from tuner.data.masks import pair_masks
+
+        items = pair_masks(spec, items, problems)
+    from tuner.data.captions import apply_caption_options
+
+    return apply_caption_options(spec, items, problems), problems

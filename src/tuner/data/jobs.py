@@ -53,6 +53,7 @@ from tuner.errors import ConfigError, DataError
 # Bump when the way pixels are produced changes (EXIF handling, alpha compositing, crop rounding...):
 # it is part of params(), so old cache entries stop matching instead of being silently reused.
 PIXEL_PIPELINE_VERSION = 1
+MASK_PIPELINE_VERSION = 1  # likewise for loss masks (`tuner.data.masks`: resize, latent-grid reduction)
 
 
 Probe = Callable[[str, bool], VideoInfo]
@@ -77,18 +78,26 @@ class LatentJob:
     caption: str  # not in params(): the latent does not depend on it; training pairs the two
     dataset_index: int
     audio: AudioWindow | None = None  # the sound the clip takes (audio-video models); None: pictures only
+    captions: tuple[str, ...] = ()  # caption variants (`tuner.data.captions`); empty: just `caption`
+    mask: str | None = None  # loss mask: a mask file, `masks.ALPHA` (the source's alpha), or None
+    mask_min_weight: float = 0.0
+
+    @property
+    def mask_file(self) -> tuple[str, ...]:
+        return (self.mask,) if self.mask and self.mask != "alpha" else ()
 
     @property
     def bucket_key(self) -> str:
         w, h, f = self.bucket
         # the control count is part of the key: a batch must have the same number of control latents
         key = f"{w}x{h}x{f}" + (f"_c{len(self.control_paths)}" if self.control_paths else "")
+        key += "_m" if self.mask else ""  # masked items batch together: their loss_mask stacks
         # so does the sound: clips with and without it, or of other lengths, do not stack
         return key + (f"_a{self.audio.samples}" if self.audio else "")
 
     @property
     def input_paths(self) -> tuple[str, ...]:
-        return (self.source, *self.control_paths)
+        return (self.source, *self.control_paths, *self.mask_file)
 
     def params(self) -> dict:
         """Everything besides input file contents that changes the encoded result (JSON-friendly)."""
@@ -102,7 +111,11 @@ class LatentJob:
             "controls": [{"resize": list(c.resized), "crop": list(c.box)} for c in self.control_crops],
             "pixel_pipeline": PIXEL_PIPELINE_VERSION,
             **({"audio": self.audio.params()} if self.audio else {}),
-        }
+        } | (self._mask_params() if self.mask else {})  # unmasked jobs keep the keys they always had
+
+    def _mask_params(self) -> dict:
+        return {"mask": {"source": "alpha" if self.mask == "alpha" else "file", "min_weight": self.mask_min_weight,
+                         "version": MASK_PIPELINE_VERSION}}  # fmt: skip
 
 
 # ---------------------------------------------------------------- planning
@@ -136,6 +149,28 @@ def _probe_controls(
                 raise DataError(f"{path}: control video has {info.n_frames} frames; its item needs {needed}.")
         crops.append(plan_crop(info.width, info.height, bucket))
     return tuple(crops)
+
+
+def _probe_mask(
+    spec: DatasetSpec, item: Item, size: tuple[int, int], windows: list[tuple[int, ...]], probe: Probe
+) -> str | None:
+    """The job's `mask`: the item's mask file (checked: the item's size, enough frames), "alpha", or None."""
+    if spec.alpha_mask:
+        return "alpha"
+    if not item.mask_path:
+        return None
+    from tuner.data.masks import check_mask_size
+
+    video = item.kind == "video" and _is_video_file(item.mask_path)
+    info = probe(item.mask_path, video)
+    check_mask_size(item.mask_path, (info.width, info.height), item.path, size)
+    if video:
+        needed = max(max(w) for w in windows) + 1 if windows and windows[0] else 1
+        if info.n_frames < needed:
+            raise DataError(
+                f"{item.mask_path}: mask video has {info.n_frames} frames; its item needs {needed}."
+            )
+    return item.mask_path
 
 
 def _jobs_for_item(
@@ -175,6 +210,7 @@ def _jobs_for_item(
     crop = plan_crop(w, h, bucket)
     scales.append(max(bucket[0] / w, bucket[1] / h))
     control_crops = _probe_controls(item, bucket, windows, probe)
+    mask = _probe_mask(spec, item, (w, h), windows, probe)
     fps = spec.source_fps or info.fps
     sounds = [
         plan_audio(item.path, spec.audio, win, fps, audio_format) if audio_format else None for win in windows
@@ -190,6 +226,9 @@ def _jobs_for_item(
             control_crops=control_crops,
             caption=item.caption,
             dataset_index=item.dataset_index,
+            captions=item.captions,
+            mask=mask,
+            mask_min_weight=spec.mask_min_weight if mask else 0.0,
             audio=sound,
         )
         for win, sound in zip(windows, sounds)
@@ -217,6 +256,12 @@ def plan_latent_jobs(
     """
     on_error = on_error or spec.on_error
     _check_targets(spec, valid_frames)
+    if not spec.enable_bucket and (spec.resolution[0] % step or spec.resolution[1] % step):
+        fit = [max(step, r // step * step) for r in spec.resolution]
+        raise ConfigError(
+            f"{describe(spec)}: key 'resolution' {list(spec.resolution)} is not a multiple of the model's "
+            f"spatial step {step} (with enable_bucket = false it is the size trained); use {fit}."
+        )
     buckets = dataset_buckets(spec.resolution, step, spec.enable_bucket)
     jobs: list[LatentJob] = []
     problems: list[str] = []

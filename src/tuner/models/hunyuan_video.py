@@ -195,6 +195,14 @@ _LLAMA_UNUSED = ("lm_head.", "vision_tower.", "multi_modal_projector.", "image_n
 _LLAMA_MARKERS = ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")
 
 
+def _framepack(path: str | Path) -> CheckpointError:
+    """The error for a FramePack transformer (HunyuanVideo plus a history embedder) given to `hunyuan_video`."""
+    return CheckpointError(
+        f"{path}: a FramePack transformer (it has the history embedder clean_x_embedder), an image-to-video "
+        'model trained on sections. Set model.architecture = "framepack" to train it.'
+    )
+
+
 def _hunyuan_video_15(path: str | Path) -> CheckpointError:
     """The error for a HunyuanVideo 1.5 transformer given to `hunyuan_video`."""
     return CheckpointError(
@@ -215,13 +223,19 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransf
 
     folder = resolve_folder(path, "transformer")
     if folder is not None:
-        if read_folder_config(folder).get("_class_name") == "HunyuanVideo15Transformer3DModel":
+        class_name = read_folder_config(folder).get("_class_name")
+        if class_name == "HunyuanVideo15Transformer3DModel":
             raise _hunyuan_video_15(folder)
+        if class_name == "HunyuanVideoFramepackTransformer3DModel":
+            raise _framepack(folder)
         return load_diffusers_folder(
             HunyuanVideoTransformer3DModel, folder, dtype, "HunyuanVideoTransformer3DModel"
         )
-    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in normalize_shapes(read_tensor_shapes(path))):
+    names = normalize_shapes(read_tensor_shapes(path))
+    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
         raise _hunyuan_video_15(path)
+    if any(name.startswith("clean_x_embedder.") for name in names):
+        raise _framepack(path)
     variant = identify_single_file(path, TRANSFORMER_SPEC)
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_MARKERS):

@@ -27,6 +27,7 @@ T = TypeVar("T")
 _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("a LoRA / adapter file, not a base model", ("lora_", ".lora.", "lora_A", "lora_down", "hada_", "lokr_")),
     ("FLUX (original BFL layout)", ("double_blocks.0.img_attn.qkv.weight",)),
+    ("FramePack (architecture framepack)", ("clean_x_embedder.",)),
     ("HunyuanVideo (original layout)", ("double_blocks.0.img_attn_qkv.weight",)),
     (
         "HunyuanVideo 1.5 (architecture hunyuan_video15)",

@@ -46,7 +46,6 @@ from tuner.models.identify import (
     pick_variant,
     wrong_architecture,
 )
-from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     load_diffusers_folder,
     load_tensors,
@@ -58,7 +57,10 @@ from tuner.models.loading import (
     resolve_folder,
 )
 from tuner.models.sdxl_keys import (
+    BUNDLED_CLIP_G,
+    BUNDLED_CLIP_L,
     OPEN_CLIP_IGNORED,
+    SDXLLayout,
     clip_g_to_diffusers,
     clip_g_to_original,
     unet_key_to_original,
@@ -75,8 +77,7 @@ T = TypeVar("T")
 # Where each model sits in a bundled checkpoint.
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
-CLIP_L_PREFIX = "conditioner.embedders.0.transformer."
-CLIP_G_PREFIX = "conditioner.embedders.1.model."
+CLIP_L_PREFIX, CLIP_G_PREFIX = BUNDLED_CLIP_L, BUNDLED_CLIP_G
 V_PRED_MARKER = "v_pred"  # an empty tensor some v-prediction checkpoints carry (with `ztsnr`)
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,17 +280,31 @@ def load_text_encoders(
     """CLIP-L from `path` and bigG from `path_2` (None: the same bundled file or diffusers root)."""
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
+    clip_l = _load_clip(CLIPTextModel, path, "text_encoder", "tokenizer", dtype)[0]
+    clip_g = _load_clip(CLIPTextModelWithProjection, path_2 or path, "text_encoder_2", "tokenizer_2", dtype)[
+        0
+    ]
+    tokenizer_l, tokenizer_g = load_tokenizers(path, path_2, tokenizer, tokenizer_2)
+    return TextEncoders(clip_l, tokenizer_l, clip_g, tokenizer_g)
+
+
+def load_tokenizers(path: str | Path, path_2: str | Path | None, tokenizer: str | Path | None,
+                    tokenizer_2: str | Path | None) -> tuple[PreTrainedTokenizerBase, PreTrainedTokenizerBase]:  # fmt: skip
+    """Both tokenizers alone (what text-encoder training caches with): given, or beside the encoders'
+    folders in a diffusers layout."""
     path_2 = path_2 or path
-    clip_l, found = _load_clip(CLIPTextModel, path, "text_encoder", "tokenizer", dtype)
-    clip_g, found_2 = _load_clip(CLIPTextModelWithProjection, path_2, "text_encoder_2", "tokenizer_2", dtype)
-    return TextEncoders(
-        clip_l,
-        load_tokenizer(tokenizer or found, path, "CLIP ViT-L tokenizer (the tokenizer/ folder of SDXL)"),
-        clip_g,
-        load_tokenizer(
-            tokenizer_2 or found_2, path_2, "OpenCLIP bigG tokenizer (the tokenizer_2/ folder of SDXL)"
-        ),
-    )
+    found = [_tokenizer_folder(p, sub, name) for p, sub, name in ((path, "text_encoder", "tokenizer"),
+                                                                  (path_2, "text_encoder_2", "tokenizer_2"))]  # fmt: skip
+    return (
+        load_tokenizer(tokenizer or found[0], path, "CLIP ViT-L tokenizer (the tokenizer/ folder of SDXL)"),
+        load_tokenizer(tokenizer_2 or found[1], path_2, "OpenCLIP bigG tokenizer (the tokenizer_2/ folder of SDXL)"),
+    )  # fmt: skip
+
+
+def _tokenizer_folder(path: str | Path, subfolder: str, tokenizer: str) -> Path | None:
+    folder = resolve_folder(path, subfolder)
+    sibling = folder.parent / tokenizer if folder is not None else None
+    return sibling if sibling is not None and sibling.is_dir() else None
 
 
 def _load_clip(model_cls: type, path: str | Path, subfolder: str, tokenizer: str, dtype: torch.dtype):
@@ -357,16 +372,45 @@ def encode_prompts(encoders: TextEncoders, captions: list[str]) -> list[dict[str
     """Per caption {"hidden": [77, D_l + D_g], "pooled": [D_g]}, as StableDiffusionXLPipeline computes
     them: each encoder's penultimate hidden states over its tokens padded to 77, concatenated, and
     bigG's projected pooled output."""
-    hidden = []
-    pooled = None
-    for model, tokenizer in ((encoders.clip_l, encoders.tokenizer), (encoders.clip_g, encoders.tokenizer_2)):
-        ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
-                        truncation=True, return_tensors="pt").input_ids  # fmt: skip
-        out = model(ids.to(model.device), output_hidden_states=True)
-        hidden.append(out.hidden_states[-2])
-        pooled = out[0]  # the last encoder's: bigG's text_embeds
-    joined = torch.cat(hidden, dim=-1)
-    return [{"hidden": h, "pooled": p} for h, p in zip(joined, pooled)]
+    ids = token_ids(encoders.tokenizer, encoders.tokenizer_2, captions)
+    hidden, pooled = encode_ids(encoders.clip_l, encoders.clip_g, ids["ids_l"], ids["ids_g"])
+    return [{"hidden": h, "pooled": p} for h, p in zip(hidden, pooled)]
+
+
+def token_ids(tokenizer: PreTrainedTokenizerBase, tokenizer_2: PreTrainedTokenizerBase,
+              captions: list[str]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Both encoders' token ids of `captions` ({"ids_l", "ids_g"}: [B, 77]), padded and truncated to 77."""
+    return {
+        name: tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                  return_tensors="pt").input_ids
+        for name, tok in (("ids_l", tokenizer), ("ids_g", tokenizer_2))
+    }  # fmt: skip
+
+
+def encode_ids(
+    clip_l: CLIPTextModel, clip_g: CLIPTextModelWithProjection, ids_l: torch.Tensor, ids_g: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [B, 77, D_l + D_g], pooled [B, D_g]) of token ids: the penultimate hidden states of both
+    encoders concatenated, and bigG's projected pooled output. Differentiable (text-encoder training)."""
+    out_l = clip_l(ids_l.to(clip_l.device), output_hidden_states=True)
+    out_g = clip_g(ids_g.to(clip_g.device), output_hidden_states=True)
+    return torch.cat([out_l.hidden_states[-2], out_g.hidden_states[-2]], dim=-1), out_g[0]
+
+
+class TextEncoderPair(torch.nn.Module):
+    """Both text encoders under one module, named as their adapters are: `te1.text_model.*` (CLIP-L) and
+    `te2.text_model.*` (bigG), the names of kohya's files. transformers 5's CLIPTextModel has no
+    `text_model` level of its own (CLIPTextModelWithProjection has), so CLIP-L is held one level down."""
+
+    def __init__(self, clip_l: CLIPTextModel, clip_g: CLIPTextModelWithProjection) -> None:
+        super().__init__()
+        if hasattr(clip_l, "text_model"):  # transformers 4
+            self.te1 = clip_l
+        else:
+            self.te1 = torch.nn.Module()
+            self.te1.text_model = clip_l
+        self.te2 = clip_g
+        self.encoders = (clip_l, clip_g)  # a tuple: not registered twice
 
 
 def time_ids(
@@ -442,7 +486,7 @@ def bundle_companions(vae: str | Path, text_encoder: str | Path, text_encoder_2:
 
 
 @dataclass(frozen=True)
-class BundledLayout(CheckpointLayout):
+class BundledLayout(SDXLLayout):
     """The SDXL UNet layout for a full fine-tune's file: the UNet under `model.diffusion_model.` beside the
     VAE and both text encoders (`companions()`, e.g. `bundle_companions`), as A1111, Forge and ComfyUI's
     checkpoint loader read it. Adapter names and loading are the UNet layout's."""

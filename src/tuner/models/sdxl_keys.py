@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -121,10 +122,81 @@ def unet_rules() -> tuple[tuple[str, str], ...]:
     return tuple(rules)
 
 
-SDXL_KEYS = ArchitectureKeys("sdxl", unet_rules())
+# Text-encoder adapters (`network.train_text_encoder`) are named `te1.<name>` (CLIP-L) and `te2.<name>`
+# (bigG), `<name>` in transformers' names (`text_model.encoder.layers.0.self_attn.q_proj`). Their file
+# stems are kohya's (`lora_te1_text_model_encoder_layers_0_self_attn_q_proj`), which kohya, A1111, Forge,
+# ComfyUI and diffusers read, in the comfy layout too; diffusers' own layout says `text_encoder.` /
+# `text_encoder_2.`, and `unet.` for the UNet's modules.
+TEXT_ENCODER_STEMS = {"te1.": ("lora_te1_", "text_encoder."), "te2.": ("lora_te2_", "text_encoder_2.")}
+BUNDLED_CLIP_L, BUNDLED_CLIP_G = "conditioner.embedders.0.transformer.", "conditioner.embedders.1.model."
+UNET_DIFFUSERS_PREFIX = "unet."
+# the linear layers of a CLIP text model an adapter may train (kohya's set)
+CLIP_LINEARS = tuple(
+    f"text_model.encoder.layers.{{i}}.{layer}"
+    for layer in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1",
+                  "mlp.fc2")
+)  # fmt: skip
+_CLIP_KOHYA = ArchitectureKeys("SDXL text encoder", tuple((n, n) for n in CLIP_LINEARS))
+
+
+@dataclass(frozen=True)
+class SDXLKeys(ArchitectureKeys):
+    """The UNet's table, whose name map also names the stems of the text encoders' adapters and diffusers'
+    `unet.` prefix itself (`stem`, and back: `name_of_stem`; see `tuner.networks.keys.NameMap`)."""
+
+    def stem(self, name: str, layout: str) -> str | None:
+        for part, (kohya, diffusers) in TEXT_ENCODER_STEMS.items():
+            if name.startswith(part):
+                inner = name[len(part) :]
+                return diffusers + inner if layout == "diffusers" else kohya + inner.replace(".", "_")
+        return UNET_DIFFUSERS_PREFIX + name if layout == "diffusers" else None
+
+    def name_of_stem(self, stem: str) -> str | None:
+        for part, (kohya, diffusers) in TEXT_ENCODER_STEMS.items():
+            if stem.startswith(diffusers):
+                return part + stem[len(diffusers) :]
+            if stem.startswith(kohya):
+                return part + _CLIP_KOHYA.from_kohya(stem[len(kohya) :])
+        return stem[len(UNET_DIFFUSERS_PREFIX) :] if stem.startswith(UNET_DIFFUSERS_PREFIX) else None
+
+    def checkpoint_weight(self, name: str) -> tuple[str, int, int] | None:
+        """Where a text encoder's module sits in the bundled checkpoint (`tuner lora merge`): (stored key,
+        part, parts): CLIP-L under `conditioner.embedders.0.transformer.` in transformers' names; bigG
+        under `conditioner.embedders.1.model.` in OpenCLIP's, q / k / v being the thirds of `in_proj_weight`.
+        None for the UNet's modules."""
+        if name.startswith("te1."):
+            return f"{BUNDLED_CLIP_L}{name[4:]}.weight", 0, 1
+        if not name.startswith("te2."):
+            return None
+        inner = name[4:].removeprefix(TEXT_MODEL)
+        if m := _QKV.fullmatch(f"{inner}.weight"):
+            return f"{BUNDLED_CLIP_G}transformer.resblocks.{m[1]}.attn.in_proj_weight", "qkv".index(m[2]), 3
+        return f"{BUNDLED_CLIP_G}{_OPEN_CLIP(inner)}.weight", 0, 1
+
+
+SDXL_KEYS = SDXLKeys("sdxl", unet_rules())
 """The adapter name map (diffusers module name -> original); no fused layers."""
 
-SDXL_LAYOUT = CheckpointLayout(SDXL_KEYS)
+
+@dataclass(frozen=True)
+class SDXLLayout(CheckpointLayout):
+    """The UNet checkpoint layout; its name map names the text encoders' stems too (`SDXLKeys.stem`)."""
+
+    def stem(self, name: str, layout: str) -> str | None:
+        return self.keys.stem(name, layout)
+
+
+def is_text_encoder_module(name: str) -> bool:
+    """Whether an adapter's module name is one of the text encoders' (`te1.` / `te2.`)."""
+    return name.startswith(tuple(TEXT_ENCODER_STEMS))
+
+
+def is_text_encoder_stem(stem: str) -> bool:
+    """Whether an adapter file's stem names a text encoder's module, in any layout."""
+    return stem.startswith(tuple(p for pair in TEXT_ENCODER_STEMS.values() for p in pair))
+
+
+SDXL_LAYOUT = SDXLLayout(SDXL_KEYS)
 """The whole UNet checkpoint, both directions; `SDXL_LAYOUT.inverse` is the loaders' original -> diffusers
 map."""
 

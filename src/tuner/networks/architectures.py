@@ -26,7 +26,7 @@ from tuner.errors import CheckpointError
 from tuner.networks.delta import ModuleWeights
 from tuner.networks.formats import FUSED_METADATA, layout_of
 from tuner.networks.fused import FusedLayer, split
-from tuner.networks.keys import COMFY_PREFIX, DIFFUSERS_PREFIXES, KOHYA_PREFIXES
+from tuner.networks.keys import COMFY_PREFIX, DIFFUSERS_PREFIXES, KOHYA_PREFIXES, own_name
 
 
 @dataclass(frozen=True)
@@ -197,13 +197,15 @@ def canonical_modules(
 
 def _names_of_stem(stem: str, keys: ArchitectureKeys) -> str | tuple[FusedLayer, str, list[str]]:
     """The diffusers name a stem stands for, or (layer, original, parts) for a fused layer."""
+    if (name := own_name(keys, stem)) is not None:  # stems the table names itself (SDXL's text encoders)
+        return name
     layout = layout_of(stem)
     if layout == "diffusers":
         return next(stem.removeprefix(p) for p in DIFFUSERS_PREFIXES if stem.startswith(p))
     if layout == "comfy":
         original = stem.removeprefix(COMFY_PREFIX)
         return keys.fused_layer(original) or keys.to_diffusers(original)
-    if layout == "kohya":
+    if layout == "kohya" and stem.startswith(KOHYA_PREFIXES):
         body = next(stem.removeprefix(p) for p in KOHYA_PREFIXES if stem.startswith(p))
         return keys.fused_layer(body, kohya=True) or keys.from_kohya(body)
     raise KeyError(f"unknown stem layout of {stem!r}")

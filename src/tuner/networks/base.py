@@ -237,6 +237,7 @@ class AdapterNetwork(nn.Module):
         self._by_name: dict[str, AdapterModule] = {a.name: a for a in self.adapters}
         self.name_map = name_map or identity_name_map
         self.prefix = prefix
+        self.lr_by_prefix: dict[str, float] = {}  # module-name prefix -> its learning rate (`param_groups`)
         self.attach()
 
     # --- the collection ---------------------------------------------------------------------------
@@ -263,21 +264,18 @@ class AdapterNetwork(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def param_groups(self, lr: float, loraplus_lr_ratio: float | None = None) -> list[dict[str, Any]]:
-        """Optimizer parameter groups. With LoRA+, the output-side parameters (`up_parameters`: LoRA's
-        up matrices) get lr * loraplus_lr_ratio."""
-        trainable = self.trainable_parameters()
-        group = self.network_type
-        if not loraplus_lr_ratio:
-            return [{"params": trainable, "lr": lr, "name": group}]
-        up_ids = {id(p) for adapter in self for p in adapter.up_parameters()}
-        return [
-            {"params": [p for p in trainable if id(p) not in up_ids], "lr": lr, "name": f"{group}_down"},
-            {
-                "params": [p for p in trainable if id(p) in up_ids],
-                "lr": lr * loraplus_lr_ratio,
-                "name": f"{group}_up",
-            },
-        ]
+        """Optimizer parameter groups. Adapters whose name starts with a key of `lr_by_prefix` (SDXL's
+        text encoders, `te1.` / `te2.`) train at that key's rate, the others at `lr`. With LoRA+, the
+        output-side parameters (`up_parameters`: LoRA's up matrices) get the rate × loraplus_lr_ratio."""
+        own = tuple(self.lr_by_prefix)
+        parts = {"": [a for a in self if not a.name.startswith(own)] if own else list(self)}
+        parts |= {prefix: [a for a in self if a.name.startswith(prefix)] for prefix in own}
+        groups = []
+        for prefix, adapters in parts.items():
+            name = self.network_type + (f"_{prefix.rstrip('.')}" if prefix else "")
+            if adapters:
+                groups += _groups(adapters, self.lr_by_prefix.get(prefix, lr), loraplus_lr_ratio, name)
+        return groups
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Hook for networks that change how the optimizer steps (full fine-tune's stochastic
@@ -390,3 +388,21 @@ class AdapterNetwork(nn.Module):
                 f"{[self.file_name(n) for n in missing[:5]]} (saved with other targets?)"
             )
         return resolved
+
+
+def _groups(
+    adapters: list[AdapterModule], lr: float, loraplus_lr_ratio: float | None, name: str
+) -> list[dict]:
+    """One optimizer group of the adapters' trainable parameters, or two with LoRA+ (up × ratio)."""
+    trainable = [p for adapter in adapters for p in adapter.parameters() if p.requires_grad]
+    if not loraplus_lr_ratio:
+        return [{"params": trainable, "lr": lr, "name": name}]
+    up_ids = {id(p) for adapter in adapters for p in adapter.up_parameters()}
+    return [
+        {"params": [p for p in trainable if id(p) not in up_ids], "lr": lr, "name": f"{name}_down"},
+        {
+            "params": [p for p in trainable if id(p) in up_ids],
+            "lr": lr * loraplus_lr_ratio,
+            "name": f"{name}_up",
+        },
+    ]

@@ -13,7 +13,7 @@ ranks and alphas come from the file.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -129,12 +129,16 @@ def apply_adapter_file(
     prefix: str = COMFY_PREFIX,
     dtype: torch.dtype = torch.float32,
     name_map_inverse: NameMap | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> AdapterNetwork:
     """Attach the adapter stored in `path` to `model` for inference: the network is in eval mode and
     frozen. `name_map` and `prefix` are the architecture's, as used when saving; original-name stems
     (comfy or kohya) need `name_map`, diffusers/PEFT stems need nothing; fused layers are split when the
-    name map declares them. `name_map_inverse` is a fallback for comfy stems, as in `load_weights`."""
+    name map declares them. `name_map_inverse` is a fallback for comfy stems, as in `load_weights`.
+    `keep` picks the file's stems that belong to `model` (a file may also hold a text encoder's)."""
     modules, metadata = read_modules(path)
+    if keep is not None:
+        modules = {stem: weights for stem, weights in modules.items() if keep(stem)}
     where = describe_source(path)
     modules = expand_fused(modules, getattr(name_map, "fused", ()), metadata, prefix, KOHYA_PREFIXES)
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}

@@ -62,9 +62,11 @@ from tuner.networks.keys import (
     COMFY_PREFIX,
     DIFFUSERS_PREFIXES,
     KOHYA_PREFIXES,
+    KOHYA_TEXT_PREFIXES,
     NameMap,
     describe_source,
     identity_name_map,
+    own_stem,
     read_safetensors,
     split_keys,
 )
@@ -100,7 +102,7 @@ def layout_of(stem: str) -> str:
     """The layout a stem is written in, by its prefix: comfy, kohya, diffusers or unknown."""
     if stem.startswith(COMFY_PREFIX):
         return "comfy"
-    if stem.startswith(KOHYA_PREFIXES):
+    if stem.startswith(KOHYA_PREFIXES + KOHYA_TEXT_PREFIXES):
         return "kohya"
     if stem.startswith(DIFFUSERS_PREFIXES):
         return "diffusers"
@@ -272,17 +274,18 @@ def layout_state(
         raise TunerError(f"unknown adapter layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     state: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
+    own = {name: stem for name in modules if (stem := own_stem(name_map, name, layout)) is not None}
     if layout == "diffusers":
         folded = {}
         for name, weights in modules.items():
             lora = _fold(to_lora(weights), name)
             folded[name] = weights.scale * lora.rank
             for suffix, tensor in module_tensors(lora, layout, dtype).items():
-                state[f"{DIFFUSERS_PREFIX}{name}.{suffix}"] = tensor
+                state[f"{own.get(name, DIFFUSERS_PREFIX + name)}.{suffix}"] = tensor
         metadata[FOLDED_ALPHA] = uniform_or_json(folded)
         return state, metadata
-    originals, records = original_modules(modules, name_map)
-    stems: dict[str, ModuleWeights] = {}
+    stems: dict[str, ModuleWeights] = {stem: modules[name] for name, stem in own.items()}
+    originals, records = original_modules({n: w for n, w in modules.items() if n not in own}, name_map)
     for original, weights in originals.items():
         if isinstance(weights, FusedParts):
             stems |= {part_stem(name, layout): part for name, part in weights.parts.items()}

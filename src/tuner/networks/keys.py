@@ -32,11 +32,30 @@ from safetensors import safe_open
 from tuner.errors import CheckpointError
 
 NameMap = Callable[[str], str]
-"""Maps a diffusers module name to the original-release module name."""
+"""Maps a diffusers module name to the original-release module name. A name map may also name some
+modules' whole stems itself: a method `stem(name, layout) -> str | None` (None: the usual stem), and back,
+`name_of_stem(stem) -> str | None`. SDXL's does, for its text encoders (`lora_te1_...`) and diffusers'
+`unet.` prefix."""
+
+
+def own_stem(name_map: NameMap | None, name: str, layout: str) -> str | None:
+    """The stem `name_map` gives module `name` in `layout` itself, or None (the layout's usual stem)."""
+    stem = getattr(name_map, "stem", None)
+    return stem(name, layout) if stem is not None else None
+
+
+def own_name(name_map: NameMap | None, stem: str) -> str | None:
+    """The module a stem of `own_stem`'s names (the name map's `name_of_stem`), or None."""
+    name_of_stem = getattr(name_map, "name_of_stem", None)
+    return name_of_stem(stem) if name_of_stem is not None else None
+
 
 COMFY_PREFIX = "diffusion_model."
 KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
-DIFFUSERS_PREFIXES = ("transformer.", "base_model.model.")
+KOHYA_TEXT_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_")  # kohya's text encoders' (SD, SDXL)
+# diffusers' prefix of the denoiser (`unet.` in UNet pipelines) and of its text encoders' LoRA parts
+DIFFUSERS_PREFIXES = ("transformer.", "base_model.model.", "unet.", "text_encoder.", "text_encoder_2.")
+ADAPTER_LAYOUTS = ("comfy", "kohya", "diffusers")
 
 
 def identity_name_map(name: str) -> str:
@@ -141,6 +160,7 @@ class ModuleNameIndex:
             stems.update(p + name for p in DIFFUSERS_PREFIXES)
             # kohya stems are written from original names by musubi; accept diffusers names too.
             stems.update(k + n.replace(".", "_") for k in KOHYA_PREFIXES for n in (*originals, name))
+            stems.update(s for layout in ADAPTER_LAYOUTS if (s := own_stem(name_map, name, layout)))
             for stem in stems:
                 self._add(stem, name)
 

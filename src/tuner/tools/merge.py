@@ -50,7 +50,18 @@ def merge_adapters(
     work: dict[str, torch.Tensor] = {}  # stored key -> fp32 weight being merged into
     changed = {}
     for path, strength in adapters:
-        originals = _original_modules(path, checkpoint, arch)
+        originals, outside = _original_modules(path, checkpoint, arch)
+        for (key, part, parts), weights in outside.items():  # SDXL's text encoders, in a bundled file
+            if key not in checkpoint.tensors:
+                raise CheckpointError(f"{path}: its text-encoder parts merge into a bundled checkpoint that holds "
+                                      f"the text encoders; {model} has no {key}")  # fmt: skip
+            weight = work.get(key)
+            if weight is None:
+                weight = work[key] = checkpoint.tensors[key].float()
+            rows = weight.chunk(parts)[part]  # a view: q, k or v of a fused in_proj, else the whole weight
+            if tuple(rows.shape) != weights.shape:
+                raise CheckpointError(f"{path}: {key} does not fit its adapter's {weights.shape} update")
+            rows += strength * weights.effective_delta(rows)
         for module, weights in originals.items():
             key = checkpoint.stored[module + ".weight"]
             weight = work.get(key)
@@ -61,7 +72,7 @@ def merge_adapters(
                     f"{path}: {module} updates a {weights.shape} weight, the checkpoint's is {tuple(weight.shape)}"
                 )
             weight += strength * weights.effective_delta(weight)
-        changed[str(path)] = len(originals)
+        changed[str(path)] = len(originals) + len(outside)
     for key, weight in work.items():
         checkpoint.tensors[key] = weight.to(checkpoint.tensors[key].dtype)
     if dtype:
@@ -80,19 +91,26 @@ def merge_adapters(
 
 def _original_modules(
     path: str, checkpoint: Checkpoint, arch: str | None
-) -> dict[str, ModuleWeights | FusedParts]:
+) -> tuple[dict[str, ModuleWeights | FusedParts], dict[tuple[str, int, int], ModuleWeights]]:
     """The adapter's modules by the checkpoint's (original) module names; the parts of a fused layer
-    that carry column-wise DoRA stay apart (`FusedParts`) and update the fused weight's rows each."""
+    that carry column-wise DoRA stay apart (`FusedParts`) and update the fused weight's rows each. Also
+    the modules of models beside the component (SDXL's text encoders), by the table's
+    `checkpoint_weight(name)`: (stored key, part, parts) of the rows they update."""
     modules, metadata = read_modules(path)
     names = checkpoint.modules()
     kohya_index = _kohya_index(names)
     out: dict[str, ModuleWeights | FusedParts] = {}
+    outside: dict[tuple[str, int, int], ModuleWeights] = {}
     via_table: dict[str, ModuleWeights] = {}
     for stem, weights in modules.items():
         layout = layout_of(stem)
         if layout == "comfy" and (body := stem.removeprefix(COMFY_PREFIX)) in names:
             out[body] = weights
-        elif layout == "kohya" and (body := _kohya_body(stem)) in kohya_index:
+        elif (
+            layout == "kohya"
+            and stem.startswith(KOHYA_PREFIXES)
+            and (body := _kohya_body(stem)) in kohya_index
+        ):
             if len(kohya_index[body]) > 1:
                 raise CheckpointError(f"{path}: {stem} fits several modules: {sorted(kohya_index[body])}")
             out[next(iter(kohya_index[body]))] = weights
@@ -104,6 +122,8 @@ def _original_modules(
             architecture_keys(arch) if arch else detect_architecture(via_table, metadata, str(path), context)
         )
         canonical = canonical_modules(via_table, keys, metadata, str(path))
+        if weight_of := getattr(keys, "checkpoint_weight", None):
+            outside = {found: canonical.pop(name) for name in list(canonical) if (found := weight_of(name))}
         for original, weights in original_modules(canonical, keys)[0].items():
             if original in out:
                 raise CheckpointError(f"{path}: {original} is stored twice (under several names)")
@@ -114,7 +134,7 @@ def _original_modules(
             f"{path}: {len(unknown)} adapted modules are not in the checkpoint, e.g. {unknown[:5]} "
             "(another architecture or variant?)"
         )
-    return out
+    return out, outside
 
 
 def _kohya_body(stem: str) -> str:

@@ -33,9 +33,9 @@ from torch import nn
 from tuner import registry
 from tuner.config import Config
 from tuner.dtypes import DTYPES
-from tuner.errors import CheckpointError, TrainingError
+from tuner.errors import CheckpointError, ConfigError, TrainingError
 from tuner.optim import averaged_weights, schedule_free
-from tuner.trainers import report
+from tuner.trainers import board, report
 
 
 @dataclass
@@ -101,6 +101,10 @@ class NetworkTrainer:
     # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
     objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
+    text_encoder_trainable: ClassVar[bool] = False  # whether network.train_text_encoder is offered (SDXL)
+    # generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as
+    # diffusers' `force_zeros_for_empty_prompt`: SDXL's caption dropout zeroed the conditioning)
+    zero_empty_negative: ClassVar[bool] = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -218,6 +222,49 @@ class NetworkTrainer:
         """Classifier-free guidance as the model's own pipeline applies it (plain by default)."""
         return v_uncond + scale * (v_cond - v_uncond)
 
+    def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
+                    guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
+        """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas` (one pass over the
+        whole latent). Models that generate in parts (FramePack's sections) override it."""
+        from tuner.sampling import euler_sample
+
+        return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
+                            combine=self.combine_guidance)  # fmt: skip
+
+    # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
+    @property
+    def trains_text_encoder(self) -> bool:
+        """Whether the text encoders train: their outputs are then computed at every step, not cached.
+        Every command that caches or trains asks, so a model that cannot is refused before any work."""
+        nc = self.cfg.network
+        if nc.train_text_encoder and (not self.text_encoder_trainable or nc.type == "full"):
+            raise ConfigError(
+                f"{self.cfg.path}: network.train_text_encoder: "
+                + (f"{self.architecture} trains no text encoder adapter" if not self.text_encoder_trainable
+                   else "a full fine-tune trains the denoiser only; use an adapter type")
+            )  # fmt: skip
+        return nc.train_text_encoder
+
+    def load_text_cache_encoder(self, device: torch.device, dtype: str):
+        """What `tuner cache text` encodes with: `load_text_encoder`'s, unless the text encoders train
+        (then what makes their inputs, e.g. the tokenizers)."""
+        return self.load_text_encoder(device, dtype)
+
+    def encode_text_cache(self, encoder, captions: list[str], controls) -> list[dict[str, torch.Tensor]]:
+        """The text cache entries of `captions`: `encode_text`'s, unless the text encoders train (then their
+        inputs, e.g. token ids, which `collate_text` and `predict` take)."""
+        return self.encode_text(encoder, captions, controls)
+
+    def attach_adapter_file(self, model: nn.Module, path: str, strength: float):
+        """generate: attach an adapter file to the denoiser (`tuner.networks.apply_adapter_file`)."""
+        from tuner.networks.factory import apply_adapter_file
+
+        return apply_adapter_file(model, path, strength, name_map=self.layout)
+
+    def attach_text_adapters(self, encoder, loras: list[tuple[str, float]]) -> None:
+        """generate: attach the text-encoder parts of adapter files to what `load_text_encoder` returned;
+        an architecture whose files hold none does nothing."""
+
     # --- for the subclasses ----------------------------------------------------------------------
     def weights_path(self, component: str) -> str:
         """Path of a model component from the config, with a clear error if it is not set."""
@@ -294,9 +341,16 @@ class NetworkTrainer:
         objective = self.training_objective()
         t = objective.discretize(t)  # DDPM: the noise level the model is told is the one it gets
         noisy = objective.add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
+        cond = dict(cond)
+        weights = cond.pop("loss_mask", None)  # a dataset's cached loss mask (`tuner.data.masks`)
+        factor = cond.pop("loss_weight", None)  # a dataset's loss_weight (regularization sets), per sample
         with accelerator.autocast():
             pred = self.predict(model, noisy, t, cond)
-        return objective.loss(pred.float(), x0, noise, t, mask=self.loss_mask(x0, cond))
+        mask = self.loss_mask(x0, cond)
+        if weights is not None:  # [B, 1, *latent grid]: broadcasts over channels
+            mask = weights if mask is None else mask * weights
+        loss = objective.loss(pred.float(), x0, noise, t, mask=mask)
+        return loss if factor is None else loss * factor.mean()  # a batch holds one dataset: one factor
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
@@ -434,6 +488,7 @@ class NetworkTrainer:
             log(f"note: {note}")
         if cfg.log.tensorboard:
             accelerator.init_trackers("tuner", config=report.flat_scalars(cfg))
+            board.start(accelerator, self.timestep_sampler(), out / "logs", log)
         run = _Run(
             accelerator, model, trained, optimizer, scheduler, data, held_out, self.timestep_sampler(),
             checkpoints, samples, report.adapter_metadata(self, data), total_steps,
@@ -442,7 +497,7 @@ class NetworkTrainer:
         if sf := schedule_free(optimizer):
             sf.train()  # schedule-free optimizers take their steps in train mode
         if samples and sc.at_start and pos.step == 0:
-            samples.draw(model, trained, 0, log)
+            board.log_samples(accelerator, samples.draw(model, trained, 0, log), 0)
         run.ema, run.fused = parts.get("ema"), fused
         run.progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         _freeze_gc()  # the model, data plan and optimizer: long-lived, never garbage
@@ -541,7 +596,8 @@ class NetworkTrainer:
             if run.samples:  # the main process draws; the others wait for it
                 ema = run.ema.applied() if run.ema and sc.use_ema else contextlib.nullcontext()
                 with averaged_weights(run.optimizer), ema:
-                    run.samples.draw(run.model, run.trained, run.pos.step, run.log)
+                    written = run.samples.draw(run.model, run.trained, run.pos.step, run.log)
+                    board.log_samples(run.accelerator, written, run.pos.step)
             run.accelerator.wait_for_everyone()
 
     def _maybe_validate(self, run: _Run) -> None:

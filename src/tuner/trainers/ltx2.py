@@ -130,11 +130,15 @@ class LTX2Trainer(NetworkTrainer):
 
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
              accelerator) -> torch.Tensor:  # fmt: skip
-        """The video stream's flow-matching loss, plus the audio stream's where the batch has sound."""
+        """The video stream's flow-matching loss (with the dataset's loss mask, as the base loss), plus the
+        audio stream's where the batch has sound; times the dataset's loss_weight."""
         objective = self.training_objective()
         t = objective.discretize(t)
         dtype = DTYPES[self.cfg.model.dtype]
         noisy = objective.add_noise(x0, noise, t).to(dtype)
+        cond = dict(cond)
+        weights = cond.pop("loss_mask", None)  # a dataset's cached loss mask (`tuner.data.masks`)
+        factor = cond.pop("loss_weight", None)  # a dataset's loss_weight, per sample
         audio = cond.get("audio_latents")
         if audio is None:
             noisy_audio, audio_t = self._silent_audio(model, noisy), torch.ones_like(t)
@@ -142,10 +146,13 @@ class LTX2Trainer(NetworkTrainer):
             noisy_audio, audio_t = objective.add_noise(audio, cond["audio_noise"], t).to(dtype), t
         with accelerator.autocast():
             video_pred, audio_pred = self.forward_streams(model, noisy, t, noisy_audio, audio_t, cond)
-        loss = objective.loss(video_pred.float(), x0, noise, t, mask=self.loss_mask(x0, cond))
+        mask = self.loss_mask(x0, cond)
+        if weights is not None:
+            mask = weights if mask is None else mask * weights
+        loss = objective.loss(video_pred.float(), x0, noise, t, mask=mask)
         if audio is not None:
             loss = loss + objective.loss(audio_pred.float(), audio, cond["audio_noise"], t)
-        return loss
+        return loss if factor is None else loss * factor.mean()
 
     # --- generation with sound -------------------------------------------------------------------
     def sound_latent_shape(self, frames: int) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 from tuner.config import Config
@@ -19,9 +20,14 @@ def summary(trainer, network, data, total_steps: int, steps_per_epoch: int, acce
         f"a {nc.type}{' + DoRA' if nc.dora else ''} (rank {nc.rank}, alpha {nc.alpha})"
     )  # fmt: skip
     batch = data.summary()
+    text = []
+    if trainer.trains_text_encoder:
+        text = [f"  text encoders         trained too (lr {nc.text_encoder_lr or tc.learning_rate:g}): their outputs "
+                "are computed at every step; cached text outputs are not used"]  # fmt: skip
     return "\n".join(
         [
             f"tuner: training {what} on {trainer.architecture}",
+            *text,
             f"  trainable parameters  {trainable:,} in {len(network)} modules",
             f"  data                  {batch['samples']} samples, {batch['batches_per_epoch']} batches/epoch, "
             f"buckets {', '.join(batch['buckets'])}",
@@ -46,7 +52,9 @@ def _batch_size(data) -> str:
         size, largest = data.specs[index].batch_size, max(len(items) for items in buckets.values())
         sizes.add(min(size, largest))
         if largest < size:
-            capped.append(f"datasets[{index}] has batch_size {size} but at most {largest} items per bucket")
+            capped.append(
+                f"datasets[{data.specs[index].index}] has batch_size {size} but at most {largest} items per bucket"
+            )
     text = "/".join(str(s) for s in sorted(sizes))
     return f"{text} ({'; '.join(capped)})" if capped else text
 
@@ -62,8 +70,10 @@ def adapter_metadata(trainer, data) -> dict[str, str]:
             "tuner.merged_adapters": json.dumps([[Path(path).name, strength] for path, strength in merges])
         }
     return {
+        **modelspec(cfg),
         **merged,
         "tuner.architecture": trainer.architecture,
+        "tuner.dataset_size": str(data.summary()["samples"]),
         "tuner.base_model": Path(cfg.model.transformer).name,
         "tuner.base_model_fingerprint": fingerprint_weights(cfg.model.transformer),
         "tuner.dataset": json.dumps(data.summary()),
@@ -71,6 +81,35 @@ def adapter_metadata(trainer, data) -> dict[str, str]:
             {**asdict(cfg.train), "timesteps": asdict(cfg.timesteps), "network": asdict(cfg.network)}
         ),
     }
+
+
+# what each saved layout is loaded by (ModelSpec's `implementation`)
+_IMPLEMENTATIONS = {
+    "comfy": "https://github.com/comfyanonymous/ComfyUI",
+    "diffusers": "https://github.com/huggingface/diffusers",
+    "kohya": "https://github.com/kohya-ss/sd-scripts",
+}
+
+
+def modelspec(cfg: Config, now: datetime | None = None) -> dict[str, str]:
+    """The ModelSpec keys (`modelspec.*`) that galleries and UIs read from a saved adapter, plus the
+    adapter's rank and alpha under `tuner.*`."""
+    nc = cfg.network
+    training = [d for d in cfg.datasets if not d.validation] or list(cfg.datasets)
+    width, height = training[0].resolution if training else (0, 0)
+    full = nc.type == "full"
+    spec = {
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": cfg.model.architecture if full else f"{cfg.model.architecture}/{nc.type}",
+        "modelspec.title": cfg.save.output_name,
+        "modelspec.resolution": f"{width}x{height}",
+        "modelspec.date": (now or datetime.now(timezone.utc)).isoformat(timespec="seconds"),
+        "modelspec.implementation": _IMPLEMENTATIONS[cfg.save.format],
+        **({"modelspec.trigger_phrase": cfg.save.trigger_phrase} if cfg.save.trigger_phrase else {}),
+    }
+    if not full:
+        spec |= {"tuner.rank": str(nc.rank), "tuner.alpha": str(nc.alpha)}
+    return spec
 
 
 def flat_scalars(cfg: Config) -> dict[str, int | float | str | bool]:

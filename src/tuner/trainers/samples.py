@@ -1,7 +1,7 @@
 """Samples drawn while training: the configured prompts, rendered with the model as it is being trained.
 
 The prompts (and any control images) are encoded once, before the first step, and the text encoder is
-dropped again; at each sampling step the adapters switch to eval mode (no dropout), the latents are
+dropped again (when the text encoders train too, at each sampling step, by them as they are then); at each sampling step the adapters switch to eval mode (no dropout), the latents are
 denoised by the same code `tuner generate` uses, and the VAE is loaded just long enough to decode.
 Nothing here draws from the global random state, so a run with samples trains exactly like one without.
 """
@@ -41,7 +41,13 @@ class TrainingSamples:
         trained.eval()
         written = []
         dtype = DTYPES[self.cfg.model.dtype]
-        for i, (opts, (cond, uncond)) in enumerate(zip(self.options, self.conditions)):
+        conditions = self.conditions
+        if self.trainer.trains_text_encoder:  # encoded again, by the text encoders as trained so far
+            with torch.no_grad():
+                conditions = [
+                    encode_conditions(self.trainer, self.cfg, opts, self.device) for opts in self.options
+                ]
+        for i, (opts, (cond, uncond)) in enumerate(zip(self.options, conditions)):
             latents = sample_latents(
                 self.trainer, model, opts, cond, uncond, self.device, dtype, progress=False
             )
