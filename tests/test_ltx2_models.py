@@ -164,6 +164,11 @@ def test_loss_covers_both_streams(pipe, tmp_path):
             a, flow_target(audio, audio_noise), t, "none"
         )
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=1e-6)
+    # a dataset's loss mask weighs the video stream only; its loss_weight scales the sum
+    masked = {**with_sound, "loss_mask": torch.zeros(1, 1, *x0.shape[2:]), "loss_weight": torch.tensor([2.0])}
+    with torch.no_grad():
+        audio_only = flow_loss(a, flow_target(audio, audio_noise), t, "none")
+        torch.testing.assert_close(trainer.loss(model, x0, noise, t, masked, _Accelerator()), 2 * audio_only)
     model.zero_grad()
     silent = trainer.loss(model, x0, noise, t, cond, _Accelerator())
     silent.backward()
