@@ -108,7 +108,8 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
         write_fixture(architecture, model)
     print(f"== dataset: generated images{' and videos' if video else ''} → {out / 'data'}")
     images = trainer_class(architecture).supports_images
-    write_demo_dataset(out / "data", videos=2 if video else 0, controls=controls)
+    sound = trainer_class(architecture).audio_format is not None  # audio-video models: videos with a tone
+    write_demo_dataset(out / "data", videos=2 if video else 0, controls=controls, tone=sound)
     width, height = demo_size(architecture)
     dataset = GENERAL_TOML.format(width=width, height=height)
     dataset += IMAGES_TOML + (CONTROLS_TOML if controls else "") if images else ""

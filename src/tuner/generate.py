@@ -147,10 +147,22 @@ def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: di
                    progress: bool = True) -> torch.Tensor:  # fmt: skip
     """Denoise from the seed's noise to latents [1, ...] with the model as it is (adapters attached)."""
     shape = trainer.latent_shape(opts.width, opts.height, opts.frames)
-    noise = torch.randn((1, *shape), generator=torch.Generator().manual_seed(opts.seed))
+    generator = torch.Generator().manual_seed(opts.seed)
+    noise = torch.randn((1, *shape), generator=generator)
 
     def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
         return trainer.predict(model, x.to(dtype), t / 1000, c).float()
+
+    sound_shape = trainer.sound_latent_shape(opts.frames) if trainer.audio_format else None
+    if sound_shape is not None:  # audio-video models: both streams denoised together, as one tensor
+        sound = torch.randn((1, *sound_shape), generator=generator)  # drawn after the video's noise
+        size = noise[0].numel()
+        noise = torch.cat([noise.flatten(1), sound.flatten(1)], 1)
+
+        def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:  # noqa: F811
+            video, audio = x[:, :size].reshape(-1, *shape), x[:, size:].reshape(-1, *sound_shape)
+            v, a = trainer.predict_streams(model, video.to(dtype), audio.to(dtype), t / 1000, c)
+            return torch.cat([v.float().flatten(1), a.float().flatten(1)], 1)
 
     if trainer.objective == "ddpm":  # SDXL: diffusers' Euler / DPM++ 2M on the trained schedule
         from tuner.ddpm import ddpm_sample
@@ -159,18 +171,29 @@ def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: di
                            opts.guidance_scale, opts.sampler, progress, trainer.combine_guidance)  # fmt: skip
     shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
     with torch.no_grad():
-        return trainer.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
-                                   opts.guidance_scale, progress)  # fmt: skip
+        latents = trainer.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
+                                      opts.guidance_scale, progress)  # fmt: skip
+    if sound_shape is None:
+        return latents
+    size = math.prod(shape)
+    return latents[:, :size].reshape(-1, *shape), latents[:, size:].reshape(-1, *sound_shape)
 
 
-def decode_and_write(trainer, cfg, latents: torch.Tensor, out: str | Path, device) -> Path:
-    """Load the VAE, decode, write the PNG or mp4, drop the VAE."""
+def decode_and_write(trainer, cfg, latents, out: str | Path, device) -> Path:
+    """Load the VAE, decode, write the PNG or mp4, drop the VAE. `latents` is the video's, or for
+    audio-video models (video, sound), whose sound is muxed into the mp4."""
+    latents, sound = latents if isinstance(latents, tuple) else (latents, None)
     vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
     with torch.no_grad():
         pixels = trainer.decode_latents(vae, latents)[0]
     del vae
     _release_memory()
-    return write_media(pixels, out, trainer.model_fps)
+    audio = None
+    if sound is not None:
+        with torch.no_grad():
+            audio = trainer.decode_sound(sound, device, DTYPES[cfg.model.vae_dtype])
+        _release_memory()
+    return write_media(pixels, out, trainer.model_fps, audio)
 
 
 def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
@@ -206,7 +229,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
             network.to(device)
             log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)
-    if not torch.isfinite(latents).all():
+    if not all(torch.isfinite(x).all() for x in (latents if isinstance(latents, tuple) else (latents,))):
         raise CheckpointError(
             "the model produced NaN or infinite values; nothing written. Likely a damaged checkpoint or "
             "adapter, or fp16 overflow (use model.dtype = 'bf16')."
@@ -227,8 +250,9 @@ def load_control_image(path: str, width: int, height: int) -> torch.Tensor:
     return to_tensor(array)
 
 
-def write_media(pixels: torch.Tensor, out: str | Path, fps: float) -> Path:
-    """[C, F, H, W] in [-1, 1] → a PNG (one frame, or `.png` asked) or an H.264 mp4."""
+def write_media(pixels: torch.Tensor, out: str | Path, fps: float, audio=None) -> Path:
+    """[C, F, H, W] in [-1, 1] → a PNG (one frame, or `.png` asked) or an H.264 mp4; `audio` =
+    (waveform [channels, samples] in [-1, 1], sample rate) adds an AAC track to the mp4."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     frames = (
@@ -244,9 +268,29 @@ def write_media(pixels: torch.Tensor, out: str | Path, fps: float) -> Path:
         stream = container.add_stream("libx264", rate=int(round(fps)))
         stream.height, stream.width = frames.shape[1] // 2 * 2, frames.shape[2] // 2 * 2
         stream.pix_fmt = "yuv420p"
+        sound = _add_audio_stream(container, audio) if audio is not None else None
         for frame in frames:
             image = np.ascontiguousarray(frame[: stream.height, : stream.width])
             container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
         container.mux(stream.encode())
+        if sound is not None:
+            _write_audio(container, sound, audio[0])
     tmp.replace(out)
     return out
+
+
+def _add_audio_stream(container, audio):
+    """An AAC stream for (waveform, rate), added before the first packet (the header names every stream)."""
+    waveform, rate = audio
+    return container.add_stream("aac", rate=int(rate), layout="stereo" if waveform.shape[0] == 2 else "mono")
+
+
+def _write_audio(container, stream, waveform: torch.Tensor) -> None:
+    samples = waveform.float().clamp(-1, 1).cpu().numpy()
+    layout = "stereo" if samples.shape[0] == 2 else "mono"
+    for start in range(0, samples.shape[1], 1024):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start : start + 1024]), format="fltp",
+                                           layout=layout)  # fmt: skip
+        frame.sample_rate, frame.pts = stream.rate, start
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode())

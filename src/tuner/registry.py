@@ -435,6 +435,46 @@ _KANDINSKY5 = Architecture(
     save_format="comfy",
 )
 
+_LTX2 = Architecture(
+    name="ltx2",
+    title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
+    trainer="tuner.trainers.ltx2:LTX2Trainer",
+    layout="tuner.models.ltx2_keys:LTX2_LAYOUT",
+    fixture="tuner.fixtures.ltx2:FIXTURE",
+    model_class="LTX2VideoTransformer3DModel",
+    block_lists=("transformer_blocks",),
+    # every attention (self, text, and audio<->video of both streams) and both feed-forwards of the
+    # blocks; the embedders, modulation and output projections are left alone
+    default_targets=(
+        r"transformer_blocks\.\d+\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
+        r"\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)",
+    ),
+    configs="ltx2",
+    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    tokenizers=(("tokenizer", "Lightricks/LTX-2:tokenizer"),),  # Gemma 3
+    hub_repos=(("19b", "Lightricks/LTX-2"),),
+)
+
+_LTX_VIDEO = Architecture(
+    name="ltx_video",
+    title="LTX-Video 0.9 text-to-video (2B)",
+    trainer="tuner.trainers.ltx_video:LTXVideoTrainer",
+    layout="tuner.models.ltx_video_keys:LTX_VIDEO_LAYOUT",
+    fixture="tuner.fixtures.ltx_video:FIXTURE",
+    model_class="LTXVideoTransformer3DModel",
+    block_lists=("transformer_blocks",),
+    # the self- and text attention and the feed-forward of every block
+    default_targets=(
+        r"transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+    ),
+    configs="ltx_video",
+    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
+    hub_repos=(("0.9", "Lightricks/LTX-Video"),),
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -577,6 +617,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         ),
         _SDXL,
         _KANDINSKY5,
+        _LTX2,
+        _LTX_VIDEO,
     )
 }
 

@@ -51,7 +51,7 @@ from tuner.cache.plan import (
 from tuner.cache.processes import CachingProcesses
 from tuner.cache.store import CacheStore, VerifyReport
 from tuner.cache.writer import WriterLock
-from tuner.data.jobs import load_control_pixels, load_job_pixels
+from tuner.data.jobs import load_control_pixels, load_job_audio, load_job_pixels
 from tuner.data.masks import load_job_mask, to_latent_grid
 from tuner.dtypes import DTYPES
 from tuner.errors import CacheError, DataError
@@ -205,7 +205,12 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     for key, job in chunk:
                         try:
                             mask = load_job_mask(job) if job.mask else None  # unreadable: on_error too
-                            loaded.append((key, job, load_job_pixels(job), load_control_pixels(job), mask))
+                            audio = load_job_audio(
+                                job
+                            )  # the clip's sound (audio-video models); bad sound too
+                            loaded.append(
+                                (key, job, load_job_pixels(job), load_control_pixels(job), mask, audio)
+                            )
                         except DataError as e:
                             if specs[job.dataset_index].on_error == "stop":
                                 raise
@@ -221,13 +226,17 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*(item[3] for item in loaded))]
                     with torch.no_grad():
                         latents = trainer.encode_latents(vae, pixels, controls)
-                    for i, (key, job, _, _, mask) in enumerate(loaded):
+                    for i, (key, job, _, _, mask, audio) in enumerate(loaded):
                         tensors = {
                             name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
                         } | trainer.latent_conditions(job)
                         if mask is not None:  # the loss mask on the latents' grid (`tuner.data.masks`)
                             grid = tuple(tensors["latents"].shape[1:])
                             tensors["loss_mask"] = to_latent_grid(mask, grid, job.mask_min_weight)
+                        if audio is not None:  # the clip's sound (audio-video models)
+                            with torch.no_grad():
+                                sound = trainer.encode_audio(vae, audio.to(dev, vae_dtype))
+                            tensors |= {name: t.detach().to("cpu").contiguous() for name, t in sound.items()}
                         meta = {
                             "bucket": job.bucket_key,
                             "encoder": encoder.label(),

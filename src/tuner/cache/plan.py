@@ -65,7 +65,15 @@ def plan_datasets(
         if not readonly or (Path(spec.cache_directory) / INDEX_NAME).exists():
             store = CacheStore(spec.cache_directory, readonly=readonly)
         probe = MemoizedProbe(store, [p for item in items for p in (item.path, *item.control_paths)])
-        jobs, more = plan_latent_jobs(spec, items, trainer.spatial_step, rule, trainer.model_fps, probe=probe)
+        jobs, more = plan_latent_jobs(
+            spec,
+            items,
+            trainer.spatial_step,
+            rule,
+            trainer.model_fps,
+            probe=probe,
+            audio_format=trainer.audio_format,
+        )
         probe.save()
         _check_controls(trainer, spec, jobs, cfg)
         _check_frames(trainer, spec, jobs, cfg)
@@ -148,8 +156,9 @@ def _fingerprint(path: str, components: tuple[str, ...]) -> str:
     return fingerprint_weights(root)
 
 
-# what each model field of `latent_encoders` loads from a diffusers pipeline root
-_LATENT_FOLDERS = {"vae": ("vae",), "image_encoder": ("image_encoder", "image_processor")}
+# what each model field of `latent_encoders` loads from a diffusers pipeline root (audio-video models
+# encode sound with the `audio_vae/` beside `vae/`; other pipelines have none, so their keys stay)
+_LATENT_FOLDERS = {"vae": ("vae", "audio_vae"), "image_encoder": ("image_encoder", "image_processor")}
 
 
 def latent_encoder(trainer) -> EncoderIdentity:

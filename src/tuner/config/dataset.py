@@ -17,6 +17,7 @@ from tuner.errors import ConfigError
 
 FrameExtraction = Literal["head", "chunk", "slide", "uniform", "full"]
 OnError = Literal["stop", "skip"]
+AudioMode = Literal["require", "optional", "ignore"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,12 @@ class SharedOptions:
         "item per epoch.",
         ge=1,
     )
+    audio: AudioMode | None = option(
+        None,
+        "Video, audio-video models (ltx2): the sound of each clip's frames, resampled to the model's rate. "
+        "'optional' trains clips without an audio track video-only, 'require' refuses them (by on_error), "
+        "'ignore' trains pictures only.",
+    )
 
 
 GENERAL_DEFAULTS = {
@@ -114,6 +121,7 @@ GENERAL_DEFAULTS = {
     "keep_tokens": 0,
     "tag_dropout_rate": 0.0,
     "caption_variants": 8,
+    "audio": "optional",
 }
 
 
@@ -203,6 +211,7 @@ class DatasetSpec:
     regularization_ratio: float = 1.0
     loss_weight: float = 1.0
     part: int = 0  # which of the table's resolutions (`resolution = [[w, h], ...]`) this spec trains
+    audio: AudioMode = "optional"
 
     @property
     def uid(self) -> int:

@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from tuner.config.dataset import DatasetSpec, OnError
+from tuner.data.audio import AudioWindow, plan_audio, read_audio_window
 from tuner.data.buckets import (
     RESIZE_METHOD,
     Crop,
@@ -76,6 +77,7 @@ class LatentJob:
     control_crops: tuple[Crop, ...]  # one per control, each to the same bucket as the source
     caption: str  # not in params(): the latent does not depend on it; training pairs the two
     dataset_index: int
+    audio: AudioWindow | None = None  # the sound the clip takes (audio-video models); None: pictures only
     captions: tuple[str, ...] = ()  # caption variants (`tuner.data.captions`); empty: just `caption`
     mask: str | None = None  # loss mask: a mask file, `masks.ALPHA` (the source's alpha), or None
     mask_min_weight: float = 0.0
@@ -89,7 +91,9 @@ class LatentJob:
         w, h, f = self.bucket
         # the control count is part of the key: a batch must have the same number of control latents
         key = f"{w}x{h}x{f}" + (f"_c{len(self.control_paths)}" if self.control_paths else "")
-        return key + ("_m" if self.mask else "")  # masked items batch together: their loss_mask stacks
+        key += "_m" if self.mask else ""  # masked items batch together: their loss_mask stacks
+        # so does the sound: clips with and without it, or of other lengths, do not stack
+        return key + (f"_a{self.audio.samples}" if self.audio else "")
 
     @property
     def input_paths(self) -> tuple[str, ...]:
@@ -106,6 +110,7 @@ class LatentJob:
             "resize_method": RESIZE_METHOD,
             "controls": [{"resize": list(c.resized), "crop": list(c.box)} for c in self.control_crops],
             "pixel_pipeline": PIXEL_PIPELINE_VERSION,
+            **({"audio": self.audio.params()} if self.audio else {}),
         } | (self._mask_params() if self.mask else {})  # unmasked jobs keep the keys they always had
 
     def _mask_params(self) -> dict:
@@ -179,6 +184,7 @@ def _jobs_for_item(
     mismatched_fps: set[float],
     scales: list[float],
     probe: Probe,
+    audio_format: tuple[int, int] | None,
 ) -> list[LatentJob]:
     no_upscale = spec.bucket_no_upscale and spec.enable_bucket  # one fixed size means no per-item sizes
     info = probe(item.path, item.kind != "image")
@@ -205,6 +211,10 @@ def _jobs_for_item(
     scales.append(max(bucket[0] / w, bucket[1] / h))
     control_crops = _probe_controls(item, bucket, windows, probe)
     mask = _probe_mask(spec, item, (w, h), windows, probe)
+    fps = spec.source_fps or info.fps
+    sounds = [
+        plan_audio(item.path, spec.audio, win, fps, audio_format) if audio_format else None for win in windows
+    ]
     return [
         LatentJob(
             source=item.path,
@@ -219,8 +229,9 @@ def _jobs_for_item(
             captions=item.captions,
             mask=mask,
             mask_min_weight=spec.mask_min_weight if mask else 0.0,
+            audio=sound,
         )
-        for win in windows
+        for win, sound in zip(windows, sounds)
     ]
 
 
@@ -232,6 +243,7 @@ def plan_latent_jobs(
     model_fps: float | None = None,
     on_error: OnError | None = None,
     probe: Probe = probe_media,
+    audio_format: tuple[int, int] | None = None,
 ) -> tuple[list[LatentJob], list[str]]:
     """Probe every item (with `probe`) and plan its latent jobs; return (jobs, problems).
 
@@ -239,6 +251,8 @@ def plan_latent_jobs(
     FrameRule(4, 1)), `model_fps` the rate videos are resampled to when the spec sets source_fps.
     A file that cannot be read raises DataError with on_error="stop" (default: the spec's), or is
     reported by name and left out with "skip". A target_frames the model cannot take is a ConfigError.
+    `audio_format` = (sample rate, channels) of models that also learn sound: video jobs then carry
+    the sound of their frames as the dataset's `audio` option says (`tuner.data.audio.plan_audio`).
     """
     on_error = on_error or spec.on_error
     _check_targets(spec, valid_frames)
@@ -256,8 +270,9 @@ def plan_latent_jobs(
     for item in items:
         try:
             jobs += _jobs_for_item(
-                spec, item, buckets, step, valid_frames, model_fps, problems, mismatched_fps, scales, probe
-            )
+                spec, item, buckets, step, valid_frames, model_fps, problems, mismatched_fps, scales, probe,
+                audio_format,
+            )  # fmt: skip
         except DataError as e:
             if on_error == "stop":
                 raise
@@ -315,3 +330,8 @@ def load_control_pixels(job: LatentJob) -> list[torch.Tensor]:
         _load(path, job.kind, job.frame_indices, crop, job.bucket[:2])
         for path, crop in zip(job.control_paths, job.control_crops)
     ]
+
+
+def load_job_audio(job: LatentJob) -> torch.Tensor | None:
+    """The sound of the job's clip as planned: float32 [channels, samples], or None (pictures only)."""
+    return None if job.audio is None else read_audio_window(job.source, job.audio)

@@ -47,6 +47,8 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("input_blocks.0.0.weight", "down_blocks.0.resnets.0.conv1.weight"),
     ),
     ("Stable Diffusion 3 / 3.5 MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",)),
+    ("an LTX-2 transformer (architecture ltx2)", ("av_ca_a2v_gate_adaln_single.", "audio_patchify_proj.")),
+    ("an LTX-Video 0.9 transformer (architecture ltx_video)", ("patchify_proj.weight",)),
     ("Wan 2.1 transformer (original layout)", ("blocks.0.self_attn.q.weight",)),
     ("Wan 2.1 transformer (diffusers layout)", ("blocks.0.attn1.to_q.weight",)),
     ("Wan VAE", ("encoder.downsamples.0.residual.0.gamma", "encoder.down_blocks.0.norm1.gamma")),

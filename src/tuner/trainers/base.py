@@ -94,6 +94,9 @@ class NetworkTrainer:
     timestep_mode: ClassVar[str] = "shift"  # what timesteps.mode = "auto" means for this model
     sample_shift: ClassVar[float | str] = 3.0  # generate's default flow shift, or a RESOLUTION_SHIFTS name
     latent_patch: ClassVar[tuple[int, ...]] = (1, 2, 2)  # latent elements per token along (F, H, W)
+    audio_format: ClassVar[tuple[int, int] | None] = (
+        None  # (sample rate, channels) of models that learn sound
+    )
     first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V models)
     # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
     objective: ClassVar[str] = "flow"
@@ -152,6 +155,25 @@ class NetworkTrainer:
         sized (its `tuner.data.jobs.LatentJob`: source and crop); none by default. SDXL's size
         conditioning comes from here."""
         return {}
+
+    def encode_audio(self, encoder, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Audio-video models (`audio_format` set): the latent entry's tensors for a clip's sound, float
+        [channels, samples] at `audio_format`'s rate; `encoder` is what `load_latent_encoder` returned."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def sound_latent_shape(self, frames: int) -> tuple[int, ...]:
+        """Audio-video models: the shape (without batch) of the sound latents of a clip of `frames`
+        frames, which generation denoises beside the video's."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def predict_streams(self, model: nn.Module, noisy: torch.Tensor, noisy_sound: torch.Tensor, t: torch.Tensor,
+                        cond: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Audio-video models: the velocities of both streams at the same t (generation)."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def decode_sound(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        """Audio-video models: sound latents [1, ...] → (waveform [channels, samples] in [-1, 1], rate)."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
 
     def encode_frame_images(
         self, encoder, images: list[torch.Tensor], frames: int
