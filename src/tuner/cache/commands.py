@@ -169,7 +169,7 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
     vae_dtype = DTYPES[cfg.model.vae_dtype]
     encoded = reused = pruned = skipped = repaired = 0
     vae = None
-    for cache_dir, store in stores_of(plans, readonly=False).items():
+    for cache_dir, store in procs.first(lambda: stores_of(plans, readonly=False)).items():
         todo: dict[str, object] = {}
         for plan in plans:
             if plan.spec.cache_directory == cache_dir:
@@ -274,7 +274,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
     if trainer.trains_text_encoder and procs.main:
         log("network.train_text_encoder: the text encoders train, so their outputs are computed at every "
             "training step and not cached; caching the captions' token ids only.")  # fmt: skip
-    for cache_dir, store in stores_of(plans, readonly=False).items():
+    for cache_dir, store in procs.first(lambda: stores_of(plans, readonly=False)).items():
         wanted: dict[str, TextRequest] = {}
         for plan in plans:
             if plan.spec.cache_directory == cache_dir:

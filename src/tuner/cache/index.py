@@ -81,7 +81,29 @@ def _fix(root: Path) -> str:
 
 
 def connect(root: Path, readonly: bool) -> sqlite3.Connection:
-    """Open the index of the store at `root`, creating it unless `readonly`, and check its version."""
+    """Open the index of the store at `root`, creating it unless `readonly`, and check its version.
+
+    Two processes opening one store at the same instant (caching latents and text side by side, or the
+    processes of a multi-process caching run) can meet SQLite's "database is locked" without its busy
+    wait (a read lock that must become a write lock is refused at once, to avoid a deadlock): the
+    opening is then tried again, for up to the busy timeout."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            return _connect(root, readonly)
+        except _Locked:
+            if time.monotonic() > deadline:
+                raise CacheError(
+                    f"cannot open the cache index {root / INDEX_NAME}: it stays locked"
+                ) from None
+            time.sleep(0.05)
+
+
+class _Locked(Exception):
+    pass
+
+
+def _connect(root: Path, readonly: bool) -> sqlite3.Connection:
     path = root / INDEX_NAME
     if readonly and not path.exists():
         raise CacheError(f"no cache store at {root} ({INDEX_NAME} is missing); run caching first")
@@ -104,6 +126,10 @@ def connect(root: Path, readonly: bool) -> sqlite3.Connection:
                 _create(conn)
             conn.execute("PRAGMA synchronous=NORMAL")
         version = _read_version(conn)
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e):
+            raise _Locked from None
+        raise CacheError(f"cannot read the cache index {path}: {e}; {_fix(root)}") from None
     except sqlite3.DatabaseError as e:
         raise CacheError(f"cannot read the cache index {path}: {e}; {_fix(root)}") from None
     if version != FORMAT_VERSION:
@@ -113,7 +139,13 @@ def connect(root: Path, readonly: bool) -> sqlite3.Connection:
             f"{FORMAT_VERSION}; {_fix(root)}"
         )
     if not readonly:
-        _add_tables(conn)
+        try:
+            _add_tables(conn)
+        except sqlite3.OperationalError as e:
+            conn.close()
+            if "locked" in str(e):
+                raise _Locked from None
+            raise
     return conn
 
 

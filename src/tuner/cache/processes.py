@@ -17,8 +17,9 @@ and, for tests, on a CPU-only one.
 
 from __future__ import annotations
 
+import atexit
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -35,6 +36,14 @@ class CachingProcesses:
         self.local_rank = int(os.environ.get("LOCAL_RANK", str(self.rank)))
         if self.world > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group("gloo")
+            # a gloo group left to interpreter teardown can abort the process ("terminate called without
+            # an active exception") after the run's work is done: all processes close it together
+            atexit.register(self._close)
+
+    def _close(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # nobody tears down a connection another is still reading
+            torch.distributed.destroy_process_group()
 
     @property
     def main(self) -> bool:
@@ -43,6 +52,16 @@ class CachingProcesses:
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
+
+    def first(self, fn: Callable[[], T]) -> T:
+        """`fn()` in process 0 first, then in the others: what creates shared files (a new store's SQLite
+        index cannot be created by two processes at once)."""
+        if self.main:
+            result = fn()
+            self.barrier()
+            return result
+        self.barrier()
+        return fn()
 
     def mine(self, batches: Sequence[T]) -> list[T]:
         """The batches this process encodes: every N-th, from its rank."""
