@@ -48,6 +48,7 @@ from tuner.models.cosmos_predict2_keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
 )
+from tuner.models.flux import T5_TIED_EMBEDDING, t5_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -186,24 +187,13 @@ T5_VARIANTS = (
     ),
 )
 # The encoder's embedding is tied to `shared`; single files may store either or both.
-_TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
-
-
-def _t5_keys(variant: Variant) -> list[str]:
-    from transformers import T5Config, T5EncoderModel
-
-    with torch.device("meta"):
-        model = T5EncoderModel(T5Config.from_pretrained(variant.config_dir))
-    return list(apply_aliases(model.state_dict(), _TIED_EMBEDDING))
-
-
 T5_SPEC = SingleFileSpec(
     what="T5-11B text encoder",
     variants=T5_VARIANTS,
-    expected_keys=_t5_keys,
+    expected_keys=t5_keys,
     # T5 v1.0's ReLU feed-forward (`wi`); T5 v1.1 / UMT5 (FLUX.1, Wan) have the gated `wi_0` / `wi_1`
     original_markers=("shared.weight", "encoder.block.0.layer.1.DenseReluDense.wi.weight"),
-    aliases=_TIED_EMBEDDING,
+    aliases=T5_TIED_EMBEDDING,
 )
 
 
@@ -374,7 +364,7 @@ def load_text_encoder(
         from tuner.models.identify import identify_single_file
 
         variant = identify_single_file(path, T5_SPEC)
-        state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), _TIED_EMBEDDING)
+        state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_TIED_EMBEDDING)
         config = T5Config.from_pretrained(variant.config_dir)
         model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
     what = "T5 tokenizer (the tokenizer/ folder of a Cosmos-Predict2 diffusers release, or google-t5/t5-11b)"

@@ -221,23 +221,24 @@ VAE_SPEC = SingleFileSpec(
 )
 
 # The encoder's embedding is tied to `shared`; ComfyUI's files store only `shared.weight`.
-_TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
+T5_TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
-def _t5_keys(variant: Variant) -> list[str]:
+def t5_keys(variant: Variant) -> list[str]:
+    """The state-dict keys of a T5 encoder of `variant`'s config, the tied embedding under its release name."""
     from transformers import T5Config, T5EncoderModel
 
     with torch.device("meta"):
         model = T5EncoderModel(T5Config.from_pretrained(variant.config_dir))
-    return list(apply_aliases(model.state_dict(), _TIED_EMBEDDING))
+    return list(apply_aliases(model.state_dict(), T5_TIED_EMBEDDING))
 
 
 T5_SPEC = SingleFileSpec(
     what="T5 text encoder",
     variants=T5_VARIANTS,
-    expected_keys=_t5_keys,
+    expected_keys=t5_keys,
     original_markers=("shared.weight", "encoder.block.0.layer.0.SelfAttention.q.weight"),
-    aliases=_TIED_EMBEDDING,
+    aliases=T5_TIED_EMBEDDING,
 )
 
 # CLIP files: transformers 4 / ComfyUI keys start with `text_model.` (transformers 5 drops it); the
@@ -399,7 +400,7 @@ def load_t5(
     if folder is not None:
         return _from_pretrained(T5EncoderModel, folder, dtype, "t5"), _sibling(folder, tokenizer)
     variant = identify_single_file(path, T5_SPEC)
-    state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), _TIED_EMBEDDING)
+    state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_TIED_EMBEDDING)
     config = T5Config.from_pretrained(variant.config_dir)
     model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
     return model.eval(), None

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.flux import _from_pretrained, _sibling, _t5_keys, from_state_dict
+from tuner.models.flux import _from_pretrained, _sibling, from_state_dict, t5_keys
 from tuner.models.hunyuan_video15_keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.models.identify import (
     SingleFileSpec,
@@ -229,7 +229,7 @@ VAE_SPEC = SingleFileSpec(
 
 
 def _byt5_keys(variant: Variant) -> list[str]:
-    return _t5_keys(variant)
+    return t5_keys(variant)
 
 
 BYT5_SPEC = SingleFileSpec(
