@@ -405,6 +405,17 @@ class MemorySettings:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    strategy: Literal["ddp", "fsdp", "deepspeed", "pipeline"] = option(
+        "ddp",
+        "How several processes (`accelerate launch --num_processes N` / `torchrun`) share the work: ddp "
+        "(each holds the whole model, gradients averaged), fsdp (FSDP2: weights, gradients and optimizer "
+        "state sharded), deepspeed (ZeRO through accelerate's plugin) or pipeline (the blocks split into "
+        "stages across processes). One process ignores it. See docs/distributed.md for which to pick.",
+    )
+
+
+@dataclass(frozen=True)
 class TrainingFile:
     """The whole training TOML."""
 
@@ -422,6 +433,9 @@ class TrainingFile:
     memory: MemorySettings = option(
         factory=MemorySettings,
         doc="Fitting big models in small GPUs: block swap, activation offload, fp8, attention.",
+    )
+    distributed: DistributedConfig = option(
+        factory=DistributedConfig, doc="Training on several processes: DDP, FSDP2, DeepSpeed ZeRO, pipeline."
     )
 
     def __post_init__(self) -> None:

@@ -72,6 +72,7 @@ class _Run:
     last_step_end: float = field(default_factory=time.perf_counter)
     ema: Any = None  # `tuner.ema.WeightEMA` with train.ema_decay
     fused: Any = None  # `tuner.fused_backward.FusedBackward` with train.fused_backward
+    strategy: Any = None  # `tuner.distributed.Strategy`: how processes share the work
 
 
 class NetworkTrainer:
@@ -381,17 +382,21 @@ class NetworkTrainer:
         from accelerate.utils import set_seed
 
         from tuner.cache.plan import open_training_data
+        from tuner.distributed import strategy_for
         from tuner.optim import build_optimizer, build_scheduler
         from tuner.trainers.checkpoints import Checkpoints, check_output_dir
 
         cfg, tc, nc = self.cfg, self.cfg.train, self.cfg.network
         out = Path(cfg.save.output_dir)
         check_output_dir(out)  # a file or a read-only folder is named now, not at the first save
+        strategy = strategy_for(cfg, _launched_processes())
         accelerator = Accelerator(
             mixed_precision=tc.mixed_precision,
             log_with="tensorboard" if cfg.log.tensorboard else None,
             project_dir=str(out / "logs"),
+            **strategy.accelerator_kwargs(),
         )
+        strategy.check(self, accelerator.num_processes)
         set_seed(tc.seed)
         _freeze_gc()  # the modules imported so far
         if not accelerator.is_main_process:  # one summary and one "saved" line, not one per process
@@ -443,8 +448,7 @@ class NetworkTrainer:
             from tuner.fused_backward import FusedBackward
 
             fused = FusedBackward(optimizer, trained.parameters())
-        # The adapter is not wrapped in DDP: the base model's forward calls it, never DDP's forward, so
-        # DDP would not synchronize it. Its gradients are averaged explicitly at each optimizer step.
+        model, trained, optimizer = strategy.prepare(self, accelerator, model, trained, optimizer)
         optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
         identity = {"architecture": self.architecture, **{f"network.{k}": v for k, v in asdict(nc).items()
                                                            if k != "network_weights"}}  # fmt: skip
@@ -484,6 +488,8 @@ class NetworkTrainer:
                     f"learning rate continues from step {pos.step} on the new schedule.")  # fmt: skip
 
         log(report.summary(self, trained, data, total_steps, steps_per_epoch, accelerator, memory.summary()))
+        if plan := strategy.plan(self, accelerator, model, trained, optimizer):
+            log(plan)
         for note in data.warnings():  # short buckets train as smaller batches; say so once
             log(f"note: {note}")
         if cfg.log.tensorboard:
@@ -498,7 +504,7 @@ class NetworkTrainer:
             sf.train()  # schedule-free optimizers take their steps in train mode
         if samples and sc.at_start and pos.step == 0:
             board.log_samples(accelerator, samples.draw(model, trained, 0, log), 0)
-        run.ema, run.fused = parts.get("ema"), fused
+        run.ema, run.fused, run.strategy = parts.get("ema"), fused, strategy
         run.progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         _freeze_gc()  # the model, data plan and optimizer: long-lived, never garbage
         return run
@@ -519,18 +525,19 @@ class NetworkTrainer:
 
             noise = offset_noise(noise, self.cfg.timesteps.noise_offset, gen)
         cond = self.draw_conditions(x0, cond, gen)
-        loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
-        if run.fused is None:
-            run.accelerator.backward(loss / (end - start))
-            run.recent.append(loss.item())  # the one sync per batch, for logging and the finite check
-        else:  # backward steps the optimizer: check the loss first, as no update can be taken back
-            run.recent.append(loss.item())
-            if math.isfinite(run.recent[-1]):
-                run.accelerator.backward(loss)
+        with run.strategy.accumulating(run, last=pos.batch + 1 == end):
+            loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
+            if run.fused is None:
+                run.strategy.backward(run, loss / (end - start))
+                run.recent.append(loss.item())  # the one sync per batch, for logging and the finite check
+            else:  # backward steps the optimizer: check the loss first, as no update can be taken back
+                run.recent.append(loss.item())
+                if math.isfinite(run.recent[-1]):
+                    run.strategy.backward(run, loss)
         pos.batch += 1
         if pos.batch != end:
             return False
-        _average_gradients(run.trained, run.accelerator)
+        run.strategy.reduce_gradients(run)
         grad_norm = _grad_norm(run.trained, run.accelerator, tc.max_grad_norm)
         step_loss = sum(run.recent[-(end - start) :]) / (end - start)
         if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
@@ -676,18 +683,11 @@ class NetworkTrainer:
         }
 
 
-def _average_gradients(network: nn.Module, accelerator) -> None:
-    """Average the trainable gradients over processes with one all-reduce of a flat buffer."""
-    if accelerator.num_processes == 1:
-        return
-    grads = [p.grad for p in network.parameters() if p.requires_grad and p.grad is not None]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    torch.distributed.all_reduce(flat)
-    flat /= accelerator.num_processes
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+def _launched_processes() -> int:
+    """How many processes the launcher started (accelerate launch / torchrun set WORLD_SIZE)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _grad_norm(network: nn.Module, accelerator, max_norm: float) -> float | None:

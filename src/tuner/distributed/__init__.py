@@ -1,0 +1,76 @@
+"""Training on several processes: how they share the model, the gradients and the optimizer.
+
+`[distributed] strategy` picks one `Strategy`; the training loop (`trainers/base.py`) talks to it at a
+few named points and never branches on the strategy itself:
+
+    accelerator_kwargs()      what `Accelerator(...)` is built with (an FSDP or DeepSpeed plugin)
+    check(...)                refusals of settings the strategy cannot combine with, before step 1
+    prepare(...)              wrap the model / trained weights / optimizer once they exist
+    accumulating(run, last)   the context one batch's forward and backward run in (no gradient sync
+                              on batches that are not the last of their accumulation group)
+    backward(run, loss)       backpropagate one batch's loss
+    reduce_gradients(run)     after a group's last backward: gradients equal on every process
+    plan(...)                 one line: the strategy and the per-process memory it plans
+
+One process (or `strategy = "ddp"` with a single process) does nothing extra. Each strategy lives in its
+own module (`ddp.py`, `fsdp.py`, `deepspeed.py`, `pipeline.py`), imported only when picked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+from tuner.errors import ConfigError
+
+# strategy name -> "module:Class" (imported when picked, so a DeepSpeed-less install trains with DDP)
+STRATEGIES = {
+    "ddp": "tuner.distributed.ddp:DDPStrategy",
+}
+
+
+class Strategy:
+    """What every strategy answers; the defaults are one process's behaviour."""
+
+    name = "single"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def accelerator_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def check(self, trainer, world_size: int) -> None:
+        """Raise a ConfigError naming both settings when this strategy cannot run with the config."""
+
+    def prepare(self, trainer, accelerator, model, trained, optimizer):
+        """Return (model, trained, optimizer), wrapped as the strategy needs."""
+        return model, trained, optimizer
+
+    @contextlib.contextmanager
+    def accumulating(self, run, last: bool) -> Iterator[None]:
+        yield
+
+    def backward(self, run, loss) -> None:
+        run.accelerator.backward(loss)
+
+    def reduce_gradients(self, run) -> None:
+        pass
+
+    def plan(self, trainer, accelerator, model, trained, optimizer) -> str:
+        return ""
+
+
+def strategy_for(cfg, num_processes: int) -> Strategy:
+    """The configured strategy, or the plain one-process behaviour when there is one process."""
+    name = cfg.distributed.strategy
+    if num_processes == 1:
+        return Strategy(cfg)
+    if name not in STRATEGIES:
+        raise ConfigError(
+            f"key 'distributed.strategy': unknown strategy {name!r}; one of {sorted(STRATEGIES)}."
+        )
+    module, cls = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module), cls)(cfg)
