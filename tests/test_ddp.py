@@ -1,5 +1,6 @@
 """Two processes on the CPU (gloo): data is sharded, gradients are averaged, weights stay identical."""
 
+import json
 import os
 import socket
 import subprocess
@@ -19,29 +20,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch(workdir: Path, runs: list[dict], processes: int = 2, timeout: int = 600) -> None:
+    """Train `runs` (see tests/ddp_worker.py) in `processes` CPU processes under torchrun."""
+    spec = workdir / "runs.json"
+    spec.write_text(json.dumps(runs))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    worker = Path(__file__).parent / "ddp_worker.py"
+    cmd = [str(torchrun), "--nproc_per_node", str(processes), "--master_port", str(_free_port()), str(worker),
+           str(spec)]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def rank_weights(out: Path) -> tuple[dict, dict]:
+    return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+
+
 @pytest.mark.slow
 def test_two_processes_train_in_sync(tmp_path, wan_model):
     config = make_project(tmp_path / "p", wan_model)
     assert main(["cache", "latents", "--config", str(config)]) == 0
     assert main(["cache", "text", "--config", str(config)]) == 0
     out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
-    worker = Path(__file__).parent / "ddp_worker.py"
-    cmd = [
-        str(torchrun),
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        str(worker),
-        str(config),
-        str(out),
-    ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    a, b = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    launch(tmp_path, [{"config": str(config), "out": str(out), "overrides": ["train.max_steps=3"]}])
+    a, b = rank_weights(out)
     assert a.keys() == b.keys() and a
     for key in a:
         assert torch.equal(a[key], b[key]), f"ranks diverged at {key}: gradients are not synchronized"

@@ -105,9 +105,20 @@ def _timesteps(args) -> None:
 
 def _config_check(args) -> None:
     cfg = _load(args)
+    # the number of processes training will run with: --num-processes, or the launcher's (a `tuner check`
+    # run under accelerate launch / torchrun) as training reads it
+    processes = args.num_processes or int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = ""
+    if processes > 1:  # the strategy's refusals, as training meets them before step 1
+        from tuner.distributed import strategy_for
+        from tuner.trainers import trainer_class
+
+        strategy = strategy_for(cfg, processes)
+        strategy.check(trainer_class(cfg.model.architecture)(cfg), processes)
+        distributed = f", {strategy.name} on {processes} processes"
     print(
         f"{cfg.path}: ok ({len({s.index for s in cfg.datasets})} dataset(s), architecture {cfg.model.architecture}, "
-        f"adapters saved in the {cfg.save.format} layout)"
+        f"adapters saved in the {cfg.save.format} layout{distributed})"
     )
 
 
@@ -230,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="load and validate a config without running anything")
     _config_args(p)
+    p.add_argument("--num-processes", type=int, default=0, metavar="N",
+                   help="check it for training on N processes (default: WORLD_SIZE, else 1)")  # fmt: skip
     p.set_defaults(func=_config_check)
 
     data = sub.add_parser("data", help="look at datasets before caching them")

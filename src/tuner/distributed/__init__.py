@@ -6,6 +6,7 @@ few named points and never branches on the strategy itself:
     accelerator_kwargs()      what `Accelerator(...)` is built with (an FSDP or DeepSpeed plugin)
     check(...)                refusals of settings the strategy cannot combine with, before step 1
     prepare(...)              wrap the model / trained weights / optimizer once they exist
+    loss(trainer, run, ...)   one batch's training loss (`trainer.loss`; DDP runs it inside its wrapper)
     accumulating(run, last)   the context one batch's forward and backward run in (no gradient sync
                               on batches that are not the last of their accumulation group)
     backward(run, loss)       backpropagate one batch's loss
@@ -53,6 +54,12 @@ class Strategy:
     def accumulating(self, run, last: bool) -> Iterator[None]:
         yield
 
+    def loss(self, trainer, run, x0, noise, t, cond):
+        """One training batch's loss: the trainer's own (`NetworkTrainer.loss` or an architecture's
+        override) on the model. A strategy that must see the forward (DDP) runs the same call inside its
+        wrapper."""
+        return trainer.loss(run.model, x0, noise, t, cond, run.accelerator)
+
     def backward(self, run, loss) -> None:
         run.accelerator.backward(loss)
 
@@ -60,7 +67,14 @@ class Strategy:
         pass
 
     def plan(self, trainer, accelerator, model, trained, optimizer) -> str:
-        return ""
+        """The strategy and what each process holds (`accounting.memory_plan`, from the real tensors);
+        one process holds everything. Strategies that shard say what share each process keeps."""
+        from tuner.distributed.accounting import memory_plan
+
+        n = accelerator.num_processes
+        who = "one process" if n == 1 else f"{self.name} on {n} processes"
+        plan = memory_plan(model, trained, optimizer, accelerator.device)
+        return f"  distributed           {who}; per process: {plan.describe()}"
 
 
 def strategy_for(cfg, num_processes: int) -> Strategy:

@@ -514,7 +514,11 @@ class NetworkTrainer:
         over processes, clip, and step the optimizer. Returns whether an optimizer step was taken."""
         pos, tc = run.pos, self.cfg.train
         start, end = run.groups[pos.batch]
-        gen = torch.Generator().manual_seed(_mix(tc.seed, pos.epoch, pos.batch))
+        # seeded by the batch's place in the epoch's shared plan (this process's n-th batch is the plan's
+        # n·world + rank-th): N processes draw what one process accumulating N batches draws
+        gen = torch.Generator().manual_seed(
+            _mix(tc.seed, pos.epoch, pos.batch * run.data.world + run.data.rank)
+        )
         x0, cond = self._inputs(batch, run.accelerator.device)
         noise = torch.randn(x0.shape, generator=gen).to(x0)
         t = run.sampler.sample(x0.shape[0], generator=gen, seq_len=self.seq_len(x0)).to(x0.device)
@@ -526,7 +530,7 @@ class NetworkTrainer:
             noise = offset_noise(noise, self.cfg.timesteps.noise_offset, gen)
         cond = self.draw_conditions(x0, cond, gen)
         with run.strategy.accumulating(run, last=pos.batch + 1 == end):
-            loss = self.loss(run.model, x0, noise, t, cond, run.accelerator)
+            loss = run.strategy.loss(self, run, x0, noise, t, cond)
             if run.fused is None:
                 run.strategy.backward(run, loss / (end - start))
                 run.recent.append(loss.item())  # the one sync per batch, for logging and the finite check

@@ -239,11 +239,14 @@ class Checkpoints:
             raise CheckpointError(f"--resume {resume}: {e}. {self._fallback(path)}") from None
         self._check_identity(path)
         acc = self.accelerator
-        rng = path / f"rng_{acc.process_index}.json"
-        if not rng.is_file():
+        saved_by = len(list(path.glob("rng_*.json")))
+        if saved_by != acc.num_processes:
             raise CheckpointError(
-                f"--resume {path}: saved by {len(list(path.glob('rng_*.json')))} process(es); resume with the "
-                "same number of processes."
+                f"--resume {path}: saved by {saved_by} process(es), resumed with {acc.num_processes}. The saved "
+                "position counts each process's own batches (each takes every N-th batch of an epoch) and the "
+                "effective batch is N times the batch size, so it means another place in the data and another "
+                f"schedule with another N. Resume with {saved_by} process(es), or start a new run from the saved "
+                "adapter with network.network_weights."
             )
         for part_name, part in self.parts.items():
             part.load_state_dict(state.load_tree(path, part_name))
