@@ -3,6 +3,8 @@ batch: two processes with batch b each and one process accumulating two batches 
 batches, noise and timesteps, so after K steps their weights agree to fp32 rounding. One torchrun
 launch trains every two-process run (tests/ddp_worker.py); each test compares one of them."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -31,6 +33,7 @@ EQUIVALENT = {
     # boundary 0.5: the two processes' samples go to different experts within one step
     "both_experts": ("wan22", ("model.expert='both'", "model.boundary=0.5")),
 }
+DOC = Path(__file__).resolve().parent.parent / "docs" / "distributed.md"
 STEPS = 3  # the demo data has 6 batches per epoch: 3 per process
 RESUME = ("train.max_steps=4", "save.every_n_steps=2")
 FUSED = ("train.fused_backward=true", "train.max_grad_norm=0")
@@ -173,7 +176,9 @@ def test_saved_files_load_in_a_one_process_run(trained, name):
 def test_train_prints_the_strategy_and_its_memory_plan(trained):
     root, _ = trained
     log = (root / "lora" / "log.txt").read_text()
-    assert "distributed           ddp on 2 processes; per process: parameters" in log
+    line = next(x for x in log.splitlines() if x.startswith("  distributed "))
+    assert line.startswith("  distributed           ddp on 2 processes; per process: parameters"), line
+    assert line in DOC.read_text()  # docs/distributed.md quotes the measured line
     full = (root / "full" / "log.txt").read_text()
     assert "parameters 639.00 KiB (trained 639.00 KiB)" in full  # the whole tiny Wan trains
 

@@ -1,6 +1,9 @@
 """The per-process memory plan `tuner train` prints (`tuner.distributed.accounting`): parameters and
 gradients from the real tensors, optimizer state from a probe step, equal to what a real step holds."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -77,3 +80,20 @@ def test_sizes_read_in_binary_units():
         "3.00 MiB",
         "5.00 GiB",
     ]
+
+
+@pytest.mark.slow
+def test_the_expected_figures_in_the_docs_are_the_scripts(monkeypatch):
+    """docs/distributed.md's table of Wan 14B / FLUX.2 dev figures is what benchmarks/distributed_memory.py
+    computes from the shipped configs, and the parameter counts it quotes are theirs."""
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import distributed_memory
+
+    doc = (root / "docs" / "distributed.md").read_text()
+    for row in distributed_memory.table(list(distributed_memory.MODELS)).splitlines():
+        if row.startswith("<!--"):  # the counts, quoted in the text
+            base, adapter = re.findall(r"[\d,]{9,}", row)
+            assert f"P = {base}" in doc and f"A = {adapter}" in doc, row
+        else:
+            assert row in doc, row

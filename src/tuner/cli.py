@@ -107,6 +107,8 @@ def _config_check(args) -> None:
     cfg = _load(args)
     # the number of processes training will run with: --num-processes, or the launcher's (a `tuner check`
     # run under accelerate launch / torchrun) as training reads it
+    if args.num_processes < 0:
+        raise SystemExit(f"tuner check: --num-processes {args.num_processes}: give a count of 1 or more")
     processes = args.num_processes or int(os.environ.get("WORLD_SIZE", "1"))
     distributed = ""
     if processes > 1:  # the strategy's refusals, as training meets them before step 1
