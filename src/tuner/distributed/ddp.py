@@ -37,6 +37,7 @@ Settings:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -77,14 +78,20 @@ class DDPStrategy(Strategy):
             )
 
     def prepare(self, trainer, accelerator, model, trained, optimizer):
-        full = self.cfg.network.type == "full"
-        self.ddp = nn.parallel.DistributedDataParallel(
+        ddp = nn.parallel.DistributedDataParallel
+        accepts = inspect.signature(ddp).parameters
+        options = {}
+        # no buffer is broadcast before each forward: what trains holds no running statistics (torch 2.13
+        # renamed the switch; the old name still works there, with a warning)
+        options["forward_sync_buffers" if "forward_sync_buffers" in accepts else "broadcast_buffers"] = False
+        if "init_sync" in accepts:  # torch >= 2.6; before, a full fine-tune's weights are broadcast too
+            options["init_sync"] = self.cfg.network.type != "full"
+        self.ddp = ddp(
             _Loss(trainer, model, trained, accelerator),
             device_ids=None,  # the inputs are on the device already; the module may span devices
-            init_sync=not full,
-            forward_sync_buffers=False,  # the trained weights hold no running statistics
             find_unused_parameters=True,
             gradient_as_bucket_view=True,
+            **options,
         )
         return model, trained, optimizer
 
