@@ -72,9 +72,9 @@ class Strategy:
         from tuner.distributed.accounting import memory_plan
 
         n = accelerator.num_processes
-        who = "one process" if n == 1 else f"{self.name} on {n} processes"
+        who = "one process:" if n == 1 else f"{self.name} on {n} processes; per process:"
         plan = memory_plan(model, trained, optimizer, accelerator.device)
-        return f"  distributed           {who}; per process: {plan.describe()}"
+        return f"  distributed           {who} {plan.describe()}"
 
 
 def strategy_for(cfg, num_processes: int) -> Strategy:
