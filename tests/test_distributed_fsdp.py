@@ -160,3 +160,17 @@ def test_check_refuses_samples_during_training(tmp_path, wan_model):
         strategy_for(config, 2).check(WanTrainer(config), 2)
     plain = cfg(project, FSDP)
     strategy_for(plain, 2).check(WanTrainer(plain), 2)  # the config without them passes
+
+
+def test_full_finetune_of_mixed_dtypes_is_refused_naming_the_fix(tmp_path, wan_model):
+    """Wan keeps its modulation tables and some norms in fp32: a bf16 full fine-tune trains two dtypes,
+    which FSDP2 cannot shard in one group; fp32 weights can."""
+    from tuner.distributed.fsdp import _check_one_trained_dtype
+    from tuner.networks.full import FullNetwork
+    from tuner.trainers.wan import WanTrainer
+
+    config = cfg(make_project(tmp_path, wan_model), FSDP, "network.type='full'", "model.dtype='bf16'")
+    model = WanTrainer(config).load_transformer(torch.bfloat16)
+    with pytest.raises(ConfigError, match="model.dtype = 'fp32' and train.mixed_precision = 'bf16'"):
+        _check_one_trained_dtype(config, model, FullNetwork(model))
+    _check_one_trained_dtype(config, model.float(), FullNetwork(model))

@@ -97,7 +97,7 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
-        # gradients are averaged in fp32 whatever the weights' dtype (and gloo has no bf16 reduce)
+        # gradients are averaged in fp32 whatever the weights' dtype (a bf16 sum loses bits)
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         names = {id(p): name for name, p in trained.named_parameters()}
         # each block of the record's block lists heads one group; its adapters join it
@@ -108,6 +108,7 @@ class FSDPStrategy(Strategy):
             # an adapter outside every block (a head or embedding target) joins the first block's group
             index = next((i for i, (prefix, _) in enumerate(blocks) if adapter.name.startswith(prefix)), 0)
             groups[index].append(adapter)
+        _check_one_trained_dtype(self.cfg, model, trained)
         for group in groups:
             fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: what no block holds
@@ -191,6 +192,25 @@ def block_groups(model: nn.Module) -> list[nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _check_one_trained_dtype(cfg, model: nn.Module, trained: nn.Module) -> None:
+    """FSDP2 gathers and reduces the trained weights of a group as one flat tensor of one dtype. A full
+    fine-tune in bf16 of a model that keeps some weights in fp32 inside its blocks (Wan's
+    `scale_shift_table`, diffusers' `_keep_in_fp32_modules`) has two: refuse it, naming the fix."""
+    trainable = {id(p) for p in trained.parameters() if p.requires_grad}
+    dtypes: dict[torch.dtype, str] = {}  # dtype -> the first trained weight of it
+    for name, p in model.named_parameters():
+        if id(p) in trainable:
+            dtypes.setdefault(p.dtype, name)
+    if len(dtypes) > 1:
+        found = ", ".join(f"{str(dtype).removeprefix('torch.')} ({name})" for dtype, name in dtypes.items())
+        raise ConfigError(
+            f"key 'model.dtype' = {cfg.model.dtype!r} cannot be combined with distributed.strategy = 'fsdp' and "
+            f"network.type = 'full' for this model: it trains weights of several dtypes ({found}), and FSDP2 "
+            "shards one dtype per block. Train with model.dtype = 'fp32' and train.mixed_precision = 'bf16' (the "
+            "fp32 weights, sharded, cost 4 / N bytes per parameter per process), or use strategy = 'ddp'."
+        )
 
 
 def _local_bytes(t: torch.Tensor) -> int:
