@@ -22,8 +22,9 @@ FSDP = "distributed.strategy='fsdp'"
 CLIP = "train.max_grad_norm=0.001"  # small enough to clip every step: the norm is over whole gradients
 LORA = [CLIP, "train.max_steps=4", "save.every_n_steps=2"]
 FULL = ["network.type='full'", "train.learning_rate=1e-4", "train.max_steps=2"]
-# fp8 blocks and checkpointing, and adapters outside the blocks (head, text embedding) in the first block's group
-FP8 = ["memory.fp8_base=true", "train.gradient_checkpointing=true", "train.max_steps=2",
+# fp8 blocks and checkpointing; DoRA (reads the gathered base weight); adapters outside the blocks (head,
+# text embedding) in the first block's group
+FP8 = ["memory.fp8_base=true", "train.gradient_checkpointing=true", "train.max_steps=2", "network.dora=true",
        "network.include=['proj_out', 'condition_embedder.text_embedder.linear_1']"]  # fmt: skip
 
 
