@@ -1,7 +1,7 @@
-"""Run by tests/test_distributed_fsdp.py under torchrun: several training runs in one process group.
+"""Run by tests/test_distributed_fsdp.py under torchrun: one training run with two processes.
 
-argv: the project config, and a JSON file listing the runs, each {"out": folder, "overrides": [...],
-"resume": state folder or null, "copy_state": [from, to] or null}. Each process writes
+argv: the project config, and a JSON file holding the run: {"out": folder, "overrides": [...],
+"resume": state folder or null}. Each process writes
 `<out>/memory_<rank>.json`: what it held (`tuner.distributed.fsdp.process_memory`) after the last
 backward of the run, before the optimizer step, and `<out>/history_<rank>.json`: its losses.
 
@@ -13,18 +13,15 @@ r's local batch j with its global index j * world + r, the batch the shared plan
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from tuner.config import load_config
-from tuner.distributed import ddp, fsdp
+from tuner.distributed import fsdp
 from tuner.trainers import base
 from tuner.trainers.wan import WanTrainer
 
-config, runs = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
+config, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 draw_seed = base._mix
@@ -42,18 +39,10 @@ def measure_after(reduce_gradients):
 
 
 fsdp.FSDPStrategy.reduce_gradients = measure_after(fsdp.FSDPStrategy.reduce_gradients)
-ddp.DDPStrategy.reduce_gradients = measure_after(ddp.DDPStrategy.reduce_gradients)
 
-for spec in runs:
-    out = Path(spec["out"])
-    if spec.get("copy_state") and rank == 0:
-        source, target = map(Path, spec["copy_state"])
-        shutil.copytree(source, target)
-    if torch.distributed.is_initialized():  # the group starts with the first run's Accelerator
-        torch.distributed.barrier()
-    cfg = load_config(config, ["log.tensorboard=false", f"save.output_dir='{out}'", *spec["overrides"]])
-    trainer = WanTrainer(cfg)
-    measured.clear()
-    trainer.train(resume=spec.get("resume"), log=print if rank == 0 else lambda s: None)
-    (out / f"memory_{rank}.json").write_text(json.dumps(measured))
-    (out / f"history_{rank}.json").write_text(json.dumps(trainer.history))
+out = Path(spec["out"])
+cfg = load_config(config, ["log.tensorboard=false", f"save.output_dir='{out}'", *spec["overrides"]])
+trainer = WanTrainer(cfg)
+trainer.train(resume=spec.get("resume"), log=print if rank == 0 else lambda s: None)
+(out / f"memory_{rank}.json").write_text(json.dumps(measured))
+(out / f"history_{rank}.json").write_text(json.dumps(trainer.history))

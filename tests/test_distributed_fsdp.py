@@ -6,6 +6,7 @@ its global index, as the one-process run does."""
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,18 +40,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(config: Path, out: Path, overrides: list[str], **spec) -> dict[str, int]:
-    """Train with two processes into `out` (one torchrun per run: a second run in the same process group
-    would start a new group in one process only); return process 0's measured memory."""
+def _torchrun(config: Path, out: Path, overrides: list[str], **spec) -> list[dict[str, int]]:
+    """Train with two processes into `out` (one torchrun per run: accelerate's end_training closes the
+    process group, and a second run in the same processes would have none); return each process's
+    measured memory. The run's log (process 0's) is left in `<out>/log.txt`."""
     out.mkdir(parents=True, exist_ok=True)
     runs = out.parent / f"{out.name}.json"
-    runs.write_text(json.dumps([{"out": str(out), "overrides": [FSDP, *overrides], **spec}]))
+    runs.write_text(json.dumps({"out": str(out), "overrides": [FSDP, *overrides], **spec}))
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     worker = Path(__file__).parent / "distributed_fsdp_worker.py"
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
            str(_free_port()), str(worker), str(config), str(runs)]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
+    (out / "log.txt").write_text(result.stdout)
     return [json.loads((out / f"memory_{r}.json").read_text()) for r in range(2)]
 
 
@@ -90,7 +93,8 @@ def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, 
     # resumed from the state at step 2 by two new processes: the same bits as the run that went on
     resumed = tmp_path / "resumed"
     copied = resumed / "state" / "step000002"
-    _torchrun(project, resumed, LORA, copy_state=[str(fsdp_state), str(copied)], resume=str(copied))
+    shutil.copytree(fsdp_state, copied)
+    _torchrun(project, resumed, LORA, resume=str(copied))
     for key, value in load_file(fsdp / "demo_lora.safetensors").items():
         assert torch.equal(load_file(resumed / "demo_lora.safetensors")[key], value), key
 
@@ -105,6 +109,14 @@ def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, 
         model, fsdp / "demo_lora.safetensors", 1.0, trainer.layout, name_map_inverse=trainer.layout.inverse
     )
     assert not torch.allclose(output(model), before)
+
+    # `tuner train` said so before step 1, from the shards
+    log = (fsdp / "log.txt").read_text()
+    assert "distributed: fsdp (FSDP2) over 2 processes" in log
+    assert (
+        f"frozen weights {memory[0]['frozen'] / 2**20:.2f} of {memory[0]['frozen_full'] / 2**20:.2f} MiB"
+        in log
+    )
 
     # per process: half the frozen weights, trained weights, gradients and optimizer state of a DDP
     # process (whose figures are the whole tensors); the two halves make the whole

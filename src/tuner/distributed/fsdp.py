@@ -180,7 +180,8 @@ class FSDPStrategy(Strategy):
             else "optimizer state sharded like the trained weights (made at the first step)"
         )
         return (
-            f"distributed: fsdp (FSDP2) over {self.world} processes, {len(block_groups(model))} block groups; "
+            f"distributed: fsdp (FSDP2) over {self.world} processes, {len(block_groups(model)) - 1} blocks + the "
+            "rest of the model sharded; "
             f"per process: frozen weights {m['frozen'] / mib:.2f} of {m['frozen_full'] / mib:.2f} MiB, "
             f"trained {m['trained'] / mib:.2f} of {m['trained_full'] / mib:.2f} MiB, gradients "
             f"{m['trained'] / mib:.2f} MiB, {moments}"
