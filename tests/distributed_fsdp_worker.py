@@ -3,7 +3,7 @@
 argv: the project config, and a JSON file holding the run: {"out": folder, "overrides": [...],
 "resume": state folder or null}. Each process writes
 `<out>/memory_<rank>.json`: what it held (`tuner.distributed.fsdp.process_memory`) after the last
-backward of the run, before the optimizer step, and `<out>/history_<rank>.json`: its losses.
+backward of the run, before the optimizer step, and `<out>/history_<rank>.json`: its losses and validation losses.
 
 A one-process run with gradient accumulation draws the noise and timesteps of the batch at global index
 i from a generator seeded with i; a process of a multi-process run seeds with its own batch counter.
@@ -25,7 +25,15 @@ config, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 draw_seed = base._mix
-base._mix = lambda seed, epoch, batch: draw_seed(seed, epoch, batch * world + rank)
+
+
+def global_batch_seed(seed: int, epoch: int, batch: int) -> int:
+    if sys._getframe(1).f_code.co_name != "_step":  # validation's draws are the same on every process
+        return draw_seed(seed, epoch, batch)
+    return draw_seed(seed, epoch, batch * world + rank)
+
+
+base._mix = global_batch_seed
 
 measured: dict[str, int] = {}
 
@@ -45,4 +53,6 @@ cfg = load_config(config, ["log.tensorboard=false", f"save.output_dir='{out}'", 
 trainer = WanTrainer(cfg)
 trainer.train(resume=spec.get("resume"), log=print if rank == 0 else lambda s: None)
 (out / f"memory_{rank}.json").write_text(json.dumps(measured))
-(out / f"history_{rank}.json").write_text(json.dumps(trainer.history))
+(out / f"history_{rank}.json").write_text(
+    json.dumps({"loss": trainer.history, "validation": trainer.val_history})
+)

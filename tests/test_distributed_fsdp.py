@@ -16,12 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import cfg, make_cached_project, make_project, output, train_wan
+from project import cfg, make_project, output, train_wan
+from tuner.cli import main
 from tuner.errors import ConfigError
 
 FSDP = "distributed.strategy='fsdp'"
 CLIP = "train.max_grad_norm=0.001"  # small enough to clip every step: the norm is over whole gradients
-LORA = [CLIP, "train.max_steps=4", "save.every_n_steps=2"]
+LORA = [CLIP, "train.max_steps=4", "save.every_n_steps=2", "train.validate_every_n_steps=2"]
 FULL = ["network.type='full'", "train.learning_rate=1e-4", "train.max_steps=2"]
 # fp8 blocks and checkpointing; DoRA (reads the gathered base weight); adapters outside the blocks (head,
 # text embedding) in the first block's group
@@ -31,7 +32,15 @@ FP8 = ["memory.fp8_base=true", "train.gradient_checkpointing=true", "train.max_s
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, wan_model):
-    return make_cached_project(tmp_path_factory.mktemp("fsdp") / "p", wan_model)
+    """The demo project with the images held out for validation too, cached."""
+    config = make_project(tmp_path_factory.mktemp("fsdp") / "p", wan_model)
+    dataset = config.parent / "dataset.toml"
+    dataset.write_text(
+        dataset.read_text() + '\n[[datasets]]\nimage_directory = "data/images"\nvalidation = true\n'
+    )
+    assert main(["cache", "latents", "--config", str(config)]) == 0
+    assert main(["cache", "text", "--config", str(config)]) == 0
+    return config
 
 
 def _free_port() -> int:
@@ -72,10 +81,16 @@ def _assert_close(file: Path, reference: Path, atol: float = 1e-6) -> None:
 def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, wan_model):
     memory = _torchrun(project, tmp_path / "fsdp", LORA)
     one = tmp_path / "one"
-    _one_process(project, one, LORA)
+    reference = _one_process(project, one, LORA)
     fsdp = tmp_path / "fsdp"
     _assert_close(fsdp / "demo_lora-step000002.safetensors", one / "demo_lora-step000002.safetensors")
     _assert_close(fsdp / "demo_lora.safetensors", one / "demo_lora.safetensors")
+    # validation runs on every process (the sharded forward needs them all) and finds the same losses
+    validation = json.loads((tmp_path / "fsdp" / "history_0.json").read_text())["validation"]
+    assert [step for step, _ in validation] == [2, 4]
+    assert [loss for _, loss in validation] == pytest.approx(
+        [loss for _, loss in reference.val_history], abs=1e-6
+    )
     assert any(load_file(fsdp / "demo_lora.safetensors")[k].abs().max() > 0 for k in load_file(one / "demo_lora.safetensors")
                if "lora_B" in k)  # fmt: skip
 
