@@ -12,6 +12,9 @@ few named points and never branches on the strategy itself:
     backward(run, loss)       backpropagate one batch's loss
     reduce_gradients(run)     after a group's last backward: gradients equal on every process
     plan(...)                 one line: the strategy and the per-process memory it plans
+    full_state_dict(part)     a state part (network, optimizer, ...) as a one-process run saves it
+    load_full_state_dict(...) such a saved state back into the part (on every process)
+    full_weights(network)     while open, the main process's network holds its whole weights (export)
 
 One process (or `strategy = "ddp"` with a single process) does nothing extra. Each strategy lives in its
 own module (`ddp.py`, `fsdp.py`, `deepspeed.py`, `pipeline.py`), imported only when picked.
@@ -29,6 +32,7 @@ from tuner.errors import ConfigError
 # strategy name -> "module:Class" (imported when picked, so a DeepSpeed-less install trains with DDP)
 STRATEGIES = {
     "ddp": "tuner.distributed.ddp:DDPStrategy",
+    "fsdp": "tuner.distributed.fsdp:FSDPStrategy",
 }
 
 
@@ -75,6 +79,18 @@ class Strategy:
         who = "one process:" if n == 1 else f"{self.name} on {n} processes; per process:"
         plan = memory_plan(model, trained, optimizer, accelerator.device)
         return f"  distributed           {who} {plan.describe()}"
+
+    def full_state_dict(self, part) -> Any:
+        """Called on every process; the main process's result is what the state files hold."""
+        return part.state_dict()
+
+    def load_full_state_dict(self, part, tree) -> None:
+        part.load_state_dict(tree)
+
+    @contextlib.contextmanager
+    def full_weights(self, network) -> Iterator[None]:
+        """Entered by every process around the export of the adapter (or model) file."""
+        yield
 
 
 def strategy_for(cfg, num_processes: int) -> Strategy:

@@ -379,7 +379,7 @@ class NetworkTrainer:
 
     def _setup(self, resume: str | None, log: Callable[[str], None]) -> _Run:
         from accelerate import Accelerator
-        from accelerate.utils import set_seed
+        from accelerate.utils import DataLoaderConfiguration, set_seed
 
         from tuner.cache.plan import open_training_data
         from tuner.distributed import strategy_for
@@ -394,6 +394,9 @@ class NetworkTrainer:
             mixed_precision=tc.mixed_precision,
             log_with="tensorboard" if cfg.log.tensorboard else None,
             project_dir=str(out / "logs"),
+            # the schedule counts optimizer steps: accelerate otherwise steps it once per process per step
+            # (it assumes its own loaders grew the batch N-fold; tuner shards the batches itself)
+            dataloader_config=DataLoaderConfiguration(split_batches=True),
             **strategy.accelerator_kwargs(),
         )
         strategy.check(self, accelerator.num_processes)
@@ -461,7 +464,7 @@ class NetworkTrainer:
 
             parts["ema"] = WeightEMA(trained.parameters(), tc.ema_decay, tc.ema_warmup, tc.ema_on_host)
             identity["train.ema_decay"] = tc.ema_decay
-        checkpoints = Checkpoints(out, cfg.save, accelerator, identity, parts, schedule)
+        checkpoints = Checkpoints(out, cfg.save, accelerator, identity, parts, schedule, strategy)
         if accelerator.is_main_process and (note := checkpoints.space_note(trained)):
             log(f"warning: {note}")
         samples = None

@@ -71,7 +71,9 @@ def check_output_dir(out: Path) -> None:
 
 class Checkpoints:
     def __init__(self, out_dir: Path, save_cfg, accelerator, identity: dict | None = None,
-                 parts: dict | None = None, schedule: dict | None = None):  # fmt: skip
+                 parts: dict | None = None, schedule: dict | None = None, strategy=None):  # fmt: skip
+        from tuner.distributed import Strategy
+
         self.out = Path(out_dir)
         self.cfg = save_cfg
         self.accelerator = accelerator
@@ -81,6 +83,8 @@ class Checkpoints:
         # "scheduler"); the random generators of every process are saved besides
         self.parts = parts or {}
         self.schedule = schedule or {}
+        # how processes hold the parts (`tuner.distributed`): a sharded state is gathered to be saved
+        self.strategy = strategy or Strategy(None)
 
     # ---- saving ----
     def save(self, network, pos, metadata: dict, export_name, final: bool = False) -> Path:
@@ -95,15 +99,16 @@ class Checkpoints:
         try:
             if self.cfg.save_state:  # the final state too, so a finished run can be extended later
                 self._save_state(network, pos)
-            if acc.is_main_process:
-                meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
-                save = dict(dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta, format=self.cfg.format)
-                with averaged_weights(self.parts.get("optimizer")):  # schedule-free: export the average
-                    network.save(adapter, export_name, **save)
-                if ema := self.parts.get("ema"):  # train.ema_decay: the average of the weights beside it
-                    with ema.applied():
-                        network.save(self.out / f"{name}-ema.safetensors", export_name, **save)
-                self._keep_last()
+            with self.strategy.full_weights(network):  # sharded weights: whole on the main process
+                if acc.is_main_process:
+                    meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
+                    save = dict(dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta, format=self.cfg.format)
+                    with averaged_weights(self.parts.get("optimizer")):  # schedule-free: export the average
+                        network.save(adapter, export_name, **save)
+                    if ema := self.parts.get("ema"):  # train.ema_decay: the average of the weights beside it
+                        with ema.applied():
+                            network.save(self.out / f"{name}-ema.safetensors", export_name, **save)
+                    self._keep_last()
         except OSError as e:
             raise self._write_error(e, network, pos) from None
         acc.wait_for_everyone()
@@ -124,9 +129,10 @@ class Checkpoints:
             rank = acc.process_index
             names = [f"rng_{r}.{ext}" for r in range(acc.num_processes) for ext in ("json", "safetensors")]
             state.save_tree(state.rng_state(), tmp, f"rng_{rank}")
+            trees = {part_name: self.strategy.full_state_dict(part) for part_name, part in self.parts.items()}
             if acc.is_main_process:
-                for part_name, part in self.parts.items():
-                    names += state.save_tree(part.state_dict(), tmp, part_name)
+                for part_name, tree in trees.items():
+                    names += state.save_tree(tree, tmp, part_name)
                 if acc.scaler is not None:
                     names += state.save_tree(acc.scaler.state_dict(), tmp, "scaler")
                 for file, data in (
@@ -249,7 +255,7 @@ class Checkpoints:
                 "adapter with network.network_weights."
             )
         for part_name, part in self.parts.items():
-            part.load_state_dict(state.load_tree(path, part_name))
+            self.strategy.load_full_state_dict(part, state.load_tree(path, part_name))
         if acc.scaler is not None and (path / "scaler.json").is_file():
             acc.scaler.load_state_dict(state.load_tree(path, "scaler"))
         state.set_rng_state(state.load_tree(path, f"rng_{acc.process_index}"))
