@@ -306,17 +306,15 @@ class DeepSpeedStrategy(Strategy):
         for p in self.engine.module.parameters():
             held = p.ds_tensor if hasattr(p, "ds_tensor") else p  # stage 3: the partition this process keeps
             parameters += held.numel() * held.element_size()
-        masters = (
-            zero.fp32_partitioned_groups_flat if self.stage == 3 else zero.single_partition_of_fp32_groups
-        )
+        masters = master_partitions(zero)
         master = sum(t.numel() * t.element_size() for t in masters)
         inner = self.optimizer.inner
         moments = sum(v.numel() * v.element_size() for state in inner.state.values() for v in state.values()
                       if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
         if not moments:
             moments = master * ELEMENTWISE_OPTIMIZERS.get(type(inner), 2)
-        grads_dtype = next(iter(masters)).dtype if self.stage == 3 else self.optimizer.order[0].dtype
-        gradients = sum(t.numel() for t in masters) * torch.finfo(grads_dtype).bits // 8
+        # the gradient partition: as many elements as the master partition, in the trained weights' dtype
+        gradients = sum(t.numel() for t in masters) * self.optimizer.order[0].element_size()
         return {"parameters": parameters, "gradients": gradients, "master": master, "moments": moments,
                 "optimizer": master + moments, "offload": int(bool(getattr(zero, "cpu_offload", False) or
                                                                   getattr(zero, "offload_optimizer", False)))}  # fmt: skip
@@ -406,16 +404,23 @@ class EngineOptimizer:
     def _create_state(self, keys: list[str], scalars: dict[str, Any]) -> None:
         """Give each flat partition a zero state with these keys (before the first step there is none), and
         link DeepSpeed's per-parameter views of it (stage 2 links them after its first step otherwise)."""
-        for group in self.inner.param_groups:
-            for flat in group["params"]:
-                state = self.inner.state[flat]
-                for key in keys:
-                    state.setdefault(key, torch.zeros_like(flat))
-                state.update({k: _copy(v) for k, v in scalars.items()})
         zero = self.engine.optimizer
+        for flat in master_partitions(zero):
+            state = self.inner.state[flat]
+            for key in keys:
+                state.setdefault(key, torch.zeros_like(flat))
+            state.update({k: _copy(v) for k, v in scalars.items()})
         if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # stage 2's link (private in DeepSpeed)
             zero._hp_optimizer_states_linked = False
             zero._lazy_init_hp_params_optimizer_state()
+
+
+def master_partitions(zero) -> list[torch.Tensor]:
+    """This process's flat fp32 master partitions, one per parameter group (stage 3: per sub-group); the
+    optimizer's state is keyed by them."""
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        return list(zero.fp32_partitioned_groups_flat)
+    return list(zero.single_partition_of_fp32_groups)
 
 
 def _copy(value: Any) -> Any:

@@ -239,11 +239,11 @@ class Checkpoints:
             raise CheckpointError(f"--resume {resume}: {e}. {self._fallback(path)}") from None
         self._check_identity(path)
         acc = self.accelerator
-        rng = path / f"rng_{acc.process_index}.json"
-        if not rng.is_file():
+        saved_by = len(list(path.glob("rng_*.json")))
+        if saved_by != acc.num_processes:  # each process's place in the data is its own batch count
             raise CheckpointError(
-                f"--resume {path}: saved by {len(list(path.glob('rng_*.json')))} process(es); resume with the "
-                "same number of processes."
+                f"--resume {path}: saved by {saved_by} process(es), resumed by {acc.num_processes}; a saved "
+                "position counts each process's own batches, so resume with the same number of processes."
             )
         for part_name, part in self.parts.items():
             part.load_state_dict(state.load_tree(path, part_name))
