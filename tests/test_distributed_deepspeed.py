@@ -160,6 +160,25 @@ def test_zero3_from_a_user_json_with_offload(project, reference, zero2, tmp_path
     _assert_same_files(resumed / "demo_lora.safetensors", reference / "demo_lora.safetensors")
 
 
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero3_full_finetune_partitions_the_whole_model(project, tmp_path):
+    full = ["train.max_steps=2", "network.type='full'", "train.learning_rate=1e-4"]
+    reference = _launch(project, tmp_path / "one", *full, "train.gradient_accumulation_steps=2", processes=1)
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    keys = (DEEPSPEED, "distributed.deepspeed_stage=3", f"distributed.deepspeed_config='{user}'")
+    out = _launch(project, tmp_path / "zero3", *full, *keys)
+    # the saved model is whole (gathered from both processes' partitions) and as one process trains it
+    _assert_same_files(out / "demo_lora.safetensors", reference / "demo_lora.safetensors")
+    _assert_same_optimizer_state(out / "state/step000002", reference / "state/step000002")
+    whole = sum(t.numel() * 4 for t in load_file(reference / "demo_lora.safetensors").values())
+    memory = json.loads((out / "memory0.json").read_text())
+    # each process: half the weights, half their gradients, half the master copy and moments
+    assert memory["parameters"] == memory["gradients"] == memory["master"] == whole // 2
+    assert memory["moments"] == whole
+
+
 # ---- refusals (one process, no training) ----
 
 
