@@ -271,14 +271,11 @@ class DeepSpeedStrategy(Strategy):
 
     @contextlib.contextmanager
     def whole_state(self, trained) -> Iterator[None]:
-        """Every process takes part: stage 3 gathers the trained weights (changes made by process 0, such
-        as a resume's load, are spread back when it closes), and the optimizer consolidates its state."""
-        import deepspeed
-
+        """Every process takes part: stage 3 makes the trained weights whole in host memory (`_whole_on_host`),
+        and the optimizer consolidates its state."""
         params = [p for p in trained.parameters() if p.requires_grad]
-        gathered = (deepspeed.zero.GatheredParameters(params, modifier_rank=0) if self.stage == 3
-                    else contextlib.nullcontext())  # fmt: skip
-        with gathered:
+        whole = _whole_on_host(params) if self.stage == 3 else contextlib.nullcontext()
+        with whole:
             self.optimizer.consolidate()
             try:
                 yield
@@ -413,6 +410,28 @@ class EngineOptimizer:
         if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # stage 2's link (private in DeepSpeed)
             zero._hp_optimizer_states_linked = False
             zero._lazy_init_hp_params_optimizer_state()
+
+
+@contextlib.contextmanager
+def _whole_on_host(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """ZeRO-3: each partitioned weight is gathered in turn and held whole in host memory while the context
+    is open (a save reads it, a resume loads into it), so a device never holds more than one whole weight
+    at a time; on closing, process 0's copies are partitioned back (what a resume loaded is kept)."""
+    import deepspeed
+
+    partitions = []
+    for p in params:
+        with deepspeed.zero.GatheredParameters([p]):
+            whole = p.data.detach().to("cpu", copy=True)
+        partitions.append(p.data)
+        p.data = whole
+    try:
+        yield
+    finally:
+        for p, partition in zip(params, partitions):
+            whole, p.data = p.data, partition
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                p.data.copy_(whole)
 
 
 def master_partitions(zero) -> list[torch.Tensor]:
