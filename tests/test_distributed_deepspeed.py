@@ -131,8 +131,8 @@ def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_
 @needs_deepspeed
 @pytest.mark.slow
 def test_zero3_from_a_user_json_with_offload(project, reference, zero2, tmp_path):
-    # the user's JSON picks stage 3 and partitions even the tiny model's small weights (DeepSpeed keeps
-    # weights under 100k elements whole on every process by default)
+    # the user's JSON picks stage 3 and partitions every weight, however small (DeepSpeed may keep small
+    # ones whole on every process by default: stage3_param_persistence_threshold)
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
     keys = (
