@@ -24,8 +24,18 @@ resume = None
 if rest[:1] == ["--resume"]:
     resume, rest = rest[1], rest[2:]
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-position_seed = base._mix
-base._mix = lambda seed, epoch, batch: position_seed(seed, epoch, batch * world + rank)
+position_seed, step = base._mix, base.NetworkTrainer._step
+
+
+def step_at_plan_place(self, run, batch):
+    base._mix = lambda seed, epoch, i: position_seed(seed, epoch, i * world + rank)
+    try:
+        return step(self, run, batch)
+    finally:
+        base._mix = position_seed  # validation's draws stay as they are
+
+
+base.NetworkTrainer._step = step_at_plan_place
 
 strategies = []
 if world > 1:
