@@ -90,9 +90,14 @@ def reference(project, tmp_path_factory):
     return _launch(project, out, *STEPS, "train.gradient_accumulation_steps=2", processes=1)
 
 
+# samples drawn by the main process (ZeRO-2 holds the whole model there) must not change the training
+SAMPLES = ("sample.prompts=['a red circle']", "sample.every_n_steps=2", "sample.width=64", "sample.height=48",
+           "sample.steps=2")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def zero2(project, reference, tmp_path_factory):
-    return _launch(project, tmp_path_factory.mktemp("zero2"), *STEPS, DEEPSPEED)
+    return _launch(project, tmp_path_factory.mktemp("zero2"), *STEPS, DEEPSPEED, *SAMPLES)
 
 
 @needs_deepspeed
@@ -103,6 +108,7 @@ def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_
     # the optimizer state is one process's: every partition gathered into whole per-parameter moments
     _assert_same_optimizer_state(zero2 / "state/step000003", reference / "state/step000003")
     state.verify(zero2 / "state/step000003")
+    assert [p.name for p in (zero2 / "samples").iterdir()] == ["demo_lora-step000002-00.png"]
     log = (zero2 / "log0.txt").read_text()
     assert "strategy: deepspeed ZeRO-2 over 2 processes; per process: parameters" in log
 
@@ -250,7 +256,8 @@ def test_the_users_json_is_kept_under_our_keys(config, tmp_path):
         (["memory.blocks_to_swap=1"], "memory.blocks_to_swap with distributed.strategy = 'deepspeed'"),
         (["train.max_nonfinite_steps=2"], "train.max_nonfinite_steps with"),
         (["train.mixed_precision='fp16'"], "fp16"),
-        (["sample.every_n_steps=1", "sample.prompts=['a cat']"], "sample.every_n_steps / sample.at_start with"),
+        (["distributed.deepspeed_stage=3", "sample.every_n_steps=1", "sample.prompts=['a cat']"],
+         "sample.every_n_steps / sample.at_start with .*ZeRO-3"),
     ],
 )  # fmt: skip
 def test_settings_it_cannot_combine_with_are_refused(config, overrides, message):

@@ -101,6 +101,13 @@ class PredictModule(nn.Module):
             return self.trainer.predict(self.model, noisy, t, cond)
 
 
+def owned_model(model: nn.Module) -> nn.Module:
+    """The model itself where an engine owns it through a `PredictModule` (for what runs outside the
+    engine, such as samples drawn by the main process), else `model`."""
+    owner = getattr(model, "module", None)
+    return owner.model if isinstance(owner, PredictModule) else model
+
+
 def strategy_for(cfg, num_processes: int) -> Strategy:
     """The configured strategy, or the plain one-process behaviour when there is one process."""
     name = cfg.distributed.strategy

@@ -224,9 +224,9 @@ class DeepSpeedStrategy(Strategy):
              "two-expert models switch transformers per step; one engine owns one"),
             (stage == 3 and bool(tc.ema_decay), "train.ema_decay",
              "ZeRO-3 partitions the trained weights the EMA averages"),
-            (bool(sc.prompts) and bool(sc.every_n_steps or sc.at_start), "sample.every_n_steps / sample.at_start",
-             "samples are drawn in the main process alone, and the model is the engine's; generate from the "
-             "saved adapter with `tuner generate`"),
+            (stage == 3 and bool(sc.prompts) and bool(sc.every_n_steps or sc.at_start),
+             "sample.every_n_steps / sample.at_start", "samples are drawn by the main process alone, and "
+             "ZeRO-3's weights are partitioned across all; generate from the saved adapter with `tuner generate`"),
         ]  # fmt: skip
         for refused, key, why in refusals:
             if refused:
