@@ -25,8 +25,9 @@ gradient is not finite, updates the partitions and gathers the weights again.
 
 Saves are the files a one-process run writes. The adapter (or model) file is written from the whole
 weights (stage 3 gathers them for the save); the optimizer state is consolidated from every process's
-partition into the state dict a one-process optimizer has (`EngineOptimizer`), so a state saved with
-ZeRO resumes with ZeRO on any number of processes, or in one process, and the other way round.
+partition into the state dict a one-process optimizer has (`deepspeed_state.py`), so a state saved under
+either stage resumes under either stage, with or without offload, or under DDP, and the other way round
+(on the same number of processes: a saved position counts each process's own batches).
 
 On a machine without CUDA, accelerate only drives DeepSpeed when it is not told to use the CPU
 (ACCELERATE_USE_CPU / --cpu turn its plugin off) and when the process group is gloo's; DeepSpeed then

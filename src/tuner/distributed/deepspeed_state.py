@@ -26,8 +26,8 @@ class EngineOptimizer:
     `step` is the engine's step (clip, update the partitions, gather the weights, zero the gradients).
     `state_dict` is the state a one-process optimizer over the same parameters has, assembled from every
     process's partition (`consolidate`, collective, run by `DeepSpeedStrategy.whole_state` in every
-    process), and `load_state_dict` takes such a state (from a ZeRO run on any number of processes, or a
-    one-process run) and keeps this process's part of it, with the fp32 master weights taken from the
+    process), and `load_state_dict` takes such a state (saved under either stage, or by DDP's plain
+    optimizer) and keeps this process's part of it, with the fp32 master weights taken from the
     weights just loaded."""
 
     def __init__(self, engine, order: list[torch.nn.Parameter], group_sizes: list[int]):
