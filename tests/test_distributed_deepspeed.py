@@ -43,13 +43,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(config: Path, out: Path, *overrides: str, resume: Path | None = None, processes: int = 2) -> Path:
-    """Train `config` into `out` with `processes` processes (torchrun for two) and return `out`."""
+def _launch(config: Path, out: Path, *overrides: str, resume: Path | None = None, processes: int = 2,
+            extra_env: dict | None = None, fails: bool = False) -> Path | str:  # fmt: skip
+    """Train `config` into `out` with `processes` processes (torchrun for two) and return `out` (with
+    `fails`: the run must fail; return its output)."""
     out.mkdir(parents=True, exist_ok=True)
     src = str(Path(__file__).parents[1] / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     env.pop("ACCELERATE_USE_CPU", None)  # it turns accelerate's DeepSpeed plugin off
+    env.update(extra_env or {})
     args = [str(WORKER), str(config), str(out), *(["--resume", str(resume)] if resume else []), *overrides]
     if processes == 1:
         cmd = [sys.executable, *args]
@@ -57,6 +60,9 @@ def _launch(config: Path, out: Path, *overrides: str, resume: Path | None = None
         torchrun = Path(sys.executable).parent / "torchrun"
         cmd = [str(torchrun), "--nproc_per_node", str(processes), "--master_port", str(_free_port()), *args]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if fails:
+        assert result.returncode != 0
+        return result.stdout + result.stderr
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
@@ -183,6 +189,14 @@ def test_zero3_full_finetune_partitions_the_whole_model(project, tmp_path):
     # each process: half the weights, half their gradients, half the master copy and moments
     assert memory["parameters"] == memory["gradients"] == memory["master"] == whole // 2
     assert memory["moments"] == whole
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_told_to_use_the_cpu_accelerate_starts_no_deepspeed_and_says_so(project, tmp_path):
+    output = _launch(project, tmp_path / "out", "train.max_steps=1", DEEPSPEED,
+                     extra_env={"ACCELERATE_USE_CPU": "true"}, fails=True)  # fmt: skip
+    assert "accelerate did not start DeepSpeed" in output and "unset ACCELERATE_USE_CPU" in output
 
 
 # ---- refusals (one process, no training) ----
