@@ -413,6 +413,24 @@ class DistributedConfig:
         "state sharded), deepspeed (ZeRO through accelerate's plugin) or pipeline (the blocks split into "
         "stages across processes). One process ignores it. See docs/distributed.md for which to pick.",
     )
+    deepspeed_stage: Literal[2, 3] | None = option(
+        None,
+        "strategy = deepspeed: the ZeRO stage. 2 shards the optimizer state and the gradients of what trains "
+        "(LoRA); 3 shards the weights too, the frozen base included (full fine-tunes, models that do not fit "
+        "one card). Unset: the stage in deepspeed_config, else 2.",
+    )
+    deepspeed_offload_optimizer: bool | None = option(
+        None,
+        "strategy = deepspeed: keep the optimizer state (and its fp32 master weights) in host memory and step "
+        "there, freeing their GPU memory for a slower step. Unset: as deepspeed_config says, else off.",
+    )
+    deepspeed_config: str = option(
+        "",
+        "strategy = deepspeed: a DeepSpeed JSON file of your own, merged under tuner's keys (e.g. "
+        "zero_optimization's bucket sizes). It may not set the optimizer or the scheduler (tuner builds "
+        "them from [train]); keys that contradict [train] or the deepspeed_* keys are refused by name.",
+        path=True,
+    )
 
 
 @dataclass(frozen=True)

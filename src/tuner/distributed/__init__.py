@@ -11,6 +11,8 @@ few named points and never branches on the strategy itself:
                               on batches that are not the last of their accumulation group)
     backward(run, loss)       backpropagate one batch's loss
     reduce_gradients(run)     after a group's last backward: gradients equal on every process
+    grad_norm(run, max_norm)  clip the gradients and return their norm (None: the engine owns it)
+    whole_state(trained)      the context a save or a resume runs in (sharded weights gathered)
     plan(...)                 one line: the strategy and the per-process memory it plans
     full_state_dict(part)     a state part (network, optimizer, ...) as a one-process run saves it
     load_full_state_dict(...) such a saved state back into the part (on every process)
@@ -27,12 +29,15 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from torch import nn
+
 from tuner.errors import ConfigError
 
 # strategy name -> "module:Class" (imported when picked, so a DeepSpeed-less install trains with DDP)
 STRATEGIES = {
     "ddp": "tuner.distributed.ddp:DDPStrategy",
     "fsdp": "tuner.distributed.fsdp:FSDPStrategy",
+    "deepspeed": "tuner.distributed.deepspeed:DeepSpeedStrategy",
 }
 
 
@@ -70,6 +75,20 @@ class Strategy:
     def reduce_gradients(self, run) -> None:
         pass
 
+    def grad_norm(self, run, max_norm: float) -> float | None:
+        """Clip the trained gradients to `max_norm` (if > 0) and return their total norm; None where an
+        engine or a gradient scaler owns the check for non-finite gradients (it skips those steps)."""
+        from tuner.trainers.base import _grad_norm
+
+        return _grad_norm(run.trained, run.accelerator, max_norm)
+
+    @contextlib.contextmanager
+    def whole_state(self, trained) -> Iterator[None]:
+        """The context every process runs a save or a resume in: the trained weights and the optimizer
+        state are whole inside it (a sharding strategy gathers them), and what a resume loads into them
+        is kept when it closes."""
+        yield
+
     def plan(self, trainer, accelerator, model, trained, optimizer) -> str:
         """The strategy and what each process holds (`accounting.memory_plan`, from the real tensors);
         one process holds everything. Strategies that shard say what share each process keeps."""
@@ -91,6 +110,32 @@ class Strategy:
     def full_weights(self, network) -> Iterator[None]:
         """Entered by every process around the export of the adapter (or model) file."""
         yield
+
+
+class PredictModule(nn.Module):
+    """The model and what trains on it as one module whose forward is the trainer's `predict`. An engine
+    that must own a module and see each forward (DeepSpeed's) wraps this; `NetworkTrainer.loss` calls a
+    model marked `runs_predict` with (noisy, t, cond) instead of calling `predict` on it."""
+
+    runs_predict = True
+
+    def __init__(self, trainer, model: nn.Module, trained: nn.Module, autocast=None):
+        super().__init__()
+        self.model = model
+        self.trained = trained  # the adapter's modules run from inside the model's layers
+        self.trainer = trainer  # not a module: its parameters are the model's
+        self.autocast = autocast or contextlib.nullcontext
+
+    def forward(self, noisy, t, cond):
+        with self.autocast():
+            return self.trainer.predict(self.model, noisy, t, cond)
+
+
+def owned_model(model: nn.Module) -> nn.Module:
+    """The model itself where an engine owns it through a `PredictModule` (for what runs outside the
+    engine, such as samples drawn by the main process), else `model`."""
+    owner = getattr(model, "module", None)
+    return owner.model if isinstance(owner, PredictModule) else model
 
 
 def strategy_for(cfg, num_processes: int) -> Strategy:

@@ -346,7 +346,12 @@ class NetworkTrainer:
         weights = cond.pop("loss_mask", None)  # a dataset's cached loss mask (`tuner.data.masks`)
         factor = cond.pop("loss_weight", None)  # a dataset's loss_weight (regularization sets), per sample
         with accelerator.autocast():
-            pred = self.predict(model, noisy, t, cond)
+            # an engine that owns the model (tuner.distributed.PredictModule) runs `predict` inside itself
+            pred = (
+                model(noisy, t, cond)
+                if getattr(model, "runs_predict", False)
+                else self.predict(model, noisy, t, cond)
+            )
         mask = self.loss_mask(x0, cond)
         if weights is not None:  # [B, 1, *latent grid]: broadcasts over channels
             mask = weights if mask is None else mask * weights
@@ -372,7 +377,10 @@ class NetworkTrainer:
                     run.pos.epoch, run.pos.batch = run.pos.epoch + 1, 0
                     self._maybe_save(run, epoch_end=True)
             run.progress.close()
-            final = run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=True)
+            with run.strategy.whole_state(run.trained):
+                final = run.checkpoints.save(
+                    run.trained, run.pos, run.metadata, self.export_layout(), final=True
+                )
             run.accelerator.end_training()
             run.log(f"saved {', '.join(map(str, run.checkpoints.written))}")
             return final
@@ -483,7 +491,8 @@ class NetworkTrainer:
                 "Continue it with --resume latest, or set another save.output_dir."
             )
         if resume:
-            pos = Position(**checkpoints.load(resume))
+            with strategy.whole_state(trained):
+                pos = Position(**checkpoints.load(resume))
             path = checkpoints.resolve(resume)
             log(f"resumed from {path} at step {pos.step}, epoch {pos.epoch + 1}")
             if changes := checkpoints.schedule_changes(path):
@@ -545,7 +554,7 @@ class NetworkTrainer:
         if pos.batch != end:
             return False
         run.strategy.reduce_gradients(run)
-        grad_norm = _grad_norm(run.trained, run.accelerator, tc.max_grad_norm)
+        grad_norm = run.strategy.grad_norm(run, tc.max_grad_norm)
         step_loss = sum(run.recent[-(end - start) :]) / (end - start)
         if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
             if run.fused is None:  # fused: every parameter has stepped inside backward
@@ -632,7 +641,8 @@ class NetworkTrainer:
         due = (sc.every_n_epochs and pos.epoch % sc.every_n_epochs == 0 and pos.step < run.total_steps
                if epoch_end else sc.every_n_steps and pos.step % sc.every_n_steps == 0)  # fmt: skip
         if due:
-            run.checkpoints.save(run.trained, pos, run.metadata, self.export_layout())
+            with run.strategy.whole_state(run.trained):
+                run.checkpoints.save(run.trained, pos, run.metadata, self.export_layout())
 
     def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
         """Mean loss on the held-out batches at fixed timesteps with fixed noise, so values

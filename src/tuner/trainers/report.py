@@ -14,7 +14,8 @@ from tuner.config import Config
 def summary(trainer, network, data, total_steps: int, steps_per_epoch: int, accelerator, memory: str) -> str:
     """The lines printed before the first step: what trains, on what data, for how long, where."""
     cfg, tc, nc = trainer.cfg, trainer.cfg.train, trainer.cfg.network
-    trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
+    # ds_numel: the whole size of a weight DeepSpeed's ZeRO-3 has partitioned (its own numel is its share)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in network.parameters() if p.requires_grad)
     full = nc.type == "full"
     what = "a full fine-tune" if full else (
         f"a {nc.type}{' + DoRA' if nc.dora else ''} (rank {nc.rank}, alpha {nc.alpha})"

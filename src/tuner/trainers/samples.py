@@ -37,6 +37,9 @@ class TrainingSamples:
 
     def draw(self, model: nn.Module, trained: nn.Module, step: int, log: Callable[[str], None]) -> list[Path]:
         """Render every prompt at `step`; return the files written."""
+        from tuner.distributed import owned_model
+
+        model = owned_model(model)  # DeepSpeed's engine owns it: sample from the model itself (ZeRO-2)
         was_training = trained.training
         trained.eval()
         written = []

@@ -1,0 +1,296 @@
+"""strategy = "deepspeed": ZeRO-2 and ZeRO-3 on two CPU processes (gloo, DeepSpeed's CPU accelerator)
+train the weights one process trains on the same global batches, save the files one process saves (the
+optimizer state consolidated into one process's state dict), and resume; bad settings are refused by name.
+
+The reference is one process accumulating two batches per step (process r's i-th batch is the plan's batch
+i * 2 + r, see tests/distributed_deepspeed_worker.py, which also draws each batch's noise by that place)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from project import make_cached_project, make_project
+from tuner.config import load_config
+from tuner.errors import CheckpointError, ConfigError
+from tuner.trainers import state
+
+try:
+    import deepspeed  # noqa: F401
+
+    HAS_DEEPSPEED = True
+except ImportError:
+    HAS_DEEPSPEED = False
+needs_deepspeed = pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="deepspeed is not installed (pip install tuner[deepspeed])"
+)
+
+WORKER = Path(__file__).parent / "distributed_deepspeed_worker.py"
+STEPS = ["train.max_steps=3", "save.every_n_steps=2"]  # a state at step 2 to resume from, the final at 3
+DEEPSPEED = "distributed.strategy='deepspeed'"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: Path, out: Path, *overrides: str, resume: Path | None = None, processes: int = 2,
+            extra_env: dict | None = None, fails: bool = False) -> Path | str:  # fmt: skip
+    """Train `config` into `out` with `processes` processes (torchrun for two) and return `out` (with
+    `fails`: the run must fail; return its output)."""
+    out.mkdir(parents=True, exist_ok=True)
+    src = str(Path(__file__).parents[1] / "src")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env.pop("ACCELERATE_USE_CPU", None)  # it turns accelerate's DeepSpeed plugin off
+    env.update(extra_env or {})
+    args = [str(WORKER), str(config), str(out), *(["--resume", str(resume)] if resume else []), *overrides]
+    if processes == 1:
+        cmd = [sys.executable, *args]
+    else:
+        torchrun = Path(sys.executable).parent / "torchrun"
+        cmd = [str(torchrun), "--nproc_per_node", str(processes), "--master_port", str(_free_port()), *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if fails:
+        assert result.returncode != 0
+        return result.stdout + result.stderr
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def _assert_same_files(a: Path, b: Path, atol: float = 1e-6) -> None:
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys() and x
+    for key in x:
+        torch.testing.assert_close(x[key], y[key], rtol=0, atol=atol, msg=f"{key} differs")
+
+
+def _assert_same_optimizer_state(a: Path, b: Path, atol: float = 1e-6) -> None:
+    x, y = state.load_tree(a, "optimizer"), state.load_tree(b, "optimizer")
+    assert len(x["state"]) == len(y["state"]) > 0
+    assert [g["params"] for g in x["param_groups"]] == [g["params"] for g in y["param_groups"]]
+    for i in y["state"]:
+        assert x["state"][i].keys() == y["state"][i].keys()
+        for key in y["state"][i]:
+            torch.testing.assert_close(x["state"][i][key], y["state"][i][key], rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, wan_model):
+    return make_cached_project(tmp_path_factory.mktemp("ds") / "p", wan_model)
+
+
+@pytest.fixture(scope="module")
+def reference(project, tmp_path_factory):
+    """One process, two batches accumulated per step: the global batch of two processes."""
+    out = tmp_path_factory.mktemp("reference")
+    return _launch(project, out, *STEPS, "train.gradient_accumulation_steps=2", processes=1)
+
+
+# samples drawn by the main process (ZeRO-2 holds the whole model there) must not change the training
+SAMPLES = ("sample.prompts=['a red circle']", "sample.every_n_steps=2", "sample.width=64", "sample.height=48",
+           "sample.steps=2")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zero2(project, reference, tmp_path_factory):
+    return _launch(project, tmp_path_factory.mktemp("zero2"), *STEPS, DEEPSPEED, *SAMPLES)
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_path, wan_model):
+    for name in ("demo_lora-step000002.safetensors", "demo_lora.safetensors"):
+        _assert_same_files(zero2 / name, reference / name)
+    # the optimizer state is one process's: every partition gathered into whole per-parameter moments
+    _assert_same_optimizer_state(zero2 / "state/step000003", reference / "state/step000003")
+    state.verify(zero2 / "state/step000003")
+    assert [p.name for p in (zero2 / "samples").iterdir()] == ["demo_lora-step000002-00.png"]
+    log = (zero2 / "log0.txt").read_text()
+    assert "strategy: deepspeed ZeRO-2 over 2 processes; per process: parameters" in log
+
+    # resume the step-2 state on two processes: the same final weights as the uninterrupted run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(zero2 / "state/step000002", resumed / "state/step000002")
+    _launch(project, resumed, *STEPS, DEEPSPEED, resume=resumed / "state/step000002")
+    _assert_same_files(resumed / "demo_lora.safetensors", reference / "demo_lora.safetensors")
+
+    # one process cannot continue it (a position counts each process's batches): refused by name
+    from tuner.trainers.wan import WanTrainer
+
+    cfg = load_config(project, [f"save.output_dir='{resumed}'", "log.tensorboard=false", *STEPS])
+    with pytest.raises(CheckpointError, match="saved by 2 process"):
+        WanTrainer(cfg).train(resume=str(resumed / "state/step000002"), log=lambda s: None)
+
+    # the adapter file loads in a one-process model like any other
+    trainer = WanTrainer(cfg)
+    model = trainer.load_transformer(torch.float32)
+    network = trainer.attach_adapter_file(model, zero2 / "demo_lora.safetensors", 1.0)
+    saved = load_file(zero2 / "demo_lora.safetensors")
+    for key, tensor in network.file_state_dict().items():
+        torch.testing.assert_close(tensor, saved[key])
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero3_from_a_user_json_with_offload(project, reference, zero2, tmp_path):
+    # the user's JSON picks stage 3 and partitions every weight, however small (DeepSpeed may keep small
+    # ones whole on every process by default: stage3_param_persistence_threshold)
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    keys = (
+        DEEPSPEED,
+        f"distributed.deepspeed_config='{user}'",
+        "distributed.deepspeed_offload_optimizer=true",
+    )
+    out = _launch(project, tmp_path / "zero3", *STEPS, *keys)
+    _assert_same_files(out / "demo_lora.safetensors", reference / "demo_lora.safetensors")
+    _assert_same_optimizer_state(out / "state/step000003", reference / "state/step000003")
+    log = (out / "log0.txt").read_text()
+    assert "trainable parameters  22,528" in log  # counted whole, not as this process's partition
+    assert "ZeRO-3 (optimizer offloaded to host) over 2 processes" in log
+    # DeepSpeed's partitions: stage 3 holds half the weights stage 2 holds; both a half of the gradients
+    # and optimizer state of what trains (22,528 fp32 elements: 45,056 bytes of master weights each)
+    z2, z3 = (json.loads((run / "memory0.json").read_text()) for run in (zero2, out))
+    assert z3["parameters"] == pytest.approx(z2["parameters"] / 2, rel=0.01)
+    assert z2["master"] == z3["master"] == 22_528 * 4 // 2
+    assert z2["moments"] == z3["moments"] == 2 * z2["master"]  # AdamW: two moments per element
+
+    # a ZeRO-2 state resumes under ZeRO-3 with offload: the consolidated state is the same file
+    resumed = tmp_path / "resumed"
+    shutil.copytree(zero2 / "state/step000002", resumed / "state/step000002")
+    _launch(project, resumed, *STEPS, *keys, resume=resumed / "state/step000002")
+    _assert_same_files(resumed / "demo_lora.safetensors", reference / "demo_lora.safetensors")
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_zero3_full_finetune_partitions_the_whole_model(project, tmp_path):
+    full = ["train.max_steps=2", "network.type='full'", "train.learning_rate=1e-4"]
+    reference = _launch(project, tmp_path / "one", *full, "train.gradient_accumulation_steps=2", processes=1)
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    keys = (DEEPSPEED, "distributed.deepspeed_stage=3", f"distributed.deepspeed_config='{user}'")
+    out = _launch(project, tmp_path / "zero3", *full, *keys)
+    # the saved model is whole (gathered from both processes' partitions) and as one process trains it
+    _assert_same_files(out / "demo_lora.safetensors", reference / "demo_lora.safetensors")
+    _assert_same_optimizer_state(out / "state/step000002", reference / "state/step000002")
+    whole = sum(t.numel() * 4 for t in load_file(reference / "demo_lora.safetensors").values())
+    memory = json.loads((out / "memory0.json").read_text())
+    # each process: half the weights, half their gradients, half the master copy and moments
+    assert memory["parameters"] == memory["gradients"] == memory["master"] == whole // 2
+    assert memory["moments"] == whole
+
+
+@needs_deepspeed
+@pytest.mark.slow
+def test_told_to_use_the_cpu_accelerate_starts_no_deepspeed_and_says_so(project, tmp_path):
+    output = _launch(project, tmp_path / "out", "train.max_steps=1", DEEPSPEED,
+                     extra_env={"ACCELERATE_USE_CPU": "true"}, fails=True)  # fmt: skip
+    assert "accelerate did not start DeepSpeed" in output and "unset ACCELERATE_USE_CPU" in output
+
+
+# ---- refusals (one process, no training) ----
+
+
+def _check(config: Path, *overrides: str, world: int = 2) -> None:
+    from tuner.distributed.deepspeed import DeepSpeedStrategy
+    from tuner.trainers.wan import WanTrainer
+
+    cfg = load_config(config, [DEEPSPEED, *overrides])
+    DeepSpeedStrategy(cfg).check(WanTrainer(cfg), world)
+
+
+@pytest.fixture
+def config(tmp_path, wan_model):
+    return make_project(tmp_path / "p", wan_model)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "content, overrides, message",
+    [
+        (None, [], r"no file .*missing\.json"),
+        ("{not json", [], r"ds\.json is not valid JSON \(.* line 1"),
+        ("[1, 2]", [], "holds a JSON list"),
+        ('{"zero_optimization": {"stage": 3}}', ["distributed.deepspeed_stage=2"],
+         r"zero_optimization.stage = 3, but distributed.deepspeed_stage makes it 2"),
+        ('{"zero_optimization": {"stage": 1}}', [], "runs ZeRO stages 2 and 3"),
+        ('{"gradient_accumulation_steps": 4}', [],
+         "gradient_accumulation_steps = 4, but train.gradient_accumulation_steps makes it 1"),
+        ('{"gradient_clipping": 0.5}', ["train.max_grad_norm=1.0"], "but train.max_grad_norm makes it 1.0"),
+        ('{"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}',
+         ["distributed.deepspeed_offload_optimizer=false"], "distributed.deepspeed_offload_optimizer"),
+        ('{"optimizer": {"type": "Adam"}}', [], "sets 'optimizer'; tuner builds the optimizer"),
+        ('{"bf16": {"enabled": true}}', [], "enables 'bf16'.*train.mixed_precision"),
+    ],
+)  # fmt: skip
+def test_the_users_json_is_checked(config, tmp_path, content, overrides, message):
+    path = tmp_path / ("missing.json" if content is None else "ds.json")
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        _check(config, f"distributed.deepspeed_config='{path}'", *overrides)
+
+
+@needs_deepspeed
+def test_the_users_json_is_kept_under_our_keys(config, tmp_path):
+    from tuner.distributed.deepspeed import deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1234},
+                                "gradient_accumulation_steps": "auto"}))  # fmt: skip
+    cfg = load_config(
+        config, [DEEPSPEED, f"distributed.deepspeed_config='{path}'", "train.max_grad_norm=0.5"]
+    )
+    merged = deepspeed_config(cfg, world=4)
+    assert merged["zero_optimization"]["reduce_bucket_size"] == 1234  # theirs
+    assert merged["zero_optimization"]["stage"] == 3  # theirs, as deepspeed_stage is unset
+    assert merged["zero_optimization"]["offload_optimizer"] == {"device": "none"}
+    assert merged["gradient_accumulation_steps"] == 1 and merged["gradient_clipping"] == 0.5  # ours
+    assert merged["train_batch_size"] == merged["train_micro_batch_size_per_gpu"] * 4
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.optimizer='adamw8bit'"], r"train.optimizer = 'adamw8bit' with distributed.strategy = 'deepspeed'"),
+        (["train.optimizer='adafactor'"], "only an optimizer whose state is per element"),
+        (["distributed.deepspeed_stage=3", "train.ema_decay=0.99"], r"train.ema_decay with .*ZeRO-3"),
+        (["memory.blocks_to_swap=1"], "memory.blocks_to_swap with distributed.strategy = 'deepspeed'"),
+        (["train.max_nonfinite_steps=2"], "train.max_nonfinite_steps with"),
+        (["train.mixed_precision='fp16'"], "fp16"),
+        (["distributed.deepspeed_stage=3", "sample.every_n_steps=1", "sample.prompts=['a cat']"],
+         "sample.every_n_steps / sample.at_start with .*ZeRO-3"),
+    ],
+)  # fmt: skip
+def test_settings_it_cannot_combine_with_are_refused(config, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _check(config, *overrides)
+
+
+@needs_deepspeed
+def test_a_plain_lora_config_passes(config):
+    _check(config)
+    _check(
+        config,
+        "distributed.deepspeed_stage=3",
+        "distributed.deepspeed_offload_optimizer=true",
+        "train.optimizer='SGD'",
+    )
+
+
+def test_without_deepspeed_installed_the_extra_is_named(config, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install tuner\[deepspeed\]"):
+        _check(config)
