@@ -413,6 +413,14 @@ class DistributedConfig:
         "state sharded), deepspeed (ZeRO through accelerate's plugin) or pipeline (the blocks split into "
         "stages across processes). One process ignores it. See docs/distributed.md for which to pick.",
     )
+    pipeline_microbatches: int = option(
+        0,
+        'strategy = "pipeline": micro-batches each batch is cut into, so the stages work at once (more keep '
+        "them busier; each holds that many micro-batches' activations with GPipe, at most the stage count "
+        "with 1F1B, used when there are at least as many micro-batches as stages). 0: one per stage; never "
+        "more than the batch's samples.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
