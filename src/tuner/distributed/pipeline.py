@@ -385,16 +385,30 @@ class PipelineStrategy(Strategy):
 
     # ---- what it plans ----
     def plan(self, trainer, accelerator, model, trained, optimizer) -> str:
-        figures = stage_memory(model, self.stage_params[self.rank], optimizer, planned=True)
-        run = self.stages[self.rank]
-        total = sum(p.numel() for b in self.parts.blocks for p in b.parameters())
-        held = sum(p.numel() for i in run for p in self.parts.blocks[i].parameters())
+        """Every stage's blocks and bytes (gathered, so the main process prints them all)."""
+        blocks = self.parts.blocks
+        mine = stage_memory(model, self.stage_params[self.rank], optimizer, planned=True)
+        mine["parameters"] = sum(p.numel() for i in self.stages[self.rank] for p in blocks[i].parameters())
+        every = [None] * self.world
+        dist.all_gather_object(every, mine)
         micro = self.cfg.distributed.pipeline_microbatches or self.world
-        return (
-            f"distributed: pipeline, {self.world} stages, {micro} micro-batches per batch; this process is "
-            f"stage {self.rank} with blocks {_span(run)} of {len(self.parts.blocks)} ({held / 1e6:.2f}M of "
-            f"{total / 1e6:.2f}M block parameters). Per process: {_describe(figures)}."
+        total = sum(f["parameters"] for f in every)
+        lines = [
+            f"distributed: pipeline, {self.world} stages over {len(blocks)} blocks ({total / 1e6:.2f}M "
+            f"parameters), {micro} micro-batches per batch ({'1F1B' if micro >= self.world else 'GPipe'})"
+        ]
+        for stage, f in enumerate(every):
+            mb = {k: v / 2**20 for k, v in f.items()}
+            lines.append(
+                f"  stage {stage}: blocks {_span(self.stages[stage])} ({f['parameters'] / 1e6:.2f}M); model "
+                f"weights {mb['frozen']:.2f} MB, trained {mb['trained']:.3f} MB, gradients "
+                f"{mb['gradients']:.3f} MB, optimizer state {mb['optimizer']:.3f} MB"
+            )
+        lines.append(
+            "  (each process also keeps the other stages' adapters, untrained, for the saves; loading reads "
+            "the whole model into host memory before the other stages' blocks are freed)"
         )
+        return "\n".join(lines)
 
 
 def stage_memory(
@@ -429,15 +443,6 @@ def _state_bytes_per_weight(optimizer, like: nn.Parameter, probe: int = 1 << 16)
     fresh.step()
     held = sum(v.numel() * v.element_size() for v in fresh.state[weight].values() if torch.is_tensor(v))
     return held / probe
-
-
-def _describe(figures: dict[str, int]) -> str:
-    mb = {k: v / 2**20 for k, v in figures.items()}
-    return (
-        f"model weights {mb['frozen']:.2f} MB, this stage's trained weights {mb['trained']:.3f} MB, their "
-        f"gradients {mb['gradients']:.3f} MB and optimizer state {mb['optimizer']:.3f} MB (the other stages' "
-        "adapters are kept beside them, untrained, for the saves)"
-    )
 
 
 def _names(model: nn.Module, modules: list[nn.Module]) -> list[str]:
