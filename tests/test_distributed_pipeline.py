@@ -140,12 +140,17 @@ def _assert_same_adapter(a: Path, b: Path) -> None:
         torch.testing.assert_close(x[key], y[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.fixture(scope="module")
+def cached_project(tmp_path_factory, wan_model):
+    return make_cached_project(tmp_path_factory.mktemp("pipeline") / "p", wan_model)
+
+
 @pytest.mark.slow
-def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, wan_model):
+def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_project):
     """Stages 0 and 1 (one tiny Wan block each, two micro-batches on the two-image batches) end with the
     one-process adapter: same losses, same file. Their state at step 2 resumes on two processes and on one
     process to the same adapter, so the saved state is a one-process run's."""
-    config = make_cached_project(tmp_path / "p", wan_model)
+    config = cached_project
     steps = ("train.max_steps=4", "save.every_n_steps=2", "save.save_state=true")
     one = train_wan(config, tmp_path / "one", *steps)
 
@@ -178,3 +183,17 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, wan_model
     alone = train_wan(config, tmp_path / "alone", "train.max_steps=4", resume=str(state))
     assert alone.history == pytest.approx(one.history[2:], rel=1e-5)
     _assert_same_adapter(tmp_path / "alone" / "demo_lora.safetensors", piped / "demo_lora.safetensors")
+
+
+@pytest.mark.slow
+def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cached_project):
+    """Two batches per step, one micro-batch each (GPipe), and a clipping threshold every step reaches:
+    the stages clip by the norm of all their gradients together, as one process clips by the whole."""
+    settings = ("train.gradient_accumulation_steps=2", "train.max_grad_norm=0.01", "train.lr_warmup_steps=0")
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
+    piped = tmp_path / "piped"
+    _torchrun(str(cached_project), str(piped), "2", "-", "distributed.pipeline_microbatches=1", *settings)
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
+    assert all(f["trained"] for f in figures)
