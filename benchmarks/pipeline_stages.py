@@ -67,20 +67,22 @@ def stage_bytes(architecture: str, variant: str, rank: int, stages: int) -> dict
     return worst
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[tuple[str, int], dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=32)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    table = {}
     print(f"largest stage, GiB (LoRA rank {args.rank}: weights + gradients + AdamW state in fp32)")
     print(
         f"{'model':18} {'stages':>6} {'frozen bf16':>12} {'frozen fp8':>11} {'LoRA training':>14} {'LoRA copy':>10}"
     )
     for architecture, variant, label in MODELS:
         for stages in (1, 2, 4, 8):
-            w = stage_bytes(architecture, variant, args.rank, stages)
+            w = table[label, stages] = stage_bytes(architecture, variant, args.rank, stages)
             print(
                 f"{label:18} {stages:>6} {w['bf16']:>12.2f} {w['fp8']:>11.2f} {w['lora']:>14.3f} {w['copies']:>10.3f}"
             )
+    return table
 
 
 if __name__ == "__main__":

@@ -197,3 +197,20 @@ def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cac
     _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
     assert all(f["trained"] for f in figures)
+
+
+@pytest.mark.slow
+def test_stage_bytes_of_the_real_models_halve_with_each_doubling(monkeypatch, capsys):
+    """benchmarks/pipeline_stages.py on the shipped Wan 14B and FLUX.1 dev configs (meta device)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import pipeline_stages
+
+    table = pipeline_stages.main(["--rank", "4"])
+    assert "Wan 2.1 T2V 14B" in capsys.readouterr().out
+    for model in ("Wan 2.1 T2V 14B", "FLUX.1 dev"):
+        one, two = table[model, 1], table[model, 2]
+        assert (
+            26 < one["bf16"] < 27 if model.startswith("Wan") else 22 < one["bf16"] < 23
+        )  # 14B / 12B in bf16
+        assert one["bf16"] / 2 < two["bf16"] < one["bf16"] * 0.52  # half the blocks + the shared parts
+        assert two["fp8"] < two["bf16"] * 0.53 and table[model, 8]["lora"] < two["lora"] / 3
