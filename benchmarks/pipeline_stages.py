@@ -20,7 +20,7 @@ import argparse
 import torch
 from torch import nn
 
-from tuner.distributed.pipeline import balanced_stages
+from tuner.distributed.stages import balanced_stages
 from tuner.registry import ARCHITECTURES, CONFIGS
 
 MODELS = (("wan", "t2v-14B", "Wan 2.1 T2V 14B"), ("flux", "dev", "FLUX.1 dev"))

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from project import cfg, make_cached_project, make_project, train_wan
-from tuner.distributed.pipeline import PipelineStrategy, balanced_stages, pipeline_architectures
+from tuner.distributed.pipeline import PipelineStrategy
+from tuner.distributed.stages import balanced_stages, pipeline_architectures
 from tuner.errors import ConfigError
 from tuner.registry import ARCHITECTURES, trainer_class
 from tuner.trainers.base import NetworkTrainer

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -49,82 +49,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tuner.distributed import Strategy
+from tuner.distributed.stages import Carried, PipelineParts, balanced_stages, pipeline_unavailable
 from tuner.errors import ConfigError
-
-Carried = tuple[torch.Tensor, ...]
-
-
-@dataclass
-class PipelineParts:
-    """A transformer's forward cut at its blocks, as `predict` calls it; only tensors between the parts."""
-
-    prologue: Callable[[torch.Tensor, torch.Tensor, dict], Carried]
-    """(x_t, t, cond) → the tensors the first block takes (and those later blocks or the epilogue need)."""
-    blocks: list[nn.Module]
-    """In the order the forward runs them."""
-    run_block: Callable[[nn.Module, Carried], Carried]
-    """One block on the carried tensors → the carried tensors for the next."""
-    epilogue: Callable[[Carried, torch.Tensor, torch.Tensor, dict], torch.Tensor]
-    """(carried after the last block, x_t, t, cond) → the prediction, as `predict` returns it."""
-
-    def predict(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """The whole forward through the parts (equals `predict`; the tests check it)."""
-        carried = self.prologue(noisy, t, cond)
-        for block in self.blocks:
-            carried = self.run_block(block, carried)
-        return self.epilogue(carried, noisy, t, cond)
-
-
-def call_block(model: nn.Module, block: nn.Module, *args):
-    """Call a block as the model's own loop does: through its checkpointing function when gradient
-    checkpointing is on (diffusers' `enable_gradient_checkpointing`)."""
-    if torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False):
-        return model._gradient_checkpointing_func(block, *args)
-    return block(*args)
-
-
-def pipeline_architectures() -> list[str]:
-    """The architectures whose trainer cuts its forward into `PipelineParts`."""
-    from tuner import registry
-    from tuner.trainers.base import NetworkTrainer
-
-    return [name for name, record in registry.ARCHITECTURES.items()
-            if record.trainer_class().pipeline_parts is not NetworkTrainer.pipeline_parts]  # fmt: skip
-
-
-def pipeline_unavailable(architecture: str) -> str:
-    return (
-        f"key 'distributed.strategy': pipeline stages are not available for {architecture} (its forward has "
-        f"not been cut into stages); available for {', '.join(pipeline_architectures())}. Use strategy = "
-        '"fsdp" or "deepspeed" to split this model across processes.'
-    )
-
-
-def balanced_stages(sizes: list[int], stages: int) -> list[range]:
-    """Cut blocks of these sizes into `stages` contiguous non-empty runs whose largest total is the
-    smallest possible (a linear partition, by dynamic programming: a few hundred blocks at most)."""
-    n = len(sizes)
-    if not 1 <= stages <= n:
-        raise ValueError(f"cannot cut {n} blocks into {stages} stages")
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    # best[k][i]: the smallest largest-stage total cutting the first i blocks into k runs; cut[k][i]: where
-    # the last of those runs starts
-    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    runs, end = [], n
-    for k in range(stages, 0, -1):
-        runs.append(range(cut[k][end], end))
-        end = cut[k][end]
-    return runs[::-1]
 
 
 def _refusals(trainer, cfg) -> list[tuple[str, str]]:
@@ -144,7 +70,7 @@ def _refusals(trainer, cfg) -> list[tuple[str, str]]:
          f"{trainer.architecture} has two experts; stages split one transformer"),
         (bool(sc.prompts) and bool(sc.every_n_steps or sc.at_start), "sample.every_n_steps",
          "drawing samples needs the whole model on one process; draw them after training with tuner generate"),
-        (any(spec.validation for spec in cfg.datasets), "validation datasets",
+        (any(spec.validation for spec in cfg.datasets), "a dataset's validation = true",
          "the validation loss is not computed through the stages yet; remove validation = true"),
     ]  # fmt: skip
     return [(key, why) for refused, key, why in wanted if refused]
@@ -181,7 +107,7 @@ class _StageModule(nn.Module):
         super().__init__()
         self.trained = nn.ModuleList(adapters)  # what the schedule sees as this stage's parameters
         self.pipeline, self.blocks = (pipeline,), blocks  # a tuple: not a submodule
-        self.first, self.last = pipeline.rank == 0, pipeline.rank == pipeline.world - 1
+        self.first = pipeline.rank == 0
 
     def forward(self, *carried: torch.Tensor) -> Carried:
         pipeline = self.pipeline[0]
@@ -203,6 +129,7 @@ class PipelineStrategy(Strategy):
         self.parts: PipelineParts | None = None
         self.stage_params: list[list[nn.Parameter]] = []  # per stage: its adapters' parameters
         self.module: _StageModule | None = None
+        self.device: torch.device | None = None
         self._schedules: dict = {}  # (micro-batches, input shapes) -> schedule
         self._batch: _Batch | None = None  # the batch the schedule is running
         self._drop_foreign_state = True  # a resumed or gathered optimizer holds other stages' state
@@ -358,6 +285,8 @@ class PipelineStrategy(Strategy):
         for stage, params in enumerate(self.stage_params):
             for p in params:
                 dist.broadcast(p.data, src=stage)
+        if not self.cfg.save.save_state:
+            return  # only the adapter file is written
         inner = getattr(run.optimizer, "optimizer", run.optimizer)
         order = [p for group in inner.param_groups for p in group["params"]]
         position = {id(p): i for i, p in enumerate(order)}

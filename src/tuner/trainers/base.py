@@ -234,10 +234,10 @@ class NetworkTrainer:
 
     def pipeline_parts(self, model: nn.Module):
         """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
-        a `tuner.distributed.pipeline.PipelineParts` whose prologue, blocks and epilogue compute exactly
+        a `tuner.distributed.stages.PipelineParts` whose prologue, blocks and epilogue compute exactly
         what `predict` does, passing only tensors between blocks. Architectures that have one override this;
         a subclass whose `predict` differs sets it back to `NetworkTrainer.pipeline_parts`."""
-        from tuner.distributed.pipeline import pipeline_unavailable
+        from tuner.distributed.stages import pipeline_unavailable
 
         raise ConfigError(pipeline_unavailable(self.architecture))
 

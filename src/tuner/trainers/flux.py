@@ -73,7 +73,7 @@ class FluxTrainer(NetworkTrainer):
         return ()
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.distributed.pipeline import PipelineParts
+        from tuner.distributed.stages import PipelineParts
 
         def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
             g = self.cfg.model.guidance

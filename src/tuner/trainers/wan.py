@@ -84,7 +84,7 @@ class WanTrainer(NetworkTrainer):
                 "encoder_hidden_states": cond["context"].to(noisy.dtype)}  # fmt: skip
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.distributed.pipeline import PipelineParts
+        from tuner.distributed.stages import PipelineParts
 
         return PipelineParts(
             prologue=lambda noisy, t, cond: wan.embed(model, self.model_inputs(noisy, t, cond)),
