@@ -215,3 +215,19 @@ def test_stage_bytes_of_the_real_models_halve_with_each_doubling(monkeypatch, ca
         )  # 14B / 12B in bf16
         assert one["bf16"] / 2 < two["bf16"] < one["bf16"] * 0.52  # half the blocks + the shared parts
         assert two["fp8"] < two["bf16"] * 0.53 and table[model, 8]["lora"] < two["lora"] / 3
+
+
+@pytest.mark.slow
+def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_project):
+    """The case pipeline stages are for: fp8 base weights (each stage quantizes only its own blocks; the
+    others are freed unquantized) and gradient checkpointing inside the stages' blocks."""
+    settings = ("memory.fp8_base=true", "train.gradient_checkpointing=true", "train.lr_warmup_steps=0")
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
+    piped = tmp_path / "piped"
+    _torchrun(str(cached_project), str(piped), "2", "-", *settings)
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    log = (piped / "log0.txt").read_text()
+    assert "gradient checkpointing on" in log and "fp8" in log
+    frozen = [json.loads((piped / f"memory{r}.json").read_text())["frozen"] for r in (0, 1)]
+    assert all(f < 451840 for f in frozen)  # below the fp32 stage's bytes: its block's linears are fp8
