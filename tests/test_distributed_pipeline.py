@@ -93,6 +93,16 @@ def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, t
     for a, b in zip(cut_grads, whole_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
+    # the stages after the first free the prologue's modules: nothing after the prologue may use them
+    with torch.no_grad():
+        carried = parts.prologue(noisy, t, cond)
+        assert parts.prologue_modules
+        for module in parts.prologue_modules:
+            module.to("meta")
+        for block in parts.blocks:
+            carried = parts.run_block(block, carried)
+        torch.testing.assert_close(parts.epilogue(carried, noisy, t, cond), whole, rtol=0, atol=1e-6)
+
 
 def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
     config = make_project(tmp_path / "p", wan_model)

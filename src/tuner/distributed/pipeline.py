@@ -2,9 +2,9 @@
 through them in micro-batches (`distributed.strategy = "pipeline"`).
 
 For models whose frozen weights do not fit one card even in fp8. The blocks are cut into as many
-contiguous runs as there are processes, of about equal parameter count (`balanced_stages`); process r
-places only its run on its device. The small parts before and after the blocks (patch and text
-embeddings, output projection) stay on every process.
+contiguous runs as there are processes, of about equal parameter count (`tuner.distributed.stages`);
+process r places only its run on its device. The embeddings before the blocks are the first stage's;
+the small output layers after them stay on every process.
 
 A diffusers transformer's forward is one function, so each architecture says how it comes apart
 (`NetworkTrainer.pipeline_parts` → `PipelineParts`): a prologue (x_t, t, cond → the tensors the blocks
@@ -33,7 +33,8 @@ the main process, which writes the same adapter and state files as one process: 
 processes), `tuner lora ...` and generation take them unchanged.
 
 Memory: loading still reads the whole model on every process (host memory); the blocks of other stages
-are never placed on the device and are freed (moved to the meta device) as soon as the adapter exists.
+(and, after the first stage, the embeddings before the blocks) are never placed on the device and are
+freed (moved to the meta device) as soon as the adapter exists.
 """
 
 from __future__ import annotations
@@ -154,17 +155,22 @@ class PipelineStrategy(Strategy):
 
     @contextlib.contextmanager
     def placing(self, trainer, model) -> Iterator[None]:
-        """Cut the blocks into stages; place only this stage's (the others wait on the host until the
-        adapter exists, then `prepare` frees them)."""
+        """Cut the blocks into stages; place only this stage's (the others, and after the first stage the
+        prologue's modules, wait on the host until the adapter exists, then `prepare` frees them)."""
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        blocks = trainer.pipeline_parts(model).blocks
+        parts = trainer.pipeline_parts(model)
+        blocks = parts.blocks
         if len(blocks) < self.world:
             raise ConfigError(
                 f"key 'distributed.strategy': {trainer.architecture} has {len(blocks)} blocks, fewer than the "
                 f"{self.world} pipeline stages (processes); start at most {len(blocks)} processes."
             )
-        self.stages = balanced_stages([sum(p.numel() for p in b.parameters()) for b in blocks], self.world)
-        others = [b for i, b in enumerate(blocks) if i not in self.stages[self.rank]]
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        sizes[0] += sum(
+            p.numel() for m in parts.prologue_modules for p in m.parameters()
+        )  # the first stage's
+        self.stages = balanced_stages(sizes, self.world)
+        others = self._elsewhere(parts)
         slots = _slots(model, others)
         for (parent, key), _ in zip(slots, others, strict=True):
             parent._modules[key] = _HeldElsewhere()
@@ -193,13 +199,20 @@ class PipelineStrategy(Strategy):
                 f"key 'network.include': pipeline stage {empty[0]} (blocks {_span(self.stages[empty[0]])}) holds "
                 "no trained weights; adapt modules in every block or start fewer processes."
             )
-        for i, block in enumerate(self.parts.blocks):
-            if i not in self.stages[self.rank]:
-                block.to("meta")  # frees its weights; its adapters stay, replicated, for the saves
+        for module in self._elsewhere(self.parts):
+            module.to("meta")  # frees its weights; a block's adapters stay, replicated, for the saves
         mine = [a for a in trained if owners[a.name] == self.rank]
         self.module = _StageModule(self, self.stages[self.rank], mine)
         self.device = accelerator.device
         return model, trained, optimizer
+
+    def _elsewhere(self, parts: PipelineParts) -> list[nn.Module]:
+        """The modules this process does not run: the other stages' blocks, and the prologue's modules on
+        every stage but the first."""
+        mine = self.stages[self.rank]
+        return [b for i, b in enumerate(parts.blocks) if i not in mine] + list(
+            parts.prologue_modules * (self.rank > 0)
+        )
 
     # ---- one batch ----
     def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -335,7 +348,7 @@ class PipelineStrategy(Strategy):
             )
         lines.append(
             "  (each process also keeps the other stages' adapters, untrained, for the saves; loading reads "
-            "the whole model into host memory before the other stages' blocks are freed)"
+            "the whole model into host memory before the blocks of other stages are freed)"
         )
         return "\n".join(lines)
 

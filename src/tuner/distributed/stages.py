@@ -29,6 +29,8 @@ class PipelineParts:
     """One block on the carried tensors → the carried tensors for the next."""
     epilogue: Callable[[Carried, torch.Tensor, torch.Tensor, dict], torch.Tensor]
     """(carried after the last block, x_t, t, cond) → the prediction, as `predict` returns it."""
+    prologue_modules: tuple[nn.Module, ...] = ()
+    """The modules only the prologue uses (embeddings): the stages after the first free them."""
 
     def predict(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The whole forward through the parts (equals `predict`; the tests check it)."""
@@ -88,3 +90,11 @@ def balanced_stages(sizes: list[int], stages: int) -> list[range]:
         runs.append(range(cut[k][end], end))
         end = cut[k][end]
     return runs[::-1]
+
+
+def cut_stages(parts: PipelineParts, stages: int) -> list[range]:
+    """The blocks each stage holds: balanced by parameter count, the prologue's modules counted with the
+    first block (the first stage holds them)."""
+    sizes = [sum(p.numel() for p in block.parameters()) for block in parts.blocks]
+    sizes[0] += sum(p.numel() for m in parts.prologue_modules for p in m.parameters())
+    return balanced_stages(sizes, stages)

@@ -85,6 +85,7 @@ class FluxTrainer(NetworkTrainer):
             blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
             run_block=lambda block, carried: flux.run_block(model, block, carried),
             epilogue=lambda carried, noisy, t, cond: flux.velocity(flux.project_out(model, carried), noisy),
+            prologue_modules=(model.x_embedder, model.time_text_embed, model.context_embedder),
         )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

@@ -91,6 +91,7 @@ class WanTrainer(NetworkTrainer):
             blocks=list(model.blocks),
             run_block=lambda block, carried: wan.run_block(model, block, carried),
             epilogue=lambda carried, noisy, t, cond: wan.project_out(model, carried, noisy),
+            prologue_modules=(model.patch_embedding, model.condition_embedder),
         )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
