@@ -122,6 +122,7 @@ def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
         (["memory.activation_offload=true"], "memory.activation_offload"),
         (["train.fused_backward=true", "train.max_grad_norm=0"], "train.fused_backward"),
         (["train.ema_decay=0.99"], "train.ema_decay"),
+        (['train.mixed_precision="fp16"'], "train.mixed_precision"),
         (["sample.every_n_steps=5", "sample.prompts=['a cat']"], "sample.every_n_steps"),
     ):
         message = refusal(*overrides)

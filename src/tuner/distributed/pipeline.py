@@ -67,6 +67,8 @@ def _refusals(trainer, cfg) -> list[tuple[str, str]]:
         (cfg.network.type == "full", "network.type",
          "stages train adapters; a full fine-tune splits with strategy = \"fsdp\" or \"deepspeed\""),
         (cfg.train.ema_decay, "train.ema_decay", "the EMA would follow only one stage's adapters"),
+        (cfg.train.mixed_precision == "fp16", "train.mixed_precision",
+         "fp16's gradient scaler does not scale the schedule's backward; use bf16"),
         (trainer.record.boundary is not None, "model.architecture",
          f"{trainer.architecture} has two experts; stages split one transformer"),
         (bool(sc.prompts) and bool(sc.every_n_steps or sc.at_start), "sample.every_n_steps",
@@ -209,10 +211,8 @@ class PipelineStrategy(Strategy):
     def _elsewhere(self, parts: PipelineParts) -> list[nn.Module]:
         """The modules this process does not run: the other stages' blocks, and the prologue's modules on
         every stage but the first."""
-        mine = self.stages[self.rank]
-        return [b for i, b in enumerate(parts.blocks) if i not in mine] + list(
-            parts.prologue_modules * (self.rank > 0)
-        )
+        others = [b for i, b in enumerate(parts.blocks) if i not in self.stages[self.rank]]
+        return others if self.rank == 0 else others + list(parts.prologue_modules)
 
     # ---- one batch ----
     def rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
