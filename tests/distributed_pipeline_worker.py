@@ -12,7 +12,7 @@ import torch
 
 from tuner.config import load_config
 from tuner.distributed import pipeline
-from tuner.trainers.wan import WanTrainer
+from tuner.registry import trainer_class
 
 config, out, steps, resume, *overrides = sys.argv[1:]
 gather = pipeline.PipelineStrategy.gather
@@ -32,7 +32,7 @@ def measure_and_gather(self, run):
 pipeline.PipelineStrategy.gather = measure_and_gather
 cfg = load_config(config, ["log.tensorboard=false", f"save.output_dir='{out}'", f"train.max_steps={steps}",
                            'distributed.strategy="pipeline"', *overrides])  # fmt: skip
-trainer = WanTrainer(cfg)
+trainer = trainer_class(cfg.model.architecture)(cfg)
 lines = []
 trainer.train(resume=None if resume == "-" else resume, log=lines.append)
 rank = os.environ["RANK"]

@@ -146,10 +146,13 @@ def _torchrun(*args: str) -> None:
 
 
 def _assert_same_adapter(a: Path, b: Path) -> None:
+    """Equal within fp32 reduction order: micro-batches sum a gradient in another order than one batch,
+    and Adam's normalization magnifies such differences where gradients are near zero (measured: at most
+    2e-6 on FLUX weights of 3e-3 after three steps)."""
     x, y = load_file(a), load_file(b)
     assert x.keys() == y.keys() and x
     for key in x:
-        torch.testing.assert_close(x[key], y[key], rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=5e-6, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +203,10 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
 @pytest.mark.slow
 def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cached_project):
     """Two batches per step, one micro-batch each (GPipe), and a clipping threshold every step reaches:
-    the stages clip by the norm of all their gradients together, as one process clips by the whole."""
-    settings = ("train.gradient_accumulation_steps=2", "train.max_grad_norm=0.01", "train.lr_warmup_steps=0")
+    the stages clip by the norm of all their gradients together, as one process clips by the whole. SGD,
+    whose steps scale with the gradient (Adam's would hide a wrong clipping factor)."""
+    settings = ("train.gradient_accumulation_steps=2", "train.max_grad_norm=0.01", "train.lr_warmup_steps=0",
+                'train.optimizer="sgd"', "train.learning_rate=10")  # fmt: skip
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
     piped = tmp_path / "piped"
     _torchrun(str(cached_project), str(piped), "2", "-", "distributed.pipeline_microbatches=1", *settings)
@@ -242,3 +247,23 @@ def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_pro
     assert "gradient checkpointing on" in log and "fp8" in log
     frozen = [json.loads((piped / f"memory{r}.json").read_text())["frozen"] for r in (0, 1)]
     assert all(f < 451840 for f in frozen)  # below the fp32 stage's bytes: its block's linears are fp8
+
+
+@pytest.mark.slow
+def test_two_stages_of_flux_train_what_one_process_trains(tmp_path):
+    """FLUX.1: the dual-stream block and the embeddings on stage 0, the single-stream block and the output
+    layers on stage 1; the streams, the conditioning and the rotary tables pass between them."""
+    from tuner.fixtures import write_fixture
+
+    write_fixture("flux", tmp_path / "model")
+    config = make_cached_project(tmp_path / "p", tmp_path / "model", architecture="flux")
+    settings = ("train.max_steps=3", "train.lr_warmup_steps=0")
+    one = trainer_class("flux")(
+        cfg(config, f"save.output_dir='{tmp_path / 'one'}'", "log.tensorboard=false", *settings)
+    )
+    one.train(log=lambda s: None)
+    piped = tmp_path / "piped"
+    _torchrun(str(config), str(piped), "3", "-", "train.lr_warmup_steps=0")
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    assert "stage 1: blocks 1" in (piped / "log0.txt").read_text()
