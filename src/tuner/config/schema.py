@@ -431,6 +431,14 @@ class DistributedConfig:
         "them from [train]); keys that contradict [train] or the deepspeed_* keys are refused by name.",
         path=True,
     )
+    pipeline_microbatches: int = option(
+        0,
+        'strategy = "pipeline": micro-batches each batch is cut into, so the stages work at once (more keep '
+        "them busier; each holds that many micro-batches' activations with GPipe, at most the stage count "
+        "with 1F1B, used when there are at least as many micro-batches as stages). 0: one per stage; never "
+        "more than the batch's samples.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,18 @@ few named points and never branches on the strategy itself:
 
     accelerator_kwargs()      what `Accelerator(...)` is built with (an FSDP or DeepSpeed plugin)
     check(...)                refusals of settings the strategy cannot combine with, before step 1
+    data_share(accelerator)   which share of the batches this process reads (rank, of how many)
+    placing(trainer, model)   the context the model is placed on the device in (pipeline: its stage only)
     prepare(...)              wrap the model / trained weights / optimizer once they exist
     loss(trainer, run, ...)   one batch's training loss (`trainer.loss`; DDP runs it inside its wrapper)
     accumulating(run, last)   the context one batch's forward and backward run in (no gradient sync
                               on batches that are not the last of their accumulation group)
+    loss(trainer, run, ...)   one batch's loss (pipeline: forward and backward through the stages)
     backward(run, loss)       backpropagate one batch's loss
     reduce_gradients(run)     after a group's last backward: gradients equal on every process
     grad_norm(run, max_norm)  clip the gradients and return their norm (None: the engine owns it)
     whole_state(trained)      the context a save or a resume runs in (sharded weights gathered)
+    gather(run)               before a save: the main process holds every process's trained weights
     plan(...)                 one line: the strategy and the per-process memory it plans
     full_state_dict(part)     a state part (network, optimizer, ...) as a one-process run saves it
     load_full_state_dict(...) such a saved state back into the part (on every process)
@@ -38,6 +42,7 @@ STRATEGIES = {
     "ddp": "tuner.distributed.ddp:DDPStrategy",
     "fsdp": "tuner.distributed.fsdp:FSDPStrategy",
     "deepspeed": "tuner.distributed.deepspeed:DeepSpeedStrategy",
+    "pipeline": "tuner.distributed.pipeline:PipelineStrategy",
 }
 
 
@@ -54,6 +59,15 @@ class Strategy:
 
     def check(self, trainer, world_size: int) -> None:
         """Raise a ConfigError naming both settings when this strategy cannot run with the config."""
+
+    def data_share(self, accelerator) -> tuple[int, int]:
+        """(this process's index, how many processes) that `open_training_data` shards batches over."""
+        return accelerator.process_index, accelerator.num_processes
+
+    @contextlib.contextmanager
+    def placing(self, trainer, model) -> Iterator[None]:
+        """The context `apply_memory` places the loaded model on the device in."""
+        yield
 
     def prepare(self, trainer, accelerator, model, trained, optimizer):
         """Return (model, trained, optimizer), wrapped as the strategy needs."""
@@ -88,6 +102,9 @@ class Strategy:
         state are whole inside it (a sharding strategy gathers them), and what a resume loads into them
         is kept when it closes."""
         yield
+
+    def gather(self, run) -> None:
+        """Before a save: make the main process's trained weights and optimizer state the whole run's."""
 
     def plan(self, trainer, accelerator, model, trained, optimizer) -> str:
         """The strategy and what each process holds (`accounting.memory_plan`, from the real tensors);

@@ -508,6 +508,20 @@ def predict_velocity(
     the sequence (ids index 1) and their outputs are dropped. `guidance` feeds the guidance embedding
     of guidance-distilled models (ignored by models without one).
     """
+    inputs = model_inputs(model, noisy, t, t5, pooled, guidance, references)
+    return velocity(model(**inputs, return_dict=False)[0], noisy)
+
+
+def model_inputs(
+    model: FluxTransformer2DModel,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    t5: torch.Tensor,
+    pooled: torch.Tensor,
+    guidance: float,
+    references: tuple[torch.Tensor, ...] = (),
+) -> dict[str, torch.Tensor]:
+    """The transformer's keyword arguments for `predict_velocity` (packed tokens, their ids, text)."""
     b, _, h, w = noisy.shape
     tokens, ids = [pack_latents(noisy)], [image_ids(h, w, 0, noisy.device)]
     for ref in references:
@@ -516,14 +530,55 @@ def predict_velocity(
     embedded_guidance = None
     if model.config.guidance_embeds:
         embedded_guidance = torch.full((b,), guidance, device=noisy.device, dtype=torch.float32)
-    out = model(
-        hidden_states=torch.cat(tokens, dim=1),
-        timestep=t,
-        guidance=embedded_guidance,
-        pooled_projections=pooled.to(noisy.dtype),
-        encoder_hidden_states=t5.to(noisy.dtype),
-        txt_ids=torch.zeros(t5.shape[1], 3, device=noisy.device),
-        img_ids=torch.cat(ids),
-        return_dict=False,
-    )[0]
-    return unpack_latents(out[:, : tokens[0].shape[1]], h, w)
+    return {
+        "hidden_states": torch.cat(tokens, dim=1),
+        "timestep": t,
+        "guidance": embedded_guidance,
+        "pooled_projections": pooled.to(noisy.dtype),
+        "encoder_hidden_states": t5.to(noisy.dtype),
+        "txt_ids": torch.zeros(t5.shape[1], 3, device=noisy.device),
+        "img_ids": torch.cat(ids),
+    }
+
+
+def velocity(out: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """The transformer's output tokens → the velocity of the target latents (reference tokens dropped)."""
+    h, w = noisy.shape[-2:]
+    return unpack_latents(out[:, : (h // 2) * (w // 2)], h, w)
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# FluxTransformer2DModel.forward without ControlNet residuals or IP-Adapter inputs, which training never
+# passes; tests/test_distributed_pipeline.py checks the parts against the whole forward.
+
+
+def embed(model: FluxTransformer2DModel, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block on `model_inputs`' arguments: (image tokens, text tokens,
+    conditioning embedding, rotary cos, rotary sin)."""
+    hidden = model.x_embedder(inputs["hidden_states"])
+    timestep = inputs["timestep"].to(hidden.dtype) * 1000
+    pooled, guidance = inputs["pooled_projections"], inputs["guidance"]
+    if guidance is None:
+        temb = model.time_text_embed(timestep, pooled)
+    else:
+        temb = model.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled)
+    text = model.context_embedder(inputs["encoder_hidden_states"])
+    cos, sin = model.pos_embed(torch.cat((inputs["txt_ids"], inputs["img_ids"]), dim=0))
+    return hidden, text, temb, cos, sin
+
+
+def run_block(
+    model: FluxTransformer2DModel, block: torch.nn.Module, carried: tuple
+) -> tuple[torch.Tensor, ...]:
+    """One dual- or single-stream block (both take and return the text and image streams)."""
+    from tuner.distributed.stages import call_block
+
+    hidden, text, temb, cos, sin = carried
+    text, hidden = call_block(model, block, hidden, text, temb, (cos, sin))
+    return hidden, text, temb, cos, sin
+
+
+def project_out(model: FluxTransformer2DModel, carried: tuple) -> torch.Tensor:
+    """The forward after its last block: the output tokens."""
+    hidden, _, temb, _, _ = carried
+    return model.proj_out(model.norm_out(hidden, temb))

@@ -515,3 +515,41 @@ def decode_latents(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor
     latents = latents.to(param.device, param.dtype)
     mean, inv_std = _latent_stats(vae, latents)
     return vae.decode(latents / inv_std + mean).sample
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# WanTransformer3DModel.forward for text-to-video inputs (one timestep per sample, no image context);
+# tests/test_distributed_pipeline.py checks the parts against the whole forward.
+
+
+def embed(model: WanTransformer3DModel, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block on its keyword arguments: (video tokens, text tokens, the
+    blocks' timestep projection, rotary cos, rotary sin, timestep embedding)."""
+    latents = inputs["hidden_states"]
+    cos, sin = model.rope(latents)
+    hidden = model.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+    temb, projection, text, _ = model.condition_embedder(
+        inputs["timestep"], inputs["encoder_hidden_states"], None
+    )
+    return hidden, text, projection.unflatten(1, (6, -1)), cos, sin, temb
+
+
+def run_block(
+    model: WanTransformer3DModel, block: torch.nn.Module, carried: tuple
+) -> tuple[torch.Tensor, ...]:
+    """One transformer block on the carried tensors."""
+    from tuner.distributed.stages import call_block
+
+    hidden, text, projection, cos, sin, temb = carried
+    return call_block(model, block, hidden, text, projection, (cos, sin)), text, projection, cos, sin, temb
+
+
+def project_out(model: WanTransformer3DModel, carried: tuple, latents: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection and unpatchify to `latents`' shape."""
+    hidden, temb = carried[0], carried[-1]
+    shift, scale = (model.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+    hidden = model.proj_out((model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden))
+    b, _, frames, height, width = latents.shape
+    p_t, p_h, p_w = model.config.patch_size
+    hidden = hidden.reshape(b, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
+    return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)

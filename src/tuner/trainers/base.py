@@ -232,6 +232,15 @@ class NetworkTrainer:
         return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
                             combine=self.combine_guidance)  # fmt: skip
 
+    def pipeline_parts(self, model: nn.Module):
+        """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
+        a `tuner.distributed.stages.PipelineParts` whose prologue, blocks and epilogue compute exactly
+        what `predict` does, passing only tensors between blocks. Architectures that have one override this;
+        a subclass whose `predict` differs sets it back to `NetworkTrainer.pipeline_parts`."""
+        from tuner.distributed.stages import pipeline_unavailable
+
+        raise ConfigError(pipeline_unavailable(self.architecture))
+
     # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
     @property
     def trains_text_encoder(self) -> bool:
@@ -339,23 +348,31 @@ class NetworkTrainer:
              accelerator) -> torch.Tensor:  # fmt: skip
         """The loss of one batch at timesteps `t` with `noise` (the objective's: flow matching unless the
         architecture says otherwise): training and validation both call this."""
+        noisy, t, inputs = self.noised_inputs(x0, noise, t, cond)
+        with accelerator.autocast():
+            # an engine that owns the model (tuner.distributed.PredictModule) runs `predict` inside itself
+            runs_predict = getattr(model, "runs_predict", False)
+            pred = model(noisy, t, inputs) if runs_predict else self.predict(model, noisy, t, inputs)
+        return self.prediction_loss(pred, x0, noise, t, cond)
+
+    def noised_inputs(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+                      cond: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
+        """`loss`'s first half: what `predict` is given (x_t, the objective's t, cond without the loss's
+        own entries). Pipeline stages run it on every process and `prediction_loss` on the last."""
         objective = self.training_objective()
         t = objective.discretize(t)  # DDPM: the noise level the model is told is the one it gets
         noisy = objective.add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
-        cond = dict(cond)
-        weights = cond.pop("loss_mask", None)  # a dataset's cached loss mask (`tuner.data.masks`)
-        factor = cond.pop("loss_weight", None)  # a dataset's loss_weight (regularization sets), per sample
-        with accelerator.autocast():
-            # an engine that owns the model (tuner.distributed.PredictModule) runs `predict` inside itself
-            pred = (
-                model(noisy, t, cond)
-                if getattr(model, "runs_predict", False)
-                else self.predict(model, noisy, t, cond)
-            )
-        mask = self.loss_mask(x0, cond)
+        return noisy, t, {k: v for k, v in cond.items() if k not in _LOSS_ENTRIES}
+
+    def prediction_loss(self, pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+                        cond: dict) -> torch.Tensor:  # fmt: skip
+        """`loss`'s second half: the objective's loss of `pred` (t as `noised_inputs` returned it)."""
+        weights = cond.get("loss_mask")  # a dataset's cached loss mask (`tuner.data.masks`)
+        factor = cond.get("loss_weight")  # a dataset's loss_weight (regularization sets), per sample
+        mask = self.loss_mask(x0, {k: v for k, v in cond.items() if k not in _LOSS_ENTRIES})
         if weights is not None:  # [B, 1, *latent grid]: broadcasts over channels
             mask = weights if mask is None else mask * weights
-        loss = objective.loss(pred.float(), x0, noise, t, mask=mask)
+        loss = self.training_objective().loss(pred.float(), x0, noise, t, mask=mask)
         return loss if factor is None else loss * factor.mean()  # a batch holds one dataset: one factor
 
     # --- the loop --------------------------------------------------------------------------------
@@ -377,10 +394,7 @@ class NetworkTrainer:
                     run.pos.epoch, run.pos.batch = run.pos.epoch + 1, 0
                     self._maybe_save(run, epoch_end=True)
             run.progress.close()
-            with run.strategy.whole_state(run.trained):
-                final = run.checkpoints.save(
-                    run.trained, run.pos, run.metadata, self.export_layout(), final=True
-                )
+            final = self._save(run, final=True)
             run.accelerator.end_training()
             run.log(f"saved {', '.join(map(str, run.checkpoints.written))}")
             return final
@@ -414,9 +428,7 @@ class NetworkTrainer:
             log = _silent
         # stops here, naming the command to run, if the cache is missing anything or stale
         pin = accelerator.device.type == "cuda"  # batches stacked into pinned memory, copied non-blocking
-        data = open_training_data(
-            self, cfg, log, accelerator.process_index, accelerator.num_processes, pin_memory=pin
-        )
+        data = open_training_data(self, cfg, log, *strategy.data_share(accelerator), pin_memory=pin)
         held_out = None
         if any(spec.validation for spec in cfg.datasets):
             held_out = open_training_data(self, cfg, log, validation=True, pin_memory=pin)
@@ -430,7 +442,8 @@ class NetworkTrainer:
         model.train(tc.gradient_checkpointing)
         # fp8 storage, attention backend, activation offload and block swap attach here and place the
         # model on the device; the adapter comes after, so it is never quantized or swapped
-        memory = self.apply_memory(model, cfg.memory, accelerator.device, tc.gradient_accumulation_steps)
+        with strategy.placing(self, model):  # pipeline stages place only their own blocks
+            memory = self.apply_memory(model, cfg.memory, accelerator.device, tc.gradient_accumulation_steps)
 
         # the adapter (LoRA / LoHa / LoKr, optionally DoRA) or, for a full fine-tune, the weights themselves
         trained = self.build_trained(model)
@@ -641,8 +654,14 @@ class NetworkTrainer:
         due = (sc.every_n_epochs and pos.epoch % sc.every_n_epochs == 0 and pos.step < run.total_steps
                if epoch_end else sc.every_n_steps and pos.step % sc.every_n_steps == 0)  # fmt: skip
         if due:
-            with run.strategy.whole_state(run.trained):
-                run.checkpoints.save(run.trained, pos, run.metadata, self.export_layout())
+            self._save(run)
+
+    def _save(self, run: _Run, final: bool = False) -> Path:
+        """Save the state and the adapter at the current position, with every process's share of the
+        trained weights and optimizer state gathered first (sharding and pipeline strategies)."""
+        run.strategy.gather(run)
+        with run.strategy.whole_state(run.trained):
+            return run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=final)
 
     def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
         """Mean loss on the held-out batches at fixed timesteps with fixed noise, so values
@@ -698,6 +717,10 @@ class NetworkTrainer:
         return batch["latents"].to(device, non_blocking=True), {
             k: v.to(device, non_blocking=True) for k, v in cond.items()
         }
+
+
+# entries of a batch's cond that the loss reads and the model is not given
+_LOSS_ENTRIES = ("loss_mask", "loss_weight")
 
 
 def _launched_processes() -> int:

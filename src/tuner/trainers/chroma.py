@@ -15,6 +15,7 @@ from torch import nn
 
 from tuner.memory import place_text_encoder, text_encoder_dtype
 from tuner.models import chroma
+from tuner.trainers.base import NetworkTrainer
 from tuner.trainers.flux import FluxTrainer
 
 
@@ -38,6 +39,8 @@ class ChromaTrainer(FluxTrainer):
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return chroma.collate(entries)
+
+    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return chroma.predict_velocity(model, noisy, t, cond["t5"], cond["t5_mask"])

@@ -72,6 +72,22 @@ class FluxTrainer(NetworkTrainer):
         """Reference latents the model sees beside the target (none for text to image)."""
         return ()
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.distributed.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            g = self.cfg.model.guidance
+            return flux.embed(model, flux.model_inputs(model, noisy, t, cond["t5"], cond["pooled"], g,
+                                                       self.references(cond)))  # fmt: skip
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
+            run_block=lambda block, carried: flux.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: flux.velocity(flux.project_out(model, carried), noisy),
+            prologue_modules=(model.x_embedder, model.time_text_embed, model.context_embedder),
+        )
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, height // 8, width // 8)
 

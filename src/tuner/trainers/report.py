@@ -34,7 +34,7 @@ def summary(trainer, network, data, total_steps: int, steps_per_epoch: int, acce
             f"buckets {', '.join(batch['buckets'])}",
             f"  steps                 {total_steps} ({steps_per_epoch}/epoch), effective batch "
             f"{_batch_size(data)} × {tc.gradient_accumulation_steps} accumulation × "
-            f"{accelerator.num_processes} process(es)",
+            f"{data.world} process(es)",  # the processes reading their own batches (pipeline stages share)
             f"  precision             base {cfg.model.dtype}, autocast {tc.mixed_precision}"
             + ("" if full else ", adapter fp32"),
             f"  memory                gradient checkpointing {'on' if tc.gradient_checkpointing else 'off'}; "

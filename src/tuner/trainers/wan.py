@@ -76,12 +76,23 @@ class WanTrainer(NetworkTrainer):
         return {"context": out}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        return model(
-            hidden_states=noisy,
-            timestep=t * 1000,
-            encoder_hidden_states=cond["context"].to(noisy.dtype),
-            return_dict=False,
-        )[0]
+        return model(**self.model_inputs(noisy, t, cond), return_dict=False)[0]
+
+    def model_inputs(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict[str, torch.Tensor]:
+        """The transformer's keyword arguments for x_t at t."""
+        return {"hidden_states": noisy, "timestep": t * 1000,
+                "encoder_hidden_states": cond["context"].to(noisy.dtype)}  # fmt: skip
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.distributed.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: wan.embed(model, self.model_inputs(noisy, t, cond)),
+            blocks=list(model.blocks),
+            run_block=lambda block, carried: wan.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: wan.project_out(model, carried, noisy),
+            prologue_modules=(model.patch_embedding, model.condition_embedder),
+        )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, (frames - 1) // 4 + 1, height // 8, width // 8)

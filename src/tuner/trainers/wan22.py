@@ -32,6 +32,7 @@ from torch import nn
 from tuner.errors import CheckpointError
 from tuner.experts import ExpertAdapters, TimestepExperts, expert_range
 from tuner.models import wan
+from tuner.trainers.base import NetworkTrainer
 from tuner.trainers.wan import WanTrainer
 from tuner.trainers.wan_i2v import WanFrameConditionedTrainer
 
@@ -85,6 +86,8 @@ class WanExpertsTrainer(WanTrainer):
             )
 
     # ---- the model's inputs ----
+    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
+
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         if not isinstance(model, TimestepExperts):
             return super().predict(model, noisy, t, cond)

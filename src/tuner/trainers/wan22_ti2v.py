@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tuner.models import wan
+from tuner.trainers.base import NetworkTrainer
 from tuner.trainers.wan import WanTrainer
 
 
@@ -57,6 +58,8 @@ class Wan22TI2VTrainer(WanTrainer):
         mask = torch.ones(x0.shape[0], 1, x0.shape[2], 1, 1, device=x0.device)
         mask[clean, :, 0] = 0
         return mask
+
+    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity at x_t; rows with `cond["clean_first"]` get `cond["first_frame"]` as their first

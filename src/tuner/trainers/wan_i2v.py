@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tuner.models import clip_vision
+from tuner.trainers.base import NetworkTrainer
 from tuner.trainers.wan import WanTrainer
 
 TEXT_TOKENS = 512  # the text length diffusers' WanAttnProcessor assumes when it splits off image tokens
@@ -80,6 +81,8 @@ class WanFrameConditionedTrainer(WanTrainer):
         return {"cond_latents": self.encode_pixels(encoders.vae, video)}
 
     # ---- the model's inputs ----
+    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
+
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         cond_latents = cond["cond_latents"].to(noisy)
         mask = frame_mask(noisy.shape[0], noisy.shape[2], noisy.shape[3:], last=self.frame_images == 2).to(

@@ -1,0 +1,269 @@
+"""Pipeline parallelism (`distributed.strategy = "pipeline"`): the forward cut into stage parts equals the
+whole forward; two CPU processes (gloo) train exactly what one process trains on the same batches; the
+saved adapter and state are a one-process run's (resume on two processes or on one)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from project import cfg, make_cached_project, make_project, train_wan
+from tuner.distributed.pipeline import PipelineStrategy
+from tuner.distributed.stages import balanced_stages, pipeline_architectures
+from tuner.errors import ConfigError
+from tuner.registry import ARCHITECTURES, trainer_class
+from tuner.trainers.base import NetworkTrainer
+
+
+def test_stages_are_contiguous_and_balanced_by_parameter_count():
+    assert balanced_stages([1, 1, 1, 1], 2) == [range(0, 2), range(2, 4)]
+    assert balanced_stages([6, 1, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 7)]
+    for sizes, stages, best in (([3, 3, 3, 1, 1, 1, 3], 3, 6), ([5, 2, 2, 2, 4, 4, 1], 4, 6)):
+        runs = balanced_stages(sizes, stages)
+        assert [i for run in runs for i in run] == list(range(len(sizes))) and all(runs)
+        assert max(sum(sizes[i] for i in run) for run in runs) == best  # no cut has a smaller largest stage
+    with pytest.raises(ValueError):
+        balanced_stages([1, 1], 3)
+
+
+def _rule_of(cls: type, name: str) -> type:
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
+def test_pipeline_parts_follow_the_predict_they_cut():
+    """A trainer offering parts must predict as the class that wrote them (or a subclass of it) does; one
+    that predicts otherwise must opt out, or its stages would train another model than `predict`."""
+    offered = pipeline_architectures()
+    assert offered == ["wan", "flux", "flux_kontext"]
+    for name, record in ARCHITECTURES.items():
+        cls = record.trainer_class()
+        if cls.pipeline_parts is NetworkTrainer.pipeline_parts:
+            continue
+        assert issubclass(_rule_of(cls, "pipeline_parts"), _rule_of(cls, "predict")), name
+
+
+def _inputs(architecture: str, trainer, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(3)
+    noisy = torch.randn(batch, *trainer.latent_shape(32, 32, 5), generator=g)
+    t = torch.tensor([0.3, 0.8][:batch])
+    if architecture == "wan":
+        return noisy, t, {"context": torch.randn(batch, 16, 64, generator=g)}
+    cond = {"t5": torch.randn(batch, 7, 64, generator=g), "pooled": torch.randn(batch, 32, generator=g)}
+    if architecture == "flux_kontext":
+        cond["control_0"] = torch.randn(batch, 16, 2, 4, generator=g)
+    return noisy, t, cond
+
+
+@pytest.mark.parametrize("architecture", ["wan", "flux", "flux_kontext"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, tmp_path):
+    """Prologue → every block → epilogue equals `trainer.predict` on the tiny fixture, output and adapter
+    gradients, with gradient checkpointing too (the parts call blocks the way the model's loop does)."""
+    from tuner.fixtures import write_fixture
+
+    write_fixture(architecture, tmp_path / "model")
+    config = make_project(tmp_path / "p", tmp_path / "model", architecture=architecture)
+    trainer = trainer_class(architecture)(cfg(config))
+    model = trainer.load_transformer(torch.float32).requires_grad_(False)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train(checkpointing)
+    network = trainer.build_trained(model)
+    with torch.no_grad():
+        for p in network.parameters():  # the up matrices start at zero: give the adapter an effect
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    parts = trainer.pipeline_parts(model)
+    assert len(parts.blocks) == 2  # wan: two blocks; flux: one dual- and one single-stream block
+    noisy, t, cond = _inputs(architecture, trainer)
+
+    results = []
+    for forward in (lambda: trainer.predict(model, noisy, t, cond), lambda: parts.predict(noisy, t, cond)):
+        network.zero_grad(set_to_none=True)
+        out = forward()
+        out.square().mean().backward()
+        results.append((out.detach(), [p.grad.clone() for p in network.parameters()]))
+    (whole, whole_grads), (cut, cut_grads) = results
+    assert whole.shape == noisy.shape
+    torch.testing.assert_close(cut, whole, rtol=0, atol=1e-6)
+    for a, b in zip(cut_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+    # the stages after the first free the prologue's modules: nothing after the prologue may use them
+    with torch.no_grad():
+        carried = parts.prologue(noisy, t, cond)
+        assert parts.prologue_modules
+        for module in parts.prologue_modules:
+            module.to("meta")
+        for block in parts.blocks:
+            carried = parts.run_block(block, carried)
+        torch.testing.assert_close(parts.epilogue(carried, noisy, t, cond), whole, rtol=0, atol=1e-6)
+
+
+def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
+    config = make_project(tmp_path / "p", wan_model)
+
+    def refusal(*overrides, trainer_cls=None):
+        c = cfg(config, 'distributed.strategy="pipeline"', *overrides)
+        trainer = (trainer_cls or trainer_class("wan"))(c)
+        with pytest.raises(ConfigError) as e:
+            PipelineStrategy(c).check(trainer, 2)
+        return str(e.value)
+
+    PipelineStrategy(cfg(config, 'distributed.strategy="pipeline"')).check(
+        trainer_class("wan")(cfg(config)), 2
+    )
+    for overrides, key in (
+        (["memory.blocks_to_swap=1"], "memory.blocks_to_swap"),
+        (["memory.activation_offload=true"], "memory.activation_offload"),
+        (["train.fused_backward=true", "train.max_grad_norm=0"], "train.fused_backward"),
+        (["train.ema_decay=0.99"], "train.ema_decay"),
+        (['train.mixed_precision="fp16"'], "train.mixed_precision"),
+        (["sample.every_n_steps=5", "sample.prompts=['a cat']"], "sample.every_n_steps"),
+    ):
+        message = refusal(*overrides)
+        assert "distributed.strategy" in message and key in message, message
+    message = refusal(trainer_cls=trainer_class("wan_i2v"))
+    assert "not available for wan_i2v" in message and "available for wan, flux, flux_kontext" in message
+
+
+def _torchrun(*args: str) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).parent / "torchrun"
+    worker = Path(__file__).parent / "distributed_pipeline_worker.py"
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), *args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _assert_same_adapter(a: Path, b: Path) -> None:
+    """Equal within fp32 reduction order: micro-batches sum a gradient in another order than one batch,
+    and Adam's normalization magnifies such differences where gradients are near zero (measured: at most
+    2e-6 on FLUX weights of 3e-3 after three steps)."""
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys() and x
+    for key in x:
+        torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=5e-6, msg=key)
+
+
+@pytest.fixture(scope="module")
+def cached_project(tmp_path_factory, wan_model):
+    return make_cached_project(tmp_path_factory.mktemp("pipeline") / "p", wan_model)
+
+
+@pytest.mark.slow
+def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_project):
+    """Stages 0 and 1 (one tiny Wan block each, two micro-batches on the two-image batches) end with the
+    one-process adapter: same losses, same file. Their state at step 2 resumes on two processes and on one
+    process to the same adapter, so the saved state is a one-process run's."""
+    config = cached_project
+    steps = ("train.max_steps=4", "save.every_n_steps=2", "save.save_state=true")
+    one = train_wan(config, tmp_path / "one", *steps)
+
+    piped = tmp_path / "piped"
+    _torchrun(str(config), str(piped), "4", "-", "save.every_n_steps=2", "save.save_state=true")
+    histories = [torch.load(piped / f"history{r}.pt") for r in (0, 1)]
+    assert histories[0] == histories[1]  # the last stage's loss reaches every process
+    assert histories[0] == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_same_adapter(
+        piped / "demo_lora-step000002.safetensors", tmp_path / "one" / "demo_lora-step000002.safetensors"
+    )
+    logs = [(piped / f"log{r}.txt").read_text() for r in (0, 1)]
+    assert "pipeline, 2 stages over 2 blocks" in logs[0] and not logs[1]  # the main process logs
+    assert "stage 0: blocks 0 (0.05M)" in logs[0] and "stage 1: blocks 1 (0.05M)" in logs[0]
+
+    # each stage holds its own half: weights, gradients and optimizer state (measured at the last save)
+    figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
+    adapter = load_file(piped / "demo_lora.safetensors")
+    whole = sum(p.numel() for p in adapter.values() if p.ndim) * 4  # fp32 adapter; alphas aside
+    assert figures[0]["trained"] + figures[1]["trained"] == whole
+    for f in figures:  # AdamW: two moments per weight (and a step count per tensor)
+        assert f["gradients"] == f["trained"] and f["optimizer"] == pytest.approx(2 * f["trained"], rel=0.01)
+        assert f["planned_optimizer"] == pytest.approx(f["optimizer"], rel=0.01)  # the plan's probe
+
+    state = piped / "state" / "step000002"
+    resumed = tmp_path / "resumed"
+    _torchrun(str(config), str(resumed), "4", str(state), "save.save_state=true")
+    _assert_same_adapter(resumed / "demo_lora.safetensors", piped / "demo_lora.safetensors")
+    alone = train_wan(config, tmp_path / "alone", "train.max_steps=4", resume=str(state))
+    assert alone.history == pytest.approx(one.history[2:], rel=1e-5)
+    _assert_same_adapter(tmp_path / "alone" / "demo_lora.safetensors", piped / "demo_lora.safetensors")
+
+
+@pytest.mark.slow
+def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cached_project):
+    """Two batches per step, one micro-batch each (GPipe), and a clipping threshold every step reaches:
+    the stages clip by the norm of all their gradients together, as one process clips by the whole. SGD,
+    whose steps scale with the gradient (Adam's would hide a wrong clipping factor)."""
+    settings = ("train.gradient_accumulation_steps=2", "train.max_grad_norm=0.01", "train.lr_warmup_steps=0",
+                'train.optimizer="sgd"', "train.learning_rate=10")  # fmt: skip
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
+    piped = tmp_path / "piped"
+    _torchrun(str(cached_project), str(piped), "2", "-", "distributed.pipeline_microbatches=1", *settings)
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
+    assert all(f["trained"] for f in figures)
+
+
+@pytest.mark.slow
+def test_stage_bytes_of_the_real_models_halve_with_each_doubling(monkeypatch, capsys):
+    """benchmarks/pipeline_stages.py on the shipped Wan 14B and FLUX.1 dev configs (meta device)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import pipeline_stages
+
+    table = pipeline_stages.main(["--rank", "4"])
+    assert "Wan 2.1 T2V 14B" in capsys.readouterr().out
+    for model in ("Wan 2.1 T2V 14B", "FLUX.1 dev"):
+        one, two = table[model, 1], table[model, 2]
+        assert (
+            26 < one["bf16"] < 27 if model.startswith("Wan") else 22 < one["bf16"] < 23
+        )  # 14B / 12B in bf16
+        assert one["bf16"] / 2 < two["bf16"] < one["bf16"] * 0.52  # half the blocks + the shared parts
+        assert two["fp8"] < two["bf16"] * 0.53 and table[model, 8]["lora"] < two["lora"] / 3
+
+
+@pytest.mark.slow
+def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_project):
+    """The case pipeline stages are for: fp8 base weights (each stage quantizes only its own blocks; the
+    others are freed unquantized) and gradient checkpointing inside the stages' blocks."""
+    settings = ("memory.fp8_base=true", "train.gradient_checkpointing=true", "train.lr_warmup_steps=0")
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
+    piped = tmp_path / "piped"
+    _torchrun(str(cached_project), str(piped), "2", "-", *settings)
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    log = (piped / "log0.txt").read_text()
+    assert "gradient checkpointing on" in log and "fp8" in log
+    frozen = [json.loads((piped / f"memory{r}.json").read_text())["frozen"] for r in (0, 1)]
+    assert all(f < 451840 for f in frozen)  # below the fp32 stage's bytes: its block's linears are fp8
+
+
+@pytest.mark.slow
+def test_two_stages_of_flux_train_what_one_process_trains(tmp_path):
+    """FLUX.1: the dual-stream block and the embeddings on stage 0, the single-stream block and the output
+    layers on stage 1; the streams, the conditioning and the rotary tables pass between them."""
+    from tuner.fixtures import write_fixture
+
+    write_fixture("flux", tmp_path / "model")
+    config = make_cached_project(tmp_path / "p", tmp_path / "model", architecture="flux")
+    settings = ("train.max_steps=3", "train.lr_warmup_steps=0")
+    one = trainer_class("flux")(
+        cfg(config, f"save.output_dir='{tmp_path / 'one'}'", "log.tensorboard=false", *settings)
+    )
+    one.train(log=lambda s: None)
+    piped = tmp_path / "piped"
+    _torchrun(str(config), str(piped), "3", "-", "train.lr_warmup_steps=0")
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    assert "stage 1: blocks 1" in (piped / "log0.txt").read_text()
