@@ -140,9 +140,9 @@ def test_attach_refuses_a_segment_that_is_not_this_runs(tmp_path, change, messag
 
 
 def test_no_room_says_what_it_needs_and_has(tmp_path, monkeypatch):
-    monkeypatch.setattr("tuner.offload.shared.shm_free_bytes", lambda directory: 2**20)
-    tensors = [torch.zeros(2**19)]  # 2 MiB
-    with pytest.raises(NoRoom, match=r"has 0\.00 GiB free, the shared copy .* needs 0\.00 GiB.*--shm-size"):
+    monkeypatch.setattr("tuner.offload.shared.shm_free_bytes", lambda directory: 2**30)
+    tensors = [torch.empty(2**30, device="meta")]  # 4 GiB of fp32, never allocated: refused before writing
+    with pytest.raises(NoRoom, match=r"has 1\.00 GiB free, the shared copy .* needs 4\.00 GiB.*--shm-size"):
         publish(tensors, Layout.of(tensors), tmp_path / f"{PREFIX}k", "k")
     assert list(tmp_path.iterdir()) == []
 
@@ -190,6 +190,19 @@ def test_no_room_falls_back_on_every_process(tmp_path, monkeypatch):
     for copy, why in results:
         assert copy is None and "GiB free" in why and "share_swapped_weights" in why
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_leader_never_leaves_the_others_waiting(tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr("tuner.offload.shared.publish", broken)
+    results = as_peers(lambda peers: share_host_copies(weights(), peers, tmp_path))
+    (a, why), second = results
+    assert a is None and second == (None, why)
+    assert why.startswith(f"could not write {tmp_path}/{PREFIX}") and why.endswith(
+        "(RuntimeError: disk on fire)"
+    )
 
 
 def test_a_process_with_other_weights_keeps_its_own_copy(tmp_path):

@@ -200,7 +200,7 @@ class BlockSwap:
         if peers is not None:
             self.shared, self.sharing = share_host_copies(tensors, peers)
             if self.shared is None and self.sharing:
-                logger.warning("block swap: %s", self.sharing)
+                logger.warning("block swap: %s; this process keeps its own host copy", self.sharing)
                 self.sharing = "host copy per process"
             if self.shared is not None:
                 self._page_locked = self.transfer.page_lock(self.shared.buffer)

@@ -266,16 +266,20 @@ def share_host_copies(
         try:
             sweep_stale(directory)
             copy = publish(tensors, layout, path, key)
-        except (OSError, NoRoom) as e:
+        except NoRoom as e:
             problem = str(e)
+        except Exception as e:  # noqa: BLE001 - the others wait at the barrier below: tell them, never hang
+            problem = f"could not write {path} ({type(e).__name__}: {e})"
     problem = peers.exchange(problem)[0]  # barrier 1: the leader has written the segment, or gave up
     if problem:
         return None, problem
     if not leader:
         try:
             copy = attach(tensors, layout, path, key)
-        except (OSError, Mismatch) as e:
+        except Mismatch as e:
             problem = str(e)
+        except Exception as e:  # noqa: BLE001 - as above: the leader waits to remove the name
+            problem = f"could not map {path} ({type(e).__name__}: {e})"
     peers.exchange(None)  # barrier 2: every process has mapped it (or given up)
     if leader:
         copy.unlink()
@@ -344,6 +348,6 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor, samples: int = 4096) -> bool:
 def _no_room(directory: Path, needed: int, available: int) -> str:
     return (
         f"{directory} has {available / 2**30:.2f} GiB free, the shared copy of the swapped weights needs "
-        f"{needed / 2**30:.2f} GiB; each process keeps its own copy instead (more host memory). Make "
-        f"{directory} larger (docker: --shm-size) or set memory.share_swapped_weights = false to hide this"
+        f"{needed / 2**30:.2f} GiB (make {directory} larger, e.g. docker's --shm-size, or set "
+        "memory.share_swapped_weights = false)"
     )

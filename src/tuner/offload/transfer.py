@@ -174,8 +174,9 @@ class CudaTransfer(Transfer):
 class FakeTransfer(Transfer):
     """A CPU stand-in for a GPU that makes scheduling mistakes visible (see the module docstring).
 
-    `log` lists ("load" | "store" | "wait" | "offload" | "restore", tag) tuples, where a tag is what
-    `label` returns for the first tensor (tests set it to name blocks). `device_bytes` counts the bytes of
+    `log` lists ("load" | "store" | "wait" | "release" | "offload" | "restore", tag) tuples, where a tag
+    is what `label` returns for the first tensor (tests set it to name blocks), and ("page_lock" |
+    "page_unlock", bytes) for shared host copies (`lockable` says what page_lock answers). `device_bytes` counts the bytes of
     block weights on the "device" (loaded and not yet released, or moved for good); `peak_bytes()` is
     their peak plus `extra_bytes` (what a test says the rest of the model and the activations take)."""
 
@@ -191,7 +192,7 @@ class FakeTransfer(Transfer):
         self._device_ids: dict[int, int] = {}  # storage pointer -> bytes, for live device tensors
         self.device_bytes = 0
         self._peak = 0
-        self.lockable = True  # what `page_lock` answers (tests set False: a system that refuses)
+        self.lockable = True
         self.page_locked: set[int] = set()  # addresses page-locked and not unlocked
 
     # weights
