@@ -10,7 +10,8 @@ or anywhere) and attaches, from outside and in this order:
    stay outside the compiled code;
 4. activation checkpointing with the block inputs parked in pinned host memory (`tuner.offload`);
 5. block swap, which also places the model: the non-swapped parts go to `device`, the swapped blocks'
-   weights to pinned host memory. Without block swap the whole model goes to `device`.
+   weights to pinned host memory — one copy in shared memory for all the processes on the machine when
+   there are several (`share_swapped_weights`). Without block swap the whole model goes to `device`.
 
 Call it before attaching adapters (they patch the same Linear forwards from outside, and must wrap the
 fp8 forward, not the other way round), after `enable_gradient_checkpointing()`, and do not move the model
@@ -32,6 +33,7 @@ from tuner.compile import CompiledBlocks, compile_blocks
 from tuner.config.schema import MemorySettings
 from tuner.errors import ConfigError, TunerError
 from tuner.offload import BlockSwap, CheckpointBlocks, Transfer, transfer_for
+from tuner.offload.shared import machine_peers
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +142,10 @@ def apply_memory_settings(
         handle.checkpointing = CheckpointBlocks(model, lists, offload=True, transfer=transfer)
     if swapping:
         budget = int(settings.vram_budget_gb * 2**30) or None
+        share = settings.share_swapped_weights and settings.swap_mode == "h2d_only"
         handle.block_swap = BlockSwap(
             model, lists, settings.blocks_to_swap, transfer, mode=settings.swap_mode,
-            budget_bytes=budget, probe_forwards=probe_forwards,
+            budget_bytes=budget, probe_forwards=probe_forwards, peers=machine_peers() if share else None,
         )  # fmt: skip
     elif transfer is not None:
         with torch.no_grad():

@@ -372,6 +372,12 @@ class MemorySettings:
         "h2d_only: host copies are the truth and nothing is copied back (frozen base); "
         "full: swapped-out blocks are copied back to host memory.",
     )
+    share_swapped_weights: bool = option(
+        True,
+        "With block swap in h2d_only mode and several processes on one machine (DDP), keep one host copy "
+        "of the swapped weights in /dev/shm, mapped by all of them, instead of a pinned copy each; falls "
+        "back to a copy each (with a warning saying why) when /dev/shm is too small.",
+    )
     activation_offload: bool = option(
         False, "Checkpoint every block and keep its saved inputs in pinned host memory."
     )

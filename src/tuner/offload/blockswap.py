@@ -33,6 +33,9 @@ Trainable parameters (and anything else with requires_grad) never move: they sta
 adapters are not submodules of the blocks at all (they patch Linear forwards from outside), so they are
 untouched too. `blocks_to_swap = "auto"` starts with every block swapped, measures the peak memory of the
 first `probe_forwards` passes, and at the next forward un-swaps as many leading blocks as the budget holds.
+
+Given `peers` (the other processes on this machine, swapping the same blocks), the host copies are one
+segment of shared memory mapped by all of them instead of one pinned copy each (see `shared.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +52,11 @@ import torch
 from torch import nn
 
 from tuner.errors import TunerError
+from tuner.offload.shared import Peers, SharedHostCopy, share_host_copies
 from tuner.offload.sizing import choose_blocks_to_swap
 from tuner.offload.transfer import Transfer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -118,7 +125,8 @@ class _WeightRef:
 class BlockSwap:
     """Streams the last `blocks_to_swap` blocks of `model` through a ring of device slots. Create it
     with the model's tensors anywhere (CPU or device); it places everything: non-swapped parts on the
-    device, swapped block weights in host memory. Do not call `model.to(device)` afterwards."""
+    device, swapped block weights in host memory. Do not call `model.to(device)` afterwards. Given `peers`, each
+    of them must create its BlockSwap at the same point (they agree on one shared host copy)."""
 
     def __init__(
         self,
@@ -132,9 +140,14 @@ class BlockSwap:
         budget_bytes: int | None = None,
         probe_forwards: int = 1,
         trace: list[str] | None = None,
+        peers: Peers | None = None,
     ):
         if mode not in ("full", "h2d_only"):
             raise TunerError(f"swap mode must be 'full' or 'h2d_only', got {mode!r}")
+        if peers is not None and mode == "full":
+            raise TunerError(
+                "swap mode 'full' copies blocks back to their host copies, which cannot be shared"
+            )
         if ring < 1:
             raise TunerError(f"the block-swap ring needs at least one slot, got {ring}")
         self.model, self.transfer, self.mode, self.ring, self.trace = model, transfer, mode, ring, trace
@@ -158,17 +171,21 @@ class BlockSwap:
         self._outer_checkpoint = False
         self._forwards = 0
         self.decisions: list[int] = []  # N chosen by "auto"
-        self._place()
+        self.shared: SharedHostCopy | None = None  # the host copies' segment, when shared with `peers`
+        self._page_locked = False
+        self.sharing = ""  # how the host copies are kept, for the summary (empty: privately, alone)
+        self._place(peers)
         self._hook = model.register_forward_pre_hook(self._on_model_forward)
 
     # --- setup ---------------------------------------------------------------------------------
 
-    def _place(self) -> None:
+    def _place(self, peers: Peers | None) -> None:
         """Swapped block weights to host masters, everything else to the device."""
         travelling: set[int] = set()
+        masters = iter(self._host_copies([t.data for block in self.swapped for t in block.tensors], peers))
         for block in self.swapped:
             travelling.update(id(t) for t in block.tensors)
-            block.masters = [self.transfer.to_host(t.data) for t in block.tensors]
+            block.masters = [next(masters) for _ in block.tensors]
             for t, master in zip(block.tensors, block.masters):
                 t.data = self.transfer.at_rest(master)
             block.module.forward = _Forward(self, block)
@@ -176,6 +193,25 @@ class BlockSwap:
             for t in _tensors(self.model):
                 if id(t) not in travelling and not self.transfer.is_device_tensor(t):
                     t.data = self.transfer.to_device(t.data)
+
+    def _host_copies(self, tensors: list[torch.Tensor], peers: Peers | None) -> list[torch.Tensor]:
+        """The host masters of `tensors`: a private pinned copy each, or views of the segment shared with
+        `peers`, page-locked here (each process locks its own mapping)."""
+        if peers is not None:
+            self.shared, self.sharing = share_host_copies(tensors, peers)
+            if self.shared is None and self.sharing:
+                logger.warning("block swap: %s; this process keeps its own host copy", self.sharing)
+                self.sharing = "host copy per process"
+            if self.shared is not None:
+                self._page_locked = self.transfer.page_lock(self.shared.buffer)
+                if not self._page_locked:
+                    logger.warning(
+                        "block swap: could not page-lock the shared host copy (%s); copies from it wait for the "
+                        "host. Set memory.share_swapped_weights = false for a pinned copy per process.",
+                        self.shared.path,
+                    )
+                return self.shared.masters
+        return [self.transfer.to_host(t) for t in tensors]
 
     @staticmethod
     def _collect(block: _Block) -> None:
@@ -191,6 +227,9 @@ class BlockSwap:
         """Stop swapping: every block goes to the device for good and the forwards are restored."""
         self._unswap(len(self.swapped))
         self._hook.remove()
+        if self.shared is not None and self._page_locked:
+            self.transfer.page_unlock(self.shared.buffer)
+        self.shared = None
 
     # --- the schedule ----------------------------------------------------------------------------
 
@@ -356,7 +395,7 @@ class BlockSwap:
         size = max(b.nbytes for b in self.swapped) / 2**20
         return (
             f"{len(self.swapped)} of {len(self.blocks)} blocks swapped ({self.mode}, ring of {self.ring}, "
-            f"largest {size:.0f} MiB){' [auto]' if self.auto else ''}"
+            f"largest {size:.0f} MiB){' [auto]' if self.auto else ''}{'; ' + self.sharing if self.sharing else ''}"
         )
 
 

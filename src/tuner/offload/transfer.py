@@ -72,6 +72,14 @@ class Transfer:
         """A synchronous copy onto the device (setup, and blocks that stop being swapped)."""
         return t.to(self.device)
 
+    def page_lock(self, host: torch.Tensor) -> bool:
+        """Page-lock host memory allocated elsewhere (a shared mapping, `shared.py`) so copies from it are
+        asynchronous; False when the system refuses (copies from it then wait for the host)."""
+        return True
+
+    def page_unlock(self, host: torch.Tensor) -> None:
+        """Undo `page_lock` before the memory is unmapped."""
+
     def offload(self, t: torch.Tensor) -> Packed:
         raise NotImplementedError
 
@@ -108,6 +116,16 @@ class CudaTransfer(Transfer):
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t)
         return host
+
+    def page_lock(self, host: torch.Tensor) -> bool:
+        # what `pin_memory=True` gives, for memory torch did not allocate (cudaHostRegisterPortable = 1)
+        return (
+            int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 1))
+            == 0
+        )
+
+    def page_unlock(self, host: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
     def load(self, masters):
         tensors = [torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in masters]
@@ -156,8 +174,9 @@ class CudaTransfer(Transfer):
 class FakeTransfer(Transfer):
     """A CPU stand-in for a GPU that makes scheduling mistakes visible (see the module docstring).
 
-    `log` lists ("load" | "store" | "wait" | "offload" | "restore", tag) tuples, where a tag is what
-    `label` returns for the first tensor (tests set it to name blocks). `device_bytes` counts the bytes of
+    `log` lists ("load" | "store" | "wait" | "release" | "offload" | "restore", tag) tuples, where a tag
+    is what `label` returns for the first tensor (tests set it to name blocks), and ("page_lock" |
+    "page_unlock", bytes) for shared host copies (`lockable` says what page_lock answers). `device_bytes` counts the bytes of
     block weights on the "device" (loaded and not yet released, or moved for good); `peak_bytes()` is
     their peak plus `extra_bytes` (what a test says the rest of the model and the activations take)."""
 
@@ -173,6 +192,8 @@ class FakeTransfer(Transfer):
         self._device_ids: dict[int, int] = {}  # storage pointer -> bytes, for live device tensors
         self.device_bytes = 0
         self._peak = 0
+        self.lockable = True
+        self.page_locked: set[int] = set()  # addresses page-locked and not unlocked
 
     # weights
     def to_host(self, t):
@@ -219,6 +240,15 @@ class FakeTransfer(Transfer):
 
     def is_device_tensor(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self._device_ids
+
+    def page_lock(self, host: torch.Tensor) -> bool:
+        self.log.append(("page_lock", host.numel() * host.element_size()))
+        self.page_locked.add(host.data_ptr())
+        return self.lockable
+
+    def page_unlock(self, host: torch.Tensor) -> None:
+        self.log.append(("page_unlock", host.numel() * host.element_size()))
+        self.page_locked.discard(host.data_ptr())
 
     # activations
     def offload(self, t):
