@@ -11,7 +11,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from project import make_cached_project, run, train_wan
+from test_ddp import _free_port
 from tuner.errors import TrainingStopped
 from tuner.trainers import state
 from tuner.trainers.metrics import MetricsFile
@@ -123,12 +123,6 @@ def test_the_metrics_file_keeps_whole_lines_up_to_the_resumed_step(tmp_path):
         (1, "avg_loss"), (2, "avg_loss"), (2, "step"), (2, "path"), (2, "path")]  # fmt: skip
     MetricsFile(out, every_n_steps=1, resumed_step=None)  # a new run starts a new file
     assert path.read_text() == ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

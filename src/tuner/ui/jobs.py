@@ -311,7 +311,7 @@ class JobQueue:
         """Stop a job: a running one gets SIGTERM (its trainer finishes the step and saves a resumable state,
         then it reads stopped); a queued one is taken off the queue (stopped)."""
         with transaction(self.db_path) as conn:
-            row = conn.execute("SELECT state, pid FROM jobs WHERE id = ?", (id,)).fetchone()
+            row = conn.execute("SELECT state, pid, stage_pid FROM jobs WHERE id = ?", (id,)).fetchone()
             if row is None:
                 raise UnknownJob(f"no job {id} in {self.db_path}")
             if row["state"] == "queued":
@@ -322,10 +322,11 @@ class JobQueue:
             if row["state"] not in ("running", "stopping"):
                 raise JobError(f"job {id} is {row['state']}, not running")
             conn.execute("UPDATE jobs SET state = 'stopping' WHERE id = ?", (id,))
-            pid = row["pid"]
-        if pid:
+        # the runner forwards the signal to its stage's processes; before its first stage (perhaps before
+        # its handler is in place) it reads the state instead, and starts none
+        if row["pid"] and row["stage_pid"]:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)  # the runner forwards it to its stage's processes
+                os.killpg(row["pid"], signal.SIGTERM)
 
     def resume(self, id: int) -> None:
         """Queue a stopped or failed job again; its train stage continues from the newest saved state (the

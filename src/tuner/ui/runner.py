@@ -72,7 +72,8 @@ def run(db_path: str, job_id: int, launcher: list[str]) -> int:
             conn.execute(
                 "UPDATE jobs SET stage = ?, stage_pid = ? WHERE id = ?", (stage, process.pid, job_id)
             )
-        if stop.requested:  # the signal came while the stage was starting
+        if stop.requested or _stop_recorded(db_path, job_id):  # stop() came while the stage was starting
+            stop.requested = True
             stop.forward()
         code = process.wait()
         _wait_for_group(process.pid)
