@@ -16,9 +16,11 @@ from tuner.demo import prepare
 from tuner.ui.jobs import JobError, JobQueue, UnknownJob, tail
 
 TUNER = [sys.executable, "-m", "tuner"]
-# stands in for `accelerate launch -m tuner`: says which stage and GPU it is, then sleeps
-SLEEPER = [sys.executable, "-c", "import os, sys, time; print('stage', *sys.argv[1:3], 'gpu',"
-           " os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True); time.sleep(float(os.environ['SLEEP']))"]  # fmt: skip
+# stands in for `accelerate launch -m tuner`: says which stage and GPU it is, then sleeps; on SIGTERM it
+# leaves a file `stopped` in its working folder (the run folder)
+SLEEPER = [sys.executable, "-c", "import os, signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: "
+           "(open('stopped', 'w').close(), sys.exit(1))); print('stage', *sys.argv[1:3], 'gpu', "
+           "os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True); time.sleep(float(os.environ['SLEEP']))"]  # fmt: skip
 SAMPLES = """
 [sample]
 prompts = ["a red circle"]
@@ -149,6 +151,10 @@ def test_a_restarted_queue_keeps_running_jobs_and_fails_one_whose_process_died(t
     assert second.get(job_id).state == "running"
     os.killpg(runner, signal.SIGKILL)  # the job's runner dies (its stage is stopped by the queue)
     job = wait_for(second, job_id, "failed", timeout=30)
+    deadline = time.monotonic() + 30
+    while not (job.run_dir / "stopped").is_file():  # the orphaned stage was stopped
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     assert (
         f"pid {runner}" in job.error and "cache latents" in job.error and "stage cache latents" in job.error
     )
@@ -199,3 +205,18 @@ def test_tail_shows_the_last_state_of_progress_bars(tmp_path):
     assert tail(log, 3) == ["first", "steps 3/3", "last"]
     assert tail(log, 1) == ["last"] and tail(tmp_path / "missing.log", 5) == []
     assert json.loads(json.dumps(tail(log, 200)))[-1] == "last"
+
+
+def test_a_pid_taken_over_by_another_process_is_not_taken_for_the_runner(tmp_path):
+    """After a reboot the pid a job recorded may belong to some other process: the job is still lost."""
+    from tuner.ui.jobs import transaction
+
+    queue = JobQueue(tmp_path / "jobs.sqlite", tmp_path / "runs", launcher=SLEEPER, gpus=[])
+    job_id = queue.submit("from before the reboot", "")
+    with transaction(queue.db_path) as conn:
+        conn.execute(
+            "UPDATE jobs SET state = 'running', slot = 'cpu', pid = ? WHERE id = ?", (os.getppid(), job_id)
+        )
+    queue.poll()
+    job = queue.get(job_id)
+    assert job.state == "failed" and f"pid {os.getppid()}" in job.error

@@ -158,11 +158,9 @@ def tail(path: Path, lines: int) -> list[str]:
 
 def latest_state(output_dir: Path) -> Path | None:
     """The newest complete training state under `output_dir` (see `tuner.trainers.checkpoints`), if any."""
-    from tuner.trainers.checkpoints import STATE_DIR
-    from tuner.trainers.state import is_complete
+    from tuner.trainers.checkpoints import Checkpoints
 
-    root = output_dir / STATE_DIR
-    states = sorted(d for d in root.glob("step*") if d.is_dir() and is_complete(d)) if root.is_dir() else []
+    states = Checkpoints(output_dir, None, None).complete_states()
     return states[-1] if states else None
 
 
@@ -324,7 +322,7 @@ class JobQueue:
             conn.execute("UPDATE jobs SET state = 'stopping' WHERE id = ?", (id,))
         # the runner forwards the signal to its stage's processes; before its first stage (perhaps before
         # its handler is in place) it reads the state instead, and starts none
-        if row["pid"] and row["stage_pid"]:
+        if row["pid"] and row["stage_pid"] and _runs(row["pid"], "tuner.ui.runner", str(id)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(row["pid"], signal.SIGTERM)
 
@@ -445,7 +443,7 @@ class JobQueue:
         """Whether a running job's runner is gone (or never got a pid, within a grace period)."""
         if job.pid is None:
             return time.time() - (job.started or 0) > _LAUNCH_GRACE
-        return not _alive(job.pid)
+        return not _runner_alive(job.pid, job.id)
 
     def _fail_lost(self, job: Job) -> None:
         conn = connect(self.db_path)
@@ -453,7 +451,9 @@ class JobQueue:
             stage_pid = conn.execute("SELECT stage_pid FROM jobs WHERE id = ?", (job.id,)).fetchone()[0]
         finally:
             conn.close()
-        if stage_pid:  # an orphaned stage: stopped as stop() would (the trainer saves a state)
+        # an orphaned stage (checked to be one, not a process that took over its pid after a reboot):
+        # stopped as stop() would stop it (the trainer saves a state)
+        if stage_pid and _runs(stage_pid, str(job.run_dir / CONFIG)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(stage_pid, signal.SIGTERM)
         lines = tail(job.run_dir / LOG, ERROR_LINES)
@@ -491,8 +491,9 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:40] or "job"
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a child of this process that ended is reaped here)."""
+def _runner_alive(pid: int, job_id: int) -> bool:
+    """Whether job `job_id`'s runner, process `pid`, still runs (a child of this process that ended is
+    reaped here). Where /proc exists, a process that took over the pid (after a reboot) does not count."""
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
         return done == 0
@@ -502,6 +503,18 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, someone else's
+    except PermissionError:  # someone else's: not our runner
+        return False
+    return _runs(pid, "tuner.ui.runner", str(job_id))
+
+
+def _runs(pid: int, *args: str) -> bool:
+    """Whether process `pid`'s command line holds each of `args` (True where /proc cannot tell)."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not Path("/proc/self/cmdline").is_file():
         return True
-    return True
+    try:
+        held = cmdline.read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return all(a.encode() in held for a in args)
