@@ -220,3 +220,11 @@ def test_a_pid_taken_over_by_another_process_is_not_taken_for_the_runner(tmp_pat
     queue.poll()
     job = queue.get(job_id)
     assert job.state == "failed" and f"pid {os.getppid()}" in job.error
+
+
+def test_a_run_folder_left_by_an_earlier_database_is_kept(tmp_path):
+    queue = JobQueue(tmp_path / "jobs.sqlite", tmp_path / "runs", launcher=SLEEPER, gpus=[])
+    (tmp_path / "runs" / "0001-demo").mkdir(parents=True)
+    (tmp_path / "runs" / "0001-demo" / "mine.txt").write_text("keep")
+    job = queue.get(queue.submit("demo", ""))
+    assert job.run_dir.name == "0001-demo-2" and (tmp_path / "runs" / "0001-demo" / "mine.txt").is_file()
