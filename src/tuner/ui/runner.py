@@ -84,16 +84,13 @@ def run(db_path: str, job_id: int, launcher: list[str]) -> int:
         code = process.wait()
         _wait_for_group(process.pid)
         stop.group = None
-        if stop.requested or _stop_recorded(db_path, job_id):
+        # a stop that came after the run's last step changes nothing: the job is done
+        finished = code == 0 and stage == STAGES[-1][0]
+        if not finished and (stop.requested or _stop_recorded(db_path, job_id)):
             break
         if code != 0:
-            lines = tail(log_path, ERROR_LINES)
-            finish(
-                db_path,
-                job_id,
-                "failed",
-                f"{stage} exited with code {code}; last log lines:\n" + "\n".join(lines),
-            )
+            lines = "\n".join(tail(log_path, ERROR_LINES))
+            finish(db_path, job_id, "failed", f"{stage} exited with code {code}; last log lines:\n{lines}")
             return 1
     else:
         finish(db_path, job_id, "done")
