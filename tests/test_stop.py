@@ -140,3 +140,21 @@ def test_with_two_processes_a_signal_to_one_stops_both_after_the_same_step(proje
     assert folder.name == "step000003"
     state.verify(folder)
     assert {p.name for p in folder.glob("rng_*.json")} == {"rng_0.json", "rng_1.json"}
+
+
+def test_the_metrics_file_holds_the_logged_steps_and_validation_losses(project, tmp_path):
+    dataset = project.parent / "dataset_val.toml"
+    text = (project.parent / "dataset.toml").read_text()
+    dataset.write_text(
+        text.replace('video_directory = "data/videos"', 'video_directory = "data/videos"\nvalidation = true')
+    )
+    out = tmp_path / "out"
+    trainer = train_wan(project, out, f"data.dataset_config='{dataset}'", "train.max_steps=4",
+                        "train.validate_every_n_steps=2", "log.every_n_steps=2")  # fmt: skip
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows if "loss" in r] == [
+        (2, trainer.history[1]),
+        (4, trainer.history[3]),
+    ]
+    assert [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r] == trainer.val_history
+    assert rows[-1]["val_loss"] and rows[-2]["eta_seconds"] == 0  # the last step: nothing left
