@@ -20,11 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import make_cached_project, run, train_wan
+from project import cfg, make_cached_project, run, train_wan
 from test_ddp import _free_port
 from tuner.errors import TrainingStopped
 from tuner.trainers import state
+from tuner.trainers.checkpoints import Checkpoints
 from tuner.trainers.metrics import MetricsFile
+from tuner.trainers.wan import WanTrainer
 
 STEPS = 10
 # samples at every step slow the run down enough to signal it mid-run on a busy machine; they draw nothing
@@ -158,3 +160,37 @@ def test_the_metrics_file_holds_the_logged_steps_and_validation_losses(project, 
     ]
     assert [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r] == trainer.val_history
     assert rows[-1]["val_loss"] and rows[-2]["eta_seconds"] == 0  # the last step: nothing left
+
+
+@pytest.mark.parametrize(
+    "sig, every", [(signal.SIGINT, 0), (signal.SIGTERM, 2)], ids=["SIGINT", "SIGTERM-at-a-save"]
+)
+def test_a_signal_in_process_stops_after_the_step_and_saves_once(project, tmp_path, monkeypatch, sig, every):
+    """SIGINT (Ctrl-C) too; a stop at a step `save.every_n_steps` has just saved saves nothing twice. The
+    handlers are put back afterwards."""
+    from tuner.trainers.base import NetworkTrainer
+
+    log_step = NetworkTrainer._log_step
+
+    def signalled_at_step_2(self, run_):
+        if run_.pos.step == 2:
+            os.kill(os.getpid(), sig)
+        return log_step(self, run_)
+
+    monkeypatch.setattr(NetworkTrainer, "_log_step", signalled_at_step_2)
+    saves = []
+    monkeypatch.setattr(Checkpoints, "_save_state", lambda self, network, pos, real=Checkpoints._save_state: (
+        saves.append(pos.step), real(self, network, pos)))  # fmt: skip
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    lines = []
+    with pytest.raises(TrainingStopped) as stopped:
+        WanTrainer(
+            cfg(project, f"save.output_dir='{tmp_path / 'out'}'", *RUN, f"save.every_n_steps={every}")
+        ).train(log=lines.append)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert saves == [2]
+    assert str(stopped.value) == lines[-1] and lines[-1].startswith(
+        f"stopped on {sig.name} after step 2 of 10"
+    )
+    state.verify(tmp_path / "out" / "state" / "step000002")
+    assert f"(adapter {tmp_path / 'out' / 'demo_lora-step000002.safetensors'})" in lines[-1]

@@ -71,8 +71,9 @@ class StopRequest:
         from tuner.trainers.checkpoints import STATE_DIR
 
         pos, checkpoints = run.pos, run.checkpoints
-        adapter = checkpoints.written[0] if saved else None
-        if not saved:
+        if saved:
+            adapter = checkpoints.written[0]
+        else:
             adapter = checkpoints.save(run.trained, pos, run.metadata, trainer.export_layout())
         run.progress.close()
         run.accelerator.end_training()
