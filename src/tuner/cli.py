@@ -1,7 +1,8 @@
 """The `tuner` command: one tool, many subcommands.
 
 Each subcommand parses its arguments and calls one function in the library; no logic lives here.
-Errors the user can fix (`TunerError`) print as one message without a traceback and exit with 2.
+Errors the user can fix (`TunerError`) print as one message without a traceback and exit with 2; a
+training run stopped on request (SIGTERM, Ctrl-C) exits with 75 once its state is saved.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import os
 import sys
 
-from tuner.errors import TunerError
+from tuner.errors import TrainingStopped, TunerError
 from tuner.tools import add_lora_commands
 
 
@@ -263,7 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_data_check)
 
     p = sub.add_parser(
-        "train", help="train an adapter from the cache (run under `accelerate launch -m tuner`)"
+        "train",
+        help="train an adapter from the cache (run under `accelerate launch -m tuner`)",
+        description="Train an adapter from the cache. SIGTERM or Ctrl-C (SIGINT) stops the run gracefully: "
+        "the current step finishes, its state and adapter are saved, one line names the state and the "
+        f"--resume latest command, and the exit code is {TrainingStopped.exit_code}. Exit codes: 0 done, "
+        f"2 an error you can fix (the message says what), {TrainingStopped.exit_code} stopped on request "
+        "(resumable).",
     )
     _config_args(p)
     p.add_argument(
@@ -341,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     except TunerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:  # the trainer has printed where it stands and how to continue
+        return e.exit_code
     return 0
 
 

@@ -354,7 +354,11 @@ class SampleConfig:
 @dataclass(frozen=True)
 class LogConfig:
     tensorboard: bool = option(True, "Write TensorBoard scalars to <output_dir>/logs.")
-    every_n_steps: int = option(1, "Log scalars every N optimizer steps.", ge=1)
+    every_n_steps: int = option(
+        1,
+        "Log scalars (TensorBoard, and <output_dir>/logs/metrics.jsonl, always written) every N optimizer steps.",
+        ge=1,
+    )
 
 
 @dataclass(frozen=True)
