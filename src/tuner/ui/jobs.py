@@ -1,0 +1,506 @@
+"""The queue of training jobs behind `tuner ui`, stored in SQLite so that it survives a restart of the UI.
+
+A job is a run folder under `runs_dir` (its `config.toml`, and `dataset.toml` when the dataset was given
+separately) and three stages, run in order as subprocesses: the commands a CLI user types.
+
+    accelerate launch -m tuner cache latents --config config.toml
+    accelerate launch -m tuner cache text    --config config.toml
+    accelerate launch -m tuner train         --config config.toml   [--resume latest]
+
+Each running job is driven by its own small runner process (`tuner.ui.runner`), started in a session of
+its own: it runs the stages with their output appended to `job.log` in the run folder and records the
+stage and the outcome here. The UI only starts runners and reads the database, so closing or restarting
+the UI leaves running jobs running. A runner that is gone while its job still reads running (it was
+killed, or the machine restarted) is noticed by `poll()`, which marks the job failed with the last lines
+of its log.
+
+    queued → running → done | failed
+    running → stopping → stopped     stop(): SIGTERM; the trainer ends its step and saves a resumable state
+    stopped | failed → queued        resume(): train continues from the newest state (--resume latest)
+
+One job runs at a time per GPU (`gpus`; by default CUDA_VISIBLE_DEVICES or every GPU torch sees), or one
+at a time on a machine without a GPU. Every database access is a short transaction of its own on a new
+connection (WAL mode), so the web server's threads, the background poller and the runners never wait
+on each other for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from tuner.config import tomllib
+from tuner.errors import TunerError
+
+STATES = ("queued", "running", "stopping", "stopped", "done", "failed")
+STAGES = (("cache latents", ("cache", "latents")), ("cache text", ("cache", "text")), ("train", ("train",)))
+CONFIG, DATASET, LOG = "config.toml", "dataset.toml", "job.log"
+METRICS = Path("logs") / "metrics.jsonl"  # under save.output_dir, written by `tuner.trainers.metrics`
+ERROR_LINES = 20  # log lines kept in a failed job's `error`
+_LAUNCH_GRACE = 60.0  # seconds a claimed job may go without a runner pid before it counts as lost
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    stage TEXT,
+    pid INTEGER,            -- the job's runner (its process group); stop() signals it
+    created REAL NOT NULL,
+    started REAL,
+    finished REAL,
+    run_dir TEXT NOT NULL,
+    output_dir TEXT NOT NULL,
+    error TEXT,
+    resume INTEGER NOT NULL DEFAULT 0,  -- train with --resume latest (set by resume())
+    slot TEXT,              -- the GPU (or "cpu") the job runs on
+    stage_pid INTEGER       -- the current stage's process group
+)
+"""
+
+
+class JobError(TunerError):
+    """A job operation that does not apply to the job as it is (deleting a running job, ...)."""
+
+
+class UnknownJob(JobError, LookupError):
+    """No job has that id."""
+
+
+@dataclass
+class Job:
+    """One row of the queue. Times are seconds since the epoch; `stage` is the stage running or last run."""
+
+    id: int
+    name: str
+    state: str  # one of STATES
+    stage: str | None
+    pid: int | None
+    created: float
+    started: float | None
+    finished: float | None
+    run_dir: Path
+    output_dir: Path
+    error: str | None
+
+
+_COLUMNS = ", ".join(f.name for f in fields(Job))
+
+
+def connect(db_path: str | os.PathLike) -> sqlite3.Connection:
+    """A connection in autocommit mode that waits up to 30 s for a lock (runners share the database)."""
+    conn = sqlite3.connect(db_path, timeout=30.0, isolation_level=None)
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+@contextlib.contextmanager
+def transaction(db_path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
+    """One short write transaction (taken at once: BEGIN IMMEDIATE), committed on success."""
+    conn = connect(db_path)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    finally:
+        conn.close()
+
+
+def finish(db_path: str | os.PathLike, job_id: int, state: str, error: str | None = None,
+           only_from: tuple[str, ...] = ("running", "stopping")) -> bool:  # fmt: skip
+    """Record a job's end (done, stopped or failed) unless it already left `only_from`; return whether it did."""
+    marks = ", ".join("?" * len(only_from))
+    with transaction(db_path) as conn:
+        cur = conn.execute(
+            f"UPDATE jobs SET state = ?, error = ?, finished = ?, stage_pid = NULL WHERE id = ? AND state IN ({marks})",
+            (state, error, time.time(), job_id, *only_from),
+        )
+        return cur.rowcount == 1
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    """The last `lines` lines of a text file, each as a terminal would show it (a progress bar's `\\r`
+    redraws keep only their last state); [] for a missing file."""
+    if lines <= 0 or not path.is_file():
+        return []
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = pos = f.tell()
+        data = b""
+        while pos > 0 and data.count(b"\n") <= lines:
+            pos = max(0, pos - 65536)
+            f.seek(pos)
+            data = f.read(end - pos)
+    text = data.decode("utf-8", errors="replace")
+    shown = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n")]
+    if pos > 0:
+        shown = shown[1:]  # the first line read may have started before the block
+    if shown and shown[-1] == "":
+        shown.pop()
+    return shown[-lines:]
+
+
+def latest_state(output_dir: Path) -> Path | None:
+    """The newest complete training state under `output_dir` (see `tuner.trainers.checkpoints`), if any."""
+    from tuner.trainers.checkpoints import STATE_DIR
+    from tuner.trainers.state import is_complete
+
+    root = output_dir / STATE_DIR
+    states = sorted(d for d in root.glob("step*") if d.is_dir() and is_complete(d)) if root.is_dir() else []
+    return states[-1] if states else None
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs jobs may use: CUDA_VISIBLE_DEVICES when set, else every GPU torch sees."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def default_launcher(slot: str) -> list[str]:
+    """`accelerate launch -m tuner` as one process: on the given GPU (CUDA_VISIBLE_DEVICES is set to it), or
+    on the CPU. The stage's subcommand and arguments follow."""
+    return [sys.executable, "-m", "accelerate.commands.launch", *(["--cpu"] if slot == "cpu" else []),
+            "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "-m", "tuner"]  # fmt: skip
+
+
+class JobQueue:
+    """Jobs in `db_path` (created when missing), their run folders under `runs_dir`.
+
+    `launcher`: the command the stages' tuner arguments are appended to (default: `default_launcher`, i.e.
+    `accelerate launch ... -m tuner`); tests pass `[sys.executable, "-m", "tuner"]`. `gpus`: the GPUs jobs
+    may use, one job at a time on each (default `visible_gpus()`; none means one job at a time on the CPU).
+    """
+
+    def __init__(self, db_path: str | os.PathLike, runs_dir: str | os.PathLike, launcher: list[str] | None = None,
+                 gpus: list[str] | None = None):  # fmt: skip
+        self.db_path = Path(db_path).resolve()
+        self.runs_dir = Path(runs_dir).resolve()
+        self.launcher = list(launcher) if launcher is not None else None
+        self.slots = (visible_gpus() if gpus is None else [str(g) for g in gpus]) or ["cpu"]
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        conn = connect(self.db_path)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer; kept in the file
+            conn.execute(_SCHEMA)
+        finally:
+            conn.close()
+        self._lock = threading.Lock()  # one poll() at a time in this process
+        self._children: dict[int, subprocess.Popen] = {}  # runners this object started, reaped by poll()
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    # ---- reading ----
+    def list(self) -> list[Job]:
+        """Every job, oldest first."""
+        conn = connect(self.db_path)
+        try:
+            rows = conn.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY id").fetchall()
+        finally:
+            conn.close()
+        return [_job(row) for row in rows]
+
+    def get(self, id: int) -> Job:
+        conn = connect(self.db_path)
+        try:
+            row = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (id,)).fetchone()
+        finally:
+            conn.close()
+        if row is None:
+            raise UnknownJob(f"no job {id} in {self.db_path}")
+        return _job(row)
+
+    def log_tail(self, id: int, lines: int = 200) -> list[str]:
+        """The last lines of the job's log (every stage's output, each after a `== stage: command` line)."""
+        return tail(self.get(id).run_dir / LOG, lines)
+
+    def metrics(self, id: int) -> list[dict]:
+        """The trainer's metrics lines, oldest first: one per logged step (step, epoch, loss, avg_loss, lr,
+        step_seconds, eta_seconds, time) and one per validation (step, val_loss, time)."""
+        return [r for r in self._metric_lines(id) if "path" not in r]
+
+    def samples(self, id: int) -> list[dict]:
+        """Samples drawn while training, oldest first: {"step", "prompt", "path"} (`path` absolute)."""
+        out = self.get(id).output_dir
+        return [{"step": r["step"], "prompt": r["prompt"], "path": out / r["path"]}
+                for r in self._metric_lines(id) if "path" in r]  # fmt: skip
+
+    def adapters(self, id: int) -> list[Path]:
+        """The adapter files the run has saved so far, oldest first."""
+        out = self.get(id).output_dir
+        files = [f for f in out.glob("*.safetensors") if f.is_file()] if out.is_dir() else []
+        return sorted(files, key=lambda f: (f.stat().st_mtime, f.name))
+
+    def _metric_lines(self, id: int) -> list[dict]:
+        path = self.get(id).output_dir / METRICS
+        if not path.is_file():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line being written right now
+                rows.append(json.loads(line))
+        return rows
+
+    # ---- changing ----
+    def submit(self, name: str, config_text: str, dataset_text: str | None = None) -> int:
+        """Queue a new job: a run folder with `config.toml` (and `dataset.toml`, which the config names as
+        `data.dataset_config = "dataset.toml"`). Relative paths in them are relative to the run folder.
+        The TOML must parse; everything else is checked by the stages themselves (a bad key fails the
+        job with tuner's message in its log). Returns the job's id."""
+        from tuner.io import write_text
+
+        output_dir = self._output_dir(config_text, dataset_text)
+        with transaction(self.db_path) as conn:
+            cur = conn.execute(
+                "INSERT INTO jobs (name, state, created, run_dir, output_dir) VALUES (?, 'queued', ?, '', '')",
+                (name, time.time()),
+            )
+            job_id = cur.lastrowid
+            run_dir = self.runs_dir / f"{job_id:04d}-{_slug(name)}"
+            conn.execute(
+                "UPDATE jobs SET run_dir = ?, output_dir = ? WHERE id = ?",
+                (str(run_dir), str((run_dir / output_dir).resolve()), job_id),
+            )
+            run_dir.mkdir(parents=True, exist_ok=False)
+            try:
+                write_text(run_dir / CONFIG, config_text)
+                if dataset_text is not None:
+                    write_text(run_dir / DATASET, dataset_text)
+            except BaseException:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise
+        return job_id
+
+    def start(self, id: int) -> None:
+        """Start a queued job now, ahead of the others, on a free GPU (poll() starts queued jobs in order)."""
+        with self._lock:
+            job = self.get(id)
+            if job.state != "queued":
+                raise JobError(
+                    f"job {id} is {job.state}; only a queued job can be started (resume a stopped one)"
+                )
+            free = self._free_slots()
+            if not free:
+                raise JobError(
+                    f"job {id}: every GPU is busy ({', '.join(self.slots)}); it starts when one is free"
+                )
+            self._launch(job, free[0])
+
+    def stop(self, id: int) -> None:
+        """Stop a job: a running one gets SIGTERM (its trainer finishes the step and saves a resumable state,
+        then it reads stopped); a queued one is taken off the queue (stopped)."""
+        with transaction(self.db_path) as conn:
+            row = conn.execute("SELECT state, pid FROM jobs WHERE id = ?", (id,)).fetchone()
+            if row is None:
+                raise UnknownJob(f"no job {id} in {self.db_path}")
+            if row["state"] == "queued":
+                conn.execute(
+                    "UPDATE jobs SET state = 'stopped', finished = ? WHERE id = ?", (time.time(), id)
+                )
+                return
+            if row["state"] not in ("running", "stopping"):
+                raise JobError(f"job {id} is {row['state']}, not running")
+            conn.execute("UPDATE jobs SET state = 'stopping' WHERE id = ?", (id,))
+            pid = row["pid"]
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)  # the runner forwards it to its stage's processes
+
+    def resume(self, id: int) -> None:
+        """Queue a stopped or failed job again; its train stage continues from the newest saved state (the
+        cache stages run again first and only encode what is missing)."""
+        with transaction(self.db_path) as conn:
+            cur = conn.execute(
+                "UPDATE jobs SET state = 'queued', resume = 1, error = NULL, finished = NULL WHERE id = ? AND "
+                "state IN ('stopped', 'failed')",
+                (id,),
+            )
+            if cur.rowcount == 0:
+                raise JobError(
+                    f"job {id} is {self.get(id).state}; only a stopped or failed job can be resumed"
+                )
+
+    def delete(self, id: int) -> None:
+        """Remove a job and its run folder (outputs included); refuses a running one (stop it first)."""
+        job = self.get(id)
+        with transaction(self.db_path) as conn:
+            cur = conn.execute(
+                "DELETE FROM jobs WHERE id = ? AND state NOT IN ('running', 'stopping')", (id,)
+            )
+            if cur.rowcount == 0:
+                raise JobError(f"job {id} is {job.state}; stop it before deleting it")
+        if job.run_dir.parent == self.runs_dir:  # never a folder anywhere else
+            shutil.rmtree(job.run_dir, ignore_errors=True)
+
+    # ---- advancing ----
+    def poll(self) -> None:
+        """Mark jobs whose runner is gone failed, then start queued jobs, oldest first, on free GPUs."""
+        with self._lock:
+            for pid, child in list(self._children.items()):
+                if child.poll() is not None:  # reaped: its pid is free for the check below
+                    del self._children[pid]
+            for job in self.list():
+                if job.state in ("running", "stopping") and self._lost(job):
+                    self._fail_lost(job)
+            free = self._free_slots()
+            for job in (j for j in self.list() if j.state == "queued"):
+                if not free:
+                    break
+                if self._launch(job, free[0]):
+                    free.pop(0)
+
+    def run_in_background(self, interval: float = 1.0) -> None:
+        """Call poll() every `interval` seconds in a daemon thread until close()."""
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._closing.wait(interval):
+                try:
+                    self.poll()
+                except Exception as e:  # a locked or busy moment must not end the poller
+                    print(f"tuner ui: polling the job queue failed: {e}", file=sys.stderr)
+
+        self._closing.clear()
+        self._thread = threading.Thread(target=loop, name="tuner-job-queue", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background poller. Running jobs go on (their runners are not children of the UI's
+        session); a new JobQueue on the same database picks them up."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ---- helpers ----
+    def _free_slots(self) -> list[str]:
+        conn = connect(self.db_path)
+        try:
+            busy = {
+                r[0] for r in conn.execute("SELECT slot FROM jobs WHERE state IN ('running', 'stopping')")
+            }
+        finally:
+            conn.close()
+        return [s for s in self.slots if s not in busy]
+
+    def _launch(self, job: Job, slot: str) -> bool:
+        """Claim a queued job for `slot` and start its runner; False if someone else claimed it first."""
+        with transaction(self.db_path) as conn:
+            cur = conn.execute(
+                "UPDATE jobs SET state = 'running', slot = ?, started = ?, finished = NULL, error = NULL, "
+                "stage = NULL, pid = NULL, stage_pid = NULL WHERE id = ? AND state = 'queued'",
+                (slot, time.time(), job.id),
+            )
+            if cur.rowcount == 0:
+                return False
+        launcher = self.launcher if self.launcher is not None else default_launcher(slot)
+        env = dict(os.environ)
+        if env.get(
+            "PYTHONPATH"
+        ):  # the runner works in the run folder: a relative entry would point elsewhere
+            env["PYTHONPATH"] = os.pathsep.join(
+                str(Path(p).resolve()) for p in env["PYTHONPATH"].split(os.pathsep)
+            )
+        if slot != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = slot
+        try:
+            with (job.run_dir / LOG).open("ab") as log:  # a runner's own failure lands in the job's log
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "tuner.ui.runner", str(self.db_path), str(job.id), json.dumps(launcher)],
+                    cwd=job.run_dir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    start_new_session=True,  # its own process group: stop() signals it alone; Ctrl-C of the UI does not
+                )  # fmt: skip
+        except OSError as e:
+            finish(self.db_path, job.id, "failed", f"could not start the job's runner: {e}")
+            return True
+        self._children[child.pid] = child
+        with transaction(self.db_path) as conn:
+            conn.execute("UPDATE jobs SET pid = ? WHERE id = ?", (child.pid, job.id))
+        return True
+
+    def _lost(self, job: Job) -> bool:
+        """Whether a running job's runner is gone (or never got a pid, within a grace period)."""
+        if job.pid is None:
+            return time.time() - (job.started or 0) > _LAUNCH_GRACE
+        return not _alive(job.pid)
+
+    def _fail_lost(self, job: Job) -> None:
+        conn = connect(self.db_path)
+        try:
+            stage_pid = conn.execute("SELECT stage_pid FROM jobs WHERE id = ?", (job.id,)).fetchone()[0]
+        finally:
+            conn.close()
+        if stage_pid:  # an orphaned stage: stopped as stop() would (the trainer saves a state)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(stage_pid, signal.SIGTERM)
+        lines = tail(job.run_dir / LOG, ERROR_LINES)
+        why = f"the job's process (pid {job.pid}) is gone" if job.pid else "the job's process never started"
+        error = f"{why} during {job.stage or 'start-up'}; last log lines:\n" + "\n".join(lines)
+        finish(self.db_path, job.id, "failed", error)
+
+    def _output_dir(self, config_text: str, dataset_text: str | None) -> str:
+        try:
+            config = tomllib.loads(config_text)
+        except tomllib.TOMLDecodeError as e:
+            raise JobError(f"{CONFIG}: not valid TOML ({e})") from None
+        if dataset_text is not None:
+            try:
+                tomllib.loads(dataset_text)
+            except tomllib.TOMLDecodeError as e:
+                raise JobError(f"{DATASET}: not valid TOML ({e})") from None
+        from tuner.config.schema import SaveConfig
+
+        save = config.get("save", {})
+        output_dir = save.get("output_dir", SaveConfig().output_dir) if isinstance(save, dict) else None
+        if not isinstance(output_dir, str):
+            raise JobError(f"{CONFIG}: save.output_dir must be a string (a folder)")
+        return output_dir
+
+
+def _job(row: sqlite3.Row) -> Job:
+    values = dict(row)
+    values["run_dir"], values["output_dir"] = Path(values["run_dir"]), Path(values["output_dir"])
+    return Job(**values)
+
+
+def _slug(name: str) -> str:
+    """A folder-name-safe version of a job's name."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:40] or "job"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a child of this process that ended is reaped here)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:  # not our child: ask the kernel
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
