@@ -38,6 +38,7 @@ def project(tmp_path, wan_model):
 
 
 def client_for(root: Path, token: str | None = None) -> TestClient:
+    """An app on `root` with a queue that is not polled (no job starts)."""
     from tuner.ui.jobs import JobQueue
 
     runs = root / "runs"

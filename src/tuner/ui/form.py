@@ -32,6 +32,9 @@ else:  # pragma: no cover
 
 OPEN_SECTIONS = ("model", "data", "network", "train")
 """Sections shown open; the others start collapsed."""
+RUN_RELATIVE = ("save.output_dir",)
+"""Paths kept relative when a TOML is loaded into the form: a job resolves them in its own run folder, so
+each run of the same config writes its outputs apart."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ def toml_to_form(text: str, base_dir: Path | None = None) -> dict[str, str]:
             view = fields.get(f"{section}.{name}")
             if view is None:
                 continue  # an unknown key: the loader names it when the TOML itself is checked
-            if base_dir is not None and name in path_keys:
+            if base_dir is not None and name in path_keys and view.key not in RUN_RELATIVE:
                 value = _absolute(value, base_dir)
             if view.widget == "checkbox":
                 out[view.key] = "true" if value else "false"

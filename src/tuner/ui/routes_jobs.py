@@ -9,32 +9,29 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import RedirectResponse
 from pydantic import BaseModel
 
 from tuner.errors import ConfigError
 from tuner.registry import SAVE_LAYOUTS
 from tuner.ui.app import render, state
+from tuner.ui.jobs import Job, UnknownJob
 
 router = APIRouter()
 ACTIONS = ("start", "stop", "resume", "delete")
 
 
-def _job(request: Request, job_id: int) -> Any:
+def _job(request: Request, job_id: int) -> Job:
     try:
-        job = state(request).queue.get(job_id)
-    except (KeyError, LookupError, ValueError):
-        job = None
-    if job is None:
-        raise ConfigError(f"no job {job_id}.")
-    return job
+        return state(request).queue.get(job_id)
+    except UnknownJob:
+        raise HTTPException(404, f"no job {job_id}") from None
 
 
-def job_dict(job: Any) -> dict:
-    data = dataclasses.asdict(job) if dataclasses.is_dataclass(job) else dict(vars(job))
+def job_dict(job: Job) -> dict:
+    data = dataclasses.asdict(job)
     return {k: str(v) if isinstance(v, Path) else v for k, v in data.items()}
 
 

@@ -36,7 +36,8 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], str, str | Non
         values = data.getlist(key)
         fields[key] = "true" if "true" in values else str(values[-1])
     name = fields.pop("_name", "").strip() or "run"
-    dataset = fields.pop("_dataset", "").strip() or None
+    dataset = fields.pop("_dataset", "").strip()
+    dataset = dataset.replace("\r\n", "\n") + "\n" if dataset else None  # browsers send CRLF
     return fields, name, dataset
 
 
@@ -91,5 +92,7 @@ async def submit(request: Request):
             request, "new_run.html", sections=form.sections(), values=fields, source="", presets=presets(),
             architectures=ARCHITECTURES, dataset_text=dataset or "", error=result, name=name, status_code=400,
         )  # fmt: skip
+    if dataset is not None:  # the queue writes it beside the config as dataset.toml
+        text = form.with_dataset_file(text, "dataset.toml")
     job_id = state(request).queue.submit(name, text, dataset)
     return RedirectResponse(f"/jobs/{job_id}", status_code=303)

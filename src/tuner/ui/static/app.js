@@ -143,7 +143,7 @@ function showMetrics(rows) {
     setText("stat-loss", fmt(last.loss));
     setText("stat-lr", last.lr === undefined ? "–" : fmt(last.lr));
     setText("stat-time", last.step_seconds ? last.step_seconds.toFixed(2) + " s" : "–");
-    setText("stat-eta", duration(last.eta));
+    setText("stat-eta", duration(last.eta_seconds));
   }
   if (val.length) setText("stat-val", fmt(val[val.length - 1].val_loss));
 }
@@ -189,7 +189,7 @@ async function refreshJob(id) {
   error.textContent = job.error || "";
   const log = document.getElementById("log");
   const atEnd = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
-  log.textContent = job.log;
+  log.textContent = job.log.join("\n");
   if (atEnd) log.scrollTop = log.scrollHeight;
   showMetrics(metrics);
   showSamples(samples);
