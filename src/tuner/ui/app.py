@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ def create_app(
 
     app = FastAPI(title="tuner ui", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.filters["when"] = when
     app.state.ui = UIState(Roots([*roots, runs]), runs, queue, templates)
     if token:
         app.add_middleware(TokenMiddleware, token=token)
@@ -86,6 +88,11 @@ def create_app(
     app.include_router(routes_runs.router)
     app.include_router(routes_jobs.router)
     return app
+
+
+def when(seconds: float | None) -> str:
+    """A job's time (seconds since the epoch) as the page shows it."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds)) if seconds else ""
 
 
 def _error(request: Request, message: str, status: int):

@@ -183,6 +183,9 @@ async function refreshJob(id) {
     fetch(`/api/jobs/${id}/samples`).then(r => r.json()),
   ]);
   setText("job-state", job.state);
+  for (const form of document.querySelectorAll(".job-actions form")) {
+    form.hidden = !form.dataset.states.split(" ").includes(job.state);
+  }
   setText("job-stage", job.stage || "");
   const error = document.getElementById("job-error");
   error.hidden = !job.error;
