@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from tuner.errors import TunerError
+from tuner.errors import TrainingStopped, TunerError
 from tuner.tools import add_lora_commands
 
 
@@ -248,7 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_data_check)
 
     p = sub.add_parser(
-        "train", help="train an adapter from the cache (run under `accelerate launch -m tuner`)"
+        "train",
+        help="train an adapter from the cache (run under `accelerate launch -m tuner`)",
+        description="Train an adapter from the cache. SIGTERM or Ctrl-C (SIGINT) stops the run gracefully: "
+        "the current step finishes, its state and adapter are saved, one line names the state and the "
+        f"--resume latest command, and the exit code is {TrainingStopped.exit_code}. Exit codes: 0 done, "
+        f"2 an error you can fix (the message says what), {TrainingStopped.exit_code} stopped on request "
+        "(resumable).",
     )
     _config_args(p)
     p.add_argument(
@@ -329,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     except TunerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:  # the trainer has printed where it stands and how to continue
+        return e.exit_code
     return 0
 
 

@@ -28,3 +28,10 @@ class CheckpointError(TunerError):
 
 class TrainingError(TunerError):
     """Training cannot go on (a loss or gradient that is NaN or infinite)."""
+
+
+class TrainingStopped(Exception):
+    """Training was stopped on request (SIGTERM or SIGINT) after saving a resumable state; not an error.
+    The message names the state and the command that continues the run (`tuner.trainers.stop`)."""
+
+    exit_code = 75  # what `tuner train` exits with (sysexits' EX_TEMPFAIL: try again later)

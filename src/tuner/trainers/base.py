@@ -8,7 +8,8 @@ loop. The loop reads top to bottom:
     resume     saved state, checked against its manifest (trainers/checkpoints.py) + our position
     loop       _step: noise, t (+ draw_conditions) → x_t → predict → the objective's loss (loss_mask)
                → backward (accumulate) → clip → step
-               then _log_step, _maybe_sample, _maybe_validate, _maybe_save
+               then _log_step (+ logs/metrics.jsonl), _maybe_sample, _maybe_validate, _maybe_save, and a
+               stop on SIGTERM / Ctrl-C (trainers/stop.py: all processes stop after the same step, saved)
     finish     the final adapter (and state)
 
 Everything random in a step (noise, timesteps, caption dropout, batch order) comes from generators
@@ -36,6 +37,8 @@ from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError, TrainingError
 from tuner.optim import averaged_weights, schedule_free
 from tuner.trainers import board, report
+from tuner.trainers.metrics import MetricsFile
+from tuner.trainers.stop import StopRequest
 
 
 @dataclass
@@ -73,6 +76,7 @@ class _Run:
     ema: Any = None  # `tuner.ema.WeightEMA` with train.ema_decay
     fused: Any = None  # `tuner.fused_backward.FusedBackward` with train.fused_backward
     strategy: Any = None  # `tuner.distributed.Strategy`: how processes share the work
+    metrics: Any = None  # `tuner.trainers.metrics.MetricsFile`: logs/metrics.jsonl
 
 
 class NetworkTrainer:
@@ -356,8 +360,9 @@ class NetworkTrainer:
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
         """Train and return the path of the final adapter file."""
-        with _gc_frozen_while_training():
+        with _gc_frozen_while_training(), StopRequest() as stop:
             run = self._setup(resume, log)
+            stop.arm()  # from here SIGTERM / Ctrl-C end the run after its current step (trainers/stop.py)
             while run.pos.step < run.total_steps:
                 for batch in run.data.epoch(run.pos.epoch, start=run.pos.batch):
                     if not self._step(run, batch):
@@ -367,7 +372,7 @@ class NetworkTrainer:
                     self._maybe_validate(run)
                     if run.pos.step >= run.total_steps:
                         break
-                    self._maybe_save(run)
+                    stop.check(self, run, saved=self._maybe_save(run))  # saves and raises if asked to stop
                 else:  # the epoch ran out
                     run.pos.epoch, run.pos.batch = run.pos.epoch + 1, 0
                     self._maybe_save(run, epoch_end=True)
@@ -502,8 +507,13 @@ class NetworkTrainer:
         )  # fmt: skip
         if sf := schedule_free(optimizer):
             sf.train()  # schedule-free optimizers take their steps in train mode
+        run.metrics = MetricsFile(
+            out, cfg.log.every_n_steps, pos.step if resume else None, accelerator.is_main_process
+        )
         if samples and sc.at_start and pos.step == 0:
-            board.log_samples(accelerator, samples.draw(model, trained, 0, log), 0)
+            written = samples.draw(model, trained, 0, log)
+            board.log_samples(accelerator, written, 0)
+            run.metrics.samples(0, written, sc.prompts)
         run.ema, run.fused, run.strategy = parts.get("ema"), fused, strategy
         run.progress = _progress(total_steps, pos.step, accelerator.is_main_process)
         _freeze_gc()  # the model, data plan and optimizer: long-lived, never garbage
@@ -593,8 +603,9 @@ class NetworkTrainer:
         run.progress.update(1)
         # refresh=False: the bar redraws on its own clock (mininterval), not on every step
         finite = [v for v in run.recent if math.isfinite(v)]  # skipped NaN steps must not poison the mean
-        run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{sum(finite) / max(1, len(finite)):.4f}",
-                                 lr=f"{lr:.2e}", refresh=False)  # fmt: skip
+        avg = sum(finite) / max(1, len(finite))
+        run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{avg:.4f}", lr=f"{lr:.2e}", refresh=False)
+        run.metrics.step(run.pos.step, run.pos.epoch, run.total_steps, step_loss, avg, lr, self.step_seconds)
         if self.cfg.log.tensorboard and run.pos.step % self.cfg.log.every_n_steps == 0:
             metrics = {"loss": step_loss, "lr": lr, "step_seconds": self.step_seconds[-1]}
             run.accelerator.log(metrics, step=run.pos.step)
@@ -607,6 +618,7 @@ class NetworkTrainer:
                 with averaged_weights(run.optimizer), ema:
                     written = run.samples.draw(run.model, run.trained, run.pos.step, run.log)
                     board.log_samples(run.accelerator, written, run.pos.step)
+                    run.metrics.samples(run.pos.step, written, sc.prompts)
             run.accelerator.wait_for_everyone()
 
     def _maybe_validate(self, run: _Run) -> None:
@@ -616,16 +628,19 @@ class NetworkTrainer:
                 val_loss = self.validation_loss(run.model, run.trained, run.held_out, run.accelerator)
             self.val_history.append((step, val_loss))
             run.log(f"step {step}: validation loss {val_loss:.4f}")
+            run.metrics.validation(step, val_loss)
             if self.cfg.log.tensorboard:
                 run.accelerator.log({"val_loss": val_loss}, step=step)
 
-    def _maybe_save(self, run: _Run, epoch_end: bool = False) -> None:
-        """Save every N steps, or every N epochs at an epoch's end (the final save is `train`'s)."""
+    def _maybe_save(self, run: _Run, epoch_end: bool = False) -> bool:
+        """Save every N steps, or every N epochs at an epoch's end (the final save is `train`'s); return
+        whether it saved."""
         sc, pos = self.cfg.save, run.pos
         due = (sc.every_n_epochs and pos.epoch % sc.every_n_epochs == 0 and pos.step < run.total_steps
                if epoch_end else sc.every_n_steps and pos.step % sc.every_n_steps == 0)  # fmt: skip
         if due:
             run.checkpoints.save(run.trained, pos, run.metadata, self.export_layout())
+        return bool(due)
 
     def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
         """Mean loss on the held-out batches at fixed timesteps with fixed noise, so values
