@@ -126,8 +126,8 @@ def form_to_data(form: dict[str, str]) -> dict[str, dict[str, Any]]:
                 data.setdefault(key.split(".")[0], {})[view.name] = value
             continue
         text = text.strip()
-        if not text and not view.required:
-            continue
+        if not text:
+            continue  # the default; a required key left empty is named by the loader
         if view.raw:
             value = text
         else:
