@@ -40,7 +40,12 @@ def project(tmp_path, wan_model):
         '\n[sample]\nprompts = ["a red circle on a black background"]\nevery_n_steps = 100\nwidth = 64\n'
         "height = 48\nsteps = 2\nguidance = 1.0\n\n[log]\ntensorboard = false\n"
     )
+    text = text.replace("[train]\n", "[train]\nvalidate_every_n_steps = 100\n")
     config.write_text(text)
+    dataset = config.parent / "dataset.toml"  # the images held out as well: a validation loss to draw
+    dataset.write_text(
+        dataset.read_text() + '\n[[datasets]]\nimage_directory = "data/images"\nvalidation = true\n'
+    )
     return config
 
 
@@ -129,6 +134,8 @@ def test_browser_flow(project, page):
         assert "a red circle on a black background" in page.inner_text("#samples")
         assert "train" in page.inner_text("#log")
         assert page.inner_text("#stat-loss") != "–" and page.inner_text("#stat-eta") != "–"
+        page.wait_for_function("() => document.getElementById('stat-val').textContent !== '–'")
+        assert page.locator("#loss-chart circle").count() >= 1  # the validation losses
 
         # ---- stop (the trainer saves a resumable state), resume: it goes on from there; stop again
         page.click("button.action-stop")
