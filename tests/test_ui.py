@@ -43,7 +43,7 @@ def client_for(root: Path, token: str | None = None) -> TestClient:
 
     runs = root / "runs"
     queue = JobQueue(runs / "jobs.sqlite", runs)
-    return TestClient(create_app([root], runs, token=token, queue=queue))
+    return TestClient(create_app([root], runs, token=token, queue=queue), base_url="http://127.0.0.1:7860")
 
 
 # ---------------------------------------------------------------- folders the UI may touch
@@ -106,6 +106,22 @@ def test_token_is_checked_on_every_request(project):
     fresh = client_for(project.parent, token="s3cret-token")
     assert fresh.get("/api/jobs", headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
     assert client_for(project.parent).get("/jobs").status_code == 200  # loopback without --token: open
+
+
+def test_other_sites_cannot_use_a_loopback_server(project):
+    c = client_for(project.parent)
+    media = str(project.parent / "data" / "images" / "image_000.png")
+    r = c.post("/api/caption", json={"path": media, "text": "x"}, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and "another site" in r.text
+    r = c.post("/runs/check", data={}, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403
+    r = c.post(
+        "/api/caption", json={"path": media, "text": "ok"}, headers={"Origin": "http://127.0.0.1:7860"}
+    )
+    assert r.status_code == 200
+    # a name made to resolve to 127.0.0.1 (DNS rebinding) is not this server's name
+    assert c.get("/jobs", headers={"Host": "evil.example:7860"}).status_code == 403
+    assert c.get("/jobs", headers={"Host": "localhost:7860"}).status_code == 200
 
 
 # ---------------------------------------------------------------- datasets
@@ -232,6 +248,13 @@ def test_form_roundtrips_to_a_toml_the_cli_loads_unchanged(project, capsys):
     original = tomllib.loads(preset.read_text())
     original["data"]["dataset_config"] = str(EXAMPLES / "wan_dataset.toml")
     assert data == original
+    hub = form.toml_to_form(
+        '[model]\ntransformer = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"\nvae = "vae.sft"\n', EXAMPLES
+    )
+    assert hub == {
+        "model.transformer": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "model.vae": str(EXAMPLES / "vae.sft"),
+    }
     page = c.get("/runs/new", params={"preset": "wan21_t2v_lora"}).text
     assert "a cat walking on a beach at sunset" in page and str(EXAMPLES / "wan_dataset.toml") in page
 

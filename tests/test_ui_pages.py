@@ -27,7 +27,7 @@ def project(tmp_path, wan_model):
 
 
 def client_for(root, queue) -> TestClient:
-    return TestClient(create_app([root], queue.runs_dir, queue=queue))
+    return TestClient(create_app([root], queue.runs_dir, queue=queue), base_url="http://127.0.0.1:7860")
 
 
 def test_submit_list_stop_delete_a_job(project):

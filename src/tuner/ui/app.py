@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from tuner.errors import TunerError
-from tuner.ui.auth import TokenMiddleware
+from tuner.ui.auth import SameOriginMiddleware, TokenMiddleware
 from tuner.ui.paths import OutsideRoots, Roots
 
 HERE = Path(__file__).parent
@@ -72,6 +72,7 @@ def create_app(
     app.state.ui = UIState(Roots([*roots, runs]), runs, queue, templates)
     if token:
         app.add_middleware(TokenMiddleware, token=token)
+    app.add_middleware(SameOriginMiddleware, loopback_only=not token)  # added last: runs first
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
     @app.exception_handler(OutsideRoots)

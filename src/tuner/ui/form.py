@@ -23,6 +23,7 @@ from tuner.config.docs import bounds_text, default_text
 from tuner.config.fields import describe_type
 from tuner.config.schema import TrainingFile
 from tuner.errors import TunerError
+from tuner.hub import parse_ref
 from tuner.ui import toml_text
 
 if sys.version_info >= (3, 11):
@@ -174,8 +175,8 @@ def toml_to_form(text: str, base_dir: Path | None = None) -> dict[str, str]:
 
 def _absolute(value: Any, base: Path) -> Any:
     if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
-        if re.match(r"^[\w.-]+/[\w.-]+$", value) and not (base / value).exists():
-            return value  # a hub id such as "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", not a file
+        if parse_ref(value) and not (base / value.split("/")[0]).exists():
+            return value  # a hub id ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), by the loader's own rule
         return str((base / value).resolve())
     if isinstance(value, list):
         return [_absolute(v, base) for v in value]
