@@ -11,7 +11,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from project import make_cached_project, run, train_wan
+from test_ddp import _free_port
 from tuner.errors import TrainingStopped
 from tuner.trainers import state
 from tuner.trainers.metrics import MetricsFile
@@ -32,7 +32,7 @@ STEPS = 10
 SAMPLES = ("sample.prompts=['a red circle']", "sample.every_n_steps=1", "sample.steps=2", "sample.width=64",
            "sample.height=48")  # fmt: skip
 RUN = (f"train.max_steps={STEPS}", "save.every_n_steps=0", "save.every_n_epochs=0", "network.dropout=0.1",
-       "log.tensorboard=false")  # fmt: skip
+       "log.tensorboard=false", "data.num_workers=2")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +60,12 @@ def test_sigterm_saves_a_complete_state_and_resume_equals_a_straight_run(project
     out = tmp_path / "out"
     command = [sys.executable, "-m", "tuner", "train", "--config", str(project),
                *_sets(f"save.output_dir='{out}'", *RUN, *SAMPLES)]  # fmt: skip
-    process = subprocess.Popen(
-        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 240
     while len(_metric_steps(out)) < 2 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)  # as `kill` of a launcher's group: the data workers get it too
     log = process.communicate(timeout=240)[0]
     assert process.returncode == TrainingStopped.exit_code, log[-3000:]
     stopped = [line for line in log.splitlines() if line.startswith("stopped on SIGTERM")]
@@ -123,12 +122,6 @@ def test_the_metrics_file_keeps_whole_lines_up_to_the_resumed_step(tmp_path):
         (1, "avg_loss"), (2, "avg_loss"), (2, "step"), (2, "path"), (2, "path")]  # fmt: skip
     MetricsFile(out, every_n_steps=1, resumed_step=None)  # a new run starts a new file
     assert path.read_text() == ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """The `tuner` command: one tool, many subcommands.
 
 Each subcommand parses its arguments and calls one function in the library; no logic lives here.
-Errors the user can fix (`TunerError`) print as one message without a traceback and exit with 2.
+Errors the user can fix (`TunerError`) print as one message without a traceback and exit with 2; a
+training run stopped on request (SIGTERM, Ctrl-C) exits with 75 once its state is saved.
 """
 
 from __future__ import annotations

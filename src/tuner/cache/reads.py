@@ -175,7 +175,18 @@ def _checkout(num_workers: int, context: str | None) -> DataLoader:
         # the workers' seed comes from a private generator: starting a loader must not draw from the
         # global RNG, or a run resumed mid-epoch would see other dropout than an uninterrupted one
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=_ignore_stop_signals,
     )
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A worker ignores SIGTERM and SIGINT: `kill` of the process group or Ctrl-C reaches it too, and the
+    trainer, which stops gracefully on them (`tuner.trainers.stop`), still needs its batches. The workers
+    end with the trainer (torch ends them when their parent is gone)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def close_workers() -> None:

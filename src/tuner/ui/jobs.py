@@ -19,9 +19,7 @@ of its log.
     stopped | failed → queued        resume(): train continues from the newest state (--resume latest)
 
 One job runs at a time per GPU (`gpus`; by default CUDA_VISIBLE_DEVICES or every GPU torch sees), or one
-at a time on a machine without a GPU. Every database access is a short transaction of its own on a new
-connection (WAL mode), so the web server's threads, the background poller and the runners never wait
-on each other for long.
+at a time on a machine without a GPU. The database and the run folder's files are `tuner.ui.job_store`'s.
 """
 
 from __future__ import annotations
@@ -37,38 +35,26 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 from tuner.config import tomllib
 from tuner.errors import TunerError
-
-STATES = ("queued", "running", "stopping", "stopped", "done", "failed")
-STAGES = (("cache latents", ("cache", "latents")), ("cache text", ("cache", "text")), ("train", ("train",)))
-CONFIG, DATASET, LOG = "config.toml", "dataset.toml", "job.log"
-METRICS = Path("logs") / "metrics.jsonl"  # under save.output_dir, written by `tuner.trainers.metrics`
-ERROR_LINES = 20  # log lines kept in a failed job's `error`
-_LAUNCH_GRACE = 60.0  # seconds a claimed job may go without a runner pid before it counts as lost
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL,
-    state TEXT NOT NULL,
-    stage TEXT,
-    pid INTEGER,            -- the job's runner (its process group); stop() signals it
-    created REAL NOT NULL,
-    started REAL,
-    finished REAL,
-    run_dir TEXT NOT NULL,
-    output_dir TEXT NOT NULL,
-    error TEXT,
-    resume INTEGER NOT NULL DEFAULT 0,  -- train with --resume latest (set by resume())
-    slot TEXT,              -- the GPU (or "cpu") the job runs on
-    stage_pid INTEGER       -- the current stage's process group
+from tuner.ui.job_store import (
+    CONFIG,
+    DATASET,
+    ERROR_LINES,
+    LOG,
+    METRICS,
+    finish,
+    open_store,
+    query,
+    tail,
+    transaction,
 )
-"""
+from tuner.ui.runner import runner_alive, runs
+
+_LAUNCH_GRACE = 60.0  # seconds a claimed job may go without a runner pid before it counts as lost
 
 
 class JobError(TunerError):
@@ -85,7 +71,7 @@ class Job:
 
     id: int
     name: str
-    state: str  # one of STATES
+    state: str  # one of job_store.STATES
     stage: str | None
     pid: int | None
     created: float
@@ -97,73 +83,6 @@ class Job:
 
 
 _COLUMNS = ", ".join(f.name for f in fields(Job))
-
-
-def connect(db_path: str | os.PathLike) -> sqlite3.Connection:
-    """A connection in autocommit mode that waits up to 30 s for a lock (runners share the database)."""
-    conn = sqlite3.connect(db_path, timeout=30.0, isolation_level=None)
-    conn.row_factory = sqlite3.Row
-    return conn
-
-
-@contextlib.contextmanager
-def transaction(db_path: str | os.PathLike) -> Iterator[sqlite3.Connection]:
-    """One short write transaction (taken at once: BEGIN IMMEDIATE), committed on success."""
-    conn = connect(db_path)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        yield conn
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
-    finally:
-        conn.close()
-
-
-def finish(db_path: str | os.PathLike, job_id: int, state: str, error: str | None = None,
-           only_from: tuple[str, ...] = ("running", "stopping")) -> bool:  # fmt: skip
-    """Record a job's end (done, stopped or failed) unless it already left `only_from`; return whether it did."""
-    marks = ", ".join("?" * len(only_from))
-    with transaction(db_path) as conn:
-        cur = conn.execute(
-            f"UPDATE jobs SET state = ?, error = ?, finished = ?, stage_pid = NULL WHERE id = ? AND state IN ({marks})",
-            (state, error, time.time(), job_id, *only_from),
-        )
-        return cur.rowcount == 1
-
-
-def tail(path: Path, lines: int) -> list[str]:
-    """The last `lines` lines of a text file, each as a terminal would show it (a progress bar's `\\r`
-    redraws keep only their last state); [] for a missing file."""
-    if lines <= 0 or not path.is_file():
-        return []
-    with path.open("rb") as f:
-        f.seek(0, os.SEEK_END)
-        end = pos = f.tell()
-        data = b""
-        while pos > 0 and data.count(b"\n") <= lines:
-            pos = max(0, pos - 65536)
-            f.seek(pos)
-            data = f.read(end - pos)
-    text = data.decode("utf-8", errors="replace")
-    shown = [line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n")]
-    if pos > 0:
-        shown = shown[1:]  # the first line read may have started before the block
-    if shown and shown[-1] == "":
-        shown.pop()
-    return shown[-lines:]
-
-
-def latest_state(output_dir: Path) -> Path | None:
-    """The newest complete training state under `output_dir` (see `tuner.trainers.checkpoints`), if any."""
-    from tuner.trainers.checkpoints import STATE_DIR
-    from tuner.trainers.state import is_complete
-
-    root = output_dir / STATE_DIR
-    states = sorted(d for d in root.glob("step*") if d.is_dir() and is_complete(d)) if root.is_dir() else []
-    return states[-1] if states else None
 
 
 def visible_gpus() -> list[str]:
@@ -199,13 +118,7 @@ class JobQueue:
         self.launcher = list(launcher) if launcher is not None else None
         self.slots = (visible_gpus() if gpus is None else [str(g) for g in gpus]) or ["cpu"]
         self.runs_dir.mkdir(parents=True, exist_ok=True)
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        conn = connect(self.db_path)
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")  # readers never wait for a writer; kept in the file
-            conn.execute(_SCHEMA)
-        finally:
-            conn.close()
+        open_store(self.db_path)
         self._lock = threading.Lock()  # one poll() at a time in this process
         self._children: dict[int, subprocess.Popen] = {}  # runners this object started, reaped by poll()
         self._thread: threading.Thread | None = None
@@ -214,22 +127,13 @@ class JobQueue:
     # ---- reading ----
     def list(self) -> list[Job]:
         """Every job, oldest first."""
-        conn = connect(self.db_path)
-        try:
-            rows = conn.execute(f"SELECT {_COLUMNS} FROM jobs ORDER BY id").fetchall()
-        finally:
-            conn.close()
-        return [_job(row) for row in rows]
+        return [_job(row) for row in query(self.db_path, f"SELECT {_COLUMNS} FROM jobs ORDER BY id")]
 
     def get(self, id: int) -> Job:
-        conn = connect(self.db_path)
-        try:
-            row = conn.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (id,)).fetchone()
-        finally:
-            conn.close()
-        if row is None:
+        rows = query(self.db_path, f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (id,))
+        if not rows:
             raise UnknownJob(f"no job {id} in {self.db_path}")
-        return _job(row)
+        return _job(rows[0])
 
     def log_tail(self, id: int, lines: int = 200) -> list[str]:
         """The last lines of the job's log (every stage's output, each after a `== stage: command` line)."""
@@ -278,6 +182,10 @@ class JobQueue:
             )
             job_id = cur.lastrowid
             run_dir = self.runs_dir / f"{job_id:04d}-{_slug(name)}"
+            for n in range(2, 1000):  # a folder left by an earlier database under the same id is kept
+                if not run_dir.exists():
+                    break
+                run_dir = self.runs_dir / f"{job_id:04d}-{_slug(name)}-{n}"
             conn.execute(
                 "UPDATE jobs SET run_dir = ?, output_dir = ? WHERE id = ?",
                 (str(run_dir), str((run_dir / output_dir).resolve()), job_id),
@@ -311,7 +219,7 @@ class JobQueue:
         """Stop a job: a running one gets SIGTERM (its trainer finishes the step and saves a resumable state,
         then it reads stopped); a queued one is taken off the queue (stopped)."""
         with transaction(self.db_path) as conn:
-            row = conn.execute("SELECT state, pid FROM jobs WHERE id = ?", (id,)).fetchone()
+            row = conn.execute("SELECT state, pid, stage_pid FROM jobs WHERE id = ?", (id,)).fetchone()
             if row is None:
                 raise UnknownJob(f"no job {id} in {self.db_path}")
             if row["state"] == "queued":
@@ -322,10 +230,11 @@ class JobQueue:
             if row["state"] not in ("running", "stopping"):
                 raise JobError(f"job {id} is {row['state']}, not running")
             conn.execute("UPDATE jobs SET state = 'stopping' WHERE id = ?", (id,))
-            pid = row["pid"]
-        if pid:
+        # the runner forwards the signal to its stage's processes; before its first stage (perhaps before
+        # its handler is in place) it reads the state instead, and starts none
+        if row["pid"] and row["stage_pid"] and runs(row["pid"], "tuner.ui.runner", str(id)):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)  # the runner forwards it to its stage's processes
+                os.killpg(row["pid"], signal.SIGTERM)
 
     def resume(self, id: int) -> None:
         """Queue a stopped or failed job again; its train stage continues from the newest saved state (the
@@ -396,13 +305,9 @@ class JobQueue:
 
     # ---- helpers ----
     def _free_slots(self) -> list[str]:
-        conn = connect(self.db_path)
-        try:
-            busy = {
-                r[0] for r in conn.execute("SELECT slot FROM jobs WHERE state IN ('running', 'stopping')")
-            }
-        finally:
-            conn.close()
+        busy = {
+            r[0] for r in query(self.db_path, "SELECT slot FROM jobs WHERE state IN ('running', 'stopping')")
+        }
         return [s for s in self.slots if s not in busy]
 
     def _launch(self, job: Job, slot: str) -> bool:
@@ -444,15 +349,13 @@ class JobQueue:
         """Whether a running job's runner is gone (or never got a pid, within a grace period)."""
         if job.pid is None:
             return time.time() - (job.started or 0) > _LAUNCH_GRACE
-        return not _alive(job.pid)
+        return not runner_alive(job.pid, job.id)
 
     def _fail_lost(self, job: Job) -> None:
-        conn = connect(self.db_path)
-        try:
-            stage_pid = conn.execute("SELECT stage_pid FROM jobs WHERE id = ?", (job.id,)).fetchone()[0]
-        finally:
-            conn.close()
-        if stage_pid:  # an orphaned stage: stopped as stop() would (the trainer saves a state)
+        stage_pid = query(self.db_path, "SELECT stage_pid FROM jobs WHERE id = ?", (job.id,))[0][0]
+        # an orphaned stage (checked to be one, not a process that took over its pid after a reboot):
+        # stopped as stop() would stop it (the trainer saves a state)
+        if stage_pid and runs(stage_pid, str(job.run_dir / CONFIG)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(stage_pid, signal.SIGTERM)
         lines = tail(job.run_dir / LOG, ERROR_LINES)
@@ -488,19 +391,3 @@ def _job(row: sqlite3.Row) -> Job:
 def _slug(name: str) -> str:
     """A folder-name-safe version of a job's name."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:40] or "job"
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a child of this process that ended is reaped here)."""
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:  # not our child: ask the kernel
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    return True

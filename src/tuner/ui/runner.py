@@ -22,7 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-from tuner.ui.jobs import CONFIG, ERROR_LINES, LOG, STAGES, connect, finish, latest_state, tail, transaction
+from tuner.ui.job_store import (
+    CONFIG,
+    ERROR_LINES,
+    LOG,
+    STAGES,
+    finish,
+    latest_state,
+    query,
+    tail,
+    transaction,
+)
 
 
 class _Stop:
@@ -49,11 +59,7 @@ def run(db_path: str, job_id: int, launcher: list[str]) -> int:
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    conn = connect(db_path)
-    try:
-        job = conn.execute("SELECT run_dir, output_dir, resume FROM jobs WHERE id = ?", (job_id,)).fetchone()
-    finally:
-        conn.close()
+    (job,) = query(db_path, "SELECT run_dir, output_dir, resume FROM jobs WHERE id = ?", (job_id,))
     run_dir, output_dir = Path(job["run_dir"]), Path(job["output_dir"])
     log_path = run_dir / LOG
     for stage, args in STAGES:
@@ -72,21 +78,19 @@ def run(db_path: str, job_id: int, launcher: list[str]) -> int:
             conn.execute(
                 "UPDATE jobs SET stage = ?, stage_pid = ? WHERE id = ?", (stage, process.pid, job_id)
             )
-        if stop.requested:  # the signal came while the stage was starting
+        if stop.requested or _stop_recorded(db_path, job_id):  # stop() came while the stage was starting
+            stop.requested = True
             stop.forward()
         code = process.wait()
         _wait_for_group(process.pid)
         stop.group = None
-        if stop.requested or _stop_recorded(db_path, job_id):
+        # a stop that came after the run's last step changes nothing: the job is done
+        finished = code == 0 and stage == STAGES[-1][0]
+        if not finished and (stop.requested or _stop_recorded(db_path, job_id)):
             break
         if code != 0:
-            lines = tail(log_path, ERROR_LINES)
-            finish(
-                db_path,
-                job_id,
-                "failed",
-                f"{stage} exited with code {code}; last log lines:\n" + "\n".join(lines),
-            )
+            lines = "\n".join(tail(log_path, ERROR_LINES))
+            finish(db_path, job_id, "failed", f"{stage} exited with code {code}; last log lines:\n{lines}")
             return 1
     else:
         finish(db_path, job_id, "done")
@@ -97,11 +101,7 @@ def run(db_path: str, job_id: int, launcher: list[str]) -> int:
 
 def _stop_recorded(db_path: str, job_id: int) -> bool:
     """Whether stop() marked the job stopping (its signal may not have reached us yet)."""
-    conn = connect(db_path)
-    try:
-        return conn.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()[0] == "stopping"
-    finally:
-        conn.close()
+    return query(db_path, "SELECT state FROM jobs WHERE id = ?", (job_id,))[0][0] == "stopping"
 
 
 def _adopt_orphans() -> None:
@@ -132,6 +132,35 @@ def _wait_for_group(group: int) -> None:
         except PermissionError:  # a process of the group we may not signal: still there
             pass
         time.sleep(0.2)
+
+
+def runner_alive(pid: int, job_id: int) -> bool:
+    """Whether job `job_id`'s runner, process `pid`, still runs (a child of this process that ended is
+    reaped here). Where /proc exists, a process that took over the pid (after a reboot) does not count."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:  # not our child: ask the kernel
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: not our runner
+        return False
+    return runs(pid, "tuner.ui.runner", str(job_id))
+
+
+def runs(pid: int, *args: str) -> bool:
+    """Whether process `pid`'s command line holds each of `args` (True where /proc cannot tell)."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not Path("/proc/self/cmdline").is_file():
+        return True
+    try:
+        held = cmdline.read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return all(a.encode() in held for a in args)
 
 
 def main(argv: list[str] | None = None) -> int:
