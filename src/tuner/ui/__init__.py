@@ -4,11 +4,12 @@ Nothing here trains, caches or converts by itself. Each page calls the library f
 command, or hands a config to the job queue, which runs the CLI commands as subprocesses:
 
 - `paths.py`: the folders the UI may touch (`--root`); every path a request names is resolved here.
-- `auth.py`: the access token a non-loopback server requires.
+- `auth.py`: the access token a non-loopback server requires; requests from other sites refused.
 - `folders.py`: a dataset folder's items, thumbnails, caption edits, and `tuner data check`'s buckets.
 - `form.py`: the new-run form, generated from the config schema; validated by `load_config`.
 - `toml_text.py`: config values written back as TOML that the CLI reads unchanged.
-- `jobs.py`: the job queue (SQLite; cache latents → cache text → train through `accelerate launch`).
+- `jobs.py`, `job_store.py`, `runner.py`: the job queue (SQLite) and the process that drives each job
+  through cache latents → cache text → train with `accelerate launch`.
 - `app.py` and `routes_*.py`: the FastAPI application; `server.py`: the `tuner ui` command.
 
 Pages are rendered on the server (Jinja2); `static/app.js` is our own small script for live updates
