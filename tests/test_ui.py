@@ -32,7 +32,7 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 @pytest.fixture()
 def project(tmp_path, wan_model):
-    from tests.project import make_project
+    from project import make_project
 
     return make_project(tmp_path / "project", wan_model)
 
@@ -236,7 +236,7 @@ def test_form_roundtrips_to_a_toml_the_cli_loads_unchanged(project, capsys):
     c = client_for(project.parent)
     downloaded = _roundtrip(project, c)
     assert load_config(downloaded).file == load_config(project).file
-    from tests.project import run
+    from project import run
 
     code, out = run(capsys, "check", "--config", downloaded)
     assert code == 0 and "ok" in out

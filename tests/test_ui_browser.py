@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("fastapi")
 playwright = pytest.importorskip("playwright.sync_api")
 
-from tests.project import make_project  # noqa: E402
-from tests.ui_server import LiveServer  # noqa: E402
+from project import make_project  # noqa: E402
+from ui_server import LiveServer  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[1] / "docs" / "ui"

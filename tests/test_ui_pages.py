@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("fastapi")
 
 from fastapi.testclient import TestClient  # noqa: E402
-from tests.test_lora_tools import single_file, write_lora  # noqa: E402
 
+from test_lora_tools import single_file, write_lora  # noqa: E402
 from tuner.networks.keys import read_safetensors  # noqa: E402
 from tuner.ui import form  # noqa: E402
 from tuner.ui.app import create_app  # noqa: E402
@@ -21,7 +21,7 @@ from tuner.ui.jobs import JobQueue  # noqa: E402
 
 @pytest.fixture()
 def project(tmp_path, wan_model):
-    from tests.project import make_project
+    from project import make_project
 
     return make_project(tmp_path / "project", wan_model)
 
@@ -113,7 +113,7 @@ def test_adapters_listed_converted_merged_downloaded(project, wan_model):
 
 @pytest.mark.slow
 def test_ui_command_on_all_interfaces_requires_a_generated_token(tmp_path):
-    from tests.ui_server import LiveServer
+    from ui_server import LiveServer
 
     server = LiveServer("--root", str(tmp_path), "--runs", str(tmp_path / "runs"), host="0.0.0.0")
     try:
