@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test test-fast lint format clean
+.PHONY: install browser demo test test-fast lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m tuner.demo --out demo_out
 
-test: $(STAMP)
+# The browser tests of `tuner ui` drive Debian's chromium (playwright's own browser download needs the
+# internet): installed with apt when it is missing and apt is there (CI runs as root).
+browser:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: $(STAMP) browser
 	$(BIN)/python -m ruff check src tests scripts benchmarks
 	$(BIN)/python -m ruff format --check src tests scripts benchmarks
 	$(BIN)/python -m pytest -q tests

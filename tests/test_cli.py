@@ -11,7 +11,7 @@ def test_help_lists_every_subcommand(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    for name in ("fixtures", "cache", "train", "generate", "timesteps", "check", "lora"):
+    for name in ("fixtures", "cache", "train", "generate", "timesteps", "check", "lora", "ui"):
         assert name in out
 
 

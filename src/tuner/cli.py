@@ -334,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     add_lora_commands(sub)
+    from tuner.ui.server import add_ui_command
+
+    add_ui_command(sub)
     return parser
 
 

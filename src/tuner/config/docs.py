@@ -28,7 +28,7 @@ the fix.
 """
 
 
-def _default(f: dataclasses.Field) -> str:
+def default_text(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return "" if f.default is None else repr(f.default).replace("'", '"')
     if f.default_factory is not dataclasses.MISSING:
@@ -37,7 +37,7 @@ def _default(f: dataclasses.Field) -> str:
     return "**required**"
 
 
-def _bounds(f: dataclasses.Field) -> str:
+def bounds_text(f: dataclasses.Field) -> str:
     syms = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
     return ", ".join(f"{syms[k]} {f.metadata[k]}" for k in syms if f.metadata.get(k) is not None)
 
@@ -46,12 +46,12 @@ def _table(cls: type, defaults: dict | None = None) -> list[str]:
     hints = typing.get_type_hints(cls)
     rows = ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        default = _default(f)
+        default = default_text(f)
         if defaults is not None and f.name in defaults:
             d = defaults[f.name]
             default = "" if d is None else repr(list(d) if isinstance(d, tuple) else d).replace("'", '"')
         rows.append(
-            f"| `{f.name}` | {describe_type(hints[f.name])} | {default} | {_bounds(f)} | {f.metadata['doc']} |"
+            f"| `{f.name}` | {describe_type(hints[f.name])} | {default} | {bounds_text(f)} | {f.metadata['doc']} |"
         )
     return rows
 

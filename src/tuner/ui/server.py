@@ -1,0 +1,64 @@
+"""`tuner ui`: serve the web app (needs the `ui` extra: `pip install 'tuner[ui]'`).
+
+    tuner ui --root /data --root /models            # http://127.0.0.1:7860/
+    tuner ui --host 0.0.0.0 --root /data             # prints http://HOST:7860/?token=... (required)
+
+On the loopback interface the server is only for this machine's user, and no token is asked unless
+`--token` gives one. Anywhere else a token is required: `--token`, or one generated and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tuner.errors import ConfigError
+
+DEFAULT_PORT = 7860
+
+
+def add_ui_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "ui", help="local web app: datasets, a config form, jobs, live loss and samples (extra: tuner[ui])"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on; other than loopback needs a token"
+    )
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--token", default=None, help="access token (default: generated when --host is not loopback)"
+    )
+    p.add_argument(
+        "--root", action="append", default=[], metavar="DIR",
+        help="a folder the UI may read and write (repeatable; default: the current folder)",
+    )  # fmt: skip
+    p.add_argument(
+        "--runs", default="tuner_runs", help="folder of the job queue and its runs (always allowed)"
+    )
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    try:
+        import uvicorn
+
+        from tuner.ui.app import create_app
+    except ImportError as e:
+        raise ConfigError(
+            f"tuner ui needs the ui extra ({e.name} is missing): pip install 'tuner[ui]'"
+        ) from None
+    from tuner.ui.auth import is_loopback, new_token
+
+    token = args.token
+    if token is None and not is_loopback(args.host):
+        token = new_token()
+    roots = args.root or ["."]
+    for root in roots:
+        if not Path(root).expanduser().is_dir():
+            raise ConfigError(f"--root {root}: not a folder.")
+    app = create_app(roots, args.runs, token=token)
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    address = f"http://{shown}:{args.port}/" + (f"?token={token}" if token else "")
+    print(f"tuner ui: {address}", flush=True)
+    print(f"  folders it may use: {', '.join(str(r) for r in app.state.ui.roots.folders)}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
