@@ -186,7 +186,7 @@ def test_videos_train_image_to_video_with_the_configured_probability(project):
     config, _ = project
     video, image = torch.zeros(64, 48, 3, 2, 2), torch.zeros(64, 48, 1, 2, 2)
     for p, want in ((0.0, 0), (1.0, 64)):
-        trainer = Wan22TI2VTrainer(cfg(config, f"model.i2v_probability={p}"))
+        trainer = Wan22TI2VTrainer(cfg(config, f"train.first_frame_conditioning_p={p}"))
         assert (
             int(trainer.draw_conditions(video, {}, torch.Generator().manual_seed(0))["clean_first"].sum())
             == want
@@ -197,8 +197,10 @@ def test_videos_train_image_to_video_with_the_configured_probability(project):
         trainer.draw_conditions(video, {}, torch.Generator().manual_seed(s))["clean_first"] for s in (3, 3)
     ]
     assert torch.equal(*drawn) and 16 < int(drawn[0].sum()) < 48  # seeded, and about half
-    with pytest.raises(ConfigError, match="i2v_probability"):
-        cfg(config, "model.i2v_probability=1.5")
+    with pytest.raises(ConfigError, match="first_frame_conditioning_p"):
+        cfg(config, "train.first_frame_conditioning_p=1.5")
+    with pytest.raises(ConfigError, match="'model.i2v_probability': this key is now 'train.first_frame_cond"):
+        cfg(config, "model.i2v_probability=0.3")  # the old key says where it went
 
 
 def test_the_given_frame_is_out_of_the_loss(trainer):

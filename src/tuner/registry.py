@@ -66,6 +66,14 @@ class Architecture:
     hub_repos: tuple[tuple[str, str], ...] = ()
     """(variant, repository) of the official diffusers pipelines, the first the default: what
     `tuner download ARCH [VARIANT]` fetches the components from."""
+    first_frame: float | None = None
+    """Models given a video's first frame (image-to-video): the share of training samples given it when
+    `train.first_frame_conditioning_p` is unset (1.0, as the releases train; 0.5 where one model does both
+    text- and image-to-video). None for models without a first-frame condition (they refuse the key)."""
+    first_frame_required: str = ""
+    """Why such a model cannot train without its frame, where it cannot (its image condition has no absent
+    form in any of its pipelines): it then accepts only p = 1. What the others are fed without the frame is
+    their trainer's `draw_conditions` / `predict`."""
 
     def trainer_class(self) -> type:
         return _resolve(self.trainer)
@@ -233,6 +241,10 @@ _FRAMEPACK = replace(
     # the transformer; VAE, text and image encoders are HunyuanVideo's (`hunyuanvideo-community/HunyuanVideo`)
     # and SigLIP (`lllyasviel/flux_redux_bfl`), as diffusers' FramePack example loads them
     hub_repos=(("i2v", "lllyasviel/FramePackI2V_HY"),),
+    first_frame=1.0,
+    # every section is anchored on the image: its latent is the clean prefix and its SigLIP tokens the image
+    # context, and the release's sampler (and diffusers') cannot run without one
+    first_frame_required="every section's clean prefix and SigLIP tokens are the image's; its sampler needs one",
 )
 
 _HIDREAM = Architecture(
@@ -475,6 +487,14 @@ _LTX_VIDEO = Architecture(
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
 )
 
+# Wan 2.1 I2V / FLF2V cross-attend to CLIP tokens of the given frame(s) in every block, and no pipeline runs
+# them without: diffusers' WanImageToVideoPipeline and the release require an image; ComfyUI, given no CLIP
+# output, hands the image attention the text tokens. Zeros or a blank image's tokens would be inputs the
+# model never saw, so these train with their frames only.
+_WAN_CLIP_REQUIRED = (
+    "its CLIP image cross-attention needs the frame's tokens; no pipeline runs it without them"
+)
+
 ARCHITECTURES: dict[str, Architecture] = {
     record.name: record
     for record in (
@@ -499,6 +519,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             trainer="tuner.trainers.wan22:Wan22I2VTrainer",
             fixture="tuner.fixtures.wan22:I2V_FIXTURE",
             boundary=0.9,
+            first_frame=1.0,  # without it: zero condition latents and mask (`WanFrameConditionedTrainer`)
         ),
         # Wan 2.2 TI2V-5B: one 5B Wan network on the Wan 2.2 VAE's 48 channels, text- and image-to-video
         replace(
@@ -508,6 +529,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="Wan 2.2 TI2V-5B text/image-to-video (48-channel Wan 2.2 VAE)",
             trainer="tuner.trainers.wan22_ti2v:Wan22TI2VTrainer",
             fixture="tuner.fixtures.wan22_ti2v:FIXTURE",
+            first_frame=0.5,  # one model for both tasks: half the video samples train text-to-video
         ),
         # Wan 2.1 I2V / FLF2V 14B: the 14B network with 36 input channels and CLIP image cross-attention;
         # the default targets already hold its image projections (add_k_proj / add_v_proj = k_img / v_img)
@@ -521,6 +543,8 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
             trainer="tuner.trainers.wan_i2v:WanI2VTrainer",
             fixture="tuner.fixtures.wan_i2v:I2V_FIXTURE",
+            first_frame=1.0,
+            first_frame_required=_WAN_CLIP_REQUIRED,
         ),
         replace(
             _WAN,
@@ -529,6 +553,8 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",
             trainer="tuner.trainers.wan_i2v:WanFLF2VTrainer",
             fixture="tuner.fixtures.wan_i2v:FLF2V_FIXTURE",
+            first_frame=1.0,
+            first_frame_required=_WAN_CLIP_REQUIRED,
         ),
         _FLUX,
         # FLUX.1 Kontext: the dev network given a reference image; same module names
@@ -574,6 +600,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
             trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15I2VTrainer",
             fixture="tuner.fixtures.hunyuan_video15:I2V_FIXTURE",
+            first_frame=1.0,  # without it: the text-to-video pipeline's zero condition and image tokens
             hub_repos=tuple(
                 (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_i2v") for r in ("480p", "720p")
             ),
@@ -586,6 +613,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="FramePack single-frame image editing (one target frame from one reference image)",
             trainer="tuner.trainers.framepack:FramePackOneFrameTrainer",
             fixture="tuner.fixtures.framepack:ONE_FRAME_FIXTURE",
+            first_frame_required="the reference image is the edit's input; without it there is nothing to edit",
         ),
         _HIDREAM,
         _SD3,
@@ -613,6 +641,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="Cosmos-Predict2 Video2World 2B, 14B (480p, 720p; video from its first frames)",
             trainer="tuner.trainers.cosmos_predict2_v2w:CosmosPredict2V2WTrainer",
             fixture="tuner.fixtures.cosmos_predict2:V2W_FIXTURE",
+            first_frame=1.0,  # without it: no given latent frame, a zero condition mask (its own "none given")
             hub_repos=tuple((v, f"nvidia/Cosmos-Predict2-{v}-Video2World") for v in ("2B", "14B")),
         ),
         _SDXL,

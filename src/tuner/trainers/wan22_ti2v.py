@@ -13,8 +13,9 @@ trains on both kinds of item:
 
 * an image item is one latent frame: text-to-image, everything noised;
 * a video item trains image-to-video (its own first latent frame given clean) with probability
-  `model.i2v_probability` (default 0.5), else text-to-video. The coin is drawn per sample from the
-  step's seeded generator after the noise and t (`draw_conditions`), so runs resume exactly.
+  `train.first_frame_conditioning_p` (default 0.5 here), else text-to-video: its first frame noised like
+  the others and counted in the loss, the text-to-video pipeline's input. The coin is drawn per sample
+  from the step's seeded generator after the noise and t (`draw_conditions`), so runs resume exactly.
 
 The first latent frame of a video is the VAE's encoding of the first picture alone (the VAE is causal
 and encodes the first frame as its own chunk), which is what the pipeline encodes from the given image.
@@ -46,9 +47,9 @@ class Wan22TI2VTrainer(WanTrainer):
     # ---- text-to-video or image-to-video, per sample ----
     def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
         """Which video samples are given their first latent frame (`clean_first`), and that frame."""
-        coin = torch.rand(x0.shape[0], generator=generator) < self.cfg.model.i2v_probability
+        coin = self.first_frame_given(x0, generator)
         clean = coin & (x0.shape[2] > 1)  # an image is one frame: giving it leaves nothing to learn
-        return {**cond, "first_frame": x0[:, :, :1], "clean_first": clean.to(x0.device)}
+        return {**cond, "first_frame": x0[:, :, :1], "clean_first": clean}
 
     def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor | None:
         clean = cond.get("clean_first")
