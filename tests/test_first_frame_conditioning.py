@@ -3,7 +3,8 @@ frame and on the rest without it, from plain videos.
 
 On each tiny fixture, through cache and train: p = 1 feeds what every run fed before the key existed (the
 generation path, which takes no draw), p = 0 feeds the model's own "without" (checked against the input
-built by hand: the T2V path, zero condition channels, no given frame), a mixed batch treats each sample
+built by hand: the T2V path, zero condition channels, no given frame; LTX-Video trained text-to-video
+only before, so its unset p is 0), a mixed batch treats each sample
 as if it were alone, p = 0 and p = 1 train to other losses, and a run at p = 0.5 resumes bit for bit. The
 keys that are refused, and a dataset's loss mask multiplying TI2V-5B's first-frame mask.
 """
@@ -22,11 +23,12 @@ from tuner.cache.plan import open_training_data
 from tuner.cli import main as tuner
 from tuner.errors import ConfigError
 from tuner.fixtures import write_fixture
+from tuner.registry import ARCHITECTURES
 from tuner.trainers import trainer_class
 from tuner.trainers.hunyuan_video15 import HunyuanVideo15Trainer
 from tuner.trainers.wan import WanTrainer
 
-ARCHS = ("wan22_i2v", "wan22_ti2v", "hunyuan_video15_i2v", "cosmos_predict2_v2w")
+ARCHS = ("wan22_i2v", "wan22_ti2v", "hunyuan_video15_i2v", "cosmos_predict2_v2w", "ltx_video")
 QUIET = ("log.tensorboard=false",)
 
 
@@ -70,6 +72,8 @@ def _without(arch: str, trainer, model, noisy, t, cond) -> torch.Tensor:
     """The model's prediction without the first frame, built by hand from what its pipeline feeds."""
     if arch == "wan22_ti2v":  # the text-to-video path: plain Wan, one timestep per sample
         return WanTrainer.predict(trainer, model, noisy, t, cond)
+    if arch == "ltx_video":  # the text-to-video call (LTXPipeline's, pinned in test_ltx_video_models.py)
+        return trainer.predict(model, noisy, t, cond)
     if arch == "wan22_i2v":  # zero mask (4) and condition latents (16): ComfyUI's input without an image
         return WanTrainer.predict(trainer, model, torch.cat([noisy, torch.zeros_like(noisy[:, :4]),
                                                              torch.zeros_like(noisy)], dim=1), t, cond)  # fmt: skip
@@ -97,7 +101,7 @@ def test_p1_is_the_released_input_p0_the_models_own_without_and_a_mix_is_per_sam
             today = torch.randint(1, 3, (2,), generator=torch.Generator().manual_seed(0))
             assert torch.equal(given["given_frames"], today.clamp(max=x0.shape[2] - 1))
             assert not without["given_frames"].any() and not never.loss_mask(x0, without).eq(0).any()
-        elif arch == "wan22_ti2v":
+        elif arch in ("wan22_ti2v", "ltx_video"):  # one model, both tasks
             assert given["clean_first"].all() and not without["clean_first"].any()
             assert never.loss_mask(x0, without) is None  # the frame is predicted, so it counts
         else:  # p = 1 is the generation path (no draw), which is what training fed before the key
@@ -144,8 +148,9 @@ def test_p0_and_p1_train_to_other_losses_and_p1_is_the_default(project, tmp_path
         trainer.train(log=lambda s: None)
         runs[name] = trainer.history
     assert runs["p0"] != pytest.approx(runs["p1"], rel=1e-4)
-    if arch != "wan22_ti2v":  # the releases train with their frame: unset is 1 (TI2V-5B's is 0.5)
-        assert runs["unset"] == runs["p1"]
+    default = ARCHITECTURES[arch].first_frame  # 1: the releases train with their frame; TI2V-5B 0.5, LTX 0
+    if default in (0, 1):
+        assert runs["unset"] == runs[f"p{default:.0f}"]
 
 
 @pytest.mark.slow
@@ -228,3 +233,36 @@ class _NoAccelerator:
         import contextlib
 
         return contextlib.nullcontext()
+
+
+# --- LTX-Video generates from a first frame -----------------------------------------------------------
+
+
+def sample_from_first_frame(trainer, model, image, size: tuple[int, int], frames: int) -> torch.Tensor:
+    """Generation's latents from first-frame image `image` (through check_options, encode_conditions and
+    sample_latents, as `tuner generate --image`), checked to end exactly on the given frame's latent."""
+    from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
+
+    opts = GenerateOptions(prompt="a red square", out="", images=(str(image),), width=size[0], height=size[1],
+                           frames=frames, steps=3, guidance_scale=3.0)  # fmt: skip
+    check_options(trainer, opts)
+    cond, uncond = encode_conditions(trainer, trainer.cfg, opts, torch.device("cpu"))
+    with torch.no_grad():
+        latents = sample_latents(trainer, model, opts, cond, uncond, torch.device("cpu"), torch.float32,
+                                 progress=False)  # fmt: skip
+    torch.testing.assert_close(latents[:, :, :1], cond["first_frame"], rtol=1e-5, atol=1e-5)
+    return latents
+
+
+def test_ltx_video_generation_ends_on_the_given_first_frame(tmp_path):
+    write_fixture("ltx_video", tmp_path / "model")
+    config = make_project(tmp_path / "project", tmp_path / "model", architecture="ltx_video")
+    trainer = _trainer(config)
+    model = trainer.load_transformer(torch.float32).eval()
+    image = tmp_path / "first.png"
+    Image.new("RGB", (64, 64), (200, 40, 40)).save(image)
+    assert sample_from_first_frame(trainer, model, image, (64, 64), 9).shape == (1, 128, 2, 2, 2)
+    out = tmp_path / "x.mp4"
+    assert tuner(["generate", "--config", str(config), "--prompt", "x", "--image", str(image), "--size", "64x64",
+                  "--frames", "9", "--steps", "2", "--device", "cpu", "--out", str(out)]) == 0  # fmt: skip
+    assert out.is_file()

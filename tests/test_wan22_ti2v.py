@@ -11,9 +11,10 @@ from diffusers import AutoencoderKLWan
 from PIL import Image
 
 from project import cfg, make_cached_project, make_project, run
+from test_first_frame_conditioning import sample_from_first_frame
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
-from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
+from tuner.generate import GenerateOptions, check_options
 from tuner.models import wan
 from tuner.models.identify import diffusers_meta_keys
 from tuner.models.wan22_vae import VAE22_VARIANTS, vae_generation
@@ -221,15 +222,7 @@ def test_the_given_frame_is_out_of_the_loss(trainer):
 def test_generation_ends_on_the_given_first_frame(trainer, model, project, tmp_path):
     image = tmp_path / "first.png"
     Image.new("RGB", (64, 64), (200, 40, 40)).save(image)
-    opts = GenerateOptions(prompt="a red square", out="", images=(str(image),), width=64, height=64, frames=5,
-                           steps=4, guidance_scale=3.0)  # fmt: skip
-    check_options(trainer, opts)
-    cond, uncond = encode_conditions(trainer, trainer.cfg, opts, torch.device("cpu"))
-    latents = sample_latents(
-        trainer, model, opts, cond, uncond, torch.device("cpu"), torch.float32, progress=False
-    )
-    assert latents.shape == (1, 48, 2, 4, 4)
-    torch.testing.assert_close(latents[:, :, :1], cond["first_frame"], rtol=1e-5, atol=1e-5)
+    assert sample_from_first_frame(trainer, model, image, (64, 64), 5).shape == (1, 48, 2, 4, 4)
 
 
 def test_image_option_is_checked(project, wan_model, tmp_path, capsys):

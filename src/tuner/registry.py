@@ -574,6 +574,7 @@ _LTX_VIDEO = Architecture(
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
     tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
+    first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)
 )
 
 # Wan 2.1 I2V / FLF2V cross-attend to CLIP tokens of the given frame(s) in every block, and no pipeline runs

@@ -294,11 +294,11 @@ class TrainConfig:
         None,
         "Image-to-video models: the share of video samples trained with their first frame given (drawn per "
         "sample from the step's seeded generator); the others train without it, as the model's own "
-        "pipeline runs without an image: text-to-video for TI2V-5B (wan22_ti2v; its given frame is then "
+        "pipeline runs without an image: text-to-video for wan22_ti2v and ltx_video (the first frame is then "
         "noised and in the loss), the zero condition latents and mask of ComfyUI's WanImageToVideo without "
         "a start image for wan22_i2v, the text-to-video pipeline's zero condition latents, mask and image "
         "tokens for hunyuan_video15_i2v, no given latent frame (a zero condition mask) for "
-        "cosmos_predict2_v2w. Unset: 1 (always given, as released), 0.5 for wan22_ti2v. wan_i2v, wan_flf2v, "
+        "cosmos_predict2_v2w. Unset: 1 (always given, as released), 0.5 for wan22_ti2v, 0 for ltx_video. wan_i2v, wan_flf2v, "
         "framepack and framepack_1f accept only 1 (their image tokens have no absent form); other "
         "architectures refuse it. See docs/architectures.md.",
         ge=0,

@@ -98,7 +98,7 @@ class NetworkTrainer:
     audio_format: ClassVar[tuple[int, int] | None] = (
         None  # (sample rate, channels) of models that learn sound
     )
-    first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V models)
+    first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V, LTX)
     # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
     objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
