@@ -38,7 +38,8 @@ def pipe(paths, monkeypatch):
 
 
 def _trainer(text_length: int = 512) -> CosmosPredict2V2WTrainer:
-    return CosmosPredict2V2WTrainer(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
+    return CosmosPredict2V2WTrainer(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length),
+                                                    train=SimpleNamespace(first_frame_conditioning_p=None)))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -321,3 +321,89 @@ def test_a_pipeline_repository_fetches_its_components_only(wan_hub, monkeypatch)
     assert not (root / "transformer/diffusion_pytorch_model.bin").exists()  # the same weights again
     _offline(monkeypatch)
     assert resolve(parse_ref(WAN)) == root
+
+
+# --- tuner download --comfy ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def comfy_hub(hub, wan_model):
+    """The tiny Wan fixture's single files served as Comfy-Org's repackaged 1.3B files (at the names the
+    record gives), beside other files of that repository that a download must leave alone."""
+    files = dict(ARCHITECTURES["wan"].comfy_files)["1.3B"]
+    single = {"transformer": "wan2.1_t2v_tiny.safetensors", "vae": "wan_2.1_vae.safetensors",
+              "text_encoder": "umt5_tiny.safetensors"}  # fmt: skip
+    repos: dict[str, dict[str, bytes]] = {}
+    for field, spec in files:
+        ref = parse_ref(spec)
+        repos.setdefault(ref.repo, {})[ref.filename] = (wan_model / "single" / single[field]).read_bytes()
+    repo = next(iter(repos))
+    repos[repo]["split_files/diffusion_models/wan2.1_t2v_14B_fp16.safetensors"] = WEIGHTS  # the other variant
+    hub.repos |= repos
+    return hub, repo, files
+
+
+def test_download_comfy_fetches_the_single_files_and_the_section_trains(comfy_hub, tmp_path, capsys):
+    """`--comfy`: the record's files (and nothing else of the repository), each checked and kept at its
+    repository path, a `[model]` section naming each one, and that section caches and trains as is (the
+    tokenizer comes from the record's default)."""
+    from project import make_project
+    from tuner.cli import main
+
+    hub, repo, files = comfy_hub
+    to = tmp_path / "comfy"
+    assert main(["download", "wan", "--comfy", "--to", str(to)]) == 0
+    section = capsys.readouterr().out.split("(written to")[0]
+    for field, spec in files:
+        path = to / parse_ref(spec).filename
+        assert path.read_bytes() == hub.repos[repo][parse_ref(spec).filename]
+        assert f'{field} = "{path}"' in section
+    assert not (to / "split_files/diffusion_models/wan2.1_t2v_14B_fp16.safetensors").exists()
+    assert (to / "model.toml").read_text() == section
+
+    config = make_project(tmp_path / "project", tmp_path / "unused")
+    text = config.read_text()
+    config.write_text(section + 'dtype = "fp32"\n' + text[text.index("\n[data]") :])
+    for command in (["cache", "latents"], ["cache", "text"], ["train"]):
+        assert main([*command, "--config", str(config), "--set", "train.max_steps=1"]) == 0, command
+    assert (tmp_path / "project" / "output" / "demo_lora.safetensors").is_file()
+
+    fetched = len(hub.requests)
+    assert main(["download", "wan", "1.3B", "--comfy", "--to", str(to)]) == 0  # all there: nothing fetched
+    assert not [r for r in hub.requests[fetched:] if r[0] == "GET" and "/resolve/" in r[1]]
+
+
+def test_download_comfy_failures_are_one_line(comfy_hub, tmp_path, capsys):
+    from tuner.cli import main
+
+    hub, repo, files = comfy_hub
+    vae = parse_ref(dict(files)["vae"]).filename
+    hub.corrupt.add(f"{repo}/{vae}")
+    assert main(["download", "wan", "--comfy", "--to", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the hub's checksum" in err and err.count("\n") == 1
+    assert not (tmp_path / "a" / vae).exists()
+    hub.corrupt.clear()
+    del hub.repos[repo][vae]  # renamed upstream
+    assert main(["download", "wan", "--comfy", "--to", str(tmp_path / "b")]) == 2
+    assert f"{repo} has no file {vae}" in capsys.readouterr().err
+    assert main(["download", "wan", "2B", "--comfy", "--to", str(tmp_path / "c")]) == 2
+    assert "no variant '2B' to download with --comfy; known: 1.3B, 14B" in capsys.readouterr().err
+    assert main(["download", "flux", "--comfy", "--to", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "flux: no repackaged single files are known" in err and "wan_i2v" in err and "without --comfy" in err
+    )
+
+
+@pytest.mark.parametrize("name", sorted(n for n, a in ARCHITECTURES.items() if a.comfy_files))
+def test_comfy_files_name_known_variants_fields_and_single_files(name):
+    record = ARCHITECTURES[name]
+    variants, model_fields = dict(record.hub_repos), {f.name for f in dataclasses.fields(ModelConfig)}
+    for variant, files in record.comfy_files:
+        assert variant in variants, f"{name}: comfy variant {variant!r} is not in hub_repos"
+        fields = dict(files)
+        assert "transformer" in fields and "vae" in fields and set(fields) <= model_fields, fields
+        for spec in fields.values():
+            ref = parse_ref(spec)
+            assert ref is not None and ref.filename.endswith(".safetensors"), spec

@@ -120,3 +120,32 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
         finally:
             pipe.delete_adapters("tuner")
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_a_given_first_frame_matches_the_image_to_video_pipelines_call(pipe):
+    """`clean_first`: the image's latent in frame 0 and the per-token timestep `t * (1 - conditioning_mask)`
+    of diffusers' `LTXImageToVideoPipeline`; frame 0's velocity is the straight line to the given latent."""
+    from diffusers import LTXImageToVideoPipeline
+
+    i2v = LTXImageToVideoPipeline(**pipe.components)
+    noisy, cond = _inputs(2)
+    first = torch.randn(1, 128, 1, 2, 3, generator=torch.Generator().manual_seed(3))
+    t = torch.tensor([0.6])
+    trainer = LTXVideoTrainer.__new__(LTXVideoTrainer)
+    given = {**cond, "first_frame": first, "clean_first": torch.tensor([True])}
+    mask = torch.zeros(1, 1, 2, 2, 3)
+    mask[:, :, 0] = 1
+    with torch.no_grad():
+        ours = trainer.predict(pipe.transformer, noisy, t, given)
+        hidden = torch.cat([first, noisy[:, :, 1:]], dim=2)
+        theirs = pipe.transformer(
+            hidden_states=i2v._pack_latents(hidden, 1, 1), encoder_hidden_states=cond["context"],
+            timestep=(t * 1000).expand(1).unsqueeze(-1) * (1 - i2v._pack_latents(mask, 1, 1).squeeze(-1)),
+            encoder_attention_mask=cond["mask"], num_frames=2, height=2, width=3,
+            rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False,
+        )[0]  # fmt: skip
+        plain = trainer.predict(pipe.transformer, noisy, t, cond)
+    theirs = i2v._unpack_latents(theirs, 2, 2, 3, 1, 1)
+    torch.testing.assert_close(ours[:, :, 1:], theirs[:, :, 1:], rtol=0, atol=0)
+    torch.testing.assert_close(ours[:, :, :1], (noisy[:, :, :1] - first) / 0.6)
+    assert not torch.allclose(ours[:, :, 1:], plain[:, :, 1:], atol=1e-4)  # the frame changes the rest

@@ -11,9 +11,10 @@ from diffusers import AutoencoderKLWan
 from PIL import Image
 
 from project import cfg, make_cached_project, make_project, run
+from test_first_frame_conditioning import sample_from_first_frame
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
-from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
+from tuner.generate import GenerateOptions, check_options
 from tuner.models import wan
 from tuner.models.identify import diffusers_meta_keys
 from tuner.models.wan22_vae import VAE22_VARIANTS, vae_generation
@@ -186,7 +187,7 @@ def test_videos_train_image_to_video_with_the_configured_probability(project):
     config, _ = project
     video, image = torch.zeros(64, 48, 3, 2, 2), torch.zeros(64, 48, 1, 2, 2)
     for p, want in ((0.0, 0), (1.0, 64)):
-        trainer = Wan22TI2VTrainer(cfg(config, f"model.i2v_probability={p}"))
+        trainer = Wan22TI2VTrainer(cfg(config, f"train.first_frame_conditioning_p={p}"))
         assert (
             int(trainer.draw_conditions(video, {}, torch.Generator().manual_seed(0))["clean_first"].sum())
             == want
@@ -197,8 +198,10 @@ def test_videos_train_image_to_video_with_the_configured_probability(project):
         trainer.draw_conditions(video, {}, torch.Generator().manual_seed(s))["clean_first"] for s in (3, 3)
     ]
     assert torch.equal(*drawn) and 16 < int(drawn[0].sum()) < 48  # seeded, and about half
-    with pytest.raises(ConfigError, match="i2v_probability"):
-        cfg(config, "model.i2v_probability=1.5")
+    with pytest.raises(ConfigError, match="first_frame_conditioning_p"):
+        cfg(config, "train.first_frame_conditioning_p=1.5")
+    with pytest.raises(ConfigError, match="'model.i2v_probability': this key is now 'train.first_frame_cond"):
+        cfg(config, "model.i2v_probability=0.3")  # the old key says where it went
 
 
 def test_the_given_frame_is_out_of_the_loss(trainer):
@@ -219,15 +222,7 @@ def test_the_given_frame_is_out_of_the_loss(trainer):
 def test_generation_ends_on_the_given_first_frame(trainer, model, project, tmp_path):
     image = tmp_path / "first.png"
     Image.new("RGB", (64, 64), (200, 40, 40)).save(image)
-    opts = GenerateOptions(prompt="a red square", out="", images=(str(image),), width=64, height=64, frames=5,
-                           steps=4, guidance_scale=3.0)  # fmt: skip
-    check_options(trainer, opts)
-    cond, uncond = encode_conditions(trainer, trainer.cfg, opts, torch.device("cpu"))
-    latents = sample_latents(
-        trainer, model, opts, cond, uncond, torch.device("cpu"), torch.float32, progress=False
-    )
-    assert latents.shape == (1, 48, 2, 4, 4)
-    torch.testing.assert_close(latents[:, :, :1], cond["first_frame"], rtol=1e-5, atol=1e-5)
+    assert sample_from_first_frame(trainer, model, image, (64, 64), 5).shape == (1, 48, 2, 4, 4)
 
 
 def test_image_option_is_checked(project, wan_model, tmp_path, capsys):

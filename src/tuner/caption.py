@@ -6,8 +6,10 @@ few evenly spaced frames. The answer, after the trigger word if one is given, is
 skipped unless asked otherwise, so a second run captions only what is new.
 
 The model is any image-text-to-text model transformers loads by hub id or folder (`AutoProcessor` +
-`AutoModelForImageTextToText`, prompted through its chat template); Qwen2.5-VL by default. The walking,
-skipping and writing take any `Captioner` (frames, prompt -> text), which is how they are tested.
+`AutoModelForImageTextToText`, prompted through its chat template); Qwen2.5-VL by default, whose processor
+needs torchvision (its video processor is built on it, even though videos are shown as frames). The
+walking, skipping and writing take any `Captioner` (frames, prompt -> text); the transformers captioner
+is tested end to end on a tiny random LLaVA, whose processor needs only PIL.
 """
 
 from __future__ import annotations
@@ -104,7 +106,18 @@ def transformers_captioner(
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    processor = AutoProcessor.from_pretrained(model)
+    try:
+        processor = AutoProcessor.from_pretrained(model)
+    except (
+        ImportError
+    ) as e:  # Qwen2-VL / Qwen2.5-VL: their processor holds a video processor built on torchvision
+        if "torchvision" not in str(e).lower():
+            raise
+        raise DataError(
+            f"{model}: its processor needs torchvision, which does not import here; install the torchvision "
+            f"built for torch {torch.__version__.split('+')[0]}, or caption with a model whose processor needs "
+            "only PIL (a LLaVA model, e.g. --model llava-hf/llava-1.5-7b-hf)."
+        ) from None
     vlm = AutoModelForImageTextToText.from_pretrained(model, dtype=dtype).to(device).eval()
 
     @torch.no_grad()

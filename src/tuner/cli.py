@@ -48,7 +48,7 @@ def _fixtures(args) -> None:
 def _download(args) -> None:
     from tuner.download import download
 
-    print(download(args.architecture, args.variant, args.to), end="")
+    print(download(args.architecture, args.variant, args.to, comfy=args.comfy), end="")
     print(f"(written to {args.to}/model.toml; paste it into your training TOML)")
 
 
@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("architecture", help="architecture name (listed below)")
     p.add_argument("variant", nargs="?", default="", help="e.g. 1.3B or 14B for wan (default: the first)")
     p.add_argument("--to", required=True, help="folder the pipeline is written to")
+    p.add_argument(
+        "--comfy", action="store_true",
+        help="the repackaged single files ComfyUI users have (Comfy-Org's repositories) instead of the pipeline",
+    )  # fmt: skip
     p.set_defaults(func=_download)
 
     from tuner.caption import DEFAULT_MODEL, DEFAULT_PROMPT

@@ -66,6 +66,18 @@ class Architecture:
     hub_repos: tuple[tuple[str, str], ...] = ()
     """(variant, repository) of the official diffusers pipelines, the first the default: what
     `tuner download ARCH [VARIANT]` fetches the components from."""
+    comfy_files: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    """(variant, ((config field, hub file), ...)) of the single files ComfyUI users have, from Comfy-Org's
+    repackaged repositories (`repo/split_files/...`): what `tuner download ARCH [VARIANT] --comfy` fetches;
+    empty where there are none. Variants are `hub_repos`' names."""
+    first_frame: float | None = None
+    """Models given a video's first frame (image-to-video): the share of training samples given it when
+    `train.first_frame_conditioning_p` is unset (1.0, as the releases train; 0.5 where one model does both
+    text- and image-to-video). None for models without a first-frame condition (they refuse the key)."""
+    first_frame_required: str = ""
+    """Why such a model cannot train without its frame, where it cannot (its image condition has no absent
+    form in any of its pipelines): it then accepts only p = 1. What the others are fed without the frame is
+    their trainer's `draw_conditions` / `predict`."""
 
     def trainer_class(self) -> type:
         return _resolve(self.trainer)
@@ -97,6 +109,34 @@ def _resolve(ref: str) -> Any:
 # The records
 # ---------------------------------------------------------------------------------------------------
 
+
+def _comfy(repo: str, **files: str) -> tuple[tuple[str, str], ...]:
+    """`comfy_files` entries: config field -> a file under `repo`'s `split_files/` folder."""
+    return tuple((field, f"{repo}/split_files/{path}") for field, path in files.items())
+
+
+_WAN21_COMFY, _WAN22_COMFY = "Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
+_UMT5 = "text_encoders/umt5_xxl_fp16.safetensors"
+_WAN21_VAE = "vae/wan_2.1_vae.safetensors"
+_HV15_COMFY = "Comfy-Org/HunyuanVideo_1.5_repackaged"
+_HV15_PARTS = {"vae": "vae/hunyuanvideo15_vae_fp16.safetensors",
+               "text_encoder": "text_encoders/qwen_2.5_vl_7b.safetensors",
+               "text_encoder_2": "text_encoders/byt5_small_glyphxl_fp16.safetensors"}  # fmt: skip
+
+
+def _wan21_i2v(variant: str) -> tuple[tuple[str, str], ...]:
+    """Wan 2.1 I2V / FLF2V 14B's repackaged files ("i2v_480p", "i2v_720p", "flf2v_720p")."""
+    return _comfy(_WAN21_COMFY, transformer=f"diffusion_models/wan2.1_{variant}_14B_fp16.safetensors",
+                  vae=_WAN21_VAE, text_encoder=_UMT5, image_encoder="clip_vision/clip_vision_h.safetensors")  # fmt: skip
+
+
+def _wan22_experts(task: str) -> tuple[tuple[str, str], ...]:
+    """Wan 2.2 A14B's repackaged experts (task "t2v" or "i2v") with Wan 2.1's VAE."""
+    return _comfy(_WAN22_COMFY, transformer=f"diffusion_models/wan2.2_{task}_high_noise_14B_fp16.safetensors",
+                  transformer_2=f"diffusion_models/wan2.2_{task}_low_noise_14B_fp16.safetensors", vae=_WAN21_VAE,
+                  text_encoder=_UMT5)  # fmt: skip
+
+
 _WAN = Architecture(
     name="wan",
     title="Wan 2.1 text-to-video (1.3B, 14B)",
@@ -115,6 +155,18 @@ _WAN = Architecture(
     save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
     tokenizers=(("tokenizer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"),),  # UMT5, the same for 2.2
     hub_repos=(("1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
+    comfy_files=tuple(
+        (
+            v,
+            _comfy(
+                _WAN21_COMFY,
+                transformer=f"diffusion_models/wan2.1_t2v_{v}_fp16.safetensors",
+                vae=_WAN21_VAE,
+                text_encoder=_UMT5,
+            ),
+        )
+        for v in ("1.3B", "14B")
+    ),  # fmt: skip
 )
 
 _FLUX = Architecture(
@@ -162,6 +214,17 @@ _QWEN_IMAGE = Architecture(
     configs="qwen_image",
     tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),
     hub_repos=(("", "Qwen/Qwen-Image"),),
+    comfy_files=(
+        (
+            "",
+            _comfy(
+                "Comfy-Org/Qwen-Image_ComfyUI",
+                transformer="diffusion_models/qwen_image_bf16.safetensors",
+                vae="vae/qwen_image_vae.safetensors",
+                text_encoder="text_encoders/qwen_2.5_vl_7b.safetensors",
+            ),
+        ),
+    ),  # fmt: skip
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
 )
 
@@ -187,6 +250,18 @@ _HUNYUAN_VIDEO = Architecture(
         ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo:tokenizer_2"),
     ),
     hub_repos=(("", "hunyuanvideo-community/HunyuanVideo"),),
+    comfy_files=(
+        (
+            "",
+            _comfy(
+                "Comfy-Org/HunyuanVideo_repackaged",
+                transformer="diffusion_models/hunyuan_video_t2v_720p_bf16.safetensors",
+                vae="vae/hunyuan_video_vae_bf16.safetensors",
+                text_encoder="text_encoders/llava_llama3_fp16.safetensors",
+                text_encoder_2="text_encoders/clip_l.safetensors",
+            ),
+        ),
+    ),  # fmt: skip
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
@@ -216,6 +291,16 @@ _HUNYUAN_VIDEO15 = Architecture(
     hub_repos=tuple(
         (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_t2v") for r in ("480p", "720p")
     ),
+    comfy_files=(
+        (
+            "720p",
+            _comfy(
+                _HV15_COMFY,
+                transformer="diffusion_models/hunyuanvideo1.5_720p_t2v_fp16.safetensors",
+                **_HV15_PARTS,
+            ),
+        ),
+    ),  # fmt: skip
     save_format="comfy",
 )
 
@@ -233,6 +318,11 @@ _FRAMEPACK = replace(
     # the transformer; VAE, text and image encoders are HunyuanVideo's (`hunyuanvideo-community/HunyuanVideo`)
     # and SigLIP (`lllyasviel/flux_redux_bfl`), as diffusers' FramePack example loads them
     hub_repos=(("i2v", "lllyasviel/FramePackI2V_HY"),),
+    comfy_files=(),
+    first_frame=1.0,
+    # every section is anchored on the image: its latent is the clean prefix and its SigLIP tokens the image
+    # context, and the release's sampler (and diffusers') cannot run without one
+    first_frame_required="every section's clean prefix and SigLIP tokens are the image's; its sampler needs one",
 )
 
 _HIDREAM = Architecture(
@@ -333,6 +423,17 @@ _Z_IMAGE = Architecture(
     configs="z_image",
     tokenizers=(("tokenizer", "Tongyi-MAI/Z-Image-Turbo:tokenizer"),),  # Qwen3
     hub_repos=(("turbo", "Tongyi-MAI/Z-Image-Turbo"),),
+    comfy_files=(
+        (
+            "turbo",
+            _comfy(
+                "Comfy-Org/z_image_turbo",
+                transformer="diffusion_models/z_image_turbo_bf16.safetensors",
+                vae="vae/ae.safetensors",
+                text_encoder="text_encoders/qwen_3_4b.safetensors",
+            ),
+        ),
+    ),  # fmt: skip
     # the release's names (fused `attention.qkv`, `attention.out`) in kohya's spelling: ComfyUI maps
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
@@ -473,6 +574,15 @@ _LTX_VIDEO = Architecture(
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
     tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
+    first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)
+)
+
+# Wan 2.1 I2V / FLF2V cross-attend to CLIP tokens of the given frame(s) in every block, and no pipeline runs
+# them without: diffusers' WanImageToVideoPipeline and the release require an image; ComfyUI, given no CLIP
+# output, hands the image attention the text tokens. Zeros or a blank image's tokens would be inputs the
+# model never saw, so these train with their frames only.
+_WAN_CLIP_REQUIRED = (
+    "its CLIP image cross-attention needs the frame's tokens; no pipeline runs it without them"
 )
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -484,6 +594,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             _WAN,
             name="wan22_t2v",
             hub_repos=(("A14B", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),),
+            comfy_files=(("A14B", _wan22_experts("t2v")),),
             title="Wan 2.2 text-to-video A14B (high- and low-noise 14B experts)",
             trainer="tuner.trainers.wan22:Wan22T2VTrainer",
             fixture="tuner.fixtures.wan22:T2V_FIXTURE",
@@ -495,19 +606,33 @@ ARCHITECTURES: dict[str, Architecture] = {
             _WAN,
             name="wan22_i2v",
             hub_repos=(("A14B", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),),
+            comfy_files=(("A14B", _wan22_experts("i2v")),),
             title="Wan 2.2 image-to-video A14B (high- and low-noise 14B experts; first frame, no CLIP)",
             trainer="tuner.trainers.wan22:Wan22I2VTrainer",
             fixture="tuner.fixtures.wan22:I2V_FIXTURE",
             boundary=0.9,
+            first_frame=1.0,  # without it: zero condition latents and mask (`WanFrameConditionedTrainer`)
         ),
         # Wan 2.2 TI2V-5B: one 5B Wan network on the Wan 2.2 VAE's 48 channels, text- and image-to-video
         replace(
             _WAN,
             name="wan22_ti2v",
             hub_repos=(("5B", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),),
+            comfy_files=(
+                (
+                    "5B",
+                    _comfy(
+                        _WAN22_COMFY,
+                        transformer="diffusion_models/wan2.2_ti2v_5B_fp16.safetensors",
+                        vae="vae/wan2.2_vae.safetensors",
+                        text_encoder=_UMT5,
+                    ),
+                ),
+            ),  # fmt: skip
             title="Wan 2.2 TI2V-5B text/image-to-video (48-channel Wan 2.2 VAE)",
             trainer="tuner.trainers.wan22_ti2v:Wan22TI2VTrainer",
             fixture="tuner.fixtures.wan22_ti2v:FIXTURE",
+            first_frame=0.5,  # one model for both tasks: half the video samples train text-to-video
         ),
         # Wan 2.1 I2V / FLF2V 14B: the 14B network with 36 input channels and CLIP image cross-attention;
         # the default targets already hold its image projections (add_k_proj / add_v_proj = k_img / v_img)
@@ -518,17 +643,23 @@ ARCHITECTURES: dict[str, Architecture] = {
                 ("480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
                 ("720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"),
             ),
+            comfy_files=(("480p", _wan21_i2v("i2v_480p")), ("720p", _wan21_i2v("i2v_720p"))),
             title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
             trainer="tuner.trainers.wan_i2v:WanI2VTrainer",
             fixture="tuner.fixtures.wan_i2v:I2V_FIXTURE",
+            first_frame=1.0,
+            first_frame_required=_WAN_CLIP_REQUIRED,
         ),
         replace(
             _WAN,
             name="wan_flf2v",
             hub_repos=(("720p", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"),),
+            comfy_files=(("720p", _wan21_i2v("flf2v_720p")),),
             title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",
             trainer="tuner.trainers.wan_i2v:WanFLF2VTrainer",
             fixture="tuner.fixtures.wan_i2v:FLF2V_FIXTURE",
+            first_frame=1.0,
+            first_frame_required=_WAN_CLIP_REQUIRED,
         ),
         _FLUX,
         # FLUX.1 Kontext: the dev network given a reference image; same module names
@@ -560,6 +691,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             _QWEN_IMAGE,
             name="qwen_image_edit",
             hub_repos=(("2509", "Qwen/Qwen-Image-Edit-2509"), ("2511", "Qwen/Qwen-Image-Edit-2511")),
+            comfy_files=(),
             title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",
             trainer="tuner.trainers.qwen_image:QwenImageEditTrainer",
             fixture="tuner.fixtures.qwen_image:EDIT_FIXTURE",
@@ -574,9 +706,26 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
             trainer="tuner.trainers.hunyuan_video15:HunyuanVideo15I2VTrainer",
             fixture="tuner.fixtures.hunyuan_video15:I2V_FIXTURE",
+            first_frame=1.0,  # without it: the text-to-video pipeline's zero condition and image tokens
             hub_repos=tuple(
                 (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_i2v") for r in ("480p", "720p")
             ),
+            comfy_files=(
+                (
+                    "720p",
+                    _comfy(
+                        _HV15_COMFY,
+                        transformer="diffusion_models/hunyuanvideo1.5_720p_i2v_fp16.safetensors",
+                        **_HV15_PARTS,
+                    )
+                    + (
+                        (
+                            "image_encoder",
+                            "Comfy-Org/sigclip_vision_384/sigclip_vision_patch14_384.safetensors",
+                        ),
+                    ),
+                ),
+            ),  # fmt: skip
         ),
         _FRAMEPACK,
         # FramePack's single-frame mode: one target image from one reference image (image editing)
@@ -586,6 +735,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="FramePack single-frame image editing (one target frame from one reference image)",
             trainer="tuner.trainers.framepack:FramePackOneFrameTrainer",
             fixture="tuner.fixtures.framepack:ONE_FRAME_FIXTURE",
+            first_frame_required="the reference image is the edit's input; without it there is nothing to edit",
         ),
         _HIDREAM,
         _SD3,
@@ -613,6 +763,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             title="Cosmos-Predict2 Video2World 2B, 14B (480p, 720p; video from its first frames)",
             trainer="tuner.trainers.cosmos_predict2_v2w:CosmosPredict2V2WTrainer",
             fixture="tuner.fixtures.cosmos_predict2:V2W_FIXTURE",
+            first_frame=1.0,  # without it: no given latent frame, a zero condition mask (its own "none given")
             hub_repos=tuple((v, f"nvidia/Cosmos-Predict2-{v}-Video2World") for v in ("2B", "14B")),
         ),
         _SDXL,

@@ -176,6 +176,9 @@ def parse_section(cls: type, data: dict, source: str, prefix: str = "", base_dir
     for name in data:
         if name not in fields:
             key = f"{prefix}.{name}" if prefix else name
+            moved = getattr(cls, "moved_keys", {})  # keys that were renamed: say where they went
+            if name in moved:
+                _fail(ctx, key, f"this key is now '{moved[name]}' (same meaning); rename it.")
             where = f"section [{prefix}]" if prefix else "the top level"
             _fail(
                 ctx,

@@ -7,7 +7,7 @@ it in sync, so this file is the single source of truth for what a config may say
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from tuner.config.fields import option
 from tuner.errors import ConfigError, TunerError
@@ -20,6 +20,9 @@ SwapMode = Literal["full", "h2d_only"]
 
 @dataclass(frozen=True)
 class ModelConfig:
+    moved_keys: ClassVar[dict[str, str]] = {
+        "i2v_probability": "train.first_frame_conditioning_p",  # one key for every image-to-video model
+    }
     architecture: str = option(doc="Architecture name, e.g. 'wan' (see `tuner --help` for the list).")
     transformer: str = option(
         doc="Transformer checkpoint: a single .safetensors file or a diffusers folder.", path=True
@@ -47,14 +50,6 @@ class ModelConfig:
         "(0.875 for Wan 2.2 T2V A14B).",
         ge=0,
         lt=1,
-    )
-    i2v_probability: float = option(
-        0.5,
-        "Text-and-image-to-video models (Wan 2.2 TI2V-5B): the chance that a video item trains image-to-video "
-        "(its first latent frame given clean at timestep 0 and left out of the loss) instead of "
-        "text-to-video. Image items always train text-to-image; other architectures ignore it.",
-        ge=0,
-        le=1,
     )
     text_encoder: str = option("", "Text encoder checkpoint (single file or diffusers folder).", path=True)
     tokenizer: str = option("", "Tokenizer folder; defaults to the one beside the text encoder.", path=True)
@@ -295,6 +290,20 @@ class TrainConfig:
     ema_on_host: bool = option(
         False, "Keep the EMA in host memory (no VRAM; one device-to-host copy of the weights per step)."
     )
+    first_frame_conditioning_p: float | None = option(
+        None,
+        "Image-to-video models: the share of video samples trained with their first frame given (drawn per "
+        "sample from the step's seeded generator); the others train without it, as the model's own "
+        "pipeline runs without an image: text-to-video for wan22_ti2v and ltx_video (the first frame is then "
+        "noised and in the loss), the zero condition latents and mask of ComfyUI's WanImageToVideo without "
+        "a start image for wan22_i2v, the text-to-video pipeline's zero condition latents, mask and image "
+        "tokens for hunyuan_video15_i2v, no given latent frame (a zero condition mask) for "
+        "cosmos_predict2_v2w. Unset: 1 (always given, as released), 0.5 for wan22_ti2v, 0 for ltx_video. wan_i2v, wan_flf2v, "
+        "framepack and framepack_1f accept only 1 (their image tokens have no absent form); other "
+        "architectures refuse it. See docs/architectures.md.",
+        ge=0,
+        le=1,
+    )
 
     def __post_init__(self) -> None:
         if not self.validation_timesteps or not all(0 <= t <= 1 for t in self.validation_timesteps):
@@ -484,6 +493,7 @@ class TrainingFile:
             object.__setattr__(self, "save", replace(self.save, format=layout))  # frozen: set once, here
         check_save_format(self.network.dora, layout)
         _check_experts(self)
+        _check_first_frame(self)
         _check_fused_backward(self.train)
         if self.sample.use_ema and not self.train.ema_decay:
             raise ConfigError(
@@ -497,6 +507,28 @@ class TrainingFile:
                 "memory.blocks_to_swap expect frozen; turn those off (use gradient checkpointing, "
                 "activation_offload and an 8-bit or Adafactor optimizer instead)."
             )
+
+
+def _check_first_frame(file: TrainingFile) -> None:
+    """train.first_frame_conditioning_p: for architectures given a first frame, below 1 only for those that
+    can train without it (`Architecture.first_frame`, `first_frame_required`)."""
+    from tuner.registry import ARCHITECTURES, architecture
+
+    p, name = file.train.first_frame_conditioning_p, file.model.architecture
+    if p is None:
+        return
+    record = architecture(name)
+    if record.first_frame is None:
+        given = [a.name for a in ARCHITECTURES.values() if a.first_frame is not None]
+        raise ConfigError(
+            f"key 'train.first_frame_conditioning_p': {name} is not given a first frame; the key is for the "
+            f"image-to-video architectures ({', '.join(given)}). Remove it."
+        )
+    if p < 1 and record.first_frame_required:
+        raise ConfigError(
+            f"key 'train.first_frame_conditioning_p': {name} cannot train without its first frame "
+            f"({record.first_frame_required}); set 1 or remove the key."
+        )
 
 
 def _check_fused_backward(train: TrainConfig) -> None:

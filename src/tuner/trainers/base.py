@@ -102,7 +102,7 @@ class NetworkTrainer:
     audio_format: ClassVar[tuple[int, int] | None] = (
         None  # (sample rate, channels) of models that learn sound
     )
-    first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V models)
+    first_frame_image: ClassVar[bool] = False  # generate takes a first-frame image (--image; TI2V, LTX)
     # "flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)
     objective: ClassVar[str] = "flow"
     cache_format_version: ClassVar[int] = 1
@@ -213,6 +213,14 @@ class NetworkTrainer:
         (nothing by default). Text-and-image-to-video models pick here which samples get a clean first
         frame."""
         return cond
+
+    def first_frame_given(self, x0: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Image-to-video models' `draw_conditions`: which samples [B] (bool) are given their first frame,
+        each with probability `train.first_frame_conditioning_p` (unset: the record's `first_frame`), drawn
+        from the step's generator after everything the model drew before, so resumed runs draw the same."""
+        p = self.cfg.train.first_frame_conditioning_p
+        p = self.record.first_frame if p is None else p
+        return (torch.rand(x0.shape[0], generator=generator) < p).to(x0.device)
 
     def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor | None:
         """0/1 weights broadcastable to `x0` for the elements the loss counts, or None for all of them:

@@ -64,11 +64,15 @@ class CosmosPredict2V2WTrainer(CosmosPredict2Trainer):
         return {"first_frame": first, "given_frames": torch.ones(first.shape[0], dtype=torch.long)}
 
     def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
-        """`given_frames` [B] (1 or 2, never all of a clip's latent frames) and those frames' latents
-        (`first_frame`, [B, 16, 2, H, W])."""
+        """`given_frames` [B] (1 or 2, never all of a clip's latent frames; 0 for the samples
+        `train.first_frame_conditioning_p` leaves without) and those frames' latents (`first_frame`,
+        [B, 16, 2, H, W])."""
         low, high = GIVEN_FRAMES
         drawn = torch.randint(low, high + 1, (x0.shape[0],), generator=generator)
         given = drawn.clamp(max=x0.shape[2] - 1).to(x0.device)
+        # train.first_frame_conditioning_p: the others are given no frame, every latent frame noised at t
+        # under an all-zero condition mask (the input's own "nothing given"), as text-to-world
+        given = torch.where(self.first_frame_given(x0, generator), given, 0)
         return {**cond, "first_frame": x0[:, :, :high], "given_frames": given}
 
     def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor | None:

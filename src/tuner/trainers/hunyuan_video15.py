@@ -109,6 +109,25 @@ class HunyuanVideo15I2VTrainer(HunyuanVideo15Trainer):
             "image_embeds": encoders.image_encoder.encode(first),
         }
 
+    def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
+        """`first_given` [B]: which samples are given their frame (`train.first_frame_conditioning_p`)."""
+        return {**cond, "first_given": self.first_frame_given(x0, generator)}
+
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        frame_cond = hunyuan_video15.first_frame_condition(cond["image_latents"], noisy)
-        return hunyuan_video15.predict_velocity(model, noisy, t, {**cond, "cond_latents": frame_cond})
+        """The velocity given the first frame; samples not given it (`first_given` False) get what the
+        text-to-video pipeline feeds the same network: zero condition latents, mask and image tokens. The
+        transformer decides "no image" for a whole batch (all `image_embeds` zero masks the image tokens
+        out), so those samples run as a batch of their own."""
+        given = cond.get("first_given")
+        if given is None or given.all():
+            frame_cond = hunyuan_video15.first_frame_condition(cond["image_latents"], noisy)
+            return hunyuan_video15.predict_velocity(model, noisy, t, {**cond, "cond_latents": frame_cond})
+        text = {k: v for k, v in cond.items() if k not in ("image_latents", "image_embeds", "first_given")}
+        if not given.any():
+            return hunyuan_video15.predict_velocity(model, noisy, t, text)
+        out = None
+        for rows in (given, ~given):  # each part takes one of the branches above
+            velocity = self.predict(model, noisy[rows], t[rows], {k: v[rows] for k, v in cond.items()})
+            out = velocity.new_empty(noisy.shape) if out is None else out
+            out[rows] = velocity
+        return out

@@ -3,6 +3,12 @@
 The video half of LTX-2 (`trainers/ltx2.py`) without sound: the same VAE compression (32× spatial, 8×
 temporal, frame counts 8N+1, sides multiples of 32) and latent normalization, T5-XXL text padded to
 `cache.text_max_length` with its mask, and the pipeline's RoPE scale (8 / fps, 32, 32) at 25 fps.
+
+One network does text-to-video and image-to-video, as `LTXImageToVideoPipeline` runs it: the image's
+latent frame replaces the first latent frame and its tokens get timestep 0 (`trainers/first_frame.py`).
+Training gives a video item its first frame with probability `train.first_frame_conditioning_p` (unset:
+0, text-to-video only, as before the key), the way LTX-Video-Trainer users train image-to-video from plain
+videos; `tuner generate --image FIRST` gives it at generation.
 """
 
 from __future__ import annotations
@@ -13,11 +19,17 @@ from torch import nn
 from tuner.memory import place_text_encoder, text_encoder_dtype
 from tuner.models import ltx2, ltx_video
 from tuner.trainers.base import NetworkTrainer
+from tuner.trainers.first_frame import (
+    FirstFrameTrainer,
+    first_frame_rows,
+    given_first_frame,
+    straight_to_given,
+)
 
 FPS = 25.0  # LTXPipeline's default frame rate (it scales the temporal RoPE)
 
 
-class LTXVideoTrainer(NetworkTrainer):
+class LTXVideoTrainer(FirstFrameTrainer, NetworkTrainer):
     architecture = "ltx_video"
     spatial_step = 32
     frame_multiple, frame_remainder = 8, 1
@@ -60,11 +72,21 @@ class LTXVideoTrainer(NetworkTrainer):
         return {name: torch.stack([e[name] for e in entries]) for name in ("context", "mask")}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The velocity at x_t; rows given their first frame (`clean_first`) get it in place of latent frame
+        0 at timestep 0 (the pipeline's `t * (1 - conditioning_mask)` per token) and the straight line to it
+        as its velocity."""
         b, _, frames, height, width = noisy.shape
+        clean = first_frame_rows(cond)
+        timestep = t * 1000
+        if clean is not None:
+            timestep = timestep.view(b, 1).repeat(1, frames * height * width)  # tokens in (F, H, W) order
+            timestep[clean, : height * width] = 0
         out = model(
-            hidden_states=noisy.flatten(2).transpose(1, 2),
+            hidden_states=(noisy if clean is None else given_first_frame(noisy, cond, clean))
+            .flatten(2)
+            .transpose(1, 2),
             encoder_hidden_states=cond["context"].to(noisy.dtype),
-            timestep=(t * 1000).to(noisy.dtype),
+            timestep=timestep.to(noisy.dtype),
             encoder_attention_mask=cond["mask"],
             num_frames=frames,
             height=height,
@@ -72,7 +94,8 @@ class LTXVideoTrainer(NetworkTrainer):
             rope_interpolation_scale=(8 / self.model_fps, 32, 32),
             return_dict=False,
         )[0]
-        return out.transpose(1, 2).reshape(b, -1, frames, height, width)
+        out = out.transpose(1, 2).reshape(b, -1, frames, height, width)
+        return out if clean is None else straight_to_given(out, noisy, t, cond, clean)
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (128, (frames - 1) // 8 + 1, height // 32, width // 32)

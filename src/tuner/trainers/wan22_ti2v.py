@@ -13,8 +13,9 @@ trains on both kinds of item:
 
 * an image item is one latent frame: text-to-image, everything noised;
 * a video item trains image-to-video (its own first latent frame given clean) with probability
-  `model.i2v_probability` (default 0.5), else text-to-video. The coin is drawn per sample from the
-  step's seeded generator after the noise and t (`draw_conditions`), so runs resume exactly.
+  `train.first_frame_conditioning_p` (default 0.5 here), else text-to-video: its first frame noised like
+  the others and counted in the loss, the text-to-video pipeline's input. The coin is drawn per sample
+  from the step's seeded generator after the noise and t (`draw_conditions`), so runs resume exactly.
 
 The first latent frame of a video is the VAE's encoding of the first picture alone (the VAE is causal
 and encodes the first frame as its own chunk), which is what the pipeline encodes from the given image.
@@ -27,15 +28,20 @@ from torch import nn
 
 from tuner.models import wan
 from tuner.trainers.base import NetworkTrainer
+from tuner.trainers.first_frame import (
+    FirstFrameTrainer,
+    first_frame_rows,
+    given_first_frame,
+    straight_to_given,
+)
 from tuner.trainers.wan import WanTrainer
 
 
-class Wan22TI2VTrainer(WanTrainer):
+class Wan22TI2VTrainer(FirstFrameTrainer, WanTrainer):
     architecture = "wan22_ti2v"
     spatial_step = 32  # 16× VAE × 2×2 patches
     model_fps = 24.0
     sample_shift = 5.0
-    first_frame_image = True
     in_channels = 48
 
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -43,21 +49,6 @@ class Wan22TI2VTrainer(WanTrainer):
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (48, (frames - 1) // 4 + 1, height // 16, width // 16)
-
-    # ---- text-to-video or image-to-video, per sample ----
-    def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
-        """Which video samples are given their first latent frame (`clean_first`), and that frame."""
-        coin = torch.rand(x0.shape[0], generator=generator) < self.cfg.model.i2v_probability
-        clean = coin & (x0.shape[2] > 1)  # an image is one frame: giving it leaves nothing to learn
-        return {**cond, "first_frame": x0[:, :, :1], "clean_first": clean.to(x0.device)}
-
-    def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor | None:
-        clean = cond.get("clean_first")
-        if clean is None or not clean.any():
-            return None
-        mask = torch.ones(x0.shape[0], 1, x0.shape[2], 1, 1, device=x0.device)
-        mask[clean, :, 0] = 0
-        return mask
 
     pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
 
@@ -70,16 +61,12 @@ class Wan22TI2VTrainer(WanTrainer):
         masks it out. Batches without a given frame use one timestep per sample, which is the same
         computation without the per-token embedding's memory (a test checks that they agree).
         """
-        clean = cond.get("clean_first")
-        if clean is None or not clean.any():
+        clean = first_frame_rows(cond)
+        if clean is None:
             return super().predict(model, noisy, t, cond)
-        rows = clean.view(-1, 1, 1, 1, 1)
-        first = cond["first_frame"].to(noisy.dtype)
-        given = torch.cat([torch.where(rows, first, noisy[:, :, :1]), noisy[:, :, 1:]], dim=2)
         frames, height, width = noisy.shape[2:]
         per_token = t.view(-1, 1, 1).expand(-1, frames, (height // 2) * (width // 2))
         first_t = torch.where(clean.view(-1, 1), torch.zeros_like(per_token[:, 0]), per_token[:, 0])
         timestep = torch.cat([first_t.unsqueeze(1), per_token[:, 1:]], dim=1).flatten(1)
-        out = super().predict(model, given, timestep, cond)
-        straight = (noisy[:, :, :1].float() - first.float()) / t.float().clamp_min(1e-3).view(-1, 1, 1, 1, 1)
-        return torch.cat([torch.where(rows, straight.to(out.dtype), out[:, :, :1]), out[:, :, 1:]], dim=2)
+        out = super().predict(model, given_first_frame(noisy, cond, clean), timestep, cond)
+        return straight_to_given(out, noisy, t, cond, clean)

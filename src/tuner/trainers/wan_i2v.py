@@ -80,14 +80,27 @@ class WanFrameConditionedTrainer(WanTrainer):
             video[:, :, -1] = images[1]
         return {"cond_latents": self.encode_pixels(encoders.vae, video)}
 
+    # ---- with or without the first frame ----
+    def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
+        """`first_given` [B]: which samples are given their frame (`train.first_frame_conditioning_p`)."""
+        return {**cond, "first_given": self.first_frame_given(x0, generator)}
+
     # ---- the model's inputs ----
     pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The velocity at x_t given the frame(s); a sample not given its frame (`first_given` False) gets
+        zero condition latents and a zero mask, the input ComfyUI's WanImageToVideo builds without a start
+        image (zeros in the normalized latent space, as its `concat_cond` fills an absent image); only Wan
+        2.2 I2V A14B trains so (`Architecture.first_frame_required` keeps Wan 2.1's CLIP models at p = 1)."""
         cond_latents = cond["cond_latents"].to(noisy)
         mask = frame_mask(noisy.shape[0], noisy.shape[2], noisy.shape[3:], last=self.frame_images == 2).to(
             noisy
         )
+        given = cond.get("first_given")
+        if given is not None and not given.all():
+            keep = given.view(-1, 1, 1, 1, 1).to(noisy)
+            cond_latents, mask = cond_latents * keep, mask * keep
         return model(
             hidden_states=torch.cat([noisy, mask, cond_latents], dim=1),
             timestep=t * 1000,
