@@ -3,10 +3,6 @@ reference): train the Wan project, write the log and (DeepSpeed) each process's 
 
     python distributed_deepspeed_worker.py CONFIG OUT [--resume STATE] [key=value ...]
 
-A batch's noise and timesteps are drawn from a generator seeded by its position. With several processes
-that position is the process's own batch count; here it is mapped to the batch's place in the shared plan
-(process r's i-th batch is the plan's batch i * world + r), so a sample gets the same noise as in the
-one-process run that accumulates the same global batch, and the two runs can be compared weight for weight.
 """
 
 import json
@@ -16,7 +12,6 @@ import sys
 import torch
 
 from tuner.config import load_config
-from tuner.trainers import base
 from tuner.trainers.wan import WanTrainer
 
 config, out, *rest = sys.argv[1:]
@@ -24,19 +19,6 @@ resume = None
 if rest[:1] == ["--resume"]:
     resume, rest = rest[1], rest[2:]
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-position_seed, step = base._mix, base.NetworkTrainer._step
-
-
-def step_at_plan_place(self, run, batch):
-    base._mix = lambda seed, epoch, i: position_seed(seed, epoch, i * world + rank)
-    try:
-        return step(self, run, batch)
-    finally:
-        base._mix = position_seed  # validation's draws stay as they are
-
-
-base.NetworkTrainer._step = step_at_plan_place
-
 strategies = []
 if world > 1:
     from tuner.distributed.deepspeed import DeepSpeedStrategy

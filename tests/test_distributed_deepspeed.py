@@ -3,7 +3,7 @@ train the weights one process trains on the same global batches, save the files 
 optimizer state consolidated into one process's state dict), and resume; bad settings are refused by name.
 
 The reference is one process accumulating two batches per step (process r's i-th batch is the plan's batch
-i * 2 + r, see tests/distributed_deepspeed_worker.py, which also draws each batch's noise by that place)."""
+i * 2 + r; the loop draws each batch's noise by that place)."""
 
 import json
 import os

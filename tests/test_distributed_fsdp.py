@@ -1,8 +1,8 @@
 """strategy = "fsdp": two CPU processes (gloo) under torchrun train the tiny Wan with FSDP2, and end where
 one process with the same global batch ends (two batches per step: gradient accumulation 2); the files
 they save are a one-process run's; a resumed run repeats the uninterrupted one; each process holds half
-of what a DDP process holds. The worker (tests/distributed_fsdp_worker.py) seeds each batch's draws by
-its global index, as the one-process run does."""
+of what a DDP process holds. The loop seeds each batch's draws by its global index
+(process r's i-th batch is the plan's batch i * 2 + r), as the one-process run does."""
 
 import json
 import os

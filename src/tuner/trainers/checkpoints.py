@@ -48,6 +48,7 @@ STATE_DIR = "state"
 POSITION = "position.json"
 IDENTITY = "run.json"
 SCHEDULE = "schedule.json"
+PROCESSES = "processes.json"  # how many processes saved it, and over how many the batches were shared
 _STEP = re.compile(r"step(\d+)$")
 
 
@@ -139,6 +140,7 @@ class Checkpoints:
                     (IDENTITY, self.identity),
                     (SCHEDULE, self.schedule),
                     (POSITION, asdict(pos)),
+                    (PROCESSES, self._processes()),
                 ):
                     write_text(tmp / file, json.dumps(data, sort_keys=True, indent=1))
                     names.append(file)
@@ -206,11 +208,12 @@ class Checkpoints:
 
     # ---- finding and loading ----
     def states(self) -> list[Path]:
-        """Every state folder that got as far as its position file (complete or not), oldest first."""
+        """Every state folder that got as far as its position file (complete or not), oldest first. A
+        hidden `.tmp-stepN` folder is a save that never finished (killed mid-write): never a state."""
         root = self.out / STATE_DIR
         if not root.is_dir():
             return []
-        dirs = [d for d in root.iterdir() if d.is_dir() and _STEP.search(d.name) and
+        dirs = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and _STEP.search(d.name) and
                 ((d / POSITION).is_file() or state.is_complete(d))]  # fmt: skip
         return sorted(dirs, key=_step_of)
 
@@ -246,13 +249,21 @@ class Checkpoints:
         self._check_identity(path)
         acc = self.accelerator
         saved_by = len(list(path.glob("rng_*.json")))
-        if saved_by != acc.num_processes:
+        # states from before processes.json: every process read its own share of the batches
+        saved = json.loads((path / PROCESSES).read_text()) if (path / PROCESSES).is_file() else {}
+        saved_shares, shares = saved.get("data_shares", saved_by), self._processes()["data_shares"]
+        if saved_shares != shares:
             raise CheckpointError(
-                f"--resume {path}: saved by {saved_by} process(es), resumed with {acc.num_processes}. The saved "
-                "position counts each process's own batches (each takes every N-th batch of an epoch) and the "
-                "effective batch is N times the batch size, so it means another place in the data and another "
-                f"schedule with another N. Resume with {saved_by} process(es), or start a new run from the saved "
-                "adapter with network.network_weights."
+                f"--resume {path}: saved by {saved_by} process(es) sharing the batches {saved_shares} ways, resumed "
+                f"with {shares}. The saved position counts each process's own batches (each takes every N-th "
+                "batch of an epoch) and the effective batch is N times the batch size, so it means another place "
+                f"in the data and another schedule with another N. Resume with {saved_by} process(es), or start a "
+                "new run from the saved adapter with network.network_weights."
+            )
+        if not (path / f"rng_{acc.process_index}.json").is_file():
+            raise CheckpointError(
+                f"--resume {path}: saved by {saved_by} process(es), resumed with {acc.num_processes}: process "
+                f"{acc.process_index} has no saved random state there. Resume with {saved_by} process(es)."
             )
         for part_name, part in self.parts.items():
             self.strategy.load_full_state_dict(part, state.load_tree(path, part_name))
@@ -279,6 +290,12 @@ class Checkpoints:
                 continue
             return f"The newest complete state before it is {older}: resume with --resume {older}"
         return "No earlier complete state is left; start a new run (network.network_weights can start it from a saved adapter)."
+
+    def _processes(self) -> dict[str, int]:
+        """How many processes run, and over how many the batches are shared (a pipeline's stages all read
+        every batch): a state resumes where the second is the same."""
+        shares = self.strategy.data_share(self.accelerator)[1]
+        return {"processes": self.accelerator.num_processes, "data_shares": shares}
 
     def _check_identity(self, path: Path) -> None:
         """Refuse, with the differences named, a state saved by a run with another adapter or model."""
