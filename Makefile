@@ -35,10 +35,10 @@ browser:
 test: $(STAMP) browser
 	$(BIN)/python -m ruff check src tests scripts benchmarks
 	$(BIN)/python -m ruff format --check src tests scripts benchmarks
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests scripts benchmarks

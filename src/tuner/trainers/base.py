@@ -408,7 +408,7 @@ class NetworkTrainer:
                     self._maybe_save(run, epoch_end=True)
             run.progress.close()
             final = self._save(run, final=True)
-            run.accelerator.end_training()
+            _end(run)
             run.log(f"saved {', '.join(map(str, run.checkpoints.written))}")
             return final
 
@@ -744,6 +744,14 @@ class NetworkTrainer:
 
 # entries of a batch's cond that the loss reads and the model is not given
 _LOSS_ENTRIES = ("loss_mask", "loss_weight")
+
+
+def _end(run: _Run) -> None:
+    """Close the trackers and the process group, all processes together: a process that tears its gloo
+    connections down while another still reads them makes that one abort ("terminate called without an
+    active exception") after the run's work is done."""
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()
 
 
 def _launched_processes() -> int:

@@ -254,8 +254,8 @@ class Checkpoints:
         saved_shares, shares = saved.get("data_shares", saved_by), self._processes()["data_shares"]
         if saved_shares != shares:
             raise CheckpointError(
-                f"--resume {path}: saved by {saved_by} process(es) sharing the batches {saved_shares} ways, resumed "
-                f"with {shares}. The saved position counts each process's own batches (each takes every N-th "
+                f"--resume {path}: saved by {saved_by} process(es), resumed with {acc.num_processes} (the batches "
+                f"shared {saved_shares} ways then, {shares} now). The saved position counts each process's own batches (each takes every N-th "
                 "batch of an epoch) and the effective batch is N times the batch size, so it means another place "
                 f"in the data and another schedule with another N. Resume with {saved_by} process(es), or start a "
                 "new run from the saved adapter with network.network_weights."
