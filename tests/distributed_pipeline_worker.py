@@ -13,23 +13,26 @@ import torch
 from tuner.config import load_config
 from tuner.distributed import pipeline
 from tuner.registry import trainer_class
+from tuner.trainers import base
 
 config, out, steps, resume, *overrides = sys.argv[1:]
-gather = pipeline.PipelineStrategy.gather
+save = base.NetworkTrainer._save
 
 
-def measure_and_gather(self, run):
-    params = self.stage_params[self.rank]
+def measure_and_save(self, run, final=False):
+    """Each stage's figures just before a save gathers the stages' adapters and optimizer state."""
+    strategy = run.strategy
+    params = strategy.stage_params[strategy.rank]
     figures = pipeline.stage_memory(run.model, params, run.optimizer)
     figures["planned_optimizer"] = pipeline.stage_memory(run.model, params, run.optimizer, planned=True)[
         "optimizer"
     ]
-    with open(f"{out}/memory{self.rank}.json", "w") as f:
+    with open(f"{out}/memory{strategy.rank}.json", "w") as f:
         json.dump(figures, f)
-    gather(self, run)
+    return save(self, run, final)
 
 
-pipeline.PipelineStrategy.gather = measure_and_gather
+base.NetworkTrainer._save = measure_and_save
 cfg = load_config(config, ["log.tensorboard=false", f"save.output_dir='{out}'", f"train.max_steps={steps}",
                            'distributed.strategy="pipeline"', *overrides])  # fmt: skip
 trainer = trainer_class(cfg.model.architecture)(cfg)

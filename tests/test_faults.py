@@ -510,3 +510,18 @@ def test_sigkilled_inside_a_write_then_resumed_equals_a_straight_run(saved, proj
     resume = "latest" if Checkpoints(out, None, None).states() else None
     train(project, out, *STEPS, resume=resume)
     _assert_same_adapter(saved[0], out)
+
+
+def test_a_save_killed_before_its_rename_is_never_taken_for_a_state(tmp_path):
+    """A hidden `.tmp-stepN` folder (a save killed after its position file, before its manifest and rename)
+    is not a state: `--resume latest` must not pick it, and a new run may start in that folder."""
+    tmp = tmp_path / "state" / ".tmp-step000002"
+    tmp.mkdir(parents=True)
+    (tmp / "position.json").write_text('{"step": 2, "epoch": 0, "batch": 2}')
+    checkpoints = Checkpoints(tmp_path, None, None)
+    assert checkpoints.states() == []
+    with pytest.raises(CheckpointError, match="no complete saved state"):
+        checkpoints.resolve("latest")
+    (tmp_path / "state" / "step000002").mkdir()
+    (tmp_path / "state" / "step000002" / "position.json").write_text('{"step": 2, "epoch": 0, "batch": 2}')
+    assert [p.name for p in checkpoints.states()] == ["step000002"]

@@ -110,7 +110,9 @@ def _config_check(args) -> None:
     # run under accelerate launch / torchrun) as training reads it
     if args.num_processes < 0:
         raise SystemExit(f"tuner check: --num-processes {args.num_processes}: give a count of 1 or more")
-    processes = args.num_processes or int(os.environ.get("WORLD_SIZE", "1"))
+    from tuner.distributed import launched_processes
+
+    processes = args.num_processes or launched_processes()
     distributed = ""
     if processes > 1:  # the strategy's refusals, as training meets them before step 1
         from tuner.distributed import strategy_for

@@ -15,8 +15,7 @@ few named points and never branches on the strategy itself:
     backward(run, loss)       backpropagate one batch's loss
     reduce_gradients(run)     after a group's last backward: gradients equal on every process
     grad_norm(run, max_norm)  clip the gradients and return their norm (None: the engine owns it)
-    whole_state(trained)      the context a save or a resume runs in (sharded weights gathered)
-    gather(run)               before a save: the main process holds every process's trained weights
+    whole_state(trained)      the context a save or a resume runs in (sharded or staged weights gathered)
     plan(...)                 one line: the strategy and the per-process memory it plans
     full_state_dict(part)     a state part (network, optimizer, ...) as a one-process run saves it
     load_full_state_dict(...) such a saved state back into the part (on every process)
@@ -30,9 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from tuner.errors import ConfigError
@@ -92,9 +93,17 @@ class Strategy:
     def grad_norm(self, run, max_norm: float) -> float | None:
         """Clip the trained gradients to `max_norm` (if > 0) and return their total norm; None where an
         engine or a gradient scaler owns the check for non-finite gradients (it skips those steps)."""
-        from tuner.trainers.base import _grad_norm
-
-        return _grad_norm(run.trained, run.accelerator, max_norm)
+        params = [p for p in run.trained.parameters() if p.grad is not None]
+        accelerator = run.accelerator
+        if max_norm > 0:
+            norm = accelerator.clip_grad_norm_(params, max_norm)
+        elif accelerator.scaler is None and params:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        else:
+            return None
+        if accelerator.scaler is not None or norm is None:
+            return None  # a gradient scaler (fp16) owns overflow: it skips those steps and lowers its scale
+        return float(norm)  # after backward and loss.item(), the device is idle: this sync costs ~nothing
 
     @contextlib.contextmanager
     def whole_state(self, trained) -> Iterator[None]:
@@ -102,9 +111,6 @@ class Strategy:
         state are whole inside it (a sharding strategy gathers them), and what a resume loads into them
         is kept when it closes."""
         yield
-
-    def gather(self, run) -> None:
-        """Before a save: make the main process's trained weights and optimizer state the whole run's."""
 
     def plan(self, trainer, accelerator, model, trained, optimizer) -> str:
         """The strategy and what each process holds (`accounting.memory_plan`, from the real tensors);
@@ -153,6 +159,11 @@ def owned_model(model: nn.Module) -> nn.Module:
     engine, such as samples drawn by the main process), else `model`."""
     owner = getattr(model, "module", None)
     return owner.model if isinstance(owner, PredictModule) else model
+
+
+def launched_processes() -> int:
+    """How many processes the launcher started (accelerate launch / torchrun set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def strategy_for(cfg, num_processes: int) -> Strategy:

@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tuner.distributed import PredictModule, Strategy
+from tuner.distributed import PredictModule, Strategy, launched_processes
 from tuner.distributed.deepspeed_state import EngineOptimizer, master_partitions, whole_on_host
 from tuner.errors import ConfigError
 
@@ -179,15 +178,12 @@ class DeepSpeedStrategy(Strategy):
         self.engine = None
         self.optimizer: EngineOptimizer | None = None
 
-    def _world(self) -> int:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-
     def accelerator_kwargs(self) -> dict[str, Any]:
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
         _require_deepspeed()
         kwargs: dict[str, Any] = {
-            "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=deepspeed_config(self.cfg, self._world()))
+            "deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=deepspeed_config(self.cfg, launched_processes()))
         }
         if not torch.cuda.is_available():  # accelerate would leave the process group to a backend it lacks
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]

@@ -206,6 +206,7 @@ class PipelineStrategy(Strategy):
         mine = [a for a in trained if owners[a.name] == self.rank]
         self.module = _StageModule(self, self.stages[self.rank], mine)
         self.device = accelerator.device
+        self.optimizer = optimizer
         return model, trained, optimizer
 
     def _elsewhere(self, parts: PipelineParts) -> list[nn.Module]:
@@ -291,16 +292,22 @@ class PipelineStrategy(Strategy):
                 g.mul_(coef.to(g.dtype))
 
     # ---- saving ----
+    @contextlib.contextmanager
+    def whole_state(self, trained) -> Iterator[None]:
+        """Around a save (and a resume, harmlessly): every stage's adapter weights to every process, so the
+        replicated adapter is whole, and its optimizer state to the main process (dropped again before the
+        next step)."""
+        self._gather()
+        yield
+
     @torch.no_grad()
-    def gather(self, run) -> None:
-        """Every stage's adapter weights to every process (so the replicated adapter is whole), and its
-        optimizer state to the main process (dropped again before the next step)."""
+    def _gather(self) -> None:
         for stage, params in enumerate(self.stage_params):
             for p in params:
                 dist.broadcast(p.data, src=stage)
         if not self.cfg.save.save_state:
             return  # only the adapter file is written
-        inner = getattr(run.optimizer, "optimizer", run.optimizer)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
         order = [p for group in inner.param_groups for p in group["params"]]
         position = {id(p): i for i, p in enumerate(order)}
         mine = {position[id(p)]: {k: (v.cpu(), v.device.type == "cpu") if torch.is_tensor(v) else (v, None)

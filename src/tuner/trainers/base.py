@@ -417,14 +417,14 @@ class NetworkTrainer:
         from accelerate.utils import DataLoaderConfiguration, set_seed
 
         from tuner.cache.plan import open_training_data
-        from tuner.distributed import strategy_for
+        from tuner.distributed import launched_processes, strategy_for
         from tuner.optim import build_optimizer, build_scheduler
         from tuner.trainers.checkpoints import Checkpoints, check_output_dir
 
         cfg, tc, nc = self.cfg, self.cfg.train, self.cfg.network
         out = Path(cfg.save.output_dir)
         check_output_dir(out)  # a file or a read-only folder is named now, not at the first save
-        strategy = strategy_for(cfg, _launched_processes())
+        strategy = strategy_for(cfg, launched_processes())
         accelerator = Accelerator(
             mixed_precision=tc.mixed_precision,
             log_with="tensorboard" if cfg.log.tensorboard else None,
@@ -682,7 +682,6 @@ class NetworkTrainer:
     def _save(self, run: _Run, final: bool = False) -> Path:
         """Save the state and the adapter at the current position, with every process's share of the
         trained weights and optimizer state gathered first (sharding and pipeline strategies)."""
-        run.strategy.gather(run)
         with run.strategy.whole_state(run.trained):
             return run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=final)
 
@@ -752,28 +751,6 @@ def _end(run: _Run) -> None:
     active exception") after the run's work is done."""
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
-
-
-def _launched_processes() -> int:
-    """How many processes the launcher started (accelerate launch / torchrun set WORLD_SIZE)."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _grad_norm(network: nn.Module, accelerator, max_norm: float) -> float | None:
-    """Clip the gradients to `max_norm` (if > 0) and return their total norm, or None where a gradient
-    scaler (fp16) owns overflow: it skips those steps itself and lowers its scale."""
-    params = [p for p in network.parameters() if p.grad is not None]
-    if max_norm > 0:
-        norm = accelerator.clip_grad_norm_(params, max_norm)
-    elif accelerator.scaler is None and params:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    else:
-        return None
-    if accelerator.scaler is not None or norm is None:
-        return None
-    return float(norm)  # after backward and loss.item(), the device is idle: this sync costs ~nothing
 
 
 def _freeze_gc() -> None:
