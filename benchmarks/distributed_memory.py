@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-CONFIGS = Path(__file__).resolve().parent.parent / "src" / "tuner" / "models" / "configs"
+CONFIGS = Path(__file__).resolve().parent.parent / "src" / "tuner" / "archs"
 # name -> (architecture, diffusers class, shipped config folder)
 MODELS = {
-    "wan": ("wan", "WanTransformer3DModel", "wan/transformer/t2v-14B", "Wan 2.1 14B"),
-    "flux2": ("flux2", "Flux2Transformer2DModel", "flux2/transformer/dev", "FLUX.2 dev (32B)"),
+    "wan": ("wan", "WanTransformer3DModel", "wan/configs/transformer/t2v-14B", "Wan 2.1 14B"),
+    "flux2": ("flux2", "Flux2Transformer2DModel", "flux2/configs/transformer/dev", "FLUX.2 dev (32B)"),
 }
 RANK = 32
 GIB = 2**30

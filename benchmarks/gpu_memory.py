@@ -1,7 +1,7 @@
 """Peak VRAM and seconds per LoRA training step of Wan-shaped transformers under tuner's memory settings.
 
 Random weights with the real shapes of Wan 2.1 1.3B and 14B (the configs shipped in
-`tuner/models/configs/wan/transformer/`), one 480×832 video of 33 frames (latents 16×9×60×104, 14,040
+`tuner/archs/wan/configs/transformer/`), one 480×832 video of 33 frames (latents 16×9×60×104, 14,040
 tokens), 512 text tokens, LoRA rank 32 on the default Wan targets, AdamW, bf16 base and autocast. One
 row per combination of
 
@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when 
 from report import TableOut  # noqa: E402
 
 CONFIGS = (
-    Path(__file__).resolve().parent.parent / "src" / "tuner" / "models" / "configs" / "wan" / "transformer"
+    Path(__file__).resolve().parent.parent / "src" / "tuner" / "archs" / "wan" / "configs" / "transformer"
 )
 MODELS = {"1.3B": CONFIGS / "t2v-1.3B", "14B": CONFIGS / "t2v-14B"}
 TINY = {

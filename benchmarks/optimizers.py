@@ -58,8 +58,8 @@ def state_bytes_per_parameter(name: str) -> float:
 
 
 def demo_loss(name: str, project: Path, out: Path, steps: int, tail: int) -> float:
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.config import load_config
-    from tuner.trainers.wan import WanTrainer
 
     lr, kwargs = RECOMMENDED[name]
     args = ", ".join(f"{k} = {json.dumps(v)}" for k, v in kwargs.items())  # JSON scalars are TOML

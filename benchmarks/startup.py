@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
-CACHING_PATH = ("tuner.cli", "tuner.config", "tuner.cache.commands", "tuner.trainers.wan")
+CACHING_PATH = ("tuner.cli", "tuner.config", "tuner.cache.commands", "tuner.archs.wan.trainer")
 TRAINING_PATH = (
     *CACHING_PATH,
     "accelerate",

@@ -40,6 +40,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.utils import logging as diffusers_logging
 from torch import nn
 
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.cache.plan import open_training_data
 from tuner.cli import main as tuner
 from tuner.config import Config, load_config
@@ -49,7 +50,6 @@ from tuner.networks.factory import build_network
 from tuner.optim import build_optimizer
 from tuner.timesteps import add_noise, flow_loss, flow_target
 from tuner.trainers.base import DTYPES
-from tuner.trainers.wan import WanTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when loaded by path (tests)
 from report import table  # noqa: E402

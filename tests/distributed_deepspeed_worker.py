@@ -11,8 +11,8 @@ import sys
 
 import torch
 
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.config import load_config
-from tuner.trainers.wan import WanTrainer
 
 config, out, *rest = sys.argv[1:]
 resume = None

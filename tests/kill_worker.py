@@ -7,8 +7,8 @@ import signal
 import sys
 
 import tuner.io
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.config import load_config
-from tuner.trainers.wan import WanTrainer
 
 config, out, kill_at, resume, *overrides = sys.argv[1:]
 real = tuner.io.atomic_path

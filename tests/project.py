@@ -50,7 +50,7 @@ def cfg(config: Path, *overrides: str):
 
 def train_wan(config: Path, out: Path, *overrides: str, resume: str | None = None):
     """Train the Wan project `config` into `out` with `overrides`, quietly; return the trainer."""
-    from tuner.trainers.wan import WanTrainer
+    from tuner.archs.wan.trainer import WanTrainer
 
     trainer = WanTrainer(cfg(config, f"save.output_dir='{out}'", "log.tensorboard=false", *overrides))
     trainer.train(resume=resume, log=lambda s: None)

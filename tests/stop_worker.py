@@ -5,9 +5,9 @@ import os
 import signal
 import sys
 
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.config import load_config
 from tuner.errors import TrainingStopped
-from tuner.trainers.wan import WanTrainer
 
 config, out = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from project import make_project, run, summary
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.cache.store import CacheStore
 from tuner.data.audio import audio_window, has_audio, log_mel, plan_audio, read_audio, read_audio_window
 from tuner.errors import DataError
 from tuner.fixtures.dataset import TONE_RATE, write_videos
-from tuner.trainers.wan import WanTrainer
 
 
 @pytest.fixture

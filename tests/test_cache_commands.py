@@ -53,7 +53,7 @@ def test_changed_source_file_is_reencoded(project, capsys):
 
 
 def test_interrupted_caching_resumes(project, capsys, monkeypatch):
-    from tuner.trainers.wan import WanTrainer
+    from tuner.archs.wan.trainer import WanTrainer
 
     real = WanTrainer.encode_pixels
     calls = {"n": 0}
@@ -170,8 +170,8 @@ def test_file_that_fails_to_decode_while_caching_is_skipped_and_left_out(project
     assert "1 source(s) failed to decode" in out and "video_001.mp4: " in out and "corrupt frame 7" in out
     run(capsys, "cache", "text", "--config", project)
     from project import cfg
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.cache.plan import open_training_data
-    from tuner.trainers.wan import WanTrainer
 
     notes = []
     data = open_training_data(WanTrainer(cfg(project)), cfg(project), notes.append)

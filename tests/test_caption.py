@@ -151,9 +151,9 @@ def test_a_processor_that_needs_torchvision_is_one_line(tmp_path, capsys):
     from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
+    from tuner.archs.qwen_image.text import VARIANTS
     from tuner.cli import main
     from tuner.fixtures.tokenizers import build_qwen2_tokenizer
-    from tuner.models.qwen_image_text import VARIANTS
 
     try:
         import torchvision  # noqa: F401

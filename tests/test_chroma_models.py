@@ -8,23 +8,24 @@ import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
 
-from tuner.errors import CheckpointError
-from tuner.fixtures import write_fixture
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
-from tuner.models import chroma, flux
-from tuner.models.chroma_keys import (
+from tuner.archs.chroma import loaders as chroma
+from tuner.archs.chroma.keys import (
     CHROMA_KEYS,
     CHROMA_LAYOUT,
     transformer_to_diffusers,
     transformer_to_original,
 )
+from tuner.archs.chroma.trainer import ChromaTrainer
+from tuner.archs.flux import loaders as flux
+from tuner.errors import CheckpointError
+from tuner.fixtures import write_fixture
+from tuner.fixtures.weights import fill_random_
+from tuner.io import save_safetensors
 from tuner.models.identify import check_keys, pick_variant
 from tuner.models.loading import load_tensors
 from tuner.networks import FullNetwork, LoRANetwork, TargetSpec
 from tuner.networks.targets import find_targets
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.chroma import ChromaTrainer
 
 PROMPT = "a red circle on a black background"
 
@@ -200,7 +201,7 @@ def test_text_encoding_matches_the_pipeline(pipe):
 @torch.no_grad()
 def test_predict_matches_the_transformer_with_the_pipelines_mask(pipe):
     """Our call (visible rows only) against diffusers' transformer given the pipeline's full-length
-    embeddings and its mask as booleans (see `tuner.models.chroma` on the pipeline's float mask); a batch
+    embeddings and its mask as booleans (see `tuner.archs.chroma.loaders` on the pipeline's float mask); a batch
     of prompts of different lengths."""
     captions = [PROMPT, "x"]
     embeds, text_ids, masks, *_ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
@@ -229,7 +230,7 @@ def test_two_guided_euler_steps_match_the_pipeline(pipe):
     """Real classifier-free guidance with a negative prompt, as ChromaPipeline applies it: our text
     entries, model calls (cond and uncond of different lengths) and guidance, stepped with Euler, give
     the pipeline's latents. The pipeline is given its own embeddings with its masks as booleans (see
-    `tuner.models.chroma`): its own float masks would not mask."""
+    `tuner.archs.chroma.loaders`): its own float masks would not mask."""
     negative = "blurry, low quality"
     embeds, _, mask, neg_embeds, _, neg_mask = pipe.encode_prompt(PROMPT, negative, max_sequence_length=24)
     trainer = _trainer(24)

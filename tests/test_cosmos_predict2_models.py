@@ -19,13 +19,13 @@ from diffusers import (
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
+from tuner.archs.cosmos_predict2 import loaders as cosmos
+from tuner.archs.cosmos_predict2.keys import RELEASE_ONLY, transformer_key_to_original
+from tuner.archs.cosmos_predict2.trainer import CosmosPredict2Trainer
+from tuner.archs.wan import loaders as wan_models
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
-from tuner.models import cosmos_predict2 as cosmos
-from tuner.models import wan as wan_models
-from tuner.models.cosmos_predict2_keys import RELEASE_ONLY, transformer_key_to_original
 from tuner.models.identify import pick_variant
-from tuner.trainers.cosmos_predict2 import CosmosPredict2Trainer
 
 PROMPT = "a red cat sits on a blue chair"
 
@@ -133,7 +133,7 @@ def test_text_encoder_layouts_are_identical(paths):
 
 def test_text_encoder_of_another_t5_is_refused(tmp_path):
     """FLUX.1's T5-XXL v1.1 (gated FFN) is not Cosmos' T5-11B."""
-    from tuner.models.flux import T5_VARIANTS as FLUX_T5
+    from tuner.archs.flux.loaders import T5_VARIANTS as FLUX_T5
 
     config = T5Config.from_pretrained(next(v.config_dir for v in FLUX_T5 if v.name == "tiny"))
     tensors = T5EncoderModel(config).state_dict()

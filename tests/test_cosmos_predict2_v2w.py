@@ -20,11 +20,11 @@ from safetensors.torch import load_file, save_file
 
 from project import cfg, make_project, run
 from test_cosmos_predict2_models import PROMPT, _same_weights, load_pipeline
+from tuner.archs.cosmos_predict2 import loaders as cosmos
+from tuner.archs.cosmos_predict2.trainer_v2w import T_CONDITIONING, CosmosPredict2V2WTrainer
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
-from tuner.models import cosmos_predict2 as cosmos
-from tuner.trainers.cosmos_predict2_v2w import T_CONDITIONING, CosmosPredict2V2WTrainer
 
 
 @pytest.fixture(scope="module")

@@ -266,8 +266,8 @@ def test_several_resolutions_train_each_item_at_each(tmp_path, wan_model):
         ConfigError, match=r"key 'resolution' \[60, 48\] is not a multiple of the model's spatial step 16"
     ):
         tuner_cfg = cfg(config)
+        from tuner.archs.wan.trainer import WanTrainer
         from tuner.cache.plan import plan_datasets
-        from tuner.trainers.wan import WanTrainer
 
         plan_datasets(WanTrainer(tuner_cfg), tuner_cfg, log=lambda s: None)
 

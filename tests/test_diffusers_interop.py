@@ -21,8 +21,8 @@ import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 
 from project import output
+from tuner.archs.wan.loaders import original_module_name
 from tuner.errors import TunerError
-from tuner.models.wan import original_module_name
 from tuner.networks import LoHaNetwork, LoKrNetwork, LoRANetwork, TargetSpec, apply_adapter_file
 from tuner.networks.keys import read_safetensors
 from tuner.registry import ARCHITECTURES, resolve_save_format

@@ -114,8 +114,8 @@ def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, 
         assert torch.equal(load_file(resumed / "demo_lora.safetensors")[key], value), key
 
     # the saved adapter loads in one process and changes the model's output
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.networks.factory import apply_adapter_file
-    from tuner.trainers.wan import WanTrainer
 
     trainer = WanTrainer(cfg(project))
     model = trainer.load_transformer(torch.float32)
@@ -169,8 +169,8 @@ def test_fp8_base_and_checkpointing_compose(project, tmp_path):
     ],
 )
 def test_check_names_both_keys(tmp_path, wan_model, override, key):
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.distributed import strategy_for
-    from tuner.trainers.wan import WanTrainer
 
     config = cfg(make_project(tmp_path, wan_model), FSDP, override)
     with pytest.raises(ConfigError) as refused:
@@ -179,8 +179,8 @@ def test_check_names_both_keys(tmp_path, wan_model, override, key):
 
 
 def test_check_refuses_samples_during_training(tmp_path, wan_model):
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.distributed import strategy_for
-    from tuner.trainers.wan import WanTrainer
 
     project = make_project(tmp_path, wan_model)
     config = cfg(project, FSDP, "sample.prompts=['a cat']", "sample.every_n_steps=2")
@@ -193,9 +193,9 @@ def test_check_refuses_samples_during_training(tmp_path, wan_model):
 def test_full_finetune_of_mixed_dtypes_is_refused_naming_the_fix(tmp_path, wan_model):
     """Wan keeps its modulation tables and some norms in fp32: a bf16 full fine-tune trains two dtypes,
     which FSDP2 cannot shard in one group; fp32 weights can."""
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.distributed.fsdp import _check_one_trained_dtype
     from tuner.networks.full import FullNetwork
-    from tuner.trainers.wan import WanTrainer
 
     config = cfg(make_project(tmp_path, wan_model), FSDP, "network.type='full'", "model.dtype='bf16'")
     model = WanTrainer(config).load_transformer(torch.bfloat16)

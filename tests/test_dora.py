@@ -148,8 +148,8 @@ def test_cli_trains_dora_saves_and_reloads(tmp_path, wan_model):
     from diffusers import WanTransformer3DModel
 
     from project import make_project
+    from tuner.archs.wan.loaders import original_module_name
     from tuner.cli import main
-    from tuner.models.wan import original_module_name
 
     config = make_project(tmp_path, wan_model, steps=3)
     assert main(["cache", "latents", "--config", str(config)]) == 0
@@ -186,13 +186,13 @@ def flux_paths(tmp_path_factory):
 
 
 def flux_model(paths):
-    from tuner.models import flux
+    from tuner.archs.flux import loaders as flux
 
     return flux.load_transformer(paths["diffusers"], torch.float32).eval().requires_grad_(False)
 
 
 def flux_output(model) -> torch.Tensor:
-    from tuner.models import flux
+    from tuner.archs.flux import loaders as flux
 
     g = torch.Generator().manual_seed(1)
     noisy, t5, pooled = (
@@ -253,9 +253,9 @@ def test_flux_dora_is_saved_apart_and_reads_back_exactly(layout, flux_paths, tmp
 
 def test_flux_dora_file_tools(flux_paths, tmp_path, capsys):
     """`tuner lora info / convert / merge` read the parts written apart; convert round trips bit for bit."""
+    from tuner.archs.flux import loaders as flux
     from tuner.cli import main
     from tuner.errors import TunerError
-    from tuner.models import flux
     from tuner.networks.keys import read_safetensors
     from tuner.tools.convert import convert_adapter
 

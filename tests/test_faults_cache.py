@@ -201,10 +201,10 @@ def test_training_reads_a_store_it_cannot_write(project, capsys, monkeypatch):
     """Training opens the store read-only: nothing it does may write to the index."""
     run(capsys, "cache", "latents", "--config", project)
     run(capsys, "cache", "text", "--config", project)
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.cache import index
     from tuner.cache import store as store_module
     from tuner.cache.plan import open_training_data
-    from tuner.trainers.wan import WanTrainer
 
     opened = []
     real = index.connect
@@ -235,7 +235,7 @@ def test_writer_commits_on_its_interval(tmp_path):
 # before call k + 1 starts.
 _SLOW_TUNER = """
 import sys, time
-from tuner.trainers.wan import WanTrainer
+from tuner.archs.wan.trainer import WanTrainer
 real = WanTrainer.encode_pixels
 def slow(self, vae, pixels):
     print("encoding", flush=True)

@@ -19,14 +19,14 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from project import cfg, killed_at_first_save, make_project
+from tuner.archs.hunyuan_video15.trainer import HunyuanVideo15Trainer
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.cache.plan import open_training_data
 from tuner.cli import main as tuner
 from tuner.errors import ConfigError
 from tuner.fixtures import write_fixture
 from tuner.registry import ARCHITECTURES
 from tuner.trainers import trainer_class
-from tuner.trainers.hunyuan_video15 import HunyuanVideo15Trainer
-from tuner.trainers.wan import WanTrainer
 
 ARCHS = ("wan22_i2v", "wan22_ti2v", "hunyuan_video15_i2v", "cosmos_predict2_v2w", "ltx_video")
 QUIET = ("log.tensorboard=false",)

@@ -11,10 +11,10 @@ import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 from transformers import AutoTokenizer, UMT5Config
 
+from tuner.archs.wan import loaders as wan
+from tuner.archs.wan.fixture import build_wan_components, write_wan_fixture
 from tuner.fixtures.tokenizers import build_t5_tokenizer
-from tuner.fixtures.wan import build_wan_components, write_wan_fixture
 from tuner.fixtures.weights import fill_random_
-from tuner.models import wan
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,15 @@ from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Pipeline, Flu
 from safetensors.torch import load_file
 
 from project import cfg, make_project, run, summary
+from tuner.archs.flux import loaders as flux
+from tuner.archs.flux2 import loaders as flux2
+from tuner.archs.flux2 import text as flux2_text
+from tuner.archs.flux2.fixture import write_flux2_fixture, write_flux2_klein_fixture
+from tuner.archs.flux2.keys import transformer_to_original, vae_key_to_original
+from tuner.archs.flux2.trainer import Flux2KleinTrainer, Flux2Trainer
 from tuner.errors import CheckpointError
-from tuner.fixtures.flux2 import write_flux2_fixture, write_flux2_klein_fixture
-from tuner.models import flux, flux2, flux2_text
-from tuner.models.flux2_keys import transformer_to_original, vae_key_to_original
 from tuner.models.identify import pick_variant
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.flux2 import Flux2KleinTrainer, Flux2Trainer
 
 PROMPTS = ["a red cat on a blue chair", "two dogs"]
 
@@ -151,7 +153,7 @@ def test_shipped_configs_have_the_real_sizes():
 
 
 def test_flux1_file_given_to_flux2_names_flux(tmp_path):
-    from tuner.fixtures.flux import write_flux_fixture
+    from tuner.archs.flux.fixture import write_flux_fixture
 
     paths = write_flux_fixture(tmp_path / "flux1", seed=0)
     with pytest.raises(CheckpointError, match=r'FLUX\.1 transformer.*model\.architecture = "flux"'):
@@ -159,7 +161,7 @@ def test_flux1_file_given_to_flux2_names_flux(tmp_path):
 
 
 def test_chroma_file_given_to_flux2_names_chroma(tmp_path):
-    from tuner.fixtures.chroma import write_chroma_fixture
+    from tuner.archs.chroma.fixture import write_chroma_fixture
 
     paths = write_chroma_fixture(tmp_path / "chroma", seed=0)
     with pytest.raises(CheckpointError, match=r'Chroma transformer.*model\.architecture = "chroma"'):

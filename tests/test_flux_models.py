@@ -8,12 +8,8 @@ from diffusers import AutoencoderKL, FluxKontextPipeline, FluxPipeline, FluxTran
 from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from tuner.errors import CheckpointError, ConfigError
-from tuner.fixtures import write_fixture
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
-from tuner.models import flux
-from tuner.models.flux_keys import (
+from tuner.archs.flux import loaders as flux
+from tuner.archs.flux.keys import (
     FLUX_KEYS,
     FLUX_LAYOUT,
     transformer_to_diffusers,
@@ -21,12 +17,16 @@ from tuner.models.flux_keys import (
     vae_to_diffusers,
     vae_to_original,
 )
+from tuner.archs.flux.trainer import FluxKontextTrainer, FluxTrainer
+from tuner.errors import CheckpointError, ConfigError
+from tuner.fixtures import write_fixture
+from tuner.fixtures.weights import fill_random_
+from tuner.io import save_safetensors
 from tuner.models.identify import check_keys, pick_variant
 from tuner.models.loading import load_tensors
 from tuner.networks import FullNetwork
 from tuner.networks.targets import TargetSpec, find_targets
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.flux import FluxKontextTrainer, FluxTrainer
 
 
 @pytest.fixture(scope="module")

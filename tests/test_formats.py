@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from project import output
+from tuner.archs.wan.loaders import original_module_name
 from tuner.errors import CheckpointError, TunerError
 from tuner.models.loading import read_tensor_shapes
-from tuner.models.wan import original_module_name
 from tuner.networks import (
     LoHaNetwork,
     LoKrNetwork,

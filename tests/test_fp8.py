@@ -19,8 +19,8 @@ from torch import nn
 from project import wan_inputs
 from test_blockswap import add_lora, tiny_wan
 from tuner import fp8
+from tuner.archs.wan.keys import diffusers_module_name, transformer_to_original
 from tuner.errors import CheckpointError, TunerError
-from tuner.models.wan_keys import diffusers_module_name, transformer_to_original
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -249,9 +249,9 @@ def test_an_fp8_time_embedding_is_kept_out_of_fp8_storage(wan_model, tmp_path):
     """Some ComfyUI fp8 files store Wan's time embedding in fp8 too. diffusers' Wan casts the timestep to
     that layer's weight dtype, so it must not stay in fp8 storage: it is loaded dequantized, as the
     model's loader does without fp8_base, and the forward pass works."""
+    from tuner.archs.wan.keys import WAN_LAYOUT
+    from tuner.archs.wan.loaders import load_transformer
     from tuner.memory import MemorySettings, apply_memory_settings
-    from tuner.models.wan import load_transformer
-    from tuner.models.wan_keys import WAN_LAYOUT
 
     path = tmp_path / "wan_fp8_scaled.safetensors"
     from tuner.models.loading import load_tensors, normalize_state_dict

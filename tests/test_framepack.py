@@ -8,17 +8,17 @@ import torch
 from diffusers import HunyuanVideoFramepackPipeline, HunyuanVideoFramepackTransformer3DModel
 from PIL import Image
 
+from tuner.archs.framepack import loaders as framepack
+from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
+from tuner.archs.framepack.trainer import FramePackTrainer
+from tuner.archs.hunyuan_video import loaders as hv
+from tuner.archs.wan.trainer_i2v import LatentEncoders
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.io import save_safetensors
-from tuner.models import framepack
-from tuner.models import hunyuan_video as hv
-from tuner.models.framepack_keys import FRAMEPACK_LAYOUT
 from tuner.models.loading import load_tensors, read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.framepack import FramePackTrainer
-from tuner.trainers.wan_i2v import LatentEncoders
 
 CAPTIONS = ["a dog runs", "a red car drives on the street at night while the rain falls"]
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
@@ -257,7 +257,7 @@ def test_one_frame_indices_are_musubis_defaults():
 def test_one_frame_predict_and_text_entry(pipe):
     """The reference's SigLIP embedding rides in the text entry (the pipeline's `encode_image`), and
     `predict` is the transformer called with the reference and a zero post latent as clean latents."""
-    from tuner.trainers.framepack import FramePackOneFrameTrainer, OneFrameEncoders
+    from tuner.archs.framepack.trainer import FramePackOneFrameTrainer, OneFrameEncoders
 
     trainer = FramePackOneFrameTrainer(
         SimpleNamespace(model=SimpleNamespace(guidance=10.0), cache=SimpleNamespace(text_max_length=256))
@@ -323,8 +323,8 @@ def test_sections_are_generated_from_the_end_with_the_later_ones_as_history():
 def test_the_default_flow_sampler_is_eulers_with_the_models_guidance():
     """`NetworkTrainer.sample_flow` (the hook FramePack overrides) is `euler_sample` with the trainer's
     `combine_guidance`, so every other architecture generates as before."""
+    from tuner.archs.hunyuan_video.trainer import HunyuanVideoTrainer
     from tuner.sampling import euler_sample
-    from tuner.trainers.hunyuan_video import HunyuanVideoTrainer
 
     trainer = HunyuanVideoTrainer(SimpleNamespace())
     noise = torch.randn(1, 2, 3, 2, 2, generator=torch.Generator().manual_seed(0))

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from torch import nn
 
 from project import wan_inputs
+from tuner.archs.wan import loaders as wan
 from tuner.errors import ConfigError
-from tuner.models import wan
 from tuner.models.loading import read_tensor_shapes
 from tuner.networks import (
     FullNetwork,

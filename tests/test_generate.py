@@ -45,7 +45,7 @@ def test_control_count_is_checked_before_loading(tmp_path, wan_model, capsys):
 
 
 def test_qwen_true_cfg_keeps_each_token_at_the_conditional_norm():
-    from tuner.models.qwen_image import pack_latents
+    from tuner.archs.qwen_image.loaders import pack_latents
 
     trainer = trainer_class("qwen_image")(cfg=None)
     gen = torch.Generator().manual_seed(0)

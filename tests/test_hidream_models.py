@@ -11,11 +11,13 @@ from diffusers import HiDreamImagePipeline
 from safetensors.torch import load_file, save_file
 
 from project import make_project, run, summary
+from tuner.archs.flux import loaders as flux
+from tuner.archs.hidream import loaders as hidream
+from tuner.archs.hidream import text as hidream_text
+from tuner.archs.hidream.fixture import write_hidream_fixture
+from tuner.archs.hidream.trainer import HiDreamTrainer
 from tuner.errors import CheckpointError
-from tuner.fixtures.hidream import write_hidream_fixture
-from tuner.models import flux, hidream, hidream_text
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.hidream import HiDreamTrainer
 
 CAPTIONS = ["a red circle moving left", "a small dog walks on the beach at sunset"]
 
@@ -99,7 +101,7 @@ def test_variants_and_releases(fx):
 
 
 def test_wrong_files_are_refused_naming_what_they_are(fx, tmp_path):
-    from tuner.fixtures.flux import write_flux_fixture
+    from tuner.archs.flux.fixture import write_flux_fixture
 
     flux_paths = write_flux_fixture(tmp_path / "flux")
     with pytest.raises(CheckpointError, match="FLUX"):

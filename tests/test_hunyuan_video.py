@@ -10,15 +10,15 @@ from diffusers import HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 
-from tuner.errors import CheckpointError
-from tuner.fixtures import write_fixture
-from tuner.io import save_safetensors
-from tuner.models import hunyuan_video as hv
-from tuner.models.hunyuan_video_keys import (
+from tuner.archs.hunyuan_video import loaders as hv
+from tuner.archs.hunyuan_video.keys import (
     HUNYUAN_VIDEO_LAYOUT,
     transformer_to_diffusers,
     transformer_to_original,
 )
+from tuner.errors import CheckpointError
+from tuner.fixtures import write_fixture
+from tuner.io import save_safetensors
 from tuner.models.identify import pick_variant
 from tuner.models.loading import load_tensors, read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
@@ -312,7 +312,7 @@ def test_predict_matches_the_pipeline_transformer_call(paths, pipe):
 def test_two_euler_steps_of_the_trainer_match_the_pipeline(pipe):
     """The trainer's text encoding, collation, embedded guidance and timesteps, stepped with Euler, give
     the pipeline's latents (guidance 6, its own 256 text tokens and scheduler sigmas)."""
-    from tuner.trainers.hunyuan_video import HunyuanVideoTrainer
+    from tuner.archs.hunyuan_video.trainer import HunyuanVideoTrainer
 
     cfg = SimpleNamespace(model=SimpleNamespace(guidance=6.0), cache=SimpleNamespace(text_max_length=256))
     trainer = HunyuanVideoTrainer(cfg)

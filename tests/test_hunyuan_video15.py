@@ -17,11 +17,11 @@ from diffusers import (
 )
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
 
+from tuner.archs.hunyuan_video15 import loaders as hv
+from tuner.archs.hunyuan_video15.keys import HUNYUAN_VIDEO15_LAYOUT
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.io import save_safetensors
-from tuner.models import hunyuan_video15 as hv
-from tuner.models.hunyuan_video15_keys import HUNYUAN_VIDEO15_LAYOUT
 from tuner.models.identify import pick_variant
 from tuner.models.loading import load_tensors, read_tensor_shapes
 
@@ -259,7 +259,7 @@ def i2v_pipe(i2v_paths):
 
 
 def test_i2v_single_files_load_like_the_diffusers_folder(i2v_paths):
-    from tuner.models import hunyuan_video15_siglip as siglip
+    from tuner.archs.hunyuan_video15 import siglip
 
     root = i2v_paths["diffusers"]
     single = hv.load_transformer(i2v_paths["transformer_file"], torch.float32, "i2v")
@@ -282,7 +282,7 @@ def test_i2v_inputs_match_the_pipeline(i2v_paths, i2v_pipe):
     `prepare_cond_latents_and_mask` and its transformer call."""
     from PIL import Image
 
-    from tuner.models import hunyuan_video15_siglip as siglip
+    from tuner.archs.hunyuan_video15 import siglip
 
     pixels = torch.randint(0, 256, (32, 48, 3), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
     image = Image.fromarray(pixels.numpy())

@@ -10,11 +10,11 @@ import torch
 from diffusers import Kandinsky5T2VPipeline
 from safetensors.torch import load_file, save_file
 
+from tuner.archs.kandinsky5 import loaders as kandinsky5
+from tuner.archs.kandinsky5.fixture import build_kandinsky5_components, write_kandinsky5_fixture
+from tuner.archs.kandinsky5.trainer import Kandinsky5Trainer
 from tuner.errors import CheckpointError
-from tuner.fixtures.kandinsky5 import build_kandinsky5_components, write_kandinsky5_fixture
-from tuner.models import kandinsky5
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.kandinsky5 import Kandinsky5Trainer
 
 CAPTIONS = ["a red circle moving left", "a small dog walks on the beach at sunset"]
 

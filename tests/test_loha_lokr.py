@@ -260,8 +260,8 @@ def cached_project(tmp_path_factory, wan_model):
 def test_cli_trains_saves_and_reloads(overrides, cached_project, wan_model, tmp_path):
     from diffusers import WanTransformer3DModel
 
+    from tuner.archs.wan.loaders import original_module_name
     from tuner.cli import main
-    from tuner.models.wan import original_module_name
 
     out = tmp_path / "out"
     sets = [

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from project import output
+from tuner.archs.wan import loaders as wan
 from tuner.errors import CheckpointError
-from tuner.models import wan
 from tuner.networks import LoRANetwork, TargetSpec, apply_adapter_file
 from tuner.networks.formats import read_modules
 from tuner.registry import ARCHITECTURES

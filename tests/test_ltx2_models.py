@@ -9,11 +9,11 @@ import torch
 from diffusers import LTX2Pipeline
 from safetensors.torch import load_file, save_file
 
+from tuner.archs.ltx2 import loaders as ltx2
+from tuner.archs.ltx2.fixture import write_ltx2_fixture
+from tuner.archs.ltx2.trainer import LTX2Trainer
 from tuner.errors import CheckpointError
-from tuner.fixtures.ltx2 import write_ltx2_fixture
-from tuner.models import ltx2
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.ltx2 import LTX2Trainer
 
 CAPTIONS = ["a red circle moving left", "a small dog walks on the beach at sunset"]
 MAX_LENGTH = 16
@@ -74,12 +74,12 @@ def test_release_file_bundling_connectors_loads_and_another_architecture_is_name
     save_file({**tensors, **extra, "vae.per_channel_statistics.mean-of-means": torch.zeros(2)}, bundled)
     model = ltx2.load_transformer(bundled, torch.float32)
     assert model.config.num_layers == 2
-    from tuner.fixtures.wan import write_wan_fixture
+    from tuner.archs.wan.fixture import write_wan_fixture
 
     wan = write_wan_fixture(tmp_path / "wan")
     with pytest.raises(CheckpointError, match="not a LTX-2 transformer.*Wan 2.1 transformer"):
         ltx2.load_transformer(wan["transformer_file"], torch.float32)
-    from tuner.models import wan
+    from tuner.archs.wan import loaders as wan
 
     with pytest.raises(CheckpointError, match="LTX-2 transformer"):
         wan.load_transformer(fx["transformer_file"], torch.float32)

@@ -9,11 +9,12 @@ import torch
 from diffusers import LTXPipeline
 from safetensors.torch import load_file
 
+from tuner.archs.ltx2 import loaders as ltx2
+from tuner.archs.ltx_video import loaders as ltx_video
+from tuner.archs.ltx_video.fixture import write_ltx_video_fixture
+from tuner.archs.ltx_video.trainer import LTXVideoTrainer
 from tuner.errors import CheckpointError
-from tuner.fixtures.ltx_video import write_ltx_video_fixture
-from tuner.models import ltx2, ltx_video
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.ltx_video import LTXVideoTrainer
 
 CAPTIONS = ["a red circle moving left", "a small dog walks on the beach at sunset"]
 
@@ -42,7 +43,7 @@ def test_single_file_and_diffusers_folder_load_identical_weights(fx):
 
 
 def test_ltx2_and_ltx_video_files_are_named_to_each_other(fx, tmp_path):
-    from tuner.fixtures.ltx2 import write_ltx2_fixture
+    from tuner.archs.ltx2.fixture import write_ltx2_fixture
 
     other = write_ltx2_fixture(tmp_path / "ltx2")
     with pytest.raises(CheckpointError, match='an LTX-2 transformer .*architecture = "ltx2"'):
@@ -54,7 +55,7 @@ def test_ltx2_and_ltx_video_files_are_named_to_each_other(fx, tmp_path):
 def test_text_encoding_matches_the_pipeline(fx, pipe):
     from transformers import AutoTokenizer
 
-    from tuner.models.flux import load_t5
+    from tuner.archs.flux.loaders import load_t5
 
     t5, tokenizer_dir = load_t5(fx["diffusers"], torch.float32, "text_encoder", "tokenizer")
     embeds, mask = ltx_video.encode_prompts(

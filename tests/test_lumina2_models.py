@@ -10,13 +10,14 @@ import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
 from safetensors.torch import load_file, save_file
 
+from tuner.archs.flux import loaders as flux
+from tuner.archs.lumina2 import loaders as lumina2
+from tuner.archs.lumina2.fixture import write_lumina2_fixture
+from tuner.archs.lumina2.keys import transformer_to_original
+from tuner.archs.lumina2.trainer import Lumina2Trainer
 from tuner.errors import CheckpointError
-from tuner.fixtures.lumina2 import write_lumina2_fixture
-from tuner.models import flux, lumina2
 from tuner.models.identify import pick_variant
-from tuner.models.lumina2_keys import transformer_to_original
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.lumina2 import Lumina2Trainer
 
 CAPTIONS = ["a red circle", "a small dog walks on the beach at sunset"]
 
@@ -150,7 +151,7 @@ def test_shipped_configs_have_the_real_sizes():
 
 
 def test_flux_file_given_as_lumina2_and_back(fx, tmp_path):
-    from tuner.fixtures.flux import write_flux_fixture
+    from tuner.archs.flux.fixture import write_flux_fixture
 
     flux_paths = write_flux_fixture(tmp_path / "flux")
     with pytest.raises(CheckpointError, match=r"not a Lumina Image 2\.0 transformer.*FLUX"):

@@ -14,10 +14,10 @@ from project import wan_inputs
 from test_blockswap import add_lora, tiny_wan, train_step
 from test_fp8 import write_comfy_fp8
 from tuner import attention, fp8
+from tuner.archs.wan.keys import diffusers_module_name
 from tuner.errors import ConfigError, TunerError
 from tuner.fixtures.weights import fill_random_
 from tuner.memory import MemorySettings, apply_memory_settings, block_lists_of, quantize_text_encoder
-from tuner.models.wan_keys import diffusers_module_name
 from tuner.offload import FakeTransfer
 
 

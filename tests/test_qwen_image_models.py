@@ -16,13 +16,14 @@ from diffusers import (
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from tuner.archs.qwen_image import loaders as qwen_image
+from tuner.archs.qwen_image import text as qwen_image_text
+from tuner.archs.qwen_image.fixture import write_qwen_image_edit_fixture, write_qwen_image_fixture
+from tuner.archs.qwen_image.trainer import QwenImageEditTrainer, QwenImageTrainer
+from tuner.archs.wan.keys import vae_key_to_original
 from tuner.errors import CheckpointError
-from tuner.fixtures.qwen_image import write_qwen_image_edit_fixture, write_qwen_image_fixture
-from tuner.models import qwen_image, qwen_image_text
 from tuner.models.identify import pick_variant
-from tuner.models.wan_keys import vae_key_to_original
 from tuner.registry import ARCHITECTURES
-from tuner.trainers.qwen_image import QwenImageEditTrainer, QwenImageTrainer
 
 CAPTIONS = ["a red circle moving left", "a small dog walks on the beach at sunset"]
 

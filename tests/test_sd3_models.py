@@ -15,21 +15,21 @@ from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
 from test_fp8 import write_comfy_fp8_state
 from tuner import fp8
+from tuner.archs.flux import loaders as flux_models
+from tuner.archs.flux.keys import vae_to_original
+from tuner.archs.sd3 import loaders as sd3
+from tuner.archs.sd3.fixture import build_sd3_components, write_bundled_file
+from tuner.archs.sd3.keys import SD3_KEYS, SD3_LAYOUT, transformer_to_diffusers, transformer_to_original
+from tuner.archs.sd3.trainer import SD3Trainer
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
-from tuner.fixtures.sd3 import build_sd3_components, write_bundled_file
 from tuner.fixtures.weights import fill_random_
 from tuner.io import save_safetensors
-from tuner.models import flux as flux_models
-from tuner.models import sd3
-from tuner.models.flux_keys import vae_to_original
 from tuner.models.identify import check_keys, pick_variant
 from tuner.models.loading import load_tensors
-from tuner.models.sd3_keys import SD3_KEYS, SD3_LAYOUT, transformer_to_diffusers, transformer_to_original
 from tuner.networks import FullNetwork, LoRANetwork, TargetSpec
 from tuner.networks.targets import find_targets
 from tuner.registry import ARCHITECTURES, resolve_save_format
-from tuner.trainers.sd3 import SD3Trainer
 
 PROMPT = "a red circle on a black background"
 
@@ -351,7 +351,7 @@ def test_training_without_t5_says_so_once(paths, caplog):
         text_encoder=str(paths["text_encoder_file"]), text_encoder_2=str(paths["text_encoder_2_file"]),
         text_encoder_3="", tokenizer=str(paths["tokenizer"]), tokenizer_2=str(paths["tokenizer_2"]), tokenizer_3=""),
         cache=SimpleNamespace(text_encoder_blocks_to_swap=0)))  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="tuner.trainers.sd3"):
+    with caplog.at_level(logging.WARNING, logger="tuner.archs.sd3.trainer"):
         encoders = trainer.load_text_encoder(torch.device("cpu"), "float32")
     assert encoders.t5 is None
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1

@@ -12,20 +12,20 @@ import torch
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
 from project import cfg, make_cached_project
+from tuner.archs.flux.keys import vae_to_original
+from tuner.archs.sdxl import loaders as sdxl
+from tuner.archs.sdxl.keys import SDXL_LAYOUT, clip_g_to_diffusers, clip_g_to_original, unet_key_to_original
+from tuner.archs.sdxl.trainer import SDXLTrainer
 from tuner.config.schema import TimestepConfig
 from tuner.ddpm import DDPMObjective, objective_from_config, offset_noise, scheduler
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, encode_conditions, sample_latents
 from tuner.io import save_safetensors
-from tuner.models import sdxl
-from tuner.models.flux_keys import vae_to_original
 from tuner.models.identify import diffusers_meta_keys
 from tuner.models.loading import load_tensors
-from tuner.models.sdxl_keys import SDXL_LAYOUT, clip_g_to_diffusers, clip_g_to_original, unet_key_to_original
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
-from tuner.trainers.sdxl import SDXLTrainer
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_files_of_other_architectures_are_named(paths, tmp_path):
     flux_file = write_fixture("flux", tmp_path / "flux")["transformer_file"]
     with pytest.raises(CheckpointError, match="FLUX"):
         sdxl.load_unet(flux_file, torch.float32)
-    from tuner.models import flux
+    from tuner.archs.flux import loaders as flux
 
     with pytest.raises(CheckpointError, match='model.architecture = "sdxl"'):
         flux.load_transformer(paths["bundled_file"], torch.float32)

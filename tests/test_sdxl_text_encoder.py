@@ -13,13 +13,13 @@ from diffusers import StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
 from project import cfg, killed_at_first_save, make_cached_project, make_project, run
+from tuner.archs.sdxl import loaders as sdxl
+from tuner.archs.sdxl.trainer import TEXT_ENCODER_TARGETS, SDXLTrainer
 from tuner.cache.commands import cache_text
 from tuner.cli import main as tuner
 from tuner.fixtures import write_fixture
-from tuner.models import sdxl
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
-from tuner.trainers.sdxl import TEXT_ENCODER_TARGETS, SDXLTrainer
 
 TEXT = ("network.train_text_encoder=true", "network.text_encoder_lr=5e-3")
 QUIET = ("log.tensorboard=false", "train.lr_warmup_steps=0")
@@ -107,8 +107,8 @@ def test_text_encoder_learning_rate_has_its_own_groups(project, paths):
 
 
 def test_text_encoder_training_is_refused_for_a_full_fine_tune_and_other_models(project):
+    from tuner.archs.wan.trainer import WanTrainer
     from tuner.errors import ConfigError
-    from tuner.trainers.wan import WanTrainer
 
     with pytest.raises(ConfigError, match="train_text_encoder"):
         cache_text(cfg(project, "network.type='full'", *TEXT))

@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 from project import cfg, make_cached_project, run, train_wan
 from test_ddp import _free_port
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.errors import TrainingStopped
 from tuner.trainers import state
 from tuner.trainers.checkpoints import Checkpoints
 from tuner.trainers.metrics import MetricsFile
-from tuner.trainers.wan import WanTrainer
 
 STEPS = 10
 # samples at every step slow the run down enough to signal it mid-run on a busy machine; they draw nothing

@@ -9,9 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from project import cfg, make_project, run
+from tuner.archs.wan.trainer import WanTrainer
 from tuner.models.loading import read_tensor_shapes
 from tuner.trainers.checkpoints import Checkpoints
-from tuner.trainers.wan import WanTrainer
 
 
 @pytest.fixture(scope="module")

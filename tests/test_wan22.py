@@ -15,13 +15,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from project import cfg, contract_inputs, killed_at_first_save, make_cached_project, make_project, run
+from tuner.archs.wan import loaders as wan
+from tuner.archs.wan.experts import TimestepExperts, expert_file
+from tuner.archs.wan.trainer_wan22 import Wan22T2VTrainer, WanExpertsTrainer
 from tuner.cli import main
 from tuner.errors import CheckpointError, ConfigError
-from tuner.experts import TimestepExperts, expert_file
 from tuner.fixtures import write_fixture
-from tuner.models import wan
 from tuner.trainers import trainer_class
-from tuner.trainers.wan22 import Wan22T2VTrainer, WanExpertsTrainer
 
 QUIET = ("log.tensorboard=false",)
 BOTH = ("model.expert='both'", "model.boundary=0.5")  # a boundary both experts see early in the tiny run

@@ -16,14 +16,14 @@ from safetensors import safe_open
 
 from project import cfg, make_cached_project, run
 from test_wan22 import BOTH, QUIET, check_both_experts_resume_exactly
+from tuner.archs.wan import loaders as wan
+from tuner.archs.wan.trainer_i2v import LatentEncoders, frame_mask
+from tuner.archs.wan.trainer_wan22 import Wan22I2VTrainer
 from tuner.cache.plan import latent_encoder, open_training_data
 from tuner.data.media import to_tensor
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
-from tuner.models import wan
 from tuner.trainers import trainer_class
-from tuner.trainers.wan22 import Wan22I2VTrainer
-from tuner.trainers.wan_i2v import LatentEncoders, frame_mask
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,16 @@ from PIL import Image
 
 from project import cfg, make_cached_project, make_project, run
 from test_first_frame_conditioning import sample_from_first_frame
+from tuner.archs.wan import loaders as wan
+from tuner.archs.wan.keys import vae22_key_to_original
+from tuner.archs.wan.trainer_ti2v import Wan22TI2VTrainer
+from tuner.archs.wan.wan22_vae import VAE22_VARIANTS, vae_generation
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, check_options
-from tuner.models import wan
 from tuner.models.identify import diffusers_meta_keys
-from tuner.models.wan22_vae import VAE22_VARIANTS, vae_generation
-from tuner.models.wan_keys import vae22_key_to_original
 from tuner.timesteps import flow_loss
 from tuner.trainers import trainer_class
-from tuner.trainers.wan22_ti2v import Wan22TI2VTrainer
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,18 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from project import cfg, make_project, run
+from tuner.archs.wan import loaders as wan
+from tuner.archs.wan.keys import original_module_name
+from tuner.archs.wan.trainer_i2v import LatentEncoders, WanFLF2VTrainer, frame_mask
 from tuner.cache.plan import latent_encoder
 from tuner.data.media import to_tensor
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
-from tuner.models import clip_vision, wan
+from tuner.models import clip_vision
 from tuner.models.identify import diffusers_meta_keys, pick_variant
-from tuner.models.wan_keys import original_module_name
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
 from tuner.trainers import trainer_class
-from tuner.trainers.wan_i2v import LatentEncoders, WanFLF2VTrainer, frame_mask
 
 ARCHS = ("wan_i2v", "wan_flf2v")
 

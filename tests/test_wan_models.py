@@ -10,12 +10,12 @@ from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 from transformers import UMT5Config, UMT5EncoderModel
 
+from tuner.archs.wan import loaders as wan
+from tuner.archs.wan.fixture import write_wan_fixture
+from tuner.archs.wan.keys import diffusers_module_name, original_module_name, vae_key_to_original
 from tuner.errors import CheckpointError
-from tuner.fixtures.wan import write_wan_fixture
-from tuner.models import wan
 from tuner.models.identify import pick_variant
 from tuner.models.loading import read_safetensors_header
-from tuner.models.wan_keys import diffusers_module_name, original_module_name, vae_key_to_original
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,12 @@ import pytest
 import torch
 from diffusers import ZImagePipeline
 
+from tuner.archs.flux import loaders as flux
+from tuner.archs.z_image import loaders as z_image
+from tuner.archs.z_image import text as z_image_text
+from tuner.archs.z_image.fixture import build_z_image_components, write_z_image_fixture
 from tuner.errors import CheckpointError
-from tuner.fixtures.z_image import build_z_image_components, write_z_image_fixture
 from tuner.io import save_safetensors
-from tuner.models import flux, z_image, z_image_text
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
@@ -102,7 +104,7 @@ def test_real_variants_are_told_apart_by_name_only(monkeypatch):
 
 def test_another_architecture_is_refused_by_name(fixture, tmp_path):
     """A FLUX.1 file given to z_image is named as FLUX; a Z-Image file given to flux names z_image."""
-    from tuner.fixtures.flux import write_flux_fixture
+    from tuner.archs.flux.fixture import write_flux_fixture
 
     paths = write_flux_fixture(tmp_path / "flux")
     with pytest.raises(CheckpointError, match="not a Z-Image transformer.*FLUX"):
@@ -132,7 +134,7 @@ def test_prompts_encode_as_the_pipeline_does(pipeline):
 def test_predict_matches_the_pipelines_transformer_call(pipeline, fixture):
     """Every transformer call of a 3-step pipeline run, redone by the trainer's `predict` from the
     noisy latents and the pipeline's t: the model's output is minus the velocity at t = 1 - timestep."""
-    from tuner.trainers.z_image import ZImageTrainer
+    from tuner.archs.z_image.trainer import ZImageTrainer
 
     pipe, parts = pipeline
     calls = []

@@ -16,14 +16,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from project import cfg, make_cached_project
+from tuner.archs.z_image.loaders import load_transformer
+from tuner.archs.z_image.trainer import ZImageTrainer
 from tuner.config import load_config
 from tuner.errors import ConfigError
 from tuner.fixtures import write_fixture
-from tuner.models.z_image import load_transformer
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
 from tuner.tools.merge import merge_adapters
-from tuner.trainers.z_image import ZImageTrainer
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +151,10 @@ def test_two_expert_models_refuse_merge_adapters():
     """Which expert would an adapter go into? Two-expert models are told to merge into each file."""
     from types import SimpleNamespace
 
+    from tuner.archs.wan.trainer_wan22 import Wan22T2VTrainer
     from tuner.config.schema import ModelConfig
     from tuner.errors import TrainingError
     from tuner.registry import architecture
-    from tuner.trainers.wan22 import Wan22T2VTrainer
 
     trainer = Wan22T2VTrainer.__new__(Wan22T2VTrainer)
     model = ModelConfig(

@@ -37,7 +37,7 @@ from tuner.models.loading import (
     resolve_folder,
 )
 
-# transformers is imported where a model is built: importing it costs seconds (see tuner.models.wan)
+# transformers is imported where a model is built: importing it costs seconds (see tuner.archs.wan.loaders)
 if TYPE_CHECKING:
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 

@@ -1,0 +1,46 @@
+"""Chroma (text to image) on diffusers' ChromaTransformer2DModel: FLUX.1 with T5 as its only text
+encoder and a guidance approximator in place of the modulation linears.
+
+Everything about latents is FLUX.1's (the same VAE, 2×2 packing, `flux_shift`), so this is the FLUX.1
+trainer with its own transformer, text encoder and model call. Text: T5-XXL's hidden states under the
+tokenizer's attention mask, cut to the rows the transformer sees (the prompt's tokens and one padding
+token; see `tuner.archs.chroma.loaders`). Chroma has no guidance embedding, so `model.guidance` is not used;
+generation applies real classifier-free guidance with the negative prompt, as ChromaPipeline does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.archs.chroma import loaders as chroma
+from tuner.archs.flux.trainer import FluxTrainer
+from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.trainers.base import NetworkTrainer
+
+
+class ChromaTrainer(FluxTrainer):
+    architecture = "chroma"
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return chroma.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> chroma.TextEncoder:
+        encoder = chroma.load_text_encoder(
+            self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
+        )
+        place_text_encoder(encoder.t5, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoder
+
+    def encode_text(
+        self, encoder: chroma.TextEncoder, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
+        return chroma.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return chroma.collate(entries)
+
+    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return chroma.predict_velocity(model, noisy, t, cond["t5"], cond["t5_mask"])

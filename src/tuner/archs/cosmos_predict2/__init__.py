@@ -1,0 +1,1 @@
+"""The cosmos_predict2 family: its record(s), trainer(s), loaders, key layout, fixture and variant configs."""

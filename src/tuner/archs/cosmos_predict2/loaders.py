@@ -1,0 +1,404 @@
+"""Cosmos-Predict2 text-to-image (2B, 14B): loading its models and turning captions into model inputs.
+
+NVIDIA's Cosmos-Predict2 is a DiT (`CosmosTransformer3DModel`, blocks `transformer_blocks`) over the
+latents of the **Wan 2.1 VAE** (`tuner.archs.wan.loaders.load_vae` / `encode_video`; the pipeline scales the
+normalized latents by `sigma_data` = 1.0, so they are exactly Wan's) with **T5-11B** text embeddings
+(google-t5/t5-11b: d_model 1024, ReLU FFN; ComfyUI calls it `oldt5_xxl`). Loaders take either layout:
+
+* transformer: a diffusers folder (`nvidia/Cosmos-Predict2-2B-Text2Image`'s `transformer/`, or the
+  pipeline root), or the release's single file (`net.blocks.0.self_attn.q_proj.weight`, ...; NVIDIA's
+  `model.pt` converted to safetensors, or ComfyUI's `cosmos_predict2_2B_t2i.safetensors`; with or without
+  `net.` / `model.diffusion_model.`; scaled-fp8 files are dequantized). 2B and 14B are told apart by
+  shapes, and so is Video2World (`Cosmos-Predict2-*-Video2World`, ComfyUI's
+  `cosmos_predict2_2B_video2world_480p_16fps.safetensors`: one more input channel, the condition mask),
+  which architecture `cosmos_predict2_v2w` trains; each architecture refuses the other's files, and Cosmos
+  1.0 and Predict2.5 files are named and refused. Video2World's 480p and 720p (and 10 / 16 fps) files
+  hold the same network with the same RoPE scale (NVIDIA's `config_video2world.py` sets one
+  `rope_*_extrapolation_ratio` per model size, whatever the resolution; diffusers' converter and
+  ComfyUI agree): 2B (1, 3, 3), 14B (20/24, 2, 2);
+* T5-11B: a diffusers folder (`text_encoder/`) or a single file in transformers' T5 layout.
+
+**The padding mask.** Every released config sets `concat_padding_mask=True`: the patch embedding takes
+one more input channel, a mask of padded pixels resized to the latent grid. Both diffusers pipelines pass
+an all-zero mask (`latents.new_zeros(1, 1, height, width)`), and so does training on unpadded images.
+diffusers resizes the mask with torchvision, which cannot be imported beside this torch, so the model is
+built with the mask channel as an ordinary input channel (`in_channels + 1`, `concat_padding_mask=False`;
+the weights and their names are unchanged) and `predict_velocity` appends the zero channel itself.
+
+**The parameterization.** Cosmos2TextToImagePipeline runs an EDM-style loop on σ ∈ [0.002, 80] and
+calls the transformer on `c_in · x_σ` at timestep `t = σ / (1 + σ)` with `c_in = 1 − t`, then takes
+`x̂0 = c_skip · x_σ + c_out · F` with `c_skip = 1 − t`, `c_out = −t`. With `x_σ = x0 + σ ε` that input is
+`(1 − t) x0 + t ε`, exactly tuner's `x_t`, and `x̂0 = x_t − t F`: the network output F *is* the
+flow-matching velocity ε − x0. So the model is called on `x_t` at `timestep = t` (in [0, 1], not ×1000)
+and its output returned as is; `tests/test_cosmos_predict2_models.py` pins this against the pipeline's
+own step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuner.archs.cosmos_predict2.keys import (
+    RELEASE_PREFIX,
+    is_release_only,
+    transformer_key_to_original,
+    transformer_to_diffusers,
+)
+from tuner.archs.flux.loaders import T5_TIED_EMBEDDING, t5_keys
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    apply_aliases,
+    check_keys,
+    diffusers_meta_keys,
+    pick_variant,
+    wrong_architecture,
+)
+from tuner.models.loading import (
+    cast_like_from_pretrained_,
+    load_tensors,
+    load_tensors_of,
+    load_tokenizer,
+    normalize_shapes,
+    normalize_state_dict,
+    read_folder_config,
+    read_tensor_shapes,
+    resolve_folder,
+)
+
+if TYPE_CHECKING:
+    from diffusers import CosmosTransformer3DModel
+    from transformers import PreTrainedTokenizerBase, T5EncoderModel
+
+CONFIGS = Path(__file__).parent / "configs"
+SIGMA_DATA = 1.0  # Cosmos2TextToImagePipeline.sigma_data: normalized latents are multiplied by it
+
+# ---------------------------------------------------------------------------------------------------
+# Known variants (release names without `net.`; `None`: the tensor must be absent)
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_VARIANTS = (
+    Variant(  # nvidia/Cosmos-Predict2-2B-Text2Image: 16 heads of 128, 28 blocks, 16 + 1 input channels
+        "2B-t2i",
+        CONFIGS / "transformer" / "2B-t2i",
+        {
+            "x_embedder.proj.1.weight": (2048, 68),
+            "blocks.0.cross_attn.k_proj.weight": (2048, 1024),
+            "blocks.27.mlp.layer1.weight": (8192, 2048),
+            "blocks.28.mlp.layer1.weight": None,
+        },
+    ),
+    Variant(  # nvidia/Cosmos-Predict2-14B-Text2Image: 40 heads of 128, 36 blocks
+        "14B-t2i",
+        CONFIGS / "transformer" / "14B-t2i",
+        {
+            "x_embedder.proj.1.weight": (5120, 68),
+            "blocks.0.cross_attn.k_proj.weight": (5120, 1024),
+            "blocks.35.mlp.layer1.weight": (20480, 5120),
+            "blocks.36.mlp.layer1.weight": None,
+        },
+    ),
+    Variant(  # nvidia/Cosmos-Predict2-2B-Video2World (480p and 720p): 16 + 1 condition mask + 1 padding mask
+        "2B-v2w",
+        CONFIGS / "transformer" / "2B-v2w",
+        {
+            "x_embedder.proj.1.weight": (2048, 72),
+            "blocks.0.cross_attn.k_proj.weight": (2048, 1024),
+            "blocks.27.mlp.layer1.weight": (8192, 2048),
+            "blocks.28.mlp.layer1.weight": None,
+        },
+    ),
+    Variant(  # nvidia/Cosmos-Predict2-14B-Video2World (480p and 720p)
+        "14B-v2w",
+        CONFIGS / "transformer" / "14B-v2w",
+        {
+            "x_embedder.proj.1.weight": (5120, 72),
+            "blocks.0.cross_attn.k_proj.weight": (5120, 1024),
+            "blocks.35.mlp.layer1.weight": (20480, 5120),
+            "blocks.36.mlp.layer1.weight": None,
+        },
+    ),
+    Variant(  # the Video2World test fixture (tuner.fixtures.cosmos_predict2_v2w)
+        "tiny-v2w",
+        CONFIGS / "transformer" / "tiny-v2w",
+        {
+            "x_embedder.proj.1.weight": (64, 72),
+            "blocks.0.cross_attn.k_proj.weight": (64, 64),
+            "blocks.1.mlp.layer1.weight": (256, 64),
+            "blocks.2.mlp.layer1.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.cosmos_predict2.fixture): 2 heads of 32, 2 blocks, text dim 64
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "x_embedder.proj.1.weight": (64, 68),
+            "blocks.0.cross_attn.k_proj.weight": (64, 64),
+            "blocks.1.mlp.layer1.weight": (256, 64),
+            "blocks.2.mlp.layer1.weight": None,
+        },
+    ),
+)
+
+# Relatives a user may point to by mistake: (marker key without `net.`, what it is)
+_OTHER_COSMOS = (
+    ("blocks.block1.blocks.0.block.attn.to_q.0.weight", "a Cosmos 1.0 Diffusion transformer"),
+    ("crossattn_proj.0.weight", "a Cosmos-Predict2.5 transformer"),
+)
+# latent input channels of the released configs (`in_channels`): Video2World adds the condition mask
+_T2I_CHANNELS, _V2W_CHANNELS = 16, 17
+_ARCHITECTURE = {False: "cosmos_predict2", True: "cosmos_predict2_v2w"}
+_MODEL = {False: "Text2Image", True: "Video2World"}
+
+_ORIGINAL_MARKERS = ("x_embedder.proj.1.weight", "blocks.0.self_attn.q_proj.weight")
+_DIFFUSERS_MARKERS = ("patch_embed.proj.weight", "transformer_blocks.0.attn1.to_q.weight")
+
+
+def _transformer_keys(variant: Variant) -> set[str]:
+    from diffusers import CosmosTransformer3DModel
+
+    return {
+        transformer_key_to_original(k)
+        for k in diffusers_meta_keys(CosmosTransformer3DModel, variant.config_dir)
+    }
+
+
+T5_VARIANTS = (
+    Variant(  # google-t5/t5-11b's encoder (Cosmos-Predict2's text_encoder/; ComfyUI's oldt5_xxl_*.safetensors)
+        "t5-11b",
+        CONFIGS / "text_encoder" / "t5-11b",
+        {
+            "shared.weight": (32128, 1024),
+            "encoder.block.23.layer.1.DenseReluDense.wi.weight": (65536, 1024),
+            "encoder.block.24.layer.1.DenseReluDense.wi.weight": None,
+        },
+    ),
+    Variant(
+        "tiny",
+        CONFIGS / "text_encoder" / "tiny",
+        {
+            "shared.weight": (512, 64),
+            "encoder.block.1.layer.1.DenseReluDense.wi.weight": (128, 64),
+            "encoder.block.2.layer.1.DenseReluDense.wi.weight": None,
+        },
+    ),
+)
+# The encoder's embedding is tied to `shared`; single files may store either or both.
+T5_SPEC = SingleFileSpec(
+    what="T5-11B text encoder",
+    variants=T5_VARIANTS,
+    expected_keys=t5_keys,
+    # T5 v1.0's ReLU feed-forward (`wi`); T5 v1.1 / UMT5 (FLUX.1, Wan) have the gated `wi_0` / `wi_1`
+    original_markers=("shared.weight", "encoder.block.0.layer.1.DenseReluDense.wi.weight"),
+    aliases=T5_TIED_EMBEDDING,
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Transformer
+# ---------------------------------------------------------------------------------------------------
+
+
+def release_keys(names) -> dict[str, str]:
+    """Map each network key of a release file (or ComfyUI's) to the stored key: `net.` and ComfyUI
+    prefixes stripped, buffers and counters that hold no weight left out."""
+    out = {}
+    for key, stored in _strip_prefixes(names).items():
+        if not is_release_only(key):
+            out[key] = stored
+    return out
+
+
+def _strip_prefixes(names) -> dict[str, str]:
+    normalized = {k: k for k in names}
+    if any(k.startswith(RELEASE_PREFIX) for k in normalized):
+        normalized = {k.removeprefix(RELEASE_PREFIX): k for k in normalized if k.startswith(RELEASE_PREFIX)}
+    return normalized
+
+
+def identify_transformer(path: str | Path) -> Variant:
+    """The variant of a single transformer file, from its header; a file of another model is refused
+    naming what it is."""
+    stored = normalize_shapes(read_tensor_shapes(path))
+    shapes = {k: stored[s] for k, s in release_keys(stored).items()}
+    for marker, what in _OTHER_COSMOS:
+        if marker in shapes:
+            raise CheckpointError(f"{path}: this is {what}, which tuner does not train (yet).")
+    if all(k in shapes for k in _DIFFUSERS_MARKERS):
+        shapes = {_original_or_keep(k): v for k, v in shapes.items()}
+    elif not all(k in shapes for k in _ORIGINAL_MARKERS):
+        raise wrong_architecture(path, shapes, "Cosmos-Predict2 transformer", _ORIGINAL_MARKERS)
+    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, "Cosmos-Predict2 transformer")
+    check_keys(_transformer_keys(variant), shapes, path, f"Cosmos-Predict2 transformer {variant.name}")
+    return variant
+
+
+def _original_or_keep(key: str) -> str:
+    try:
+        return transformer_key_to_original(key)
+    except KeyError:  # left as is, so that check_keys reports it as unexpected
+        return key
+
+
+def is_video2world(variant: Variant) -> bool:
+    return variant.name.endswith("-v2w")
+
+
+def _check_model(path, video2world: bool, wanted: bool) -> None:
+    if video2world != wanted:
+        raise CheckpointError(
+            f"{path}: this is a Cosmos-Predict2 {_MODEL[video2world]} transformer; train it with "
+            f'architecture = "{_ARCHITECTURE[video2world]}" ("{_ARCHITECTURE[wanted]}" takes '
+            f"{_MODEL[wanted]} checkpoints)."
+        )
+
+
+def load_transformer(
+    path: str | Path, dtype: torch.dtype, video2world: bool = False
+) -> CosmosTransformer3DModel:
+    """The Cosmos-Predict2 Text2Image (or, with `video2world`, Video2World) transformer from a diffusers
+    folder or a single file, in eval mode, with its padding-mask channel taken as an ordinary input
+    channel (see the module docstring). A checkpoint of the other model is refused naming its architecture."""
+    folder = resolve_folder(path, "transformer")
+    if folder is not None:
+        config = read_folder_config(folder)
+        if config.get("_class_name") != "CosmosTransformer3DModel":
+            raise CheckpointError(
+                f"{folder}: config.json describes a {config.get('_class_name')!r}, not a CosmosTransformer3DModel."
+            )
+        if (
+            config.get("in_channels") not in (_T2I_CHANNELS, _V2W_CHANNELS)
+            or config.get("img_context_dim_in")
+            or config.get("use_crossattn_projection")
+        ):
+            raise CheckpointError(
+                f"{folder}: not a Cosmos-Predict2 transformer (in_channels {config.get('in_channels')}; "
+                "Predict2.5 is not supported yet)."
+            )
+        _check_model(folder, config["in_channels"] == _V2W_CHANNELS, video2world)
+        files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder}: no diffusion_pytorch_model*.safetensors in it.")
+        return build_transformer(config, load_tensors_of(files), dtype, folder)
+    variant = identify_transformer(path)
+    _check_model(path, is_video2world(variant), video2world)
+    stored = normalize_state_dict(load_tensors(path), dtype)
+    tensors = {k: stored[s] for k, s in release_keys(stored).items()}
+    if all(k in tensors for k in _ORIGINAL_MARKERS):
+        tensors = transformer_to_diffusers(tensors)
+    config = read_folder_config(variant.config_dir)
+    return build_transformer(config, tensors, dtype, Path(path))
+
+
+def build_transformer(
+    config: dict, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, path: Path
+) -> CosmosTransformer3DModel:
+    """A CosmosTransformer3DModel of `config` holding exactly `state_dict` (diffusers keys), its padding
+    mask an input channel, cast the way `from_pretrained` casts."""
+    from accelerate import init_empty_weights
+    from diffusers import CosmosTransformer3DModel
+
+    config = mask_as_input_channel(config)
+    with init_empty_weights():
+        model = CosmosTransformer3DModel.from_config(config)
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: cannot be loaded as a CosmosTransformer3DModel: {e}") from None
+    cast_like_from_pretrained_(model, dtype)
+    return model.eval()
+
+
+def mask_as_input_channel(config: dict) -> dict:
+    """A released config with its padding-mask channel as one more ordinary input channel (same weight
+    shapes and names; no torchvision resize in the forward pass)."""
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    if config.get("concat_padding_mask", True):
+        config.update(in_channels=config.get("in_channels", 16) + 1, concat_padding_mask=False)
+    return config
+
+
+def predict_velocity(
+    model: CosmosTransformer3DModel, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor
+) -> torch.Tensor:
+    """The velocity ε − x0 at `x_t` = `noisy` [B, 16, F, H, W], t ∈ [0, 1] [B], given T5 rows [B, L, 1024]
+    zero-padded as the pipeline pads them (see the module docstring)."""
+    b, c, f, h, w = noisy.shape
+    mask_channels = model.config.in_channels - c  # the all-zero padding mask the pipelines pass
+    inputs = torch.cat([noisy, noisy.new_zeros(b, mask_channels, f, h, w)], dim=1)
+    return model(
+        hidden_states=inputs,
+        timestep=t.to(noisy.dtype),
+        encoder_hidden_states=context.to(noisy.dtype),
+        return_dict=False,
+    )[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_text_encoder(
+    path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype
+) -> tuple[T5EncoderModel, PreTrainedTokenizerBase]:
+    """T5-11B and its tokenizer (`tokenizer_path`, else the pipeline's `tokenizer/` beside a diffusers
+    `text_encoder/`), in eval mode."""
+    from transformers import T5Config, T5EncoderModel
+
+    folder = resolve_folder(path, "text_encoder")
+    if folder is not None:
+        config = read_folder_config(folder)
+        if config.get("model_type") != "t5":
+            raise CheckpointError(f"{folder}: config.json does not describe a T5 encoder (model_type 't5').")
+        try:
+            model = T5EncoderModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: cannot be loaded as a T5 encoder: {e}") from None
+        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
+            tokenizer_path = folder.parent / "tokenizer"
+    else:
+        from tuner.models.identify import identify_single_file
+
+        variant = identify_single_file(path, T5_SPEC)
+        state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_TIED_EMBEDDING)
+        config = T5Config.from_pretrained(variant.config_dir)
+        model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    what = "T5 tokenizer (the tokenizer/ folder of a Cosmos-Predict2 diffusers release, or google-t5/t5-11b)"
+    return model.eval(), load_tokenizer(tokenizer_path, path, what)
+
+
+@torch.no_grad()
+def encode_prompts(
+    text_encoder: T5EncoderModel,
+    tokenizer: PreTrainedTokenizerBase,
+    captions: list[str],
+    max_length: int = 512,
+) -> list[torch.Tensor]:
+    """T5 embeddings of each caption at its true token length (with `</s>`): one [n, 1024] tensor each.
+
+    As Cosmos2TextToImagePipeline: padded to `max_length` tokens and encoded with the attention mask;
+    the pipeline then zeroes the rows past the prompt and gives the transformer all `max_length` rows
+    without a mask, so whoever batches these must zero-pad them to `max_length` (`collate`).
+    """
+    device = text_encoder.device
+    tokens = tokenizer(
+        captions, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+    )
+    mask = tokens.attention_mask.bool().to(
+        device
+    )  # boolean, as the pipeline passes it (same rows, bit for bit)
+    hidden = text_encoder(tokens.input_ids.to(device), attention_mask=mask).last_hidden_state
+    return [h[:n].clone() for h, n in zip(hidden, mask.sum(dim=1).tolist())]
+
+
+def collate(contexts: list[torch.Tensor], max_length: int = 512) -> torch.Tensor:
+    """[B, max_length, D]: each caption's rows followed by zero rows, as the pipeline feeds them."""
+    out = contexts[0].new_zeros(len(contexts), max_length, contexts[0].shape[-1])
+    for i, ctx in enumerate(contexts):
+        ctx = ctx[:max_length]
+        out[i, : ctx.shape[0]] = ctx
+    return out

@@ -1,0 +1,49 @@
+"""The flux family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tuner.archs.record import Architecture
+
+FLUX = Architecture(
+    name="flux",
+    title="FLUX.1 dev text-to-image",
+    trainer="tuner.archs.flux.trainer:FluxTrainer",
+    layout="tuner.archs.flux.keys:FLUX_LAYOUT",
+    fixture="tuner.archs.flux.fixture:FIXTURE",
+    model_class="FluxTransformer2DModel",
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP input and
+    # output of the single blocks: together the original fused `qkv` and `linear1` layers, so the export
+    # can fuse them. Modulations, norms and embedders are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+        r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
+    ),
+    configs="flux",
+    # FLUX.1-schnell's (the same CLIP-L and T5-XXL tokenizers as dev's, in a repository that is not gated)
+    tokenizers=(
+        ("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer"),
+        ("tokenizer_2", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),
+    ),
+    hub_repos=(("dev", "black-forest-labs/FLUX.1-dev"),),
+    # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
+    # the comfy layout's `diffusion_model.` FLUX names with only a warning)
+    save_format="kohya",
+)
+
+
+RECORDS = (
+    FLUX,
+    # FLUX.1 Kontext: the dev network given a reference image; same module names
+    replace(
+        FLUX,
+        name="flux_kontext",
+        hub_repos=(("dev", "black-forest-labs/FLUX.1-Kontext-dev"),),
+        title="FLUX.1 Kontext dev image editing (one reference image)",
+        trainer="tuner.archs.flux.trainer:FluxKontextTrainer",
+        fixture="tuner.archs.flux.fixture:KONTEXT_FIXTURE",
+    ),
+)

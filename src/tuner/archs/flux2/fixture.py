@@ -1,0 +1,193 @@
+"""Tiny random-weight FLUX.2 dev and klein models, written in both layouts users have.
+
+Built from the `tiny` configs shipped with `tuner.archs.flux2.loaders` (transformer: 2 heads of 32, one double
+and one single block, rotary axes 4 × 8, text width 3 · 32; VAE: widths 32-64 with the real 8×
+compression, 32 latent channels and the 2×2 patch / BatchNorm normalization; Mistral: 30 layers of
+width 32, so the pipeline's layers 10, 20, 30 exist), so loaders recognise them like real checkpoints.
+The diffusers folder's text encoder is a Mistral3ForConditionalGeneration with a tiny Pixtral vision
+tower, as the release's is; the tokenizer is a byte-level BPE with Mistral's control tokens and chat
+format (`tuner.fixtures.tokenizers.build_mistral_tokenizer`). klein: the same network without the guidance
+embedding (`tiny-klein`) and a Qwen3ForCausalLM of 27 layers of width 32 (the pipeline reads the 27th)
+with a Qwen2-vocabulary tokenizer in Qwen3's chat format; its files are `flux-2-klein_tiny.safetensors`
+and `qwen_3_tiny.safetensors` (`model.*`, `lm_head.weight`) and the folder is a Flux2KleinPipeline's.
+
+    out_dir/
+      diffusers/                      what `Flux2Pipeline.from_pretrained` loads
+        model_index.json  transformer/  vae/  text_encoder/  tokenizer/  scheduler/
+      single/
+        flux2-dev_tiny.safetensors    BFL keys (double_blocks.0.img_attn.qkv.weight, single_blocks.0.linear1...)
+        flux2-vae.safetensors         the LDM layout (encoder.down.0..., encoder.quant_conv, bn.running_mean)
+        mistral_3_small_tiny.safetensors  the language model as transformers 4 named it (language_model.model.*)
+        tokenizer/
+
+Both layouts hold the same float32 weights (BatchNorm statistics included, drawn away from 0 / 1 so the
+normalization is exercised).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLFlux2,
+    FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
+)
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+from transformers import (
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    MistralConfig,
+    PixtralVisionConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tuner.archs.flux2.keys import transformer_to_original, vae_to_original
+from tuner.archs.flux2.loaders import TRANSFORMER_VARIANTS, VAE_VARIANTS
+from tuner.archs.flux2.text import MISTRAL, QWEN3
+from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures.tokenizers import build_mistral_tokenizer, build_qwen3_tokenizer
+from tuner.fixtures.weights import fill_random_
+from tuner.io import save_safetensors
+
+TRANSFORMER_FILE = "flux2-dev_tiny.safetensors"
+VAE_FILE = "flux2-vae.safetensors"
+TEXT_ENCODER_FILE = "mistral_3_small_tiny.safetensors"
+KLEIN_FILE = "flux-2-klein_tiny.safetensors"
+QWEN3_FILE = "qwen_3_tiny.safetensors"
+
+# FLUX.2-dev's scheduler_config.json: flow-matching Euler, the pipeline passes its own empirical μ.
+SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+
+
+def _tiny(variants, name: str = "tiny") -> Path:
+    return next(v.config_dir for v in variants if v.name == name)
+
+
+def build_flux2_components(seed: int = 0, klein: bool = False) -> dict:
+    """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments of
+    `Flux2Pipeline` (or, with `klein`, `Flux2KleinPipeline`): transformer, vae, text_encoder, tokenizer,
+    scheduler."""
+    text_config = MistralConfig.from_pretrained(_tiny(MISTRAL.variants))
+    vision_config = PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, head_dim=32,
+        image_size=64, patch_size=16,
+    )  # fmt: skip
+    config = Mistral3Config(
+        text_config=text_config.to_dict(), vision_config=vision_config.to_dict(), image_token_index=8,
+        spatial_merge_size=2,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
+        transformer = Flux2Transformer2DModel.from_config(
+            Flux2Transformer2DModel.load_config(
+                _tiny(TRANSFORMER_VARIANTS, "tiny-klein" if klein else "tiny")
+            )
+        )
+        vae = AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(_tiny(VAE_VARIANTS)))
+        if klein:
+            text_encoder = Qwen3ForCausalLM(Qwen3Config.from_pretrained(_tiny(QWEN3.variants, "tiny-qwen3")))
+        else:
+            text_encoder = Mistral3ForConditionalGeneration(config)
+    fill_random_(transformer, seed)
+    fill_random_(vae, seed + 1)
+    fill_random_(text_encoder, seed + 2)
+    generator = torch.Generator().manual_seed(seed + 3)
+    channels = vae.bn.running_mean.shape[0]
+    vae.bn.running_mean.copy_(0.3 * torch.randn(channels, generator=generator))
+    vae.bn.running_var.copy_(0.5 + torch.rand(channels, generator=generator))
+    if klein:
+        tokenizer = build_qwen3_tokenizer()
+        assert len(tokenizer) <= text_encoder.config.vocab_size, "the tiny vocabulary outgrew the tiny config"
+    else:
+        tokenizer = build_mistral_tokenizer([SYSTEM_MESSAGE], vocab_size=text_config.vocab_size)
+    return {
+        "transformer": transformer.eval(),
+        "vae": vae.eval(),
+        "text_encoder": text_encoder.eval(),
+        "tokenizer": tokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
+    }
+
+
+def write_flux2_fixture(out_dir: str | Path, seed: int = 0, klein: bool = False) -> dict[str, Path]:
+    """Write the tiny FLUX.2 dev (or klein) model under `out_dir` in both layouts; returns the paths.
+
+    Keys: root, diffusers (pipeline folder), transformer_file, vae_file, text_encoder_file, tokenizer.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = build_flux2_components(seed, klein)
+    files = (KLEIN_FILE, QWEN3_FILE) if klein else (TRANSFORMER_FILE, TEXT_ENCODER_FILE)
+
+    def write(staging: Path) -> None:
+        (Flux2KleinPipeline if klein else Flux2Pipeline)(**parts).save_pretrained(
+            staging / "diffusers", safe_serialization=True
+        )
+        write_single_files(staging / "single", parts, *files)
+
+    publish_layouts(out, "flux2", write)
+    single = out / "single"
+    return {
+        "root": out,
+        "diffusers": out / "diffusers",
+        "transformer_file": single / files[0],
+        "vae_file": single / VAE_FILE,
+        "text_encoder_file": single / files[1],
+        "tokenizer": single / "tokenizer",
+    }
+
+
+def write_flux2_klein_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    """`write_flux2_fixture` for FLUX.2 klein (Flux2KleinPipeline folder, Qwen3, klein file names)."""
+    return write_flux2_fixture(out_dir, seed, klein=True)
+
+
+def write_single_files(folder: Path, parts: dict, transformer_file: str, text_encoder_file: str) -> None:
+    folder.mkdir(parents=True)
+    save_safetensors(transformer_to_original(parts["transformer"].state_dict()), folder / transformer_file)
+    vae = {k: v for k, v in parts["vae"].state_dict().items() if k != "bn.num_batches_tracked"}
+    save_safetensors(vae_to_original(vae, len(parts["vae"].config.block_out_channels)), folder / VAE_FILE)
+    text_encoder = parts["text_encoder"]
+    if isinstance(text_encoder, Qwen3ForCausalLM):  # Hugging Face's causal-LM keys, as ComfyUI's files
+        save_safetensors(text_encoder.state_dict(), folder / text_encoder_file)
+    else:  # the language model as transformers 4 named it in Mistral3ForConditionalGeneration
+        language_model = text_encoder.model.language_model.state_dict()
+        renamed = {f"language_model.model.{k}": v for k, v in language_model.items()}
+        save_safetensors(renamed, folder / text_encoder_file)
+    parts["tokenizer"].save_pretrained(folder / "tokenizer")
+
+
+FIXTURE = Fixture(
+    write=write_flux2_fixture,
+    # every part from its single file, as ComfyUI users hold them
+    model_section=f"""\
+architecture = "flux2"
+transformer = "{{root}}/single/{TRANSFORMER_FILE}"
+vae = "{{root}}/single/{VAE_FILE}"
+text_encoder = "{{root}}/single/{TEXT_ENCODER_FILE}"
+tokenizer = "{{root}}/single/tokenizer"
+""",
+)
+
+KLEIN_FIXTURE = Fixture(
+    write=write_flux2_klein_fixture,
+    # the BFL single file for the transformer, the diffusers folder for the rest (tokenizer found beside)
+    model_section=f"""\
+architecture = "flux2_klein"
+transformer = "{{root}}/single/{KLEIN_FILE}"
+vae = "{{root}}/diffusers"
+text_encoder = "{{root}}/diffusers"
+""",
+)

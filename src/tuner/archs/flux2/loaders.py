@@ -1,0 +1,372 @@
+"""FLUX.2 (dev, klein): loading its three models and turning captions and images into model inputs.
+
+Each loader takes either layout users have (see `tuner.models.loading`):
+
+* transformer: a diffusers folder, or BFL's / ComfyUI's single file (`flux2-dev.safetensors`,
+  `flux2_dev_fp8mixed.safetensors`: `double_blocks.0.img_attn.qkv.weight`, `single_blocks.0.linear1`,
+  `double_stream_modulation_img.lin.weight`, ...; with or without `model.diffusion_model.`; fp8 files are
+  dequantized), converted by `flux2_keys` at any size. The variant (dev, klein 4B / 9B) is read from the
+  tensor shapes (a diffusers folder's from `guidance_embeds`): a klein file given to `flux2` names
+  `flux2_klein` and a dev file given to `flux2_klein` names `flux2` (their text encoders differ), and a
+  FLUX.1 file is refused naming `flux`;
+* VAE: a diffusers folder (`AutoencoderKLFlux2`), or BFL's `ae.safetensors` / ComfyUI's
+  `flux2-vae.safetensors` (the LDM layout with `encoder.quant_conv`, `decoder.post_quant_conv`, `bn.*`);
+* text encoders (Mistral-Small for dev, Qwen3 for klein): see `tuner.archs.flux2.text`.
+
+Model inputs are what Flux2Pipeline / Flux2KleinPipeline compute (text: `flux2_text`). Latents: the
+VAE's mode [32, H/8, W/8], patchified 2×2 into [128, H/16, W/16] and normalized by the VAE's BatchNorm running statistics; every latent pixel is then one token, with position ids
+(t, row, col, 0): t = 0 for the target, 10, 20, ... for reference images (multi-reference editing,
+appended after the target's tokens). Text tokens have ids (0, 0, 0, l). The timestep is t ∈ [0, 1] (the
+model scales it); dev's guidance embedding gets `model.guidance` (klein has none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuner.archs.flux.loaders import CHROMA_MARKER, from_state_dict
+from tuner.archs.flux2.keys import (
+    transformer_key_to_original,
+    transformer_to_diffusers,
+    vae_key_to_original,
+    vae_to_diffusers,
+)
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    diffusers_meta_keys,
+    identify_single_file,
+)
+from tuner.models.loading import (
+    load_diffusers_folder,
+    load_tensors,
+    normalize_shapes,
+    normalize_state_dict,
+    read_tensor_shapes,
+    resolve_folder,
+)
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+CONFIGS = Path(__file__).parent / "configs"
+REFERENCE_T_STEP = 10  # reference image i has position t = 10 · (i + 1)
+
+# ---------------------------------------------------------------------------------------------------
+# Known variants (original-layout names; None: the tensor must be absent, pinning the block count)
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_VARIANTS = (
+    Variant(
+        "dev",
+        CONFIGS / "transformer" / "dev",
+        {
+            "img_in.weight": (6144, 128),
+            "txt_in.weight": (6144, 15360),
+            "guidance_in.in_layer.weight": (6144, 256),
+            "double_blocks.7.img_attn.qkv.weight": (18432, 6144),
+            "double_blocks.8.img_attn.qkv.weight": None,
+            "single_blocks.47.linear2.weight": (6144, 24576),
+            "single_blocks.48.linear2.weight": None,
+        },
+    ),
+    Variant(
+        "klein-4b",
+        CONFIGS / "transformer" / "klein-4b",
+        {
+            "img_in.weight": (3072, 128),
+            "txt_in.weight": (3072, 7680),
+            "guidance_in.in_layer.weight": None,
+            "double_blocks.4.img_attn.qkv.weight": (9216, 3072),
+            "double_blocks.5.img_attn.qkv.weight": None,
+            "single_blocks.19.linear2.weight": (3072, 12288),
+            "single_blocks.20.linear2.weight": None,
+        },
+    ),
+    Variant(
+        "klein-9b",
+        CONFIGS / "transformer" / "klein-9b",
+        {
+            "img_in.weight": (4096, 128),
+            "txt_in.weight": (4096, 12288),
+            "guidance_in.in_layer.weight": None,
+            "double_blocks.7.img_attn.qkv.weight": (12288, 4096),
+            "double_blocks.8.img_attn.qkv.weight": None,
+            "single_blocks.23.linear2.weight": (4096, 16384),
+            "single_blocks.24.linear2.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.flux2.fixture): 2 heads of 32, one block of each kind
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "img_in.weight": (64, 128),
+            "txt_in.weight": (64, 96),
+            "guidance_in.in_layer.weight": (64, 256),
+            "double_blocks.0.img_attn.qkv.weight": (192, 64),
+            "double_blocks.1.img_attn.qkv.weight": None,
+            "single_blocks.0.linear2.weight": (64, 256),
+            "single_blocks.1.linear2.weight": None,
+        },
+    ),
+    Variant(  # the klein fixture: the tiny network without the guidance embedding
+        "tiny-klein",
+        CONFIGS / "transformer" / "tiny-klein",
+        {
+            "img_in.weight": (64, 128),
+            "txt_in.weight": (64, 96),
+            "guidance_in.in_layer.weight": None,
+            "double_blocks.0.img_attn.qkv.weight": (192, 64),
+            "double_blocks.1.img_attn.qkv.weight": None,
+            "single_blocks.0.linear2.weight": (64, 256),
+            "single_blocks.1.linear2.weight": None,
+        },
+    ),
+)
+KLEIN_VARIANTS = ("klein-4b", "klein-9b", "tiny-klein")
+
+VAE_VARIANTS = (
+    Variant(
+        "flux2",
+        CONFIGS / "vae" / "flux2",
+        {
+            "encoder.conv_in.weight": (128, 3, 3, 3),
+            "encoder.conv_out.weight": (64, 512, 3, 3),
+            "decoder.conv_in.weight": (512, 32, 3, 3),
+            "bn.running_mean": (128,),
+        },
+    ),
+    Variant(
+        "tiny",
+        CONFIGS / "vae" / "tiny",
+        {
+            "encoder.conv_in.weight": (32, 3, 3, 3),
+            "encoder.conv_out.weight": (64, 64, 3, 3),
+            "decoder.conv_in.weight": (64, 32, 3, 3),
+            "bn.running_mean": (128,),
+        },
+    ),
+)
+
+_ORIGINAL_MARKERS = ("double_stream_modulation_img.lin.weight", "img_in.weight")
+FLUX1_MARKER = "double_blocks.0.img_mod.lin.weight"  # FLUX.1 modulates per block; FLUX.2 per kind of block
+_ORIGINAL_VAE_MARKERS = ("encoder.down.0.block.0.conv1.weight", "bn.running_mean")
+
+
+def _levels(variant: Variant) -> int:
+    from diffusers import AutoencoderKLFlux2
+
+    return len(AutoencoderKLFlux2.load_config(variant.config_dir)["block_out_channels"])
+
+
+def _transformer_keys(variant: Variant) -> set[str]:
+    from diffusers import Flux2Transformer2DModel
+
+    return {
+        transformer_key_to_original(k)
+        for k in diffusers_meta_keys(Flux2Transformer2DModel, variant.config_dir)
+    }
+
+
+def _vae_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKLFlux2
+
+    levels = _levels(variant)
+    keys = diffusers_meta_keys(AutoencoderKLFlux2, variant.config_dir)
+    return [vae_key_to_original(k, levels) for k in keys if k != _BN_COUNTER]
+
+
+_BN_COUNTER = "bn.num_batches_tracked"  # a BatchNorm training counter; released files may lack it
+
+TRANSFORMER_SPEC = SingleFileSpec(
+    what="FLUX.2 transformer",
+    variants=TRANSFORMER_VARIANTS,
+    expected_keys=_transformer_keys,
+    original_markers=_ORIGINAL_MARKERS,
+    diffusers_markers=("double_stream_modulation_img.linear.weight", "x_embedder.weight"),
+    to_original=transformer_key_to_original,
+)
+VAE_SPEC = SingleFileSpec(
+    what="FLUX.2 VAE",
+    variants=VAE_VARIANTS,
+    expected_keys=_vae_keys,
+    original_markers=_ORIGINAL_VAE_MARKERS,
+    diffusers_markers=("encoder.down_blocks.0.resnets.0.conv1.weight", "bn.running_mean"),
+    to_original=vae_key_to_original,  # both known variants have 4 levels
+    # BatchNorm's step counter: some files store it, some do not; identification ignores it
+    aliases={_BN_COUNTER: "bn.running_mean"},
+)
+
+
+def is_flux2_file(shapes: Mapping[str, object]) -> bool:
+    """Whether checkpoint keys (prefix stripped) are a FLUX.2 transformer's, in either layout."""
+    return any(
+        k in shapes
+        for k in ("double_stream_modulation_img.lin.weight", TRANSFORMER_SPEC.diffusers_markers[0])
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype, klein: bool = False) -> Flux2Transformer2DModel:
+    """Load the FLUX.2 dev (or, with `klein`, klein) transformer from a diffusers folder or a single file
+    (either layout), in eval mode. A file of the other family is refused naming its architecture."""
+    from diffusers import Flux2Transformer2DModel
+
+    folder = resolve_folder(path, "transformer")
+    if folder is not None:
+        model = load_diffusers_folder(Flux2Transformer2DModel, folder, dtype, "Flux2Transformer2DModel")
+        _check_family(path, not model.config.guidance_embeds, klein)
+        return model
+    shapes = normalize_shapes(read_tensor_shapes(path))
+    if FLUX1_MARKER in shapes:
+        raise CheckpointError(
+            f"{path}: a FLUX.1 transformer (per-block modulation `double_blocks.0.img_mod`), not FLUX.2. "
+            'Set model.architecture = "flux" (or "flux_kontext") to train it.'
+        )
+    if CHROMA_MARKER in shapes:
+        raise CheckpointError(
+            f'{path}: a Chroma transformer (it has distilled_guidance_layer), not FLUX.2. Set model.architecture = "chroma".'
+        )
+    variant = identify_single_file(path, TRANSFORMER_SPEC)
+    _check_family(path, variant.name in KLEIN_VARIANTS, klein)
+    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    if all(k in state_dict for k in _ORIGINAL_MARKERS):
+        state_dict = transformer_to_diffusers(state_dict)
+    return from_state_dict(Flux2Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+
+
+def _check_family(path: str | Path, is_klein: bool, klein: bool) -> None:
+    """dev and klein share the network but not the text encoder (Mistral-Small / Qwen3)."""
+    if is_klein and not klein:
+        raise CheckpointError(
+            f"{path}: a FLUX.2 klein transformer (no guidance embedding), which conditions on Qwen3. "
+            'Set model.architecture = "flux2_klein" (with its Qwen3 text encoder) to train it.'
+        )
+    if klein and not is_klein:
+        raise CheckpointError(
+            f"{path}: a FLUX.2 dev transformer (with a guidance embedding), which conditions on Mistral-Small. "
+            'Set model.architecture = "flux2" to train it.'
+        )
+
+
+def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLFlux2:
+    """Load the FLUX.2 VAE from a diffusers folder or a single file, in eval mode."""
+    from diffusers import AutoencoderKLFlux2
+
+    folder = resolve_folder(path, "vae")
+    if folder is not None:
+        return load_diffusers_folder(AutoencoderKLFlux2, folder, dtype, "AutoencoderKLFlux2")
+    variant = identify_single_file(path, VAE_SPEC)
+    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    if all(k in state_dict for k in _ORIGINAL_VAE_MARKERS):
+        state_dict = vae_to_diffusers(state_dict, _levels(variant))
+    state_dict.setdefault(_BN_COUNTER, torch.tensor(0))
+    return from_state_dict(AutoencoderKLFlux2, state_dict, variant.config_dir, dtype, Path(path))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs for the transformer
+# ---------------------------------------------------------------------------------------------------
+
+
+def _bn_stats(vae: AutoencoderKLFlux2, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+        like.device, like.dtype
+    )
+    return mean, std
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, C · 4, H/2, W/2], features channel-major (c, dy, dx)."""
+    b, c, h, w = latents.shape
+    patches = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    return patches.reshape(b, c * 4, h // 2, w // 2)
+
+
+def unpatchify(latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of `patchify`."""
+    b, c, h, w = latents.shape
+    patches = latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+    return patches.reshape(b, c // 4, h * 2, w * 2)
+
+
+@torch.no_grad()
+def encode_images(vae: AutoencoderKLFlux2, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalized latents [B, 128, H/16, W/16] of images [B, 3, H, W] in [-1, 1], as Flux2Pipeline encodes
+    reference images: the distribution's mode, patchified, minus the BatchNorm mean over its std."""
+    if pixels.shape[-1] % 16 or pixels.shape[-2] % 16:
+        raise ValueError(f"FLUX.2 needs sides divisible by 16, got {tuple(pixels.shape)}")
+    param = next(vae.parameters())
+    latents = patchify(vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode())
+    mean, std = _bn_stats(vae, latents)
+    return (latents - mean) / std
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKLFlux2, latents: torch.Tensor) -> torch.Tensor:
+    """Images [B, 3, H, W] in about [-1, 1] from normalized latents (the inverse of `encode_images`)."""
+    param = next(vae.parameters())
+    latents = latents.to(param.device, param.dtype)
+    mean, std = _bn_stats(vae, latents)
+    return vae.decode(unpatchify(latents * std + mean)).sample
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H · W, C]: one token per latent pixel, rows first."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def image_ids(height: int, width: int, t: int = 0, device: torch.device | None = None) -> torch.Tensor:
+    """Position ids [H · W, 4] of a [.., height, width] latent's tokens: (t, row, col, 0)."""
+    rows = torch.arange(height, device=device).repeat_interleave(width)
+    cols = torch.arange(width, device=device).repeat(height)
+    return torch.stack([torch.full_like(rows, t), rows, cols, torch.zeros_like(rows)], dim=1)
+
+
+def text_ids(length: int, device: torch.device | None = None) -> torch.Tensor:
+    """Position ids [length, 4] of the text tokens: (0, 0, 0, l)."""
+    ids = torch.zeros(length, 4, dtype=torch.long, device=device)
+    ids[:, 3] = torch.arange(length, device=device)
+    return ids
+
+
+def predict_velocity(
+    model: Flux2Transformer2DModel,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    guidance: float,
+    references: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """The model's velocity for latents `noisy` [B, 128, H, W] at t ∈ [0, 1] (shape of `noisy`).
+
+    `references` are reference latents [B, 128, H', W'] (multi-reference editing): their tokens follow
+    the target's, with position t = 10, 20, ..., and their outputs are dropped.
+    """
+    b, _, h, w = noisy.shape
+    tokens, ids = [pack(noisy)], [image_ids(h, w, 0, noisy.device)]
+    for i, ref in enumerate(references):
+        tokens.append(pack(ref.to(noisy.dtype)))
+        ids.append(image_ids(ref.shape[-2], ref.shape[-1], REFERENCE_T_STEP * (i + 1), noisy.device))
+    embedded_guidance = None
+    if model.config.guidance_embeds:
+        embedded_guidance = torch.full((b,), guidance, device=noisy.device, dtype=torch.float32)
+    out = model(
+        hidden_states=torch.cat(tokens, dim=1),
+        timestep=t,
+        guidance=embedded_guidance,
+        encoder_hidden_states=prompt_embeds.to(noisy.dtype),
+        txt_ids=text_ids(prompt_embeds.shape[1], noisy.device).expand(b, -1, -1),
+        img_ids=torch.cat(ids).expand(b, -1, -1),
+        return_dict=False,
+    )[0]
+    return out[:, : h * w].transpose(1, 2).reshape(b, -1, h, w)

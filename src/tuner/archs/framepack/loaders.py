@@ -1,0 +1,322 @@
+"""FramePack (lllyasviel's `FramePackI2V_HY`): loading its transformer and SigLIP, and building a section's inputs.
+
+FramePack is HunyuanVideo's 13B network turned into an image-to-video model that generates a video one
+*section* of latent frames at a time. Besides the noisy section it is fed, as tokens before it:
+
+* `latents_clean`: the given image's latent frame (the prefix) and one clean history frame, patchified
+  like the section (1×);
+* `latents_history_2x`: two history frames through `proj_2x` (2×4×4 patches: 2× fewer tokens in time, 4×
+  in space than 1×);
+* `latents_history_4x`: sixteen history frames through `proj_4x` (4×8×8 patches);
+
+each with the frame indices its RoPE uses (`indices_*`, 1-D: one set per batch), and the SigLIP image
+embedding of the given image (`image_embeds`, last hidden state, before the text tokens). The release's
+sampler (the pipeline's `inverted_anti_drifting`) generates the video from its end backwards, so the
+"history" of a section is the frames *after* it. The indices of one section are the pipeline's:
+`[prefix | padding | section | 1x | 2x | 4x]` numbered 0, 1, ... in that order, the prefix and the 1×
+frame both going to `latents_clean`. A clip trained as one section (the one the sampler makes last, next
+to the image: padding 0) is `section_indices`.
+
+Loaders take either layout:
+
+* transformer: the diffusers folder (`lllyasviel/FramePackI2V_HY`), the release's single file
+  (`FramePackI2V_HY_bf16.safetensors`, `..._fp8_e4m3fn`: lllyasviel's class, diffusers' names; with or
+  without `model.diffusion_model.`), or the same weights in HunyuanVideo's Tencent names
+  (`tuner.archs.framepack.keys`). A HunyuanVideo file (no history embedder) is refused naming
+  `hunyuan_video`;
+* SigLIP (`image_encoder`): the `image_encoder/` folder (+ `feature_extractor/`) of
+  `lllyasviel/flux_redux_bfl` / the diffusers pipeline, or ComfyUI's `sigclip_vision_patch14_384.safetensors`
+  (`vision_model.*`), with the shipped processor config;
+* VAE, LLaVA-LLaMA-3 and CLIP-L: HunyuanVideo's (`tuner.archs.hunyuan_video.loaders`), and so is text encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import torch
+
+from tuner.archs.flux.loaders import _sibling, from_state_dict
+from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    check_keys,
+    diffusers_meta_keys,
+    identify_single_file,
+    pick_variant,
+    wrong_architecture,
+)
+from tuner.models.loading import (
+    load_diffusers_folder,
+    load_tensors,
+    normalize_shapes,
+    normalize_state_dict,
+    read_folder_config,
+    read_shapes_of,
+    resolve_folder,
+)
+
+if TYPE_CHECKING:
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+    from transformers import SiglipVisionModel
+
+CONFIGS = Path(__file__).parent / "configs"
+T = TypeVar("T")
+CLASS_NAME = "HunyuanVideoFramepackTransformer3DModel"
+HISTORY_SIZES = (1, 2, 16)  # clean history frames at 1×, 2× and 4× compression (the release's)
+LATENT_WINDOW = 9  # the release's `latent_window_size`: latent frames per section
+
+# ---------------------------------------------------------------------------------------------------
+# Known variants. Signatures use HunyuanVideo's Tencent names (the layout's "original").
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_VARIANTS = (
+    Variant(  # FramePackI2V_HY and FramePack_F1_I2V_HY_20250503: one network, sampled differently
+        "i2v",
+        CONFIGS / "transformer" / "i2v",
+        {
+            "img_in.proj.weight": (3072, 16, 1, 2, 2),
+            "clean_x_embedder.proj_4x.weight": (3072, 16, 4, 8, 8),
+            "image_projection.up.weight": (9216, 1152),
+            "double_blocks.19.img_mod.linear.weight": (18432, 3072),
+            "double_blocks.20.img_mod.linear.weight": None,
+            "single_blocks.39.linear2.weight": (3072, 15360),
+            "single_blocks.40.linear2.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.framepack.fixture): 2 heads of 32, one block of each kind
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "img_in.proj.weight": (64, 16, 1, 2, 2),
+            "clean_x_embedder.proj_4x.weight": (64, 16, 4, 8, 8),
+            "image_projection.up.weight": (192, 32),
+            "double_blocks.0.img_mod.linear.weight": (384, 64),
+            "double_blocks.1.img_mod.linear.weight": None,
+            "single_blocks.0.linear2.weight": (64, 320),
+            "single_blocks.1.linear2.weight": None,
+        },
+    ),
+)
+
+SIGLIP_VARIANTS = (
+    Variant(  # google/siglip-so400m-patch14-384, as lllyasviel/flux_redux_bfl's image_encoder holds it
+        "so400m-patch14-384",
+        CONFIGS / "siglip" / "so400m-patch14-384",
+        {
+            "vision_model.embeddings.patch_embedding.weight": (1152, 3, 14, 14),
+            "vision_model.encoder.layers.26.layer_norm1.weight": (1152,),
+            "vision_model.encoder.layers.27.layer_norm1.weight": None,
+        },
+    ),
+    Variant(  # the test fixture: 32×32 images in 8×8 patches (16 tokens), width 32, 2 layers
+        "tiny",
+        CONFIGS / "siglip" / "tiny",
+        {
+            "vision_model.embeddings.patch_embedding.weight": (32, 3, 8, 8),
+            "vision_model.encoder.layers.1.layer_norm1.weight": (32,),
+            "vision_model.encoder.layers.2.layer_norm1.weight": None,
+        },
+    ),
+)
+
+_HISTORY_EMBEDDER = "clean_x_embedder."
+_SIGLIP_PREFIX = "vision_model."
+_SIGLIP_MARKER = "vision_model.embeddings.patch_embedding.weight"
+
+
+def _transformer_keys(variant: Variant) -> set[str]:
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+
+    keys = diffusers_meta_keys(HunyuanVideoFramepackTransformer3DModel, variant.config_dir)
+    return {FRAMEPACK_LAYOUT.key_to_original(k) for k in keys}
+
+
+TRANSFORMER_SPEC = SingleFileSpec(
+    what="FramePack transformer",
+    variants=TRANSFORMER_VARIANTS,
+    expected_keys=_transformer_keys,
+    original_markers=("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight"),
+    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight"),
+    to_original=FRAMEPACK_LAYOUT.key_to_original,
+)
+
+
+def _hunyuan_video(path: str | Path) -> CheckpointError:
+    """The error for a HunyuanVideo transformer given to `framepack`."""
+    return CheckpointError(
+        f"{path}: a HunyuanVideo transformer without FramePack's history embedder (clean_x_embedder), "
+        'another model than FramePack. Set model.architecture = "hunyuan_video" to train it, or point '
+        "model.transformer at a FramePack checkpoint (FramePackI2V_HY)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoFramepackTransformer3DModel:
+    """The FramePack transformer from a diffusers folder or a single file (either layout), in eval mode."""
+    from diffusers import HunyuanVideoFramepackTransformer3DModel
+
+    folder = resolve_folder(path, "transformer")
+    if folder is not None:
+        if read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel":
+            raise _hunyuan_video(folder)
+        return load_diffusers_folder(HunyuanVideoFramepackTransformer3DModel, folder, dtype, CLASS_NAME)
+    shapes = normalize_shapes(read_shapes_of(path))
+    hunyuan = ("double_blocks.0.img_attn_qkv.weight", "transformer_blocks.0.attn.to_q.weight")
+    if any(k in shapes for k in hunyuan) and not any(k.startswith(_HISTORY_EMBEDDER) for k in shapes):
+        raise _hunyuan_video(path)
+    variant = identify_single_file(path, TRANSFORMER_SPEC)
+    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    if all(k in state_dict for k in TRANSFORMER_SPEC.original_markers):
+        state_dict = FRAMEPACK_LAYOUT.to_diffusers(state_dict)
+    return from_state_dict(
+        HunyuanVideoFramepackTransformer3DModel, state_dict, variant.config_dir, dtype, Path(path)
+    )
+
+
+class ImageEncoder(NamedTuple):
+    """SigLIP's vision tower and the processor that prepares its input (the pipeline's `feature_extractor`)."""
+
+    model: SiglipVisionModel
+    processor: object
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """`image_embeds` [B, tokens, width] of images [B, 3, H, W] in [-1, 1]: the last hidden state of the
+        processed image, as HunyuanVideoFramepackPipeline.encode_image computes it."""
+        param = next(self.model.parameters())
+        pixels = self.processor(images=(images.float().cpu() + 1) / 2, return_tensors="pt", do_rescale=False)
+        return self.model(pixel_values=pixels.pixel_values.to(param.device, param.dtype)).last_hidden_state
+
+
+def load_image_encoder(path: str | Path, dtype: torch.dtype) -> ImageEncoder:
+    """SigLIP from a diffusers folder (`image_encoder/`, `feature_extractor/` beside it) or a single file."""
+    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+
+    folder = resolve_folder(path, "image_encoder")
+    if folder is not None:
+        if read_folder_config(folder).get("model_type") not in ("siglip_vision_model", "siglip"):
+            raise CheckpointError(f"{folder}: config.json does not describe a SigLIP vision model.")
+        try:
+            model = SiglipVisionModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: cannot be loaded as a SigLIP vision model: {e}") from None
+        processor_dir = _sibling(folder, "feature_extractor") or _siglip_variant_of(model.config).config_dir
+    else:
+        shapes = _siglip_names(normalize_shapes(read_shapes_of(path)))
+        if _SIGLIP_MARKER not in shapes:
+            raise wrong_architecture(path, shapes, "SigLIP vision encoder", (_SIGLIP_MARKER,))
+        variant = pick_variant(shapes, SIGLIP_VARIANTS, path, "SigLIP vision encoder")
+        config = SiglipVisionConfig.from_pretrained(variant.config_dir)
+        with torch.device("meta"):
+            expected = _siglip_names(SiglipVisionModel(config).state_dict())
+        check_keys(expected, shapes, path, f"SigLIP vision encoder {variant.name}")
+        state_dict = _siglip_names(normalize_state_dict(load_tensors(path), dtype))
+        model = SiglipVisionModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+        processor_dir = variant.config_dir
+    processor = SiglipImageProcessorPil.from_pretrained(processor_dir, local_files_only=True)
+    return ImageEncoder(model.eval(), processor)
+
+
+def _siglip_names(tensors: Mapping[str, T]) -> dict[str, T]:
+    """SigLIP's entries under the releases' names (`vision_model.*`, as transformers 4 saved them; 5 drops
+    the prefix)."""
+    return {_SIGLIP_PREFIX + k.removeprefix(_SIGLIP_PREFIX): v for k, v in tensors.items()}
+
+
+def _siglip_variant_of(config) -> Variant:
+    """The shipped variant with this config's sizes (for a folder without `feature_extractor/`)."""
+    for variant in SIGLIP_VARIANTS:
+        shipped = read_folder_config(variant.config_dir)
+        if (shipped["hidden_size"], shipped["image_size"]) == (config.hidden_size, config.image_size):
+            return variant
+    raise CheckpointError(
+        f"a SigLIP vision model of width {config.hidden_size} at {config.image_size} px with no "
+        "feature_extractor/ folder beside it: add the folder (its preprocessor_config.json)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# A section's inputs
+# ---------------------------------------------------------------------------------------------------
+
+
+class SectionIndices(NamedTuple):
+    """The 1-D RoPE frame indices of one section's inputs (the pipeline's `indices_*`)."""
+
+    latents: torch.Tensor
+    clean: torch.Tensor
+    history_2x: torch.Tensor
+    history_4x: torch.Tensor
+
+
+def section_indices(window: int, padding: int = 0) -> SectionIndices:
+    """Indices of a `window`-frame section `padding` frames after the prefix (inverted anti-drifting)."""
+    prefix, _, latents, one, two, four = torch.arange(1 + padding + window + sum(HISTORY_SIZES)).split(
+        [1, padding, window, *HISTORY_SIZES]
+    )
+    return SectionIndices(latents, torch.cat([prefix, one]), two, four)
+
+
+def section_paddings(sections: int, window: int = LATENT_WINDOW) -> list[int]:
+    """The padding (frames between the image and the section) of each section in generation order, from
+    the video's end to its start, as the release's sampler sets them: every section's own start, except
+    that beyond 4 sections the far ones are placed at most 3 windows away (3, 2, ..., 2, 1, 0)."""
+    if sections > 4:
+        return [w * window for w in [3] + [2] * (sections - 3) + [1, 0]]
+    return [k * window for k in reversed(range(sections))]
+
+
+def one_frame_indices(window: int = LATENT_WINDOW) -> SectionIndices:
+    """musubi-tuner's default one-frame mode: the reference image at 0, the target frame alone at the end of
+    a `window`-frame section (index `window`), the empty 1× history (its zero "post" latent) after it."""
+    indices = section_indices(window)
+    return indices._replace(latents=indices.latents[-1:])
+
+
+def split_history(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """History latents [B, C, 19, H, W] (the frames after a section, nearest first) as 1×, 2×, 4× parts."""
+    one, two, four = history.split(HISTORY_SIZES, dim=2)
+    return one, two, four
+
+
+def predict_section(
+    model: HunyuanVideoFramepackTransformer3DModel,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    cond: Mapping[str, torch.Tensor],
+    guidance: float,
+    indices: SectionIndices | None = None,
+) -> torch.Tensor:
+    """The model's velocity for a noisy section [B, 16, F, H, W] at t ∈ [0, 1], given collated text
+    (`hunyuan_video.collate`), the image's latent frame `first_frame` [B, 16, 1, H, W], the clean
+    `history` [B, 16, 19, H, W] and `image_embeds`; called as the pipeline calls it (timestep and embedded
+    guidance × 1000). `indices` default to the section `cond["padding"]` frames after the image (0 when
+    absent: the section trained on a clip; generation sets it per section)."""
+    b, dtype = noisy.shape[0], noisy.dtype
+    indices = indices if indices is not None else section_indices(noisy.shape[2], cond.get("padding", 0))
+    one, two, four = split_history(cond["history"].to(dtype))
+    return model(
+        hidden_states=noisy,
+        timestep=t.float() * 1000,
+        encoder_hidden_states=cond["text"].to(dtype),
+        encoder_attention_mask=cond["mask"],
+        pooled_projections=cond["pooled"].to(dtype),
+        image_embeds=cond["image_embeds"].to(dtype),
+        indices_latents=indices.latents,
+        guidance=torch.full((b,), guidance * 1000.0, device=noisy.device, dtype=dtype),
+        latents_clean=torch.cat([cond["first_frame"].to(dtype), one], dim=2),
+        indices_latents_clean=indices.clean,
+        latents_history_2x=two,
+        indices_latents_history_2x=indices.history_2x,
+        latents_history_4x=four,
+        indices_latents_history_4x=indices.history_4x,
+        return_dict=False,
+    )[0]

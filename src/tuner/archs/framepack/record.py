@@ -1,0 +1,42 @@
+"""The framepack family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tuner.archs.hunyuan_video.record import HUNYUAN_VIDEO
+
+# FramePack: HunyuanVideo's network plus the history embedder and SigLIP projection, trained on sections;
+# adapters on the same modules as HunyuanVideo's, exported in its Tencent names
+FRAMEPACK = replace(
+    HUNYUAN_VIDEO,
+    name="framepack",
+    title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
+    trainer="tuner.archs.framepack.trainer:FramePackTrainer",
+    layout="tuner.archs.framepack.keys:FRAMEPACK_LAYOUT",
+    fixture="tuner.archs.framepack.fixture:FIXTURE",
+    model_class="HunyuanVideoFramepackTransformer3DModel",
+    configs="framepack",
+    # the transformer; VAE, text and image encoders are HunyuanVideo's (`hunyuanvideo-community/HunyuanVideo`)
+    # and SigLIP (`lllyasviel/flux_redux_bfl`), as diffusers' FramePack example loads them
+    hub_repos=(("i2v", "lllyasviel/FramePackI2V_HY"),),
+    comfy_files=(),
+    first_frame=1.0,
+    # every section is anchored on the image: its latent is the clean prefix and its SigLIP tokens the image
+    # context, and the release's sampler (and diffusers') cannot run without one
+    first_frame_required="every section's clean prefix and SigLIP tokens are the image's; its sampler needs one",
+)
+
+
+RECORDS = (
+    FRAMEPACK,
+    # FramePack's single-frame mode: one target image from one reference image (image editing)
+    replace(
+        FRAMEPACK,
+        name="framepack_1f",
+        title="FramePack single-frame image editing (one target frame from one reference image)",
+        trainer="tuner.archs.framepack.trainer:FramePackOneFrameTrainer",
+        fixture="tuner.archs.framepack.fixture:ONE_FRAME_FIXTURE",
+        first_frame_required="the reference image is the edit's input; without it there is nothing to edit",
+    ),
+)

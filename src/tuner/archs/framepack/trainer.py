@@ -1,0 +1,172 @@
+"""FramePack image-to-video (lllyasviel's FramePackI2V_HY) on diffusers' HunyuanVideoFramepackTransformer3DModel.
+
+FramePack predicts a video one section of latent frames at a time, each given the image's latent frame,
+clean history latents at 1×/2×/4× compression and the image's SigLIP embedding (`tuner.archs.framepack.loaders`
+explains the inputs). Text, VAE and guidance are HunyuanVideo's, so this is `HunyuanVideoTrainer` with
+the section's inputs added.
+
+Training on a clip (section training): the clip's first frame is the given image; the next
+`min(9, F' - 1)` latent frames are the section, and the latent frames after it (up to 19, zero-padded as
+the sampler's empty history is) are its history, split 1 / 2 / 16 into the three compressions. That is
+the section the release's sampler makes last (right after the image, padding 0), with the indices it
+uses. The cache holds per clip:
+
+* `latents` [16, 1 + W, H, W]: the image's latent frame followed by the section. The image's frame is
+  never predicted: `predict` returns the straight line from x_t to it (so sampling ends on it exactly)
+  and `loss_mask` leaves it out;
+* `first_frame` [16, 1, H, W]: the VAE's encoding of the first frame alone (the pipeline's image latent);
+* `history` [16, 19, H, W] and `image_embeds` [tokens, 1152] (SigLIP's last hidden state).
+
+The latent key covers `model.vae` and `model.image_encoder`. `tuner generate --image` makes the video
+section by section (`sample_flow`), as the release's sampler.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from tuner.archs.framepack import loaders as framepack
+from tuner.archs.hunyuan_video import loaders as hunyuan_video
+from tuner.archs.hunyuan_video.trainer import HunyuanVideoTrainer
+from tuner.archs.wan.trainer_i2v import LatentEncoders
+from tuner.memory import text_encoder_dtype
+
+
+class FramePackTrainer(HunyuanVideoTrainer):
+    architecture = "framepack"
+    supports_images = False  # a clip needs frames after the given image
+    min_frames = 5  # two latent frames: the image's and one to predict
+    frame_images = 1  # the given image (the video's first frame)
+    latent_encoders = ("vae", "image_encoder")
+    sample_shift = 3.0  # FramePack's demo samples at shift 3
+
+    # ---- loading ----
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return framepack.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
+        image_encoder = framepack.load_image_encoder(self.weights_path("image_encoder"), dtype)
+        image_encoder.model.to(device)
+        return LatentEncoders(self.load_vae(device, dtype), image_encoder)
+
+    # ---- what the cache holds ----
+    def encode_latents(
+        self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        clip = self.encode_pixels(encoders.vae, pixels)
+        window = min(framepack.LATENT_WINDOW, clip.shape[2] - 1)
+        given = self.encode_frame_images(encoders, [pixels[:, :, 0]], pixels.shape[2])
+        after = clip[:, :, 1 + window :][:, :, : given["history"].shape[2]]
+        given["history"][:, :, : after.shape[2]] = after
+        return {"latents": clip[:, :, : 1 + window], **given}
+
+    def encode_frame_images(
+        self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
+    ) -> dict[str, torch.Tensor]:
+        """`first_frame` (the image's latent frame), an empty `history` and `image_embeds` of the image."""
+        first = self.encode_pixels(encoders.vae, images[0].unsqueeze(2))
+        history = first.new_zeros(*first.shape[:2], sum(framepack.HISTORY_SIZES), *first.shape[3:])
+        return {
+            "first_frame": first,
+            "history": history,
+            "image_embeds": encoders.image_encoder.encode(images[0]),
+        }
+
+    # ---- the model's inputs ----
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The section's velocity from the model; for the image's frame (frame 0) the straight line from
+        x_t to the given latent, (x_t − x0) / t, which sampling follows to land on it."""
+        out = framepack.predict_section(model, noisy[:, :, 1:], t, cond, self.cfg.model.guidance)
+        first = cond["first_frame"].to(noisy)
+        straight = (noisy[:, :, :1].float() - first.float()) / t.float().clamp_min(1e-3).view(-1, 1, 1, 1, 1)
+        return torch.cat([straight.to(out.dtype), out], dim=2)
+
+    def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor:
+        mask = torch.ones(1, 1, x0.shape[2], 1, 1, device=x0.device)
+        mask[:, :, 0] = 0
+        return mask
+
+    # ---- generation: section by section ----
+    def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
+                    guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
+        """The release's sampler (inverted anti-drifting): sections of up to 9 latent frames are generated
+        from the video's end backwards, each denoised on its own (its slice of `noise`) with the sections
+        already made after it as clean history and the pipeline's padding. Frame 0 is the image."""
+        frames = noise.shape[2] - 1
+        window = framepack.LATENT_WINDOW
+        starts = list(range(0, frames, window))
+        paddings = framepack.section_paddings(len(starts), window)
+        video = noise.new_zeros(*noise.shape[:2], frames + sum(framepack.HISTORY_SIZES), *noise.shape[3:])
+        for start, padding in zip(reversed(starts), paddings):
+            stop = min(start + window, frames)
+            history = video[:, :, stop : stop + sum(framepack.HISTORY_SIZES)]
+            part = {"history": history, "padding": padding}
+            section = torch.cat([noise[:, :, :1], noise[:, :, 1 + start : 1 + stop]], dim=2)
+            out = super().sample_flow(model_fn, section, sigmas, {**cond, **part}, {**uncond, **part},
+                                      guidance_scale, progress)  # fmt: skip
+            video[:, :, start:stop] = out[:, :, 1:].to(video)
+        return torch.cat([out[:, :, :1].to(video), video[:, :, :frames]], dim=2)
+
+
+class OneFrameEncoders(NamedTuple):
+    """What the one-frame mode's `encode_text` needs: HunyuanVideo's text encoders and SigLIP."""
+
+    text: hunyuan_video.TextEncoders
+    image_encoder: framepack.ImageEncoder
+
+
+class FramePackOneFrameTrainer(HunyuanVideoTrainer):
+    """FramePack's single-frame mode (musubi-tuner's "one frame" training, used for image editing): one
+    target image generated from one reference image, as a one-frame section.
+
+    An image item with one control image (the reference): the target is one latent frame at the end of a
+    9-frame section (index 9), the reference's latent is the clean prefix (index 0) followed by a zero
+    "post" latent (index 10, musubi's default `fp_1f_no_post = false`), and the 2× / 4× history is zeros at
+    the indices after it (musubi's zeros when `one_frame_no_2x` / `no_4x` are off). The reference's SigLIP
+    embedding is computed with the caption (`text_uses_controls`), so `tuner generate --control REF`
+    gets it as training does; the latent entry holds `latents` and `control_0`."""
+
+    architecture = "framepack_1f"
+    supports_video = False
+    control_images = (1, 1)  # the reference image
+    text_uses_controls = True  # SigLIP sees the reference with the caption
+    sample_shift = 3.0
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return framepack.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> OneFrameEncoders:
+        image_encoder = framepack.load_image_encoder(
+            self.weights_path("image_encoder"), text_encoder_dtype(dtype)
+        )
+        image_encoder.model.to(device)
+        return OneFrameEncoders(super().load_text_encoder(device, dtype), image_encoder)
+
+    def encode_text(
+        self, encoder: OneFrameEncoders, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
+        entries = super().encode_text(encoder.text, captions)
+        for entry, images in zip(entries, controls):
+            entry["image_embeds"] = encoder.image_encoder.encode(images[0][:, 0].unsqueeze(0))[0]
+        return entries
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {
+            **super().collate_text(entries),
+            "image_embeds": torch.stack([e["image_embeds"] for e in entries]),
+        }
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        reference = cond["control_0"]
+        history = reference.new_zeros(
+            *reference.shape[:2], sum(framepack.HISTORY_SIZES), *reference.shape[3:]
+        )
+        inputs = {**cond, "first_frame": reference, "history": history}
+        indices = framepack.one_frame_indices()
+        return framepack.predict_section(model, noisy, t, inputs, self.cfg.model.guidance, indices)
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (16, 1, height // 8, width // 8)

@@ -1,0 +1,228 @@
+"""HiDream-I1 (Full, Dev, Fast): loading the transformer and turning latents into model inputs.
+
+The text side (two CLIPs, T5-XXL, Llama 3.1) is in `tuner.archs.hidream.text`; the VAE is FLUX.1's
+(`tuner.archs.flux.loaders.load_vae`, same latents: 16 channels, 8×, (z − shift) · scale).
+
+Each loader takes either layout users have (see `tuner.models.loading`):
+
+* transformer: a diffusers folder (`HiDream-ai/HiDream-I1-Full`, `-Dev`, `-Fast`), or the single file
+  (ComfyUI's `hidream_i1_full_fp16.safetensors`, `hidream_i1_dev_bf16.safetensors`,
+  `hidream_i1_fast_fp8.safetensors`, ...). **The release is already diffusers-named**
+  (`double_stream_blocks.0.block.attn1.to_q.weight`, `...ff_i.experts.0.w1.weight`; diffusers' own
+  single-file converter only strips ComfyUI's `model.diffusion_model.` prefix), so the single file is
+  the diffusers state dict. Full, Dev and Fast are one network (17B: 16 double-stream and 32
+  single-stream MoE blocks) distilled differently: their shapes are identical, so which one a file is
+  can only be read from its name (`release_name`), and only sampling defaults depend on it.
+
+The transformer's MoE feed-forward (`MOEFeedForwardSwiGLU`: a shared SwiGLU expert plus 4 routed ones,
+2 active per token) has two code paths in diffusers, chosen by the module's `training` flag unless the
+config's `force_inference_output` is set:
+
+* inference (`moe_infer`) runs under `torch.no_grad()`: the routed experts' outputs carry no gradient,
+  so adapters on them (or anything reached only through them, the router included) would never train;
+* training computes the same sum through a differentiable loop, and the router's load-balancing
+  auxiliary loss, which diffusers then discards (`AddAuxiliaryLoss` is commented out): diffusers trains
+  without it, and so does tuner.
+
+The model's `training` flag also changes the *output layout* (`unpatchify`): in training mode it returns
+`[B, C, S, p·p]` tokens instead of the image, which is why diffusers' scripts set
+`force_inference_output=True` — which also switches every MoE to the no-grad path. tuner keeps the
+released config (`force_inference_output=False`) and instead sets each MoE's path from
+`torch.is_grad_enabled()` on every call (its router stays in eval mode: no discarded aux loss), and
+reads the output in whichever layout the model's mode produced. Both paths give the same numbers.
+
+Model inputs are what HiDreamImagePipeline feeds: latents as [B, 16, H, W] (the model patchifies them;
+a non-square latent is zero-padded to `max_resolution`'s token count with a mask), the timestep
+t · 1000, T5's hidden states, the hidden states of every Llama layer ([layers, B, L, D]; the model picks
+`llama_layers`), CLIP-L's and CLIP-G's projected pooled outputs concatenated, and the output negated
+(the network predicts x0 − noise; the flow velocity is noise − x0).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
+from tuner.models.layouts import CheckpointLayout
+from tuner.models.loading import (
+    as_file_list,
+    load_diffusers_folder,
+    load_diffusers_single_file,
+    load_tensors_of,
+    normalize_shapes,
+    normalize_state_dict,
+    read_shapes_of,
+    resolve_folder,
+)
+from tuner.networks.architectures import ArchitectureKeys
+
+if TYPE_CHECKING:
+    from diffusers import HiDreamImageTransformer2DModel
+
+CONFIGS = Path(__file__).parent / "configs"
+ROUTED_EXPERTS = 4  # every released HiDream-I1 model (and the tiny fixture) routes over 4 experts
+
+# ---------------------------------------------------------------------------------------------------
+# Known variants. `None`: the tensor must be absent (it pins the number of blocks).
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_VARIANTS = (
+    Variant(  # HiDream-I1 Full, Dev and Fast: 16 double + 32 single blocks of width 2560
+        "i1",
+        CONFIGS / "transformer" / "i1",
+        {
+            "x_embedder.proj.weight": (2560, 64),
+            "p_embedder.pooled_embedder.linear_1.weight": (2560, 2048),
+            "caption_projection.0.linear.weight": (2560, 4096),
+            "double_stream_blocks.15.block.adaLN_modulation.1.weight": (30720, 2560),
+            "double_stream_blocks.16.block.adaLN_modulation.1.weight": None,
+            "single_stream_blocks.31.block.adaLN_modulation.1.weight": (15360, 2560),
+            "single_stream_blocks.32.block.adaLN_modulation.1.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.hidream.fixture): 2 heads of 32, one block of each kind
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "x_embedder.proj.weight": (64, 64),
+            "p_embedder.pooled_embedder.linear_1.weight": (64, 64),
+            "caption_projection.0.linear.weight": (64, 64),
+            "double_stream_blocks.0.block.adaLN_modulation.1.weight": (768, 64),
+            "double_stream_blocks.1.block.adaLN_modulation.1.weight": None,
+            "single_stream_blocks.0.block.adaLN_modulation.1.weight": (384, 64),
+            "single_stream_blocks.1.block.adaLN_modulation.1.weight": None,
+        },
+    ),
+)
+
+# The release's distillations, as its file and folder names spell them; the sampling defaults of each
+# (HiDream's inference script: Full 50 steps, guidance 5, shift 3; Dev 28 steps, no CFG, shift 6;
+# Fast 16 steps, no CFG, shift 3).
+RELEASES = {"full": 3.0, "dev": 6.0, "fast": 3.0}
+_RELEASE_NAME = re.compile(r"i1[-_](full|dev|fast)", re.IGNORECASE)
+
+
+def release_name(path: str | Path) -> str | None:
+    """ "full", "dev" or "fast" from a HiDream-I1 file or folder name (`hidream_i1_dev_bf16.safetensors`,
+    `HiDream-I1-Fast/transformer`); None when the name does not say. Shapes cannot tell them apart."""
+    found = _RELEASE_NAME.search(str(path))
+    return found.group(1).lower() if found else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The key table: the release uses diffusers' names. The linear layers are listed so kohya stems read
+# back; `{i}` is a block index, routed experts are numbered.
+# ---------------------------------------------------------------------------------------------------
+_SWIGLU = ("w1", "w2", "w3")
+_MOE = (
+    *(f"ff_i.shared_experts.{w}" for w in _SWIGLU),
+    *(f"ff_i.experts.{e}.{w}" for e in range(ROUTED_EXPERTS) for w in _SWIGLU),
+)
+_DOUBLE = ("adaLN_modulation.1", *(f"attn1.{p}" for p in ("to_q", "to_k", "to_v", "to_out")),
+           *(f"attn1.{p}_t" for p in ("to_q", "to_k", "to_v", "to_out")), *_MOE,
+           *(f"ff_t.{w}" for w in _SWIGLU))  # fmt: skip
+_SINGLE = ("adaLN_modulation.1", *(f"attn1.{p}" for p in ("to_q", "to_k", "to_v", "to_out")), *_MOE)
+LINEAR_MODULES = (
+    *(f"double_stream_blocks.{{i}}.block.{name}" for name in _DOUBLE),
+    *(f"single_stream_blocks.{{i}}.block.{name}" for name in _SINGLE),
+    "x_embedder.proj", "t_embedder.timestep_embedder.linear_1", "t_embedder.timestep_embedder.linear_2",
+    "p_embedder.pooled_embedder.linear_1", "p_embedder.pooled_embedder.linear_2",
+    "caption_projection.{i}.linear", "final_layer.linear", "final_layer.adaLN_modulation.1",
+)  # fmt: skip
+HIDREAM_KEYS = ArchitectureKeys("hidream", tuple((name, name) for name in LINEAR_MODULES), same_names=True)
+"""The key table of HiDream-I1: the release's names are diffusers'."""
+HIDREAM_LAYOUT = CheckpointLayout(HIDREAM_KEYS)
+
+_WHAT = "HiDream-I1 transformer"
+_MARKERS = ("x_embedder.proj.weight", "double_stream_blocks.0.block.adaLN_modulation.1.bias")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype) -> HiDreamImageTransformer2DModel:
+    """Load the HiDream-I1 transformer from a diffusers folder or a single file, in eval mode."""
+    from diffusers import HiDreamImageTransformer2DModel
+
+    folder = resolve_folder(path, "transformer")
+    if folder is not None:
+        cls = "HiDreamImageTransformer2DModel"
+        return load_diffusers_folder(HiDreamImageTransformer2DModel, folder, dtype, cls)
+    config_dir = identify_transformer_file(path)
+    state_dict = normalize_state_dict(load_tensors_of(path), dtype)
+    return load_diffusers_single_file(
+        HiDreamImageTransformer2DModel, state_dict, config_dir, dtype, Path(path)
+    )
+
+
+def identify_transformer_file(files: str | Path) -> Path:
+    """The config folder for a single transformer file, after checking it is complete. Reads headers."""
+    from diffusers import HiDreamImageTransformer2DModel
+
+    files = as_file_list(files)
+    shapes = normalize_shapes(read_shapes_of(files))
+    if not all(k in shapes for k in _MARKERS):
+        raise wrong_architecture(files[0], shapes, _WHAT, _MARKERS)
+    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, files[0], _WHAT)
+    expected = diffusers_meta_keys(HiDreamImageTransformer2DModel, variant.config_dir)
+    check_keys(expected, shapes, files[0], f"{_WHAT} {variant.name}")
+    return variant.config_dir
+
+
+# ---------------------------------------------------------------------------------------------------
+# The transformer call
+# ---------------------------------------------------------------------------------------------------
+
+
+def route_experts(model: torch.nn.Module, differentiable: bool) -> None:
+    """Put every MoE feed-forward of `model` on diffusers' differentiable path (`differentiable`) or its
+    no-grad inference path, whatever the model's own mode; routers stay in eval mode (no auxiliary loss,
+    which diffusers would compute and discard). See the module docstring."""
+    from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
+
+    for module in model.modules():
+        if isinstance(module, MOEFeedForwardSwiGLU):
+            module.train(differentiable)
+            module.gate.eval()
+
+
+def predict_velocity(
+    model: HiDreamImageTransformer2DModel,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    t5: torch.Tensor,
+    llama: torch.Tensor,
+    pooled: torch.Tensor,
+) -> torch.Tensor:
+    """The flow velocity (noise − x0) for latents `noisy` [B, 16, H, W] at t ∈ [0, 1], as
+    HiDreamImagePipeline calls the model. `t5` is [B, L, D], `llama` [B, layers, L, D] (every layer's
+    hidden states), `pooled` [B, D_clip_l + D_clip_g]."""
+    config = model.config
+    p = config.patch_size
+    b, _, h, w = noisy.shape
+    tokens = (h // p) * (w // p)
+    capacity = config.max_resolution[0] * config.max_resolution[1] // (p * p)
+    if h != w and tokens > capacity:  # non-square latents are padded to `capacity` tokens
+        raise ValueError(
+            f"HiDream-I1 takes non-square latents of at most {capacity} tokens, got {h}×{w} latents "
+            f"({tokens} tokens): use smaller images (at most about {config.max_resolution[0] * 8}² pixels)."
+        )
+    route_experts(model, torch.is_grad_enabled())
+    out = model(
+        hidden_states=noisy,
+        timesteps=t * 1000,
+        encoder_hidden_states_t5=t5.to(noisy.dtype),
+        encoder_hidden_states_llama3=llama.transpose(0, 1).to(noisy.dtype),
+        pooled_embeds=pooled.to(noisy.dtype),
+        return_dict=False,
+    )[0]
+    if model.training and not config.force_inference_output:  # the token layout [B, C, S, p·p]
+        c = out.shape[1]
+        out = out[:, :, :tokens].reshape(b, c, h // p, w // p, p, p).permute(0, 1, 2, 4, 3, 5)
+        out = out.reshape(b, c, h, w)
+    return -out

@@ -1,0 +1,36 @@
+"""The hidream family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from tuner.archs.record import Architecture
+
+HIDREAM = Architecture(
+    name="hidream",
+    title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
+    trainer="tuner.archs.hidream.trainer:HiDreamTrainer",
+    layout="tuner.archs.hidream.loaders:HIDREAM_LAYOUT",
+    fixture="tuner.archs.hidream.fixture:FIXTURE",
+    model_class="HiDreamImageTransformer2DModel",
+    block_lists=("double_stream_blocks", "single_stream_blocks"),
+    # attention of both streams (q, k, v, out; `_t`: the text stream of the double blocks) and every
+    # SwiGLU of the feed-forwards: the MoE's shared expert and its routed experts (each token's 2 of 4)
+    # and the double blocks' text MLP. Modulations (adaLN), the router, embedders, caption projections
+    # and the output layer are left alone.
+    default_targets=(
+        r"(double|single)_stream_blocks\.\d+\.block\.attn1\.(to_q|to_k|to_v|to_out)(_t)?",
+        r"(double|single)_stream_blocks\.\d+\.block\.ff_i\.(shared_experts|experts\.\d+)\.(w1|w2|w3)",
+        r"double_stream_blocks\.\d+\.block\.ff_t\.(w1|w2|w3)",
+    ),
+    configs="hidream",
+    tokenizers=tuple(
+        (f"tokenizer{n}", f"HiDream-ai/HiDream-I1-Full:tokenizer{n}") for n in ("", "_2", "_3", "_4")
+    ),
+    hub_repos=tuple((v.lower(), f"HiDream-ai/HiDream-I1-{v}") for v in ("Full", "Dev", "Fast")),
+    # `transformer.<name>` with alpha folded in: diffusers' HiDream loader refuses files with `.alpha`
+    # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
+    # format); the release's names are diffusers' own
+    save_format="diffusers",
+)
+
+
+RECORDS = (HIDREAM,)

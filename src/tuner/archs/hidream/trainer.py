@@ -1,0 +1,78 @@
+"""HiDream-I1 (Full, Dev, Fast) text-to-image on diffusers' HiDreamImageTransformer2DModel (a MoE DiT).
+
+Latents: the FLUX.1 VAE (16 channels, 8×, (z − shift) · scale); the model patchifies 2×2 itself, so
+pixel sides are multiples of 16. Text: four encoders (`tuner.archs.hidream.text`): T5-XXL's hidden
+states and every Llama 3.1 layer's hidden states over the prompt padded to `cache.text_max_length`
+tokens (HiDream's pipeline uses 128), and the CLIP-L + CLIP-G projected pooled outputs. The Llama
+entry is large ([32, L, 4096] per caption: 32 MiB at L = 128 in bf16); `cache.text_encoder_dtype =
+"nf4"` loads the encoders 4-bit for caching (all four, through `place_text_encoder`).
+
+Training runs the MoE feed-forwards on diffusers' differentiable path whatever the model's mode (see
+`tuner.archs.hidream.loaders`: its inference path is no-grad, so adapters on the routed experts would not
+train); sampling uses the inference path. Full, Dev and Fast have identical shapes: the release is read
+from the transformer's file or folder name, and only generation's default shift depends on it (Dev 6,
+else 3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.archs.flux import loaders as flux
+from tuner.archs.hidream import loaders as hidream
+from tuner.archs.hidream import text as hidream_text
+from tuner.errors import ConfigError
+from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.trainers.base import NetworkTrainer
+
+
+class HiDreamTrainer(NetworkTrainer):
+    architecture = "hidream"
+    spatial_step = 16
+    latent_patch = (2, 2)
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return hidream.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return flux.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> hidream_text.TextEncoders:
+        m = self.cfg.model
+        paths = (self.weights_path("text_encoder"), m.text_encoder_2, m.text_encoder_3, m.text_encoder_4)
+        tokenizers = (m.tokenizer, m.tokenizer_2, m.tokenizer_3, m.tokenizer_4)
+        encoders = hidream_text.load_text_encoders(
+            tuple(p or None for p in paths), tuple(t or None for t in tokenizers), text_encoder_dtype(dtype)
+        )
+        for model in encoders.models:
+            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoders
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.shape[2] != 1:
+            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
+        return flux.encode_images(vae, pixels[:, :, 0])
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return flux.decode_latents(vae, latents).unsqueeze(2)
+
+    def encode_text(
+        self, encoder: hidream_text.TextEncoders, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
+        return hidream_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        # Entries are all text_max_length long (the length is part of the cache key).
+        return {name: torch.stack([e[name] for e in entries]) for name in ("t5", "llama", "pooled")}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return hidream.predict_velocity(model, noisy, t, cond["t5"], cond["llama"], cond["pooled"])
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (16, height // 8, width // 8)
+
+    def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
+        """HiDream's sampling shift for the configured release: 6 for Dev, 3 for Full and Fast (and for a
+        file whose name does not say)."""
+        return hidream.RELEASES.get(hidream.release_name(self.cfg.model.transformer), 3.0)

@@ -1,0 +1,427 @@
+"""HunyuanVideo (text to video): loading its four models and turning captions and videos into model inputs.
+
+Each loader takes either layout users have (see `tuner.models.loading`):
+
+* transformer: a diffusers folder (`hunyuanvideo-community/HunyuanVideo`), or Tencent's single file
+  (`hunyuan_video_720_cfgdistill_bf16.safetensors`, ComfyUI's `hunyuan_video_t2v_720p_bf16.safetensors`:
+  `double_blocks.0.img_attn_qkv.weight`, ...; with or without `model.diffusion_model.`; fp8 files are
+  dequantized), converted by `tuner.archs.hunyuan_video.keys` at any hidden size. A HunyuanVideo 1.5
+  file (another network: `byt5_in`, `vision_in`, separate q/k/v, no single blocks) is refused naming
+  `hunyuan_video15`;
+* VAE: a diffusers folder, or ComfyUI's `hunyuan_video_vae_bf16.safetensors`, which already uses the
+  diffusers `AutoencoderKLHunyuanVideo` names (`decoder.up_blocks.0.resnets.0.conv1.conv.weight`);
+* LLaVA-LLaMA-3-8B's language model (`text_encoder`): a diffusers folder (`LlamaModel`), or ComfyUI's
+  `llava_llama3_fp16.safetensors` / `llava_llama3_fp8_scaled.safetensors`, whose transformers
+  `LlamaForCausalLM` names (`model.layers.0...`) lose their `model.` prefix; its `lm_head` (and the
+  vision tower of a whole LLaVA file) are not used;
+* CLIP-L (`text_encoder_2`): as FLUX.1's (`tuner.archs.flux.loaders`), ComfyUI's `clip_l.safetensors`.
+A single text-encoder file carries no tokenizer: pass the tokenizer folders.
+
+Model inputs are what HunyuanVideoPipeline computes: the prompt inside the video prompt template
+(`PROMPT_TEMPLATE`), tokenized to `CROP_START` + `max_length` tokens, the Llama hidden states of the
+third-to-last layer (`hidden_states[-3]`) with the template's first `CROP_START` tokens cropped off, and
+the attention mask cropped alike; CLIP's pooled output over 77 tokens; latents z · 0.476986 (no shift)
+in the VAE's 4× temporal, 8× spatial compression; timestep and embedded guidance × 1000.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import torch
+
+from tuner.archs.flux.loaders import _from_pretrained, _load_clip, _sibling, from_state_dict
+from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    check_keys,
+    diffusers_meta_keys,
+    identify_single_file,
+    pick_variant,
+    wrong_architecture,
+)
+from tuner.models.loading import (
+    load_diffusers_folder,
+    load_tensors,
+    load_tokenizer,
+    normalize_shapes,
+    normalize_state_dict,
+    read_folder_config,
+    read_tensor_shapes,
+    resolve_folder,
+)
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
+    from transformers import CLIPTextModel, LlamaModel, PreTrainedTokenizerBase
+
+CONFIGS = Path(__file__).parent / "configs"
+T = TypeVar("T")
+
+# HunyuanVideoPipeline's DEFAULT_PROMPT_TEMPLATE (the official `dit-llm-encode-video` template). Its
+# `crop_start` is the number of tokens before the prompt, <|begin_of_text|> included, with the real
+# tokenizer; tuner's tiny tokenizer gives the same count (tests/test_hunyuan_video.py).
+PROMPT_TEMPLATE = (
+    "<|start_header_id|>system<|end_header_id|>\n\nDescribe the video by detailing the following aspects: "
+    "1. The main content and theme of the video."
+    "2. The color, shape, size, texture, quantity, text, and spatial relationships of the objects."
+    "3. Actions, events, behaviors temporal relationships, physical movement changes of the objects."
+    "4. background environment, light, style and atmosphere."
+    "5. camera angles, movements, and transitions used in the video:<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+)
+CROP_START = 95
+HIDDEN_LAYERS_TO_SKIP = 2  # the pipeline's `num_hidden_layers_to_skip`: hidden_states[-3]
+MAX_LENGTH = 256  # the pipeline's `max_sequence_length`: prompt tokens after the crop
+
+# ---------------------------------------------------------------------------------------------------
+# Known variants. Signatures use Tencent's names; `None` means the tensor must be absent.
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_VARIANTS = (
+    Variant(  # HunyuanVideo T2V 720p (cfg-distilled; its 540p use is the same network)
+        "720p",
+        CONFIGS / "transformer" / "720p",
+        {
+            "img_in.proj.weight": (3072, 16, 1, 2, 2),
+            "txt_in.input_embedder.weight": (3072, 4096),
+            "vector_in.in_layer.weight": (3072, 768),
+            "guidance_in.mlp.0.weight": (3072, 256),
+            "double_blocks.19.img_mod.linear.weight": (18432, 3072),
+            "double_blocks.20.img_mod.linear.weight": None,
+            "single_blocks.39.linear2.weight": (3072, 15360),
+            "single_blocks.40.linear2.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.hunyuan_video.fixture): 2 heads of 32, one block of each kind
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "img_in.proj.weight": (64, 16, 1, 2, 2),
+            "txt_in.input_embedder.weight": (64, 64),
+            "vector_in.in_layer.weight": (64, 32),
+            "guidance_in.mlp.0.weight": (64, 256),
+            "double_blocks.0.img_mod.linear.weight": (384, 64),
+            "double_blocks.1.img_mod.linear.weight": None,
+            "single_blocks.0.linear2.weight": (64, 320),
+            "single_blocks.1.linear2.weight": None,
+        },
+    ),
+)
+
+VAE_VARIANTS = (
+    Variant(
+        "hunyuan_video",
+        CONFIGS / "vae" / "hunyuan_video",
+        {
+            "encoder.conv_in.conv.weight": (128, 3, 3, 3, 3),
+            "encoder.conv_out.conv.weight": (32, 512, 3, 3, 3),
+            "decoder.conv_in.conv.weight": (512, 16, 3, 3, 3),
+        },
+    ),
+    Variant(
+        "tiny",
+        CONFIGS / "vae" / "tiny",
+        {
+            "encoder.conv_in.conv.weight": (32, 3, 3, 3, 3),
+            "encoder.conv_out.conv.weight": (32, 64, 3, 3, 3),
+            "decoder.conv_in.conv.weight": (64, 16, 3, 3, 3),
+        },
+    ),
+)
+
+LLAMA_VARIANTS = (
+    Variant(
+        "llava-llama-3-8b",
+        CONFIGS / "llama" / "llava-llama-3-8b",
+        {
+            "embed_tokens.weight": (128320, 4096),
+            "layers.31.mlp.gate_proj.weight": (14336, 4096),
+            "layers.32.mlp.gate_proj.weight": None,
+        },
+    ),
+    Variant(
+        "tiny",
+        CONFIGS / "llama" / "tiny",
+        {
+            "embed_tokens.weight": (1088, 64),
+            "layers.2.mlp.gate_proj.weight": (128, 64),
+            "layers.3.mlp.gate_proj.weight": None,
+        },
+    ),
+)
+
+_ORIGINAL_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight")
+# HunyuanVideo 1.5, in Tencent's and in diffusers' names: its image and ByT5 glyph embedders
+_HUNYUAN_VIDEO_15_MARKERS = ("vision_in.proj.0.weight", "cond_type_embedding.weight", "byt5_in.fc1.weight",
+                             "image_embedder.linear_1.weight", "cond_type_embed.weight")  # fmt: skip
+
+
+def _transformer_keys(variant: Variant) -> set[str]:
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    keys = diffusers_meta_keys(HunyuanVideoTransformer3DModel, variant.config_dir)
+    return {transformer_key_to_original(k) for k in keys}
+
+
+def _vae_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    return diffusers_meta_keys(AutoencoderKLHunyuanVideo, variant.config_dir)
+
+
+TRANSFORMER_SPEC = SingleFileSpec(
+    what="HunyuanVideo transformer",
+    variants=TRANSFORMER_VARIANTS,
+    expected_keys=_transformer_keys,
+    original_markers=_ORIGINAL_MARKERS,
+    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight"),
+    to_original=transformer_key_to_original,
+)
+VAE_SPEC = SingleFileSpec(
+    what="HunyuanVideo VAE",
+    variants=VAE_VARIANTS,
+    expected_keys=_vae_keys,
+    original_markers=("encoder.conv_in.conv.weight", "decoder.up_blocks.0.resnets.0.conv1.conv.weight"),
+)
+
+# ComfyUI's Llama files are LlamaForCausalLM state dicts: the language model under `model.`, plus parts
+# the encoder does not use.
+_LLAMA_PREFIX = "model."
+_LLAMA_UNUSED = ("lm_head.", "vision_tower.", "multi_modal_projector.", "image_newline")
+_LLAMA_MARKERS = ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")
+
+
+def _framepack(path: str | Path) -> CheckpointError:
+    """The error for a FramePack transformer (HunyuanVideo plus a history embedder) given to `hunyuan_video`."""
+    return CheckpointError(
+        f"{path}: a FramePack transformer (it has the history embedder clean_x_embedder), an image-to-video "
+        'model trained on sections. Set model.architecture = "framepack" to train it.'
+    )
+
+
+def _hunyuan_video_15(path: str | Path) -> CheckpointError:
+    """The error for a HunyuanVideo 1.5 transformer given to `hunyuan_video`."""
+    return CheckpointError(
+        f"{path}: a HunyuanVideo 1.5 transformer (it has the 1.5 image / glyph embedders and no single-stream "
+        'blocks), another network than HunyuanVideo\'s. Set model.architecture = "hunyuan_video15" to train '
+        "it, or point model.transformer at a HunyuanVideo (hunyuan_video_t2v_720p) checkpoint."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransformer3DModel:
+    """The HunyuanVideo transformer from a diffusers folder or a single file (either layout), in eval mode."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    folder = resolve_folder(path, "transformer")
+    if folder is not None:
+        class_name = read_folder_config(folder).get("_class_name")
+        if class_name == "HunyuanVideo15Transformer3DModel":
+            raise _hunyuan_video_15(folder)
+        if class_name == "HunyuanVideoFramepackTransformer3DModel":
+            raise _framepack(folder)
+        return load_diffusers_folder(
+            HunyuanVideoTransformer3DModel, folder, dtype, "HunyuanVideoTransformer3DModel"
+        )
+    names = normalize_shapes(read_tensor_shapes(path))
+    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
+        raise _hunyuan_video_15(path)
+    if any(name.startswith("clean_x_embedder.") for name in names):
+        raise _framepack(path)
+    variant = identify_single_file(path, TRANSFORMER_SPEC)
+    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    if all(k in state_dict for k in _ORIGINAL_MARKERS):
+        state_dict = transformer_to_diffusers(state_dict)
+    return from_state_dict(HunyuanVideoTransformer3DModel, state_dict, variant.config_dir, dtype, Path(path))
+
+
+def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLHunyuanVideo:
+    """The causal 3D VAE from a diffusers folder or a single file (diffusers' names), in eval mode."""
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    folder = resolve_folder(path, "vae")
+    if folder is not None:
+        return load_diffusers_folder(AutoencoderKLHunyuanVideo, folder, dtype, "AutoencoderKLHunyuanVideo")
+    variant = identify_single_file(path, VAE_SPEC)
+    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    return from_state_dict(AutoencoderKLHunyuanVideo, state_dict, variant.config_dir, dtype, Path(path))
+
+
+class TextEncoders(NamedTuple):
+    """HunyuanVideo's two text encoders and their tokenizers, in eval mode."""
+
+    llama: LlamaModel
+    llama_tokenizer: PreTrainedTokenizerBase
+    clip: CLIPTextModel
+    clip_tokenizer: PreTrainedTokenizerBase
+
+
+def load_text_encoders(
+    llama_path: str | Path,
+    clip_path: str | Path | None,
+    llama_tokenizer: str | Path | None,
+    clip_tokenizer: str | Path | None,
+    dtype: torch.dtype,
+) -> TextEncoders:
+    """LLaVA-LLaMA-3's language model and CLIP-L with their tokenizers.
+
+    `clip_path` may be None when `llama_path` is a diffusers pipeline root or its `text_encoder/` (the
+    sibling `text_encoder_2/` is used); tokenizer paths may be None for diffusers folders.
+    """
+    if clip_path is None:
+        folder = resolve_folder(llama_path, "text_encoder")
+        clip_path = _sibling(folder, "text_encoder_2") if folder is not None else None
+        if clip_path is None:
+            raise CheckpointError(
+                f"{llama_path}: HunyuanVideo needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
+                "its single file (e.g. clip_l.safetensors) or diffusers folder, or point model.text_encoder at "
+                "a HunyuanVideo diffusers pipeline folder."
+            )
+    llama, found = _load_llama(llama_path, dtype)
+    clip_path = _component(clip_path, "text_encoder_2")
+    clip, _ = _load_clip(clip_path, dtype)  # FLUX.1's loader; its tokenizer here is `tokenizer_2/`
+    found_2 = _sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
+    return TextEncoders(
+        llama,
+        load_tokenizer(
+            llama_tokenizer or found, llama_path, "Llama 3 (the tokenizer/ folder of HunyuanVideo)"
+        ),
+        clip,
+        load_tokenizer(
+            clip_tokenizer or found_2, clip_path, "CLIP (the tokenizer_2/ folder of HunyuanVideo)"
+        ),
+    )
+
+
+def _component(path: str | Path, subfolder: str) -> Path:
+    """A pipeline root's `subfolder`, else `path` itself (a component folder or a single file)."""
+    path = Path(path)
+    return path / subfolder if (path / subfolder / "config.json").is_file() else path
+
+
+def _load_llama(path: str | Path, dtype: torch.dtype) -> tuple[LlamaModel, Path | None]:
+    """The Llama language model, and the tokenizer folder beside it in a diffusers layout (else None)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    folder = resolve_folder(path, "text_encoder")
+    if folder is not None:
+        return _from_pretrained(LlamaModel, folder, dtype, "llama"), _sibling(folder, "tokenizer")
+    shapes = _llama_names(normalize_shapes(read_tensor_shapes(path)))
+    if not all(k in shapes for k in _LLAMA_MARKERS):
+        raise wrong_architecture(path, shapes, "Llama text encoder", _LLAMA_MARKERS)
+    variant = pick_variant(shapes, LLAMA_VARIANTS, path, "LLaVA-LLaMA-3 text encoder")
+    config = LlamaConfig.from_pretrained(variant.config_dir)
+    with torch.device("meta"):
+        expected = LlamaModel(config).state_dict()
+    check_keys(expected, shapes, path, f"LLaVA-LLaMA-3 text encoder {variant.name}")
+    state_dict = _llama_names(normalize_state_dict(load_tensors(path), dtype))
+    model = LlamaModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    return model.eval(), None
+
+
+def _llama_names(tensors: Mapping[str, T]) -> dict[str, T]:
+    """A Llama file's entries under LlamaModel's names: `model.` dropped, unused parts left out."""
+    named = {k.removeprefix(_LLAMA_PREFIX): v for k, v in tensors.items()}
+    return {k: v for k, v in named.items() if not k.startswith(_LLAMA_UNUSED)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs for the transformer
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def encode_prompts(
+    encoders: TextEncoders, captions: list[str], max_length: int = MAX_LENGTH
+) -> list[dict[str, torch.Tensor]]:
+    """Per caption {"text": [n, D_llama], "pooled": [D_clip]}, as HunyuanVideoPipeline.encode_prompt.
+
+    Llama: the templated prompt padded to CROP_START + `max_length` tokens, hidden_states[-3] with the
+    first CROP_START rows cropped; only the n rows the attention mask keeps are stored (the model never
+    attends to the others: `collate` pads and masks them again). CLIP: the pooled output over 77 tokens.
+    """
+    llama, llama_tokenizer, clip, clip_tokenizer = encoders
+    tokens = llama_tokenizer(
+        [PROMPT_TEMPLATE.format(c) for c in captions], max_length=CROP_START + max_length,
+        padding="max_length", truncation=True, return_tensors="pt",
+    )  # fmt: skip
+    mask = tokens.attention_mask.to(llama.device)
+    hidden = llama(
+        input_ids=tokens.input_ids.to(llama.device), attention_mask=mask, output_hidden_states=True
+    ).hidden_states[-(HIDDEN_LAYERS_TO_SKIP + 1)]
+    hidden, mask = hidden[:, CROP_START:], mask[:, CROP_START:].bool()
+    clip_ids = clip_tokenizer(
+        captions, padding="max_length", max_length=clip_tokenizer.model_max_length, truncation=True,
+        return_tensors="pt",
+    ).input_ids  # fmt: skip
+    pooled = clip(clip_ids.to(clip.device), output_hidden_states=False).pooler_output
+    return [{"text": h[m], "pooled": p} for h, m, p in zip(hidden, mask, pooled)]
+
+
+def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Batch cached text entries: `text` zero-padded on the right to the longest, its `mask` (1 = a
+    prompt token; the model counts a row's valid tokens from the left), and `pooled` stacked."""
+    length = max(e["text"].shape[0] for e in entries)
+    first = entries[0]["text"]
+    text = first.new_zeros(len(entries), length, first.shape[-1])
+    mask = torch.zeros(len(entries), length, dtype=torch.long, device=first.device)
+    for i, entry in enumerate(entries):
+        n = entry["text"].shape[0]
+        text[i, :n], mask[i, :n] = entry["text"], 1
+    return {"text": text, "mask": mask, "pooled": torch.stack([e["pooled"] for e in entries])}
+
+
+@torch.no_grad()
+def encode_video(vae: AutoencoderKLHunyuanVideo, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalized latents [B, 16, 1 + (F-1)/4, H/8, W/8] of videos [B, 3, F, H, W] in [-1, 1]: the
+    distribution's mode (deterministic caching) times the VAE's scaling factor, which the pipeline
+    divides by before decoding."""
+    frames, height, width = pixels.shape[2:]
+    if (frames - 1) % 4 or height % 8 or width % 8:
+        raise ValueError(
+            f"the HunyuanVideo VAE needs 1 + 4k frames and sides divisible by 8, got {tuple(pixels.shape)}"
+        )
+    param = next(vae.parameters())
+    latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()
+    return latents * vae.config.scaling_factor
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKLHunyuanVideo, latents: torch.Tensor) -> torch.Tensor:
+    """Videos [B, 3, F, H, W] in about [-1, 1] from normalized latents (the inverse of `encode_video`)."""
+    param = next(vae.parameters())
+    return vae.decode(latents.to(param.device, param.dtype) / vae.config.scaling_factor).sample
+
+
+def predict_velocity(
+    model: HunyuanVideoTransformer3DModel,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    cond: Mapping[str, torch.Tensor],
+    guidance: float,
+) -> torch.Tensor:
+    """The model's velocity for latents `noisy` [B, 16, F, H, W] at t ∈ [0, 1], given collated text
+    (`collate`). `guidance` feeds the embedded guidance of the cfg-distilled model, × 1000 as the
+    pipeline scales it (and the timestep)."""
+    b = noisy.shape[0]
+    embedded_guidance = None
+    if model.config.guidance_embeds:
+        embedded_guidance = torch.full((b,), guidance * 1000.0, device=noisy.device, dtype=noisy.dtype)
+    return model(
+        hidden_states=noisy,
+        timestep=t.float()
+        * 1000,  # fp32, as the pipeline's (its latents stay fp32); the model embeds it in fp32
+        encoder_hidden_states=cond["text"].to(noisy.dtype),
+        encoder_attention_mask=cond["mask"],
+        pooled_projections=cond["pooled"].to(noisy.dtype),
+        guidance=embedded_guidance,
+        return_dict=False,
+    )[0]

@@ -1,0 +1,47 @@
+"""The hunyuan_video family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from tuner.archs.record import Architecture, comfy
+
+HUNYUAN_VIDEO = Architecture(
+    name="hunyuan_video",
+    title="HunyuanVideo text-to-video (13B, cfg-distilled 720p T2V)",
+    trainer="tuner.archs.hunyuan_video.trainer:HunyuanVideoTrainer",
+    layout="tuner.archs.hunyuan_video.keys:HUNYUAN_VIDEO_LAYOUT",
+    fixture="tuner.archs.hunyuan_video.fixture:FIXTURE",
+    model_class="HunyuanVideoTransformer3DModel",
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    # as FLUX.1: the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP
+    # input and output of the single blocks, so the export can fuse `img_attn_qkv`, `txt_attn_qkv` and
+    # `linear1`. Modulations, norms, the text token refiner and the embedders are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+        r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
+    ),
+    configs="hunyuan_video",
+    tokenizers=(  # LLaVA-Llama-3 and CLIP-L
+        ("tokenizer", "hunyuanvideo-community/HunyuanVideo:tokenizer"),
+        ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo:tokenizer_2"),
+    ),
+    hub_repos=(("", "hunyuanvideo-community/HunyuanVideo"),),
+    comfy_files=(
+        (
+            "",
+            comfy(
+                "Comfy-Org/HunyuanVideo_repackaged",
+                transformer="diffusion_models/hunyuan_video_t2v_720p_bf16.safetensors",
+                vae="vae/hunyuan_video_vae_bf16.safetensors",
+                text_encoder="text_encoders/llava_llama3_fp16.safetensors",
+                text_encoder_2="text_encoders/clip_l.safetensors",
+            ),
+        ),
+    ),  # fmt: skip
+    # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
+    # HunyuanVideo loader converts them
+    save_format="comfy",
+)
+
+
+RECORDS = (HUNYUAN_VIDEO,)

@@ -1,0 +1,69 @@
+"""HunyuanVideo text-to-video (the 13B cfg-distilled T2V release) on diffusers' HunyuanVideoTransformer3DModel.
+
+Latents: AutoencoderKLHunyuanVideo, a causal 3D VAE with 4× temporal and 8× spatial compression and 16
+channels, scaled by 0.476986 (no shift); the transformer patchifies them 1×2×2, so pixel sides are
+multiples of 16 and frame counts 4N+1 (the release runs at 24 fps). Text: LLaVA-LLaMA-3's
+third-to-last hidden states of the prompt in the video template, cropped after the template, stored at
+their true length and padded with a mask when batched (`cache.text_max_length` is the pipeline's
+`max_sequence_length`, 256 in the release), and CLIP-L's pooled output. The model is cfg-distilled like
+FLUX.1-dev: `model.guidance` feeds its embedded guidance (1.0 is the usual training value; the release
+samples at 6.0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.archs.hunyuan_video import loaders as hunyuan_video
+from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.trainers.base import NetworkTrainer
+
+
+class HunyuanVideoTrainer(NetworkTrainer):
+    architecture = "hunyuan_video"
+    spatial_step = 16
+    frame_multiple, frame_remainder = 4, 1
+    model_fps = 24.0
+    supports_video = True
+    latent_patch = (1, 2, 2)
+    sample_shift = 7.0  # the release's flow shift (its scheduler's `shift`)
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return hunyuan_video.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return hunyuan_video.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> hunyuan_video.TextEncoders:
+        m = self.cfg.model
+        encoders = hunyuan_video.load_text_encoders(
+            self.weights_path("text_encoder"),
+            m.text_encoder_2 or None,
+            m.tokenizer or None,
+            m.tokenizer_2 or None,
+            text_encoder_dtype(dtype),
+        )
+        for model in (encoders.llama, encoders.clip):
+            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoders
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        return hunyuan_video.encode_video(vae, pixels)
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return hunyuan_video.decode_latents(vae, latents)
+
+    def encode_text(
+        self, encoder: hunyuan_video.TextEncoders, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
+        return hunyuan_video.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return hunyuan_video.collate(entries)
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return hunyuan_video.predict_velocity(model, noisy, t, cond, self.cfg.model.guidance)
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (16, (frames - 1) // 4 + 1, height // 8, width // 8)

@@ -1,0 +1,85 @@
+"""The hunyuan_video15 family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tuner.archs.record import Architecture, comfy
+
+_HV15_COMFY = "Comfy-Org/HunyuanVideo_1.5_repackaged"
+
+_HV15_PARTS = {"vae": "vae/hunyuanvideo15_vae_fp16.safetensors",
+               "text_encoder": "text_encoders/qwen_2.5_vl_7b.safetensors",
+               "text_encoder_2": "text_encoders/byt5_small_glyphxl_fp16.safetensors"}  # fmt: skip
+
+
+HUNYUAN_VIDEO15 = Architecture(
+    name="hunyuan_video15",
+    title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
+    trainer="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15Trainer",
+    layout="tuner.archs.hunyuan_video15.keys:HUNYUAN_VIDEO15_LAYOUT",
+    fixture="tuner.archs.hunyuan_video15.fixture:FIXTURE",
+    model_class="HunyuanVideo15Transformer3DModel",
+    block_lists=("transformer_blocks",),
+    # the attention and MLP linears of both streams of every double block (Tencent's img_attn_q ...
+    # txt_mlp.fc2, all unfused). Modulations, norms, the text refiner and the text / glyph / image
+    # embedders are left alone.
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+    ),
+    configs="hunyuan_video15",
+    # Tencent names under `diffusion_model.`: ComfyUI's key map (diffusers has no HunyuanVideo 1.5 LoRA loader)
+    tokenizers=(  # Qwen2.5-VL and the ByT5 glyph encoder
+        ("tokenizer", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer"),
+        ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer_2"),
+    ),
+    hub_repos=tuple(
+        (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_t2v") for r in ("480p", "720p")
+    ),
+    comfy_files=(
+        (
+            "720p",
+            comfy(
+                _HV15_COMFY,
+                transformer="diffusion_models/hunyuanvideo1.5_720p_t2v_fp16.safetensors",
+                **_HV15_PARTS,
+            ),
+        ),
+    ),  # fmt: skip
+    save_format="comfy",
+)
+
+
+RECORDS = (
+    HUNYUAN_VIDEO15,
+    # HunyuanVideo 1.5 I2V: the same network (other weights) given the first frame as condition
+    # latents and SigLIP image tokens
+    replace(
+        HUNYUAN_VIDEO15,
+        name="hunyuan_video15_i2v",
+        title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
+        trainer="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15I2VTrainer",
+        fixture="tuner.archs.hunyuan_video15.fixture:I2V_FIXTURE",
+        first_frame=1.0,  # without it: the text-to-video pipeline's zero condition and image tokens
+        hub_repos=tuple(
+            (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_i2v") for r in ("480p", "720p")
+        ),
+        comfy_files=(
+            (
+                "720p",
+                comfy(
+                    _HV15_COMFY,
+                    transformer="diffusion_models/hunyuanvideo1.5_720p_i2v_fp16.safetensors",
+                    **_HV15_PARTS,
+                )
+                + (
+                    (
+                        "image_encoder",
+                        "Comfy-Org/sigclip_vision_384/sigclip_vision_patch14_384.safetensors",
+                    ),
+                ),
+            ),
+        ),  # fmt: skip
+    ),
+)

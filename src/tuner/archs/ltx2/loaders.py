@@ -1,0 +1,347 @@
+"""LTX-2 (Lightricks): one transformer that denoises a video and its sound together.
+
+The pieces, as diffusers' `LTX2Pipeline` holds them (a diffusers folder has one sub-folder each):
+
+* `transformer`: `LTX2VideoTransformer3DModel`, two token streams (video and audio) with their own
+  self-attention, text cross-attention and feed-forward in every block, plus audio↔video
+  cross-attention between them. Video latents enter as `[B, F·H·W, C]` tokens (patch 1×1×1), audio
+  latents as `[B, L, C·M]` tokens (one token per latent audio frame: all mel bins of all channels).
+* `vae`: `AutoencoderKLLTX2Video`, 32× spatial and 8× temporal compression (frame counts 8N+1), 128
+  channels, normalized with its per-channel `latents_mean` / `latents_std`.
+* `audio_vae`: `AutoencoderKLLTX2Audio`, a 2-D VAE over a stereo log-mel spectrogram `[B, 2, T, M]`
+  (16 kHz, hop 160, 64 mel bins), 4× compression in time and mel bins, 8 channels; its latents are
+  normalized per packed feature (`latents_mean` / `latents_std` over C·M).
+* `vocoder`: `LTX2Vocoder`, mel → 24 kHz waveform (generation only).
+* `connectors`: `LTX2TextConnectors`: the text encoder's hidden states of every layer, normalized per
+  layer over the prompt's tokens and projected, then one small transformer per stream (with learnable
+  registers in place of the padding) gives the video and the audio text context.
+* `text_encoder`: Gemma 3 (12B; every layer's hidden states are used) with its tokenizer, left-padded
+  to a fixed length.
+
+The spectrogram the audio VAE takes is computed by `tuner.data.audio.log_mel` (magnitude STFT with
+n_fft 1024, Slaney mel filters, natural log clamped at 1e-5), the front end of Lightricks' release.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuner.archs.flux.loaders import from_state_dict
+from tuner.archs.ltx2.keys import AUDIO_VAE_LAYOUT, LTX2_LAYOUT, VAE_STATISTICS_UNUSED, VIDEO_VAE_LAYOUT
+from tuner.data.audio import log_mel
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    check_keys,
+    diffusers_meta_keys,
+    identify_shapes,
+    pick_variant,
+)
+from tuner.models.loading import (
+    load_diffusers_folder,
+    load_tensors_of,
+    normalize_shapes,
+    normalize_state_dict,
+    read_shapes_of,
+    resolve_folder,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+N_FFT = 1024  # the STFT window of the audio VAE's mel front end
+GEMMA_PADDING_SIDE = "left"  # LTX2Pipeline pads Gemma's prompts on the left
+NORM_SCALE = 8  # the connectors' per-layer normalization scale (LTX2Pipeline's `scale_factor`)
+
+
+def _component(path: str | Path, name: str) -> Path:
+    """`path` itself when it is the component's folder, else its `name/` sub-folder (a pipeline root)."""
+    root = Path(path)
+    if (root / "config.json").is_file():
+        return root
+    if (root / name / "config.json").is_file():
+        return root / name
+    if (root.parent / name / "config.json").is_file():  # a sibling of the given component folder
+        return root.parent / name
+    raise CheckpointError(
+        f"{path}: no LTX-2 {name} here (looked for {name}/config.json in a diffusers folder)."
+    )
+
+
+def _from_pretrained(cls, path: str | Path, name: str, dtype: torch.dtype):
+    folder = _component(path, name)
+    return cls.from_pretrained(str(folder), torch_dtype=dtype).eval()
+
+
+CONFIGS = Path(__file__).parent / "configs"
+TRANSFORMER_VARIANTS = (
+    Variant(  # LTX-2 19B (dev and distilled): 48 blocks, video width 4096, audio width 2048
+        "19b",
+        CONFIGS / "transformer" / "19b",
+        {
+            "patchify_proj.weight": (4096, 128),
+            "audio_patchify_proj.weight": (2048, 128),
+            "transformer_blocks.47.attn1.to_q.weight": (4096, 4096),
+            "transformer_blocks.48.attn1.to_q.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.ltx2.fixture): 2 blocks, 2 heads of 16 per stream
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "patchify_proj.weight": (32, 128),
+            "audio_patchify_proj.weight": (32, 128),
+            "transformer_blocks.1.attn1.to_q.weight": (32, 32),
+            "transformer_blocks.2.attn1.to_q.weight": None,
+        },
+    ),
+)
+# what the release's file holds under `model.diffusion_model.` beside the transformer: the text
+# connectors (diffusers keeps them apart, in `connectors/`)
+_NOT_TRANSFORMER = (
+    "video_embeddings_connector.",
+    "audio_embeddings_connector.",
+    "text_embedding_projection.",
+)
+
+
+def _transformer_keys(variant: Variant) -> list[str]:
+    from diffusers import LTX2VideoTransformer3DModel
+
+    return [
+        LTX2_LAYOUT.key_to_original(k)
+        for k in diffusers_meta_keys(LTX2VideoTransformer3DModel, variant.config_dir)
+    ]
+
+
+TRANSFORMER_SPEC = SingleFileSpec(
+    what="LTX-2 transformer",
+    variants=TRANSFORMER_VARIANTS,
+    expected_keys=_transformer_keys,
+    original_markers=(
+        "patchify_proj.weight",
+        "audio_patchify_proj.weight",
+        "av_ca_a2v_gate_adaln_single.linear.weight",
+    ),
+    diffusers_markers=(
+        "proj_in.weight",
+        "audio_proj_in.weight",
+        "av_cross_attn_video_a2v_gate.linear.weight",
+    ),
+    to_original=LTX2_LAYOUT.key_to_original,
+)
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The transformer from a diffusers folder, or from the release's single file (`ltx-2-19b-*.safetensors`,
+    `model.diffusion_model.` optional, fp8 too; its bundled connectors, VAEs and vocoder are skipped)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    return load_release_transformer(
+        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, _NOT_TRANSFORMER
+    )
+
+
+def load_release_transformer(
+    model_cls: type,
+    path: str | Path,
+    dtype: torch.dtype,
+    spec: SingleFileSpec,
+    layout,
+    skip: tuple[str, ...] = (),
+) -> nn.Module:
+    """An LTX transformer (LTX-2, LTX-Video) from a diffusers folder, or a single file in the release's
+    names (`layout`) or in diffusers' names; keys starting with `skip` belong to other components of
+    the file."""
+    folder = resolve_folder(path, "transformer")
+    if folder is not None:
+        return load_diffusers_folder(model_cls, folder, dtype, model_cls.__name__)
+    shapes = {k: v for k, v in normalize_shapes(read_shapes_of(path)).items() if not k.startswith(skip)}
+    variant = identify_shapes(shapes, spec, path)
+    state_dict = {
+        k: v for k, v in normalize_state_dict(load_tensors_of(path), dtype).items() if not k.startswith(skip)
+    }
+    if all(k in state_dict for k in spec.original_markers):  # else a file saved with diffusers' names
+        state_dict = layout.to_diffusers(state_dict)
+    return from_state_dict(model_cls, state_dict, variant.config_dir, dtype, Path(path))
+
+
+def load_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The video VAE: the diffusers folder's `vae/`, or `vae.*` of the release's single file."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    if Path(path).is_file():
+        return _bundled_vae(AutoencoderKLLTX2Video, path, "vae", VIDEO_VAE_LAYOUT, dtype, "LTX-2 video VAE")
+    return _from_pretrained(AutoencoderKLLTX2Video, path, "vae", dtype)
+
+
+def load_audio_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The audio VAE: `audio_vae/` of the diffusers folder (beside the `vae/` given), or `audio_vae.*` of
+    the release's single file."""
+    from diffusers import AutoencoderKLLTX2Audio
+
+    if Path(path).is_file():
+        return _bundled_vae(
+            AutoencoderKLLTX2Audio, path, "audio_vae", AUDIO_VAE_LAYOUT, dtype, "LTX-2 audio VAE"
+        )
+    return _from_pretrained(AutoencoderKLLTX2Audio, path, "audio_vae", dtype)
+
+
+def _bundled_vae(cls, path: str | Path, name: str, layout, dtype: torch.dtype, what: str) -> nn.Module:
+    """A VAE stored as `<name>.*` in the release's single file (read alone, not the whole file)."""
+    from safetensors import safe_open
+
+    prefix = f"{name}."
+    with safe_open(str(path), "pt") as f:
+        tensors = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    if not tensors:
+        raise CheckpointError(
+            f"{path}: holds no {what} (no `{prefix}*` keys, as the release's ltx-2-19b-*.safetensors has). "
+            "Point to that file or to the diffusers folder."
+        )
+    for unused in VAE_STATISTICS_UNUSED:
+        tensors.pop(unused, None)
+    variants = [
+        Variant(d.name, d, {_SIGNATURE: _meta_shapes(cls, d)[_SIGNATURE]})
+        for d in sorted((CONFIGS / name).iterdir())
+    ]
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    variant = pick_variant(shapes, variants, path, what)
+    check_keys([layout.key_to_original(k) for k in _meta_shapes(cls, variant.config_dir)], shapes, path, what)
+    state_dict = {
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in layout.to_diffusers(tensors).items()
+    }
+    return from_state_dict(cls, state_dict, variant.config_dir, dtype, Path(path))
+
+
+_SIGNATURE = "encoder.conv_out.conv.weight"  # the same name in both layouts; its shape tells the variant
+
+
+def _meta_shapes(cls, config_dir: Path) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = cls.from_config(cls.load_config(config_dir))
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def load_vocoder(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    return _from_pretrained(LTX2Vocoder, path, "vocoder", dtype)
+
+
+def load_connectors(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+
+    return _from_pretrained(LTX2TextConnectors, path, "connectors", dtype)
+
+
+def load_text_encoder(path: str | Path, tokenizer: str | None, dtype: torch.dtype):
+    """Gemma 3 (the release's multimodal `Gemma3ForConditionalGeneration`, or a text-only
+    `Gemma3ForCausalLM`) and its tokenizer, from a diffusers folder."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+    folder = _component(path, "text_encoder")
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    cls = Gemma3ForConditionalGeneration if model_type == "gemma3" else Gemma3ForCausalLM
+    model = cls.from_pretrained(str(folder), torch_dtype=dtype).eval()
+    tok_dir = Path(tokenizer) if tokenizer else folder.parent / "tokenizer"
+    if not tok_dir.is_dir():
+        raise CheckpointError(
+            f"{path}: no tokenizer/ beside the text encoder; set model.tokenizer to Gemma 3's."
+        )
+    return model, AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+# ---------------------------------------------------------------- text
+
+
+@torch.no_grad()
+def encode_prompts(text_encoder, tokenizer, connectors, captions: list[str], max_length: int) -> dict:
+    """Captions → the video and audio text contexts `[B, L, D]` and their 0/1 mask `[B, L]`, as
+    `LTX2Pipeline` computes them (Gemma's hidden states of every layer, left-padded to `max_length`,
+    through the connectors)."""
+    tokenizer.padding_side = GEMMA_PADDING_SIDE
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokens = tokenizer(
+        [c.strip() for c in captions],
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_tensors="pt",
+    )
+    device = next(text_encoder.parameters()).device
+    ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
+    hidden = text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    stacked = torch.stack(hidden, dim=-1).flatten(2, 3)  # [B, L, D · layers]
+    conn_param = next(connectors.parameters())
+    video, audio, text_mask = connectors(
+        stacked.to(conn_param),
+        mask.to(conn_param.device),
+        padding_side=GEMMA_PADDING_SIDE,
+        scale_factor=NORM_SCALE,
+    )
+    return {"video_context": video, "audio_context": audio, "text_mask": text_mask}
+
+
+# ---------------------------------------------------------------- latents
+
+
+def _stats(vae, like: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    return vae.latents_mean.view(shape).to(like), vae.latents_std.view(shape).to(like)
+
+
+def encode_video(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels [B, 3, F, H, W] in [-1, 1] → normalized latents [B, C, (F-1)/8+1, H/32, W/32]."""
+    latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mode()
+    mean, std = _stats(vae, latents, (1, -1, 1, 1, 1))
+    return (latents - mean) * vae.config.scaling_factor / std
+
+
+def decode_video(vae, latents: torch.Tensor) -> torch.Tensor:
+    mean, std = _stats(vae, latents, (1, -1, 1, 1, 1))
+    latents = latents * std / vae.config.scaling_factor + mean
+    timestep = None
+    if vae.config.timestep_conditioning:  # the release's decoder is conditioned on a (zero) noise level
+        timestep = torch.zeros(latents.shape[0], device=latents.device, dtype=latents.dtype)
+    return vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0].float().clamp(-1, 1)
+
+
+def pack_audio(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, L, M] → audio tokens [B, L, C·M] (what the transformer and the statistics work on)."""
+    return latents.transpose(1, 2).flatten(2, 3)
+
+
+def unpack_audio(tokens: torch.Tensor, mel_bins: int) -> torch.Tensor:
+    return tokens.unflatten(2, (-1, mel_bins)).transpose(1, 2)
+
+
+def encode_audio(audio_vae, waveform: torch.Tensor) -> torch.Tensor:
+    """Waveform [channels, samples] at the VAE's rate → normalized latents [C, L, M]."""
+    cfg = audio_vae.config
+    mel = log_mel(waveform.float(), cfg.sample_rate, N_FFT, cfg.mel_hop_length, cfg.mel_bins)
+    latents = audio_vae.encode(mel[None].to(audio_vae.dtype)).latent_dist.mode()  # [1, C, L, M]
+    tokens = pack_audio(latents)
+    mean, std = _stats(audio_vae, tokens, (1, 1, -1))
+    return unpack_audio((tokens - mean) / std, latents.shape[-1])[0]
+
+
+def decode_audio(audio_vae, vocoder, latents: torch.Tensor) -> torch.Tensor:
+    """Normalized latents [B, C, L, M] → waveforms [B, channels, samples] at the vocoder's rate."""
+    tokens = pack_audio(latents)
+    mean, std = _stats(audio_vae, tokens, (1, 1, -1))
+    latents = unpack_audio(tokens * std + mean, latents.shape[-1])
+    mel = audio_vae.decode(latents.to(audio_vae.dtype), return_dict=False)[0]
+    return vocoder(mel.to(next(vocoder.parameters()).dtype)).float()
+
+
+def audio_latent_frames(audio_vae, samples: int) -> int:
+    """Latent audio frames of a waveform of `samples` samples (causal 4× compression of the mel frames)."""
+    mel_frames = samples // audio_vae.config.mel_hop_length + 1
+    return (mel_frames - 1) // audio_vae.temporal_compression_ratio + 1

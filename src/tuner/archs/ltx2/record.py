@@ -1,0 +1,29 @@
+"""The ltx2 family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from tuner.archs.record import Architecture
+
+LTX2 = Architecture(
+    name="ltx2",
+    title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
+    trainer="tuner.archs.ltx2.trainer:LTX2Trainer",
+    layout="tuner.archs.ltx2.keys:LTX2_LAYOUT",
+    fixture="tuner.archs.ltx2.fixture:FIXTURE",
+    model_class="LTX2VideoTransformer3DModel",
+    block_lists=("transformer_blocks",),
+    # every attention (self, text, and audio<->video of both streams) and both feed-forwards of the
+    # blocks; the embedders, modulation and output projections are left alone
+    default_targets=(
+        r"transformer_blocks\.\d+\.(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
+        r"\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)",
+    ),
+    configs="ltx2",
+    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    tokenizers=(("tokenizer", "Lightricks/LTX-2:tokenizer"),),  # Gemma 3
+    hub_repos=(("19b", "Lightricks/LTX-2"),),
+)
+
+
+RECORDS = (LTX2,)

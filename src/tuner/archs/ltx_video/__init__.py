@@ -1,0 +1,1 @@
+"""The ltx_video family: its record(s), trainer(s), loaders, key layout, fixture and variant configs."""

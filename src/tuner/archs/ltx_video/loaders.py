@@ -1,0 +1,115 @@
+"""LTX-Video 0.9 (Lightricks, 2B): loading its transformer, VAE and T5, and turning captions into context.
+
+* transformer: `LTXVideoTransformer3DModel`, tokens `[B, F·H·W, 128]` (patch 1×1×1), from the release's
+  single file (`ltx-video-2b-v0.9.safetensors`: `model.diffusion_model.*` with `patchify_proj`,
+  `adaln_single`, `q_norm` / `k_norm`; its bundled `vae.*` is skipped; fp8 too) or a diffusers folder.
+* vae: `AutoencoderKLLTXVideo`, 32× spatial and 8× temporal compression, 128 channels, normalized like
+  LTX-2's (`tuner.archs.ltx2.loaders.encode_video`), from the diffusers folder.
+* text encoder: T5-XXL (`tuner.archs.flux.loaders.load_t5`), 128 tokens padded with their mask, as `LTXPipeline`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuner.archs.ltx2.loaders import load_release_transformer
+from tuner.archs.ltx_video.keys import LTX_VIDEO_LAYOUT
+from tuner.errors import CheckpointError
+from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys
+from tuner.models.loading import load_diffusers_folder, normalize_shapes, read_shapes_of, resolve_folder
+
+if TYPE_CHECKING:
+    from torch import nn
+
+CONFIGS = Path(__file__).parent / "configs"
+TRANSFORMER_VARIANTS = (
+    Variant(  # LTX-Video 0.9 / 0.9.1 (2B): 28 blocks of width 2048, T5-XXL captions
+        "0.9",
+        CONFIGS / "transformer" / "0.9",
+        {
+            "patchify_proj.weight": (2048, 128),
+            "caption_projection.linear_1.weight": (2048, 4096),
+            "transformer_blocks.27.attn1.to_q.weight": (2048, 2048),
+            "transformer_blocks.28.attn1.to_q.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.ltx_video.fixture): 2 blocks, 2 heads of 16, T5 width 64
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "patchify_proj.weight": (32, 128),
+            "caption_projection.linear_1.weight": (32, 64),
+            "transformer_blocks.2.attn1.to_q.weight": None,
+        },
+    ),
+)
+
+
+def _transformer_keys(variant: Variant) -> list[str]:
+    from diffusers import LTXVideoTransformer3DModel
+
+    return [
+        LTX_VIDEO_LAYOUT.key_to_original(k)
+        for k in diffusers_meta_keys(LTXVideoTransformer3DModel, variant.config_dir)
+    ]
+
+
+TRANSFORMER_SPEC = SingleFileSpec(
+    what="LTX-Video transformer",
+    variants=TRANSFORMER_VARIANTS,
+    expected_keys=_transformer_keys,
+    original_markers=(
+        "patchify_proj.weight",
+        "adaln_single.linear.weight",
+        "caption_projection.linear_1.weight",
+    ),
+    diffusers_markers=("proj_in.weight", "time_embed.linear.weight", "caption_projection.linear_1.weight"),
+    to_original=LTX_VIDEO_LAYOUT.key_to_original,
+)
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The transformer from a diffusers folder or the release's single file."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    if Path(path).is_file() and {"audio_patchify_proj.weight", "audio_proj_in.weight"} & set(
+        normalize_shapes(read_shapes_of(path))
+    ):
+        raise CheckpointError(
+            f"{path}: an LTX-2 transformer (video and audio streams), not an LTX-Video transformer. "
+            'Use model.architecture = "ltx2".'
+        )
+    return load_release_transformer(
+        LTXVideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX_VIDEO_LAYOUT
+    )
+
+
+def load_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    from diffusers import AutoencoderKLLTXVideo
+
+    folder = resolve_folder(path, "vae")
+    if folder is None:
+        raise CheckpointError(
+            f"{path}: the LTX-Video VAE loads from a diffusers folder (`vae/`); point model.vae there."
+        )
+    return load_diffusers_folder(AutoencoderKLLTXVideo, folder, dtype, "AutoencoderKLLTXVideo")
+
+
+@torch.no_grad()
+def encode_prompts(t5, tokenizer, captions: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """T5's last hidden states `[B, max_length, D]` and the 0/1 mask of the prompt's tokens, as
+    `LTXPipeline._get_t5_prompt_embeds`."""
+    tokens = tokenizer(
+        [c.strip() for c in captions],
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_tensors="pt",
+    )
+    device = next(t5.parameters()).device
+    embeds = t5(tokens.input_ids.to(device))[0]
+    return embeds, tokens.attention_mask.to(device)

@@ -1,0 +1,28 @@
+"""The ltx_video family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from tuner.archs.record import Architecture
+
+LTX_VIDEO = Architecture(
+    name="ltx_video",
+    title="LTX-Video 0.9 text-to-video (2B)",
+    trainer="tuner.archs.ltx_video.trainer:LTXVideoTrainer",
+    layout="tuner.archs.ltx_video.keys:LTX_VIDEO_LAYOUT",
+    fixture="tuner.archs.ltx_video.fixture:FIXTURE",
+    model_class="LTXVideoTransformer3DModel",
+    block_lists=("transformer_blocks",),
+    # the self- and text attention and the feed-forward of every block
+    default_targets=(
+        r"transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
+        r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+    ),
+    configs="ltx_video",
+    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
+    hub_repos=(("0.9", "Lightricks/LTX-Video"),),
+    first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)
+)
+
+
+RECORDS = (LTX_VIDEO,)

@@ -1,0 +1,1 @@
+"""The lumina2 family: its record(s), trainer(s), loaders, key layout, fixture and variant configs."""

@@ -1,0 +1,28 @@
+"""The lumina2 family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from tuner.archs.record import Architecture
+
+LUMINA2 = Architecture(
+    name="lumina2",
+    title="Lumina Image 2.0 text-to-image (Gemma 2 text encoder)",
+    trainer="tuner.archs.lumina2.trainer:Lumina2Trainer",
+    layout="tuner.archs.lumina2.keys:LUMINA2_LAYOUT",
+    fixture="tuner.archs.lumina2.fixture:FIXTURE",
+    model_class="Lumina2Transformer2DModel",
+    block_lists=("noise_refiner", "context_refiner", "layers"),
+    # attention (q/k/v, which the release fuses into `qkv`, and the output) and the SwiGLU MLP of every
+    # block, refiners included; modulations, norms, embedders and the output layer are left alone
+    default_targets=(
+        r"(noise_refiner|context_refiner|layers)\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
+        r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.linear_[123]",
+    ),
+    configs="lumina2",
+    tokenizers=(("tokenizer", "Alpha-VLLM/Lumina-Image-2.0:tokenizer"),),  # Gemma 2
+    hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
+    save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
+)
+
+
+RECORDS = (LUMINA2,)

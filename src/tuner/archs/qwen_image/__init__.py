@@ -1,0 +1,1 @@
+"""The qwen_image family: its record(s), trainer(s), loaders, key layout, fixture and variant configs."""

@@ -1,0 +1,189 @@
+"""A tiny random-weight Qwen-Image / Qwen-Image-Edit model, written in both layouts users have.
+
+The models are built from the `tiny` configs shipped with `tuner.archs.qwen_image.loaders` and
+`tuner.archs.qwen_image.text` (transformer: 2 heads of 32, 2 blocks, text width 64; VAE: base width
+16 with the real 8× spatial compression and 16 latent channels; Qwen2.5-VL: 2 layers of width 64 and a
+2-block vision tower of width 32 with the real 14-pixel patches and 2×2 merge), so loaders recognise
+them like real checkpoints. The tokenizer is a byte-level BPE learned from the prompt templates and
+caption words, so the templates drop exactly as many tokens as with the real tokenizer (34 and 64).
+
+    out_dir/
+      diffusers/                      what `QwenImagePipeline.from_pretrained(out_dir/"diffusers")` loads
+        model_index.json  transformer/  vae/  text_encoder/  tokenizer/  scheduler/
+        processor/                    edit fixture only (QwenImageEditPlusPipeline; its loading also
+                                      needs torchvision, which transformers' Qwen2VLProcessor requires)
+      single/                         the ComfyUI single-file layout
+        qwen_image_tiny.safetensors   release keys = diffusers keys (transformer_blocks.0.attn.to_q.weight)
+        qwen_image_vae.safetensors    original Wan VAE keys (encoder.conv1.weight, ...)
+        qwen_2.5_vl_tiny.safetensors  original Qwen2.5-VL keys (model.layers.0..., visual.blocks.0..., lm_head)
+        tokenizer/
+
+Both layouts hold the same float32 weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from tuner.archs.qwen_image.loaders import TRANSFORMER_VARIANTS, VAE_VARIANTS
+from tuner.archs.qwen_image.text import (
+    EDIT_TEMPLATE,
+    PICTURE,
+    TEXT_TO_IMAGE_TEMPLATE,
+    original_key,
+)
+from tuner.archs.qwen_image.text import (
+    VARIANTS as TEXT_ENCODER_VARIANTS,
+)
+from tuner.archs.wan.keys import vae_to_original
+from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures.tokenizers import build_qwen2_tokenizer
+from tuner.fixtures.weights import fill_random_
+from tuner.io import save_safetensors
+
+TRANSFORMER_FILE = "qwen_image_tiny.safetensors"
+VAE_FILE = "qwen_image_vae.safetensors"
+TEXT_ENCODER_FILE = "qwen_2.5_vl_tiny.safetensors"
+
+# Qwen/Qwen-Image's scheduler_config.json: exponential time shift with μ from the image-token count.
+SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+
+
+def _tiny(variants) -> Path:
+    return next(v.config_dir for v in variants if v.name == "tiny")
+
+
+def build_qwen_image_components(seed: int = 0) -> dict:
+    """The tiny pipeline's components (eval mode, float32), deterministic given `seed`.
+
+    Keys: transformer, vae, text_encoder, tokenizer, scheduler (the arguments of `QwenImagePipeline`),
+    and image_processor (what the edit pipelines' `Qwen2VLProcessor` wraps with the tokenizer).
+    """
+    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
+        transformer = QwenImageTransformer2DModel.from_config(
+            QwenImageTransformer2DModel.load_config(_tiny(TRANSFORMER_VARIANTS))
+        )
+        vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(_tiny(VAE_VARIANTS)))
+        config = Qwen2_5_VLConfig.from_pretrained(_tiny(TEXT_ENCODER_VARIANTS))
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    fill_random_(transformer, seed)
+    fill_random_(vae, seed + 1)
+    fill_random_(text_encoder, seed + 2)
+    tokenizer = build_qwen2_tokenizer(
+        [t.replace("{}", "\n") for t in (TEXT_TO_IMAGE_TEMPLATE, EDIT_TEMPLATE, PICTURE)]
+        + ["user\nassistant\n"]
+    )
+    assert len(tokenizer) <= config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
+    return {
+        "transformer": transformer.eval(),
+        "vae": vae.eval(),
+        "text_encoder": text_encoder.eval(),
+        "tokenizer": tokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
+        "image_processor": Qwen2VLImageProcessorPil(),
+    }
+
+
+def write_qwen_image_fixture(out_dir: str | Path, seed: int = 0, edit: bool = False) -> dict[str, Path]:
+    """Write the tiny Qwen-Image (or, with `edit`, Qwen-Image-Edit) model under `out_dir` in both
+    layouts; returns the paths.
+
+    Keys: root, diffusers (pipeline folder), transformer_file, vae_file, text_encoder_file, tokenizer
+    (the single-file layout's tokenizer folder). Existing `diffusers/` and `single/` folders under
+    `out_dir` are replaced only once the new ones are complete.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = build_qwen_image_components(seed)
+
+    def write(staging: Path) -> None:
+        pipeline_parts = {k: v for k, v in parts.items() if k != "image_processor"}
+        QwenImagePipeline(**pipeline_parts).save_pretrained(staging / "diffusers", safe_serialization=True)
+        if edit:
+            _add_edit_processor(staging / "diffusers", parts)
+        write_single_files(staging / "single", parts)
+
+    publish_layouts(out, "qwen-image", write)
+    single = out / "single"
+    return {
+        "root": out,
+        "diffusers": out / "diffusers",
+        "transformer_file": single / TRANSFORMER_FILE,
+        "vae_file": single / VAE_FILE,
+        "text_encoder_file": single / TEXT_ENCODER_FILE,
+        "tokenizer": single / "tokenizer",
+    }
+
+
+def write_qwen_image_edit_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    """`write_qwen_image_fixture(..., edit=True)`: the diffusers folder is a QwenImageEditPlusPipeline."""
+    return write_qwen_image_fixture(out_dir, seed, edit=True)
+
+
+def _add_edit_processor(folder: Path, parts: dict) -> None:
+    """Turn a saved QwenImagePipeline folder into a QwenImageEditPlusPipeline one: the same components
+    plus `processor/` (image processor settings + tokenizer), as the Qwen-Image-Edit-2509 release has.
+    Written piecewise: transformers cannot build a Qwen2VLProcessor without torchvision."""
+    parts["image_processor"].save_pretrained(folder / "processor")
+    parts["tokenizer"].save_pretrained(folder / "processor")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["_class_name"] = "QwenImageEditPlusPipeline"
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+
+
+def write_single_files(folder: Path, parts: dict) -> None:
+    folder.mkdir(parents=True)
+    save_safetensors(parts["transformer"].state_dict(), folder / TRANSFORMER_FILE)
+    save_safetensors(vae_to_original(parts["vae"].state_dict()), folder / VAE_FILE)
+    text_encoder = parts["text_encoder"].state_dict()
+    save_safetensors(
+        {(k if k == "lm_head.weight" else original_key(k)): v for k, v in text_encoder.items()},
+        folder / TEXT_ENCODER_FILE,
+    )
+    parts["tokenizer"].save_pretrained(folder / "tokenizer")
+
+
+FIXTURE = Fixture(
+    write=write_qwen_image_fixture,
+    # every part as a ComfyUI single file (the tokenizer from its folder)
+    model_section=f"""\
+architecture = "qwen_image"
+transformer = "{{root}}/single/{TRANSFORMER_FILE}"
+vae = "{{root}}/single/{VAE_FILE}"
+text_encoder = "{{root}}/single/{TEXT_ENCODER_FILE}"
+tokenizer = "{{root}}/single/tokenizer"
+""",
+)
+
+EDIT_FIXTURE = Fixture(
+    write=write_qwen_image_edit_fixture,
+    # the single-file transformer, the diffusers folder for the rest (text encoder with its processor)
+    model_section=f"""\
+architecture = "qwen_image_edit"
+transformer = "{{root}}/single/{TRANSFORMER_FILE}"
+vae = "{{root}}/diffusers"
+text_encoder = "{{root}}/diffusers"
+""",
+)

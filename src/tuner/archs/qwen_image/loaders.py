@@ -1,0 +1,324 @@
+"""Qwen-Image and Qwen-Image-Edit: loading the transformer and VAE, and turning latents into model inputs.
+
+The text side (Qwen2.5-VL, prompt templates, control images seen by the VL model) is in
+`tuner.archs.qwen_image.text`.
+
+Each loader takes either layout users have (see `tuner.models.loading`):
+
+* transformer: a diffusers folder, or the single file (ComfyUI's `qwen_image_bf16.safetensors`,
+  `qwen_image_edit_2509_bf16.safetensors`, ...). Qwen's release already uses diffusers' module names
+  (`transformer_blocks.0.attn.to_q.weight`, `img_mod.1`, `txt_mlp.net.2`, ...), so the single file is
+  the diffusers state dict, with or without ComfyUI's `model.diffusion_model.` prefix. ComfyUI marks
+  Qwen-Image-Edit-2511 files with an empty `__index_timestep_zero__` tensor: that model gives the
+  control-image tokens timestep 0 (diffusers' `zero_cond_t`), so the marker picks the `-edit-2511`
+  config of the variant the shapes name. Every other Qwen-Image model (2512, Edit, Edit-2509) has the
+  plain config.
+* VAE: a diffusers folder, or ComfyUI's `qwen_image_vae.safetensors`. The Qwen-Image VAE is the Wan 2.1
+  VAE architecture (its decoder fine-tuned), and the single file uses the original Wan key layout
+  (`encoder.conv1.weight`, `decoder.upsamples.0.residual.0.gamma`, ...), so `tuner.archs.wan.keys`
+  renames it. diffusers has no single-file loader for `AutoencoderKLQwenImage`; this module builds it.
+  Because the shapes equal Wan 2.1's, a Wan 2.1 VAE file also loads here (with the wrong decoder).
+
+Latents: 16 channels, 8× spatial compression, one frame, normalized per channel with the VAE config's
+`latents_mean` / `latents_std`. The transformer sees them as 2×2 patches packed into tokens of 64
+values; Qwen-Image-Edit appends the packed control latents as further image tokens (each with its own
+entry in `img_shapes`, which positions it in the 3-D RoPE) and its output keeps the target tokens.
+The transformer's timestep is the flow-matching t ∈ [0, 1] itself (the pipeline passes
+`scheduler_t / 1000`; the model scales by 1000 inside).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuner.archs.wan.keys import vae_key_to_original
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    check_keys,
+    diffusers_meta_keys,
+    identify_single_file,
+    pick_variant,
+    wrong_architecture,
+)
+from tuner.models.layouts import CheckpointLayout
+from tuner.models.loading import (
+    as_file_list,
+    assert_materialized,
+    cast_like_from_pretrained_,
+    load_diffusers_folder,
+    load_diffusers_single_file,
+    load_tensors,
+    load_tensors_of,
+    normalize_shapes,
+    normalize_state_dict,
+    read_shapes_of,
+    resolve_folder,
+)
+from tuner.networks.architectures import ArchitectureKeys
+
+# diffusers is imported where a model is built: importing it costs seconds (every diffusers model class,
+# torch._dynamo), which a command that loads no model should not pay.
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+__all__ = [
+    "TRANSFORMER_VARIANTS",
+    "VAE_VARIANTS",
+    "load_transformer",
+    "load_vae",
+    "encode_images",
+    "decode_latents",
+    "pack_latents",
+    "unpack_latents",
+    "predict_velocity",
+]
+
+CONFIGS = Path(__file__).parent / "configs"
+LATENT_CHANNELS = 16
+VAE_FACTOR = 8
+
+# ComfyUI's marker tensor in Qwen-Image-Edit-2511 single files (no data; its presence is the flag).
+INDEX_TIMESTEP_ZERO = "__index_timestep_zero__"
+
+# ---------------------------------------------------------------------------------------------------
+# Known variants. `None` means the tensor must be absent (it pins the number of blocks).
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_VARIANTS = (
+    Variant(  # Qwen-Image, -2512, -Edit, -Edit-2509, -Edit-2511 (20B): 60 blocks of width 3072
+        "qwen-image",
+        CONFIGS / "transformer" / "qwen-image",
+        {
+            "img_in.weight": (3072, 64),
+            "txt_in.weight": (3072, 3584),
+            "transformer_blocks.59.img_mod.1.weight": (18432, 3072),
+            "transformer_blocks.60.img_mod.1.weight": None,
+            "time_text_embed.addition_t_embedding.weight": None,  # Qwen-Image-Layered
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.qwen_image.fixture): 2 heads of 32, 2 blocks, text width 64
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "img_in.weight": (64, 64),
+            "txt_in.weight": (64, 64),
+            "transformer_blocks.1.img_mod.1.weight": (384, 64),
+            "transformer_blocks.2.img_mod.1.weight": None,
+            "time_text_embed.addition_t_embedding.weight": None,
+        },
+    ),
+)
+
+VAE_VARIANTS = (
+    Variant(
+        "qwen-image",
+        CONFIGS / "vae" / "qwen-image",
+        {"encoder.conv1.weight": (96, 3, 3, 3, 3), "decoder.conv1.weight": (384, 16, 3, 3, 3)},
+    ),
+    Variant(
+        "tiny",
+        CONFIGS / "vae" / "tiny",
+        {"encoder.conv1.weight": (16, 3, 3, 3, 3), "decoder.conv1.weight": (64, 16, 3, 3, 3)},
+    ),
+)
+
+# The transformer's linear layers ({i}: block index). The release uses these diffusers names, so the
+# adapter key table (`tuner.networks.architectures`) is the identity over them; listing them lets
+# kohya-style names (dots turned into underscores) be read back unambiguously.
+LINEAR_MODULES = (
+    *(
+        f"transformer_blocks.{{i}}.{name}"
+        for name in (
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+            "img_mod.1", "txt_mod.1",
+            "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+        )
+    ),
+    "img_in", "txt_in", "time_text_embed.timestep_embedder.linear_1",
+    "time_text_embed.timestep_embedder.linear_2", "norm_out.linear", "proj_out",
+)  # fmt: skip
+QWEN_IMAGE_KEYS = ArchitectureKeys(
+    "qwen_image", tuple((name, name) for name in LINEAR_MODULES), same_names=True
+)
+"""The key table of Qwen-Image and Qwen-Image-Edit: the release's names are diffusers'."""
+QWEN_IMAGE_LAYOUT = CheckpointLayout(QWEN_IMAGE_KEYS)
+
+_TRANSFORMER_WHAT = "Qwen-Image transformer"
+_TRANSFORMER_MARKERS = ("img_in.weight", "txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
+
+
+def _zero_cond_config(variant: Variant) -> Path:
+    """The config of a variant's Edit-2511 form (diffusers' `zero_cond_t=True`)."""
+    return variant.config_dir.with_name(f"{variant.config_dir.name}-edit-2511")
+
+
+def _vae_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKLQwenImage
+
+    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLQwenImage, variant.config_dir)]
+
+
+VAE_SPEC = SingleFileSpec(
+    what="Qwen-Image VAE",
+    variants=VAE_VARIANTS,
+    expected_keys=_vae_keys,
+    original_markers=("encoder.conv1.weight", "decoder.conv1.weight", "encoder.middle.1.to_qkv.weight"),
+    diffusers_markers=("encoder.conv_in.weight", "decoder.conv_in.weight", "quant_conv.weight"),
+    to_original=vae_key_to_original,
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_transformer(path: str | Path, dtype: torch.dtype) -> QwenImageTransformer2DModel:
+    """Load the Qwen-Image transformer from a diffusers folder or a single file, in eval mode."""
+    from diffusers import QwenImageTransformer2DModel
+
+    folder = resolve_folder(path, "transformer")
+    if folder is not None:
+        return load_diffusers_folder(
+            QwenImageTransformer2DModel, folder, dtype, "QwenImageTransformer2DModel"
+        )
+    config_dir = identify_transformer_file(path)
+    state_dict = normalize_state_dict(load_tensors_of(path), dtype)
+    state_dict.pop(INDEX_TIMESTEP_ZERO, None)
+    return load_diffusers_single_file(QwenImageTransformer2DModel, state_dict, config_dir, dtype, Path(path))
+
+
+def identify_transformer_file(files: str | Path) -> Path:
+    """The config folder for a single transformer file, after checking it is complete. Reads headers."""
+    from diffusers import QwenImageTransformer2DModel
+
+    files = as_file_list(files)
+    path = files[0]
+    shapes = normalize_shapes(read_shapes_of(files))
+    zero_cond = shapes.pop(INDEX_TIMESTEP_ZERO, None) is not None
+    if not all(k in shapes for k in _TRANSFORMER_MARKERS):
+        raise wrong_architecture(path, shapes, _TRANSFORMER_WHAT, _TRANSFORMER_MARKERS)
+    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, _TRANSFORMER_WHAT)
+    expected = diffusers_meta_keys(QwenImageTransformer2DModel, variant.config_dir)
+    check_keys(expected, shapes, path, f"{_TRANSFORMER_WHAT} {variant.name}")
+    return _zero_cond_config(variant) if zero_cond else variant.config_dir
+
+
+def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLQwenImage:
+    """Load the Qwen-Image VAE from a diffusers folder or a single file (Wan 2.1 original keys)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    folder = resolve_folder(path, "vae")
+    if folder is not None:
+        return load_diffusers_folder(AutoencoderKLQwenImage, folder, dtype, "AutoencoderKLQwenImage")
+    variant = identify_single_file(path, VAE_SPEC)
+    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    diffusers_keys = diffusers_meta_keys(AutoencoderKLQwenImage, variant.config_dir)
+    if "encoder.conv1.weight" in state_dict:  # the original layout; else the file is in diffusers keys
+        by_original = {vae_key_to_original(k): k for k in diffusers_keys}
+        state_dict = {by_original[k]: v for k, v in state_dict.items()}
+    return _build_from_state_dict(AutoencoderKLQwenImage, variant.config_dir, state_dict, dtype, path)
+
+
+def _build_from_state_dict(
+    model_cls, config_dir: Path, state_dict: dict, dtype: torch.dtype, path
+) -> torch.nn.Module:
+    """A diffusers model from its config and an exact state dict (keys checked before), in eval mode."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():  # parameters on the meta device, buffers real
+        model = model_cls.from_config(model_cls.load_config(config_dir))
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
+    assert_materialized(model, path)
+    cast_like_from_pretrained_(model, dtype)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Latents
+# ---------------------------------------------------------------------------------------------------
+
+
+def _latent_stats(vae: AutoencoderKLQwenImage, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the latent channels, shaped to broadcast over [B, C, F, H, W]."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+    return mean, std
+
+
+@torch.no_grad()
+def encode_images(vae: AutoencoderKLQwenImage, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalized latents [B, 16, 1, H/8, W/8] of images [B, 3, 1, H, W] in [-1, 1].
+
+    The mean of the latent distribution (the pipelines' `sample_mode="argmax"`), then
+    (latents − latents_mean) / latents_std, as QwenImageEditPipeline encodes its input image.
+    """
+    if pixels.ndim != 5 or pixels.shape[2] != 1 or pixels.shape[3] % 16 or pixels.shape[4] % 16:
+        raise ValueError(
+            f"Qwen-Image takes single frames with sides divisible by 16, got {tuple(pixels.shape)}"
+        )
+    param = next(vae.parameters())
+    latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()
+    mean, std = _latent_stats(vae, latents)
+    return (latents - mean) / std
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKLQwenImage, latents: torch.Tensor) -> torch.Tensor:
+    """Images [B, 3, 1, H, W] in about [-1, 1] from normalized latents (the inverse of `encode_images`)."""
+    param = next(vae.parameters())
+    latents = latents.to(param.device, param.dtype)
+    mean, std = _latent_stats(vae, latents)
+    return vae.decode(latents * std + mean).sample
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, 1, H, W] → tokens [B, (H/2)(W/2), 4C]: each 2×2 patch, channel-major within the token."""
+    b, c, f, h, w = latents.shape
+    if f != 1 or h % 2 or w % 2:
+        raise ValueError(f"Qwen-Image packs one frame with even latent sides, got {tuple(latents.shape)}")
+    x = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The inverse of `pack_latents` for a latent of `height` × `width`."""
+    b, _, d = tokens.shape
+    x = tokens.reshape(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, d // 4, 1, height, width)
+
+
+def predict_velocity(
+    model: QwenImageTransformer2DModel,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_mask: torch.Tensor | None = None,
+    controls: list[torch.Tensor] = (),
+) -> torch.Tensor:
+    """The transformer's velocity for latents `noisy` [B, 16, 1, H, W] at t ∈ [0, 1], as the pipelines
+    call it: target tokens first, then each control latent's tokens; `img_shapes` lists the patch grid
+    of each; the text mask is dropped when it masks nothing (as `encode_prompt` does)."""
+    height, width = noisy.shape[-2:]
+    tokens = [pack_latents(noisy)] + [pack_latents(c.to(noisy.dtype)) for c in controls]
+    grids = [(1, x.shape[-2] // 2, x.shape[-1] // 2) for x in [noisy, *controls]]
+    if prompt_mask is not None and bool(prompt_mask.all()):
+        prompt_mask = None
+    out = model(
+        hidden_states=torch.cat(tokens, dim=1),
+        timestep=t.to(noisy.dtype),
+        encoder_hidden_states=prompt_embeds.to(noisy.dtype),
+        encoder_hidden_states_mask=prompt_mask,
+        img_shapes=[grids] * noisy.shape[0],
+        return_dict=False,
+    )[0]
+    return unpack_latents(out[:, : tokens[0].shape[1]], height, width)

@@ -1,0 +1,53 @@
+"""The qwen_image family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tuner.archs.record import Architecture, comfy
+
+QWEN_IMAGE = Architecture(
+    name="qwen_image",
+    title="Qwen-Image text-to-image",
+    trainer="tuner.archs.qwen_image.trainer:QwenImageTrainer",
+    layout="tuner.archs.qwen_image.loaders:QWEN_IMAGE_LAYOUT",
+    fixture="tuner.archs.qwen_image.fixture:FIXTURE",
+    model_class="QwenImageTransformer2DModel",
+    block_lists=("transformer_blocks",),
+    # the attention projections of both streams and both MLPs of every block; the modulation layers
+    # (img_mod / txt_mod), the embedders and the output head are left alone
+    default_targets=(
+        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
+    ),
+    configs="qwen_image",
+    tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),
+    hub_repos=(("", "Qwen/Qwen-Image"),),
+    comfy_files=(
+        (
+            "",
+            comfy(
+                "Comfy-Org/Qwen-Image_ComfyUI",
+                transformer="diffusion_models/qwen_image_bf16.safetensors",
+                vae="vae/qwen_image_vae.safetensors",
+                text_encoder="text_encoders/qwen_2.5_vl_7b.safetensors",
+            ),
+        ),
+    ),  # fmt: skip
+    save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
+)
+
+
+RECORDS = (
+    QWEN_IMAGE,
+    # Qwen-Image-Edit 2509 / 2511: the same network given one to three control images
+    replace(
+        QWEN_IMAGE,
+        name="qwen_image_edit",
+        hub_repos=(("2509", "Qwen/Qwen-Image-Edit-2509"), ("2511", "Qwen/Qwen-Image-Edit-2511")),
+        comfy_files=(),
+        title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",
+        trainer="tuner.archs.qwen_image.trainer:QwenImageEditTrainer",
+        fixture="tuner.archs.qwen_image.fixture:EDIT_FIXTURE",
+    ),
+)

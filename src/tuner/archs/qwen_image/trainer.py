@@ -1,0 +1,100 @@
+"""Qwen-Image (text-to-image) and Qwen-Image-Edit (one or more control images) on diffusers'
+QwenImageTransformer2DModel.
+
+Latents: AutoencoderKLQwenImage (the Wan 2.1 VAE architecture), 8× spatial compression, 16 channels,
+one frame, normalized per channel. The transformer packs 2×2 latent patches into tokens, so pixel
+sides are multiples of 16. Text: Qwen2.5-VL hidden states stored at their true length; a batch is
+padded to its longest caption with a mask, as the pipelines batch prompts. Qwen-Image-Edit appends the
+control images' latents (`control_0`, `control_1`, ...) as extra image tokens and also shows the
+control images to the VL model with the prompt (`tuner.archs.qwen_image.text`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.archs.qwen_image import loaders as qwen_image
+from tuner.archs.qwen_image import text as qwen_image_text
+from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.trainers.base import NetworkTrainer
+
+
+class QwenImageTrainer(NetworkTrainer):
+    architecture = "qwen_image"
+    sample_shift = timestep_mode = "qwen_shift"
+    spatial_step = 16
+    latent_patch = (1, 2, 2)
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return qwen_image.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return qwen_image.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> qwen_image_text.QwenTextEncoder:
+        encoder = qwen_image_text.load_text_encoder(
+            self.weights_path("text_encoder"),
+            self.cfg.model.tokenizer or None,
+            text_encoder_dtype(dtype),
+        )
+        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoder
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        return qwen_image.encode_images(vae, pixels)
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return qwen_image.decode_latents(vae, latents)
+
+    def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
+        embeds = qwen_image_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+        return [{"prompt_embeds": e} for e in embeds]
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        rows = [entry["prompt_embeds"] for entry in entries]
+        length = max(r.shape[0] for r in rows)
+        embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
+        mask = torch.zeros(len(rows), length, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            embeds[i, : r.shape[0]] = r
+            mask[i, : r.shape[0]] = True
+        return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        controls = []
+        while f"control_{len(controls)}" in cond:
+            controls.append(cond[f"control_{len(controls)}"])
+        return qwen_image.predict_velocity(
+            model, noisy, t, cond["prompt_embeds"], cond.get("prompt_mask"), controls
+        )
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        factor = qwen_image.VAE_FACTOR
+        return (qwen_image.LATENT_CHANNELS, 1, height // factor, width // factor)
+
+    def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Qwen-Image's "true CFG": the guided velocity is rescaled, token by token, to the norm of the
+        conditional one (norms over each packed 2×2 token's channels, as the pipeline computes them)."""
+        guided = v_uncond + scale * (v_cond - v_uncond)
+        height, width = guided.shape[-2:]
+        cond_tokens, guided_tokens = qwen_image.pack_latents(v_cond), qwen_image.pack_latents(guided)
+        ratio = cond_tokens.norm(dim=-1, keepdim=True) / guided_tokens.norm(dim=-1, keepdim=True)
+        return qwen_image.unpack_latents(guided_tokens * ratio, height, width)
+
+
+class QwenImageEditTrainer(QwenImageTrainer):
+    """Qwen-Image-Edit-2509 / 2511. The control latents come with the batch (`control_<i>`); the prompt is
+    encoded with the edit template, and with the control images when they are given."""
+
+    architecture = "qwen_image_edit"
+    control_images = (1, 3)  # Edit-2509/2511 take up to three "Picture N" inputs
+    text_uses_controls = True  # the Qwen2.5-VL prompt encoder looks at the control images too
+
+    def encode_text(
+        self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """None for `controls` encodes the prompt alone (the pipeline's path without images)."""
+        images = controls if controls is not None else [[] for _ in captions]
+        embeds = qwen_image_text.encode_edit_prompts(encoder, captions, images)
+        return [{"prompt_embeds": e} for e in embeds]

@@ -1,0 +1,99 @@
+"""`Architecture`: the record of one architecture, everything shared code needs to know about it.
+
+Each family folder (`tuner/archs/<family>/record.py`) declares its records as `RECORDS`; `tuner.registry`
+lists the families and is the one view of all records. The record is plain data. Code it points to (the
+trainer class, the key table, the fixture) is named as `"module:attribute"` and imported only when asked
+for, so reading a config or printing `--help` loads no model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ARCHS = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture (a config's `model.architecture`)."""
+
+    name: str
+    """The config name, e.g. `wan`."""
+    title: str
+    """What it trains, in a few words (shown by `tuner --help` and `tuner fixtures --help`)."""
+    trainer: str
+    """`module:Class` of its `NetworkTrainer` subclass."""
+    layout: str
+    """`module:attribute` of its `CheckpointLayout`: the release's single-file layout relative to
+    diffusers'. Its `keys` (`ArchitectureKeys`: module renames and fused layers) name adapters in saved
+    files. Architectures with the same network point to the same layout."""
+    fixture: str
+    """`module:attribute` of its tiny random-weight `Fixture` (written in the release's layouts)."""
+    model_class: str
+    """The diffusers class of its transformer."""
+    block_lists: tuple[str, ...]
+    """The transformer's `nn.ModuleList`s of blocks, in execution order (block swap, checkpointing,
+    fp8 storage)."""
+    default_targets: tuple[str, ...]
+    """Regexes over diffusers module names of the linear layers an adapter trains by default."""
+    configs: str
+    """Family folder under `tuner/archs/` whose `configs/` holds the diffusers configs of every shipped variant (a
+    `transformer/` folder holding a `tiny` variant and at least one real one)."""
+    save_format: str
+    """The layout `save.format = "auto"` writes: one that ComfyUI and diffusers both load."""
+    boundary: float | None = None
+    """Two-expert models (Wan 2.2 A14B): the release's t in [0, 1] where denoising switches from the
+    high-noise expert (`model.transformer`) to the low-noise one (`model.transformer_2`); None for models
+    with one transformer."""
+    tokenizers: tuple[tuple[str, str], ...] = ()
+    """(config field, hub folder) of the tokenizer of each text encoder, e.g. ("tokenizer",
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"): used when the config gives none and the encoder is a
+    single file, which carries none (see `tuner.hub`). Every record names one per text encoder."""
+    hub_repos: tuple[tuple[str, str], ...] = ()
+    """(variant, repository) of the official diffusers pipelines, the first the default: what
+    `tuner download ARCH [VARIANT]` fetches the components from."""
+    comfy_files: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    """(variant, ((config field, hub file), ...)) of the single files ComfyUI users have, from Comfy-Org's
+    repackaged repositories (`repo/split_files/...`): what `tuner download ARCH [VARIANT] --comfy` fetches;
+    empty where there are none. Variants are `hub_repos`' names."""
+    first_frame: float | None = None
+    """Models given a video's first frame (image-to-video): the share of training samples given it when
+    `train.first_frame_conditioning_p` is unset (1.0, as the releases train; 0.5 where one model does both
+    text- and image-to-video). None for models without a first-frame condition (they refuse the key)."""
+    first_frame_required: str = ""
+    """Why such a model cannot train without its frame, where it cannot (its image condition has no absent
+    form in any of its pipelines): it then accepts only p = 1. What the others are fed without the frame is
+    their trainer's `draw_conditions` / `predict`."""
+
+    def trainer_class(self) -> type:
+        return _resolve(self.trainer)
+
+    def checkpoint_layout(self) -> Any:
+        """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the
+        fused layers), `.inverse` for the way back, and whole-checkpoint conversion."""
+        return _resolve(self.layout)
+
+    def key_table(self) -> Any:
+        """The `ArchitectureKeys` of this architecture (what adapter files are named by)."""
+        return self.checkpoint_layout().keys
+
+    def load_fixture(self) -> Any:
+        """The `Fixture` of this architecture."""
+        return _resolve(self.fixture)
+
+    @property
+    def variant_dir(self) -> Path:
+        return ARCHS / self.configs / "configs"
+
+
+def _resolve(ref: str) -> Any:
+    module, attr = ref.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def comfy(repo: str, **files: str) -> tuple[tuple[str, str], ...]:
+    """`comfy_files` entries: config field -> a file under `repo`'s `split_files/` folder."""
+    return tuple((field, f"{repo}/split_files/{path}") for field, path in files.items())

@@ -1,0 +1,1 @@
+"""The sd3 family: its record(s), trainer(s), loaders, key layout, fixture and variant configs."""

@@ -1,0 +1,78 @@
+"""Stable Diffusion 3.5 (Medium, Large, Large Turbo) text to image on diffusers' SD3Transformer2DModel.
+
+Latents: AutoencoderKL with 8× compression and 16 channels, normalized with the VAE's shift and scaling
+factors; the MMDiT patchifies 2×2 itself (pixel sides are multiples of 16). Text: CLIP-L's and OpenCLIP
+bigG's penultimate hidden states and pooled outputs, and T5-XXL's hidden states over the prompt padded
+to `cache.text_max_length` tokens (256 in StableDiffusion3Pipeline). T5 is optional: without
+`model.text_encoder_3` its features are zeros, as the pipeline does without `text_encoder_3`.
+Timesteps: flow matching with SD 3.5's fixed shift 3.0.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tuner.archs.sd3 import loaders as sd3
+from tuner.errors import ConfigError
+from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.trainers.base import NetworkTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class SD3Trainer(NetworkTrainer):
+    architecture = "sd3"
+    spatial_step = 16
+    latent_patch = (2, 2)
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return sd3.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return sd3.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> sd3.TextEncoders:
+        m = self.cfg.model
+        if not m.text_encoder_3:
+            logger.warning(
+                "model.text_encoder_3 is not set: SD 3.5 is given zeros in place of T5-XXL's features, as "
+                "StableDiffusion3Pipeline does without text_encoder_3 (the same must hold when generating)."
+            )
+        encoders = sd3.load_text_encoders(
+            (self.weights_path("text_encoder"), m.text_encoder_2 or None, m.text_encoder_3 or None),
+            (m.tokenizer or None, m.tokenizer_2 or None, m.tokenizer_3 or None),
+            text_encoder_dtype(dtype),
+        )
+        for model in (encoders.clip_l, encoders.clip_g, encoders.t5):
+            if model is not None:
+                place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoders
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.shape[2] != 1:
+            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
+        return sd3.encode_images(vae, pixels[:, :, 0])
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return sd3.decode_latents(vae, latents).unsqueeze(2)
+
+    def encode_text(
+        self, encoder: sd3.TextEncoders, captions: list[str], controls=None
+    ) -> list[dict[str, torch.Tensor]]:
+        return sd3.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        # Entries are all text_max_length long (the length is part of the cache key), with or without T5
+        # (model.text_encoder_3 is part of it too).
+        return {name: torch.stack([e[name] for e in entries]) for name in entries[0]}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return sd3.predict_velocity(
+            model, noisy, t, cond["clip"], cond["pooled"], cond.get("t5"), self.cfg.cache.text_max_length
+        )
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        return (16, height // 8, width // 8)

@@ -1,0 +1,34 @@
+"""The sdxl family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from tuner.archs.record import Architecture
+
+SDXL = Architecture(
+    name="sdxl",
+    title="SDXL text-to-image (base 1.0 and fine-tunes: Pony, Illustrious, NoobAI; epsilon or v-pred)",
+    trainer="tuner.archs.sdxl.trainer:SDXLTrainer",
+    layout="tuner.archs.sdxl.keys:SDXL_LAYOUT",
+    fixture="tuner.archs.sdxl.fixture:FIXTURE",
+    model_class="UNet2DConditionModel",
+    # the UNet's levels (the mid block is one module, not a list, and stays resident)
+    block_lists=("down_blocks", "up_blocks"),
+    # every linear layer of the attention modules: their projections in and out, self- and
+    # cross-attention and the feed-forward (kohya's default set for SDXL); resnets and embeddings left alone
+    default_targets=(
+        r".*attentions\.\d+\.(proj_in|proj_out)",
+        r".*attentions\.\d+\.transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
+        r".*attentions\.\d+\.transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
+    ),
+    configs="sdxl",
+    tokenizers=(
+        ("tokenizer", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer"),
+        ("tokenizer_2", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer_2"),
+    ),
+    hub_repos=(("base", "stabilityai/stable-diffusion-xl-base-1.0"),),
+    # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
+    save_format="kohya",
+)
+
+
+RECORDS = (SDXL,)

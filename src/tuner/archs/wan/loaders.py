@@ -1,0 +1,555 @@
+"""Wan 2.1 text-to-video: loading its three models and turning captions and videos into model inputs.
+
+Each loader takes either layout users have (see `tuner.models.loading`):
+
+* transformer: a diffusers folder (`.../transformer` or the pipeline root), the official single file
+  (`blocks.0.self_attn.q.weight`, `head.modulation`, ...; with or without ComfyUI's
+  `model.diffusion_model.` prefix; ComfyUI's scaled-fp8 files are dequantized), or the official release
+  folder (`config.json` of class `WanModel` next to `diffusion_pytorch_model*.safetensors` shards);
+* VAE: a diffusers folder, or the original single file (`Wan2.1_VAE.pth`, ComfyUI's
+  `wan_2.1_vae.safetensors`); TI2V-5B's 48-channel Wan 2.2 VAE is in `tuner.archs.wan.wan22_vae`, and a
+  VAE of the wrong generation is refused by name;
+* text encoder: a diffusers folder, or ComfyUI's `umt5_xxl_*.safetensors`, which is the transformers
+  T5 encoder layout (`shared.weight`, `encoder.block.0.layer.0.SelfAttention.q.weight`, ...) minus the
+  tied `encoder.embed_tokens.weight`. A single file carries no tokenizer: pass `tokenizer_path`.
+
+Single files are recognised from tensor shapes (`tuner.models.identify`; the configs ship in
+`configs/wan/`), and so are diffusers folders (from their config). Each variant belongs to the
+architectures that train it (`VARIANT_ARCHITECTURES`); a file of another one is refused with the
+architecture to use. Wan 2.2 T2V A14B experts have exactly the Wan 2.1 T2V 14B network, so their shapes
+cannot tell them apart (nor the high-noise expert from the low-noise one); the Wan 2.2 I2V A14B experts
+(36 input channels, no CLIP image layers) and TI2V-5B (48 channels) are told apart from Wan 2.1 I2V. Not supported: the official Wan T5 file
+(`models_t5_umt5-xxl-enc-bf16.pth`, Wan's own module names) and sharded single files without a folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tuner.archs.wan.keys import (
+    diffusers_module_name,
+    original_module_name,
+    transformer_to_original,
+    vae_key_to_original,
+    vae_to_original,
+)
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    apply_aliases,
+    diffusers_meta_keys,
+    identify_single_file,
+)
+from tuner.models.loading import (
+    load_diffusers_folder,
+    load_diffusers_single_file,
+    load_tensors,
+    load_tensors_of,
+    load_tokenizer,
+    normalize_state_dict,
+    read_folder_config,
+    resolve_folder,
+)
+
+# diffusers and transformers are imported where a model is built: importing them costs seconds (every
+# diffusers model class, torch._dynamo), which a command that loads no model should not pay.
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import PreTrainedTokenizerBase, UMT5EncoderModel
+
+__all__ = [
+    "TRANSFORMER_VARIANTS",
+    "VAE_VARIANTS",
+    "TEXT_ENCODER_VARIANTS",
+    "load_transformer",
+    "load_vae",
+    "load_text_encoder",
+    "encode_prompts",
+    "encode_video",
+    "decode_latents",
+    "original_module_name",
+    "diffusers_module_name",
+    "transformer_to_original",
+    "vae_to_original",
+]
+
+CONFIGS = Path(__file__).parent / "configs"
+
+# ---------------------------------------------------------------------------------------------------
+# Known variants. Signatures use original-layout names; `None` means the tensor must be absent (it pins
+# the number of blocks and tells text-to-video from image-to-video).
+# ---------------------------------------------------------------------------------------------------
+TRANSFORMER_VARIANTS = (
+    Variant(
+        "t2v-1.3B",
+        CONFIGS / "transformer" / "t2v-1.3B",
+        {
+            "patch_embedding.weight": (1536, 16, 1, 2, 2),
+            "text_embedding.0.weight": (1536, 4096),
+            "blocks.29.ffn.0.weight": (8960, 1536),
+            "blocks.30.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(
+        "t2v-14B",
+        CONFIGS / "transformer" / "t2v-14B",
+        {
+            "patch_embedding.weight": (5120, 16, 1, 2, 2),
+            "text_embedding.0.weight": (5120, 4096),
+            "blocks.39.ffn.0.weight": (13824, 5120),
+            "blocks.40.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(
+        "i2v-14B",
+        CONFIGS / "transformer" / "i2v-14B",
+        {
+            "patch_embedding.weight": (5120, 36, 1, 2, 2),
+            "text_embedding.0.weight": (5120, 4096),
+            "blocks.39.ffn.0.weight": (13824, 5120),
+            "blocks.40.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": (5120, 5120),
+            "img_emb.proj.1.weight": (1280, 1280),
+            "img_emb.emb_pos": None,  # present only in first-last-frame models
+        },
+    ),
+    Variant(  # Wan 2.1 FLF2V 14B: I2V's network plus a position embedding over the two frames' CLIP tokens
+        "flf2v-14B",
+        CONFIGS / "transformer" / "flf2v-14B",
+        {
+            "patch_embedding.weight": (5120, 36, 1, 2, 2),
+            "blocks.39.ffn.0.weight": (13824, 5120),
+            "blocks.40.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": (5120, 5120),
+            "img_emb.emb_pos": (1, 514, 1280),
+        },
+    ),
+    Variant(  # either Wan 2.2 I2V A14B expert: noise + conditioning latents + mask in, no CLIP image layers
+        "i2v-A14B",
+        CONFIGS / "transformer" / "i2v-A14B",
+        {
+            "patch_embedding.weight": (5120, 36, 1, 2, 2),
+            "text_embedding.0.weight": (5120, 4096),
+            "blocks.39.ffn.0.weight": (13824, 5120),
+            "blocks.40.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(  # Wan 2.2 TI2V-5B: the 48-channel latents of the Wan 2.2 VAE
+        "ti2v-5B",
+        CONFIGS / "transformer" / "ti2v-5B",
+        {
+            "patch_embedding.weight": (3072, 48, 1, 2, 2),
+            "text_embedding.0.weight": (3072, 4096),
+            "blocks.29.ffn.0.weight": (14336, 3072),
+            "blocks.30.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(  # the TI2V test fixture (tuner.archs.wan.fixture_ti2v): the tiny network on 48 channels
+        "tiny-ti2v",
+        CONFIGS / "transformer" / "tiny-ti2v",
+        {
+            "patch_embedding.weight": (64, 48, 1, 2, 2),
+            "text_embedding.0.weight": (64, 64),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(  # the test fixture (tuner.archs.wan.fixture): 2 heads of 32, 2 blocks
+        "tiny",
+        CONFIGS / "transformer" / "tiny",
+        {
+            "patch_embedding.weight": (64, 16, 1, 2, 2),
+            "text_embedding.0.weight": (64, 64),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(  # the I2V test fixture: the tiny network with 36 input channels and the tiny CLIP's width 32
+        "tiny-i2v",
+        CONFIGS / "transformer" / "tiny-i2v",
+        {
+            "patch_embedding.weight": (64, 36, 1, 2, 2),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "img_emb.proj.1.weight": (32, 32),
+            "img_emb.emb_pos": None,
+        },
+    ),
+    Variant(  # the Wan 2.2 I2V A14B test fixture's experts: tiny-i2v without the CLIP image layers
+        "tiny-i2v-A14B",
+        CONFIGS / "transformer" / "tiny-i2v-A14B",
+        {
+            "patch_embedding.weight": (64, 36, 1, 2, 2),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "blocks.0.cross_attn.k_img.weight": None,
+        },
+    ),
+    Variant(  # the FLF2V test fixture: tiny-i2v plus the position embedding of two frames' 17 tokens
+        "tiny-flf2v",
+        CONFIGS / "transformer" / "tiny-flf2v",
+        {
+            "patch_embedding.weight": (64, 36, 1, 2, 2),
+            "blocks.1.ffn.0.weight": (128, 64),
+            "blocks.2.ffn.0.weight": None,
+            "img_emb.emb_pos": (1, 34, 32),
+        },
+    ),
+)
+
+# What each transformer variant is, and the architectures (`model.architecture`) that train it, first the
+# one to suggest. Names that are not registered yet are suggested as "not supported yet".
+VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "t2v-1.3B": ("a Wan 2.1 T2V 1.3B transformer", ("wan",)),
+    "t2v-14B": ("a Wan 2.1 T2V 14B transformer or a Wan 2.2 T2V A14B expert", ("wan", "wan22_t2v")),
+    "i2v-14B": ("a Wan 2.1 I2V 14B transformer (480p or 720p)", ("wan_i2v",)),
+    "flf2v-14B": ("a Wan 2.1 FLF2V 14B transformer (first-last-frame)", ("wan_flf2v",)),
+    "i2v-A14B": ("a Wan 2.2 I2V A14B expert (image-to-video)", ("wan22_i2v",)),
+    "ti2v-5B": ("a Wan 2.2 TI2V-5B transformer", ("wan22_ti2v",)),
+    "tiny": ("the tiny test transformer", ("wan", "wan22_t2v")),
+    "tiny-ti2v": ("the tiny TI2V test transformer", ("wan22_ti2v",)),
+    "tiny-i2v": ("the tiny image-to-video test transformer", ("wan_i2v",)),
+    "tiny-flf2v": ("the tiny first-last-frame test transformer", ("wan_flf2v",)),
+    "tiny-i2v-A14B": ("the tiny Wan 2.2 I2V A14B test expert (image-to-video)", ("wan22_i2v",)),
+}
+
+VAE_VARIANTS = (
+    Variant(
+        "wan2.1",
+        CONFIGS / "vae" / "wan2.1",
+        {"encoder.conv1.weight": (96, 3, 3, 3, 3), "decoder.conv1.weight": (384, 16, 3, 3, 3)},
+    ),
+    Variant(
+        "tiny",
+        CONFIGS / "vae" / "tiny",
+        {"encoder.conv1.weight": (16, 3, 3, 3, 3), "decoder.conv1.weight": (64, 16, 3, 3, 3)},
+    ),
+)
+
+TEXT_ENCODER_VARIANTS = (
+    Variant(
+        "umt5-xxl",
+        CONFIGS / "text_encoder" / "umt5-xxl",
+        {
+            "shared.weight": (256384, 4096),
+            "encoder.block.23.layer.1.DenseReluDense.wi_0.weight": (10240, 4096),
+            "encoder.block.24.layer.1.DenseReluDense.wi_0.weight": None,
+        },
+    ),
+    Variant(
+        "tiny",
+        CONFIGS / "text_encoder" / "tiny",
+        {
+            "shared.weight": (512, 64),
+            "encoder.block.1.layer.1.DenseReluDense.wi_0.weight": (128, 64),
+            "encoder.block.2.layer.1.DenseReluDense.wi_0.weight": None,
+        },
+    ),
+)
+
+
+# The encoder's embedding is tied to `shared`; ComfyUI's files store only `shared.weight`.
+_TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
+
+
+def _transformer_keys(variant: Variant) -> list[str]:
+    from diffusers import WanTransformer3DModel
+
+    return [original_module_name(k) for k in diffusers_meta_keys(WanTransformer3DModel, variant.config_dir)]
+
+
+def _vae_keys(variant: Variant) -> list[str]:
+    from diffusers import AutoencoderKLWan
+
+    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLWan, variant.config_dir)]
+
+
+def _text_encoder_keys(variant: Variant) -> list[str]:
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.device("meta"):
+        model = UMT5EncoderModel(UMT5Config.from_pretrained(variant.config_dir))
+    return list(apply_aliases(model.state_dict(), _TIED_EMBEDDING))
+
+
+TRANSFORMER_SPEC = SingleFileSpec(
+    what="Wan 2.1 transformer",
+    variants=TRANSFORMER_VARIANTS,
+    expected_keys=_transformer_keys,
+    original_markers=("head.modulation", "blocks.0.self_attn.q.weight"),
+    diffusers_markers=("scale_shift_table", "blocks.0.attn1.to_q.weight"),
+    to_original=original_module_name,
+)
+VAE_SPEC = SingleFileSpec(
+    what="Wan 2.1 VAE",
+    variants=VAE_VARIANTS,
+    expected_keys=_vae_keys,
+    original_markers=("encoder.conv1.weight", "decoder.conv1.weight", "encoder.middle.1.to_qkv.weight"),
+    diffusers_markers=("encoder.conv_in.weight", "decoder.conv_in.weight", "quant_conv.weight"),
+    to_original=vae_key_to_original,
+)
+TEXT_ENCODER_SPEC = SingleFileSpec(
+    what="UMT5 text encoder",
+    variants=TEXT_ENCODER_VARIANTS,
+    expected_keys=_text_encoder_keys,
+    original_markers=("shared.weight", "encoder.block.0.layer.0.SelfAttention.q.weight"),
+    aliases=_TIED_EMBEDDING,
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_transformer(
+    path: str | Path, dtype: torch.dtype, architecture: str = "wan", subfolder: str = "transformer"
+) -> WanTransformer3DModel:
+    """Load a Wan transformer from a diffusers folder (its `subfolder` when `path` is a pipeline root) or a
+    single file, in eval mode. A variant that `architecture` does not train is refused, naming the one
+    that does."""
+    from diffusers import WanTransformer3DModel
+
+    folder = resolve_folder(path, subfolder)
+    if folder is None:
+        files = [Path(path)]
+    elif read_folder_config(folder).get("_class_name") == "WanModel":
+        # The official release folder (Wan-AI/Wan2.1-T2V-*, Wan2.2-*/high_noise_model): original keys, sharded.
+        files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+    else:
+        check_variant(folder_variant(folder), architecture, folder)
+        return load_diffusers_folder(WanTransformer3DModel, folder, dtype, "WanTransformer3DModel")
+    variant = identify_single_file(files, TRANSFORMER_SPEC)
+    where = files[0] if folder is None else folder
+    check_variant(variant.name, architecture, where)
+    state_dict = fill_converter_gaps(normalize_state_dict(load_tensors_of(files), dtype))
+    return load_diffusers_single_file(WanTransformer3DModel, state_dict, variant.config_dir, dtype, where)
+
+
+# diffusers 0.42's original -> diffusers Wan converter has no rule for FLF2V's `img_emb.emb_pos` (it would
+# stay unexpected and `pos_embed` unloaded); renamed here, its other rules leave the diffusers name alone.
+# tests/test_wan_i2v.py fails if the converter starts renaming it (or stops passing it through).
+_UNCONVERTED = {"img_emb.emb_pos": "condition_embedder.image_embedder.pos_embed"}
+
+
+def fill_converter_gaps(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {_UNCONVERTED.get(k, k): v for k, v in state_dict.items()}
+
+
+# the config entries that tell the shipped variants apart
+_VARIANT_KEYS = (
+    "in_channels",
+    "num_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+    "ffn_dim",
+    "image_dim",
+    "pos_embed_seq_len",
+)
+
+
+def folder_variant(folder: Path) -> str | None:
+    """The shipped transformer variant a diffusers folder's config describes, or None for another one."""
+    config = read_folder_config(folder)
+    for variant in TRANSFORMER_VARIANTS:
+        shipped = read_folder_config(variant.config_dir)
+        if all(config.get(k) == shipped.get(k) for k in _VARIANT_KEYS):
+            return variant.name
+    return None
+
+
+def transformer_variant(path: str | Path, subfolder: str = "transformer") -> str | None:
+    """The variant of a transformer checkpoint (file or folder), from headers or config only."""
+    folder = resolve_folder(path, subfolder)
+    if folder is not None and read_folder_config(folder).get("_class_name") != "WanModel":
+        return folder_variant(folder)
+    files = [Path(path)] if folder is None else sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+    return identify_single_file(files, TRANSFORMER_SPEC).name
+
+
+def check_variant(variant: str | None, architecture: str, where: str | Path) -> None:
+    """CheckpointError naming the right architecture when `architecture` does not train `variant`."""
+    if variant is None or architecture in VARIANT_ARCHITECTURES[variant][1]:
+        return
+    from tuner.registry import ARCHITECTURES
+
+    what, archs = VARIANT_ARCHITECTURES[variant]
+    fix = f'use architecture = "{archs[0]}"'
+    if archs[0] not in ARCHITECTURES:
+        fix += " (tuner does not support it yet)"
+    raise CheckpointError(
+        f"{where}: this is {what}, which architecture {architecture!r} does not train; {fix}."
+    )
+
+
+def load_vae(
+    path: str | Path, dtype: torch.dtype, generation: str = "2.1", architecture: str = "wan"
+) -> AutoencoderKLWan:
+    """Load the Wan `generation` ("2.1" or "2.2", `tuner.archs.wan.wan22_vae`) VAE from a diffusers folder
+    or an original single file (.safetensors or .pth). A VAE of the other generation is refused, naming
+    the one `architecture` needs."""
+    from tuner.archs.wan.wan22_vae import check_vae_generation, load_vae22
+
+    check_vae_generation(path, generation, architecture)
+    if generation == "2.2":
+        return load_vae22(path, dtype)
+    from diffusers import AutoencoderKLWan
+
+    folder = resolve_folder(path, "vae")
+    if folder is not None:
+        return load_diffusers_folder(AutoencoderKLWan, folder, dtype, "AutoencoderKLWan")
+    variant = identify_single_file(path, VAE_SPEC)
+    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    return load_diffusers_single_file(AutoencoderKLWan, state_dict, variant.config_dir, dtype, Path(path))
+
+
+def load_text_encoder(
+    path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype
+) -> tuple[UMT5EncoderModel, PreTrainedTokenizerBase]:
+    """Load the UMT5 encoder and its tokenizer, in eval mode.
+
+    `tokenizer_path` may be None when `path` is a diffusers pipeline root or its `text_encoder` folder
+    (the sibling `tokenizer/` folder is used); a single file needs it.
+    """
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    folder = resolve_folder(path, "text_encoder")
+    if folder is not None:
+        if read_folder_config(folder).get("model_type") != "umt5":
+            raise CheckpointError(
+                f"{folder}: config.json does not describe a UMT5 encoder (model_type 'umt5')."
+            )
+        try:
+            model = UMT5EncoderModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: cannot be loaded as a UMT5 encoder: {e}") from None
+        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
+            tokenizer_path = folder.parent / "tokenizer"
+    else:
+        variant = identify_single_file(path, TEXT_ENCODER_SPEC)
+        state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), _TIED_EMBEDDING)
+        config = UMT5Config.from_pretrained(variant.config_dir)
+        model = UMT5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    what = "UMT5 tokenizer (the tokenizer/ folder of a Wan 2.1 diffusers release, or google/umt5-xxl)"
+    return model.eval(), load_tokenizer(tokenizer_path, path, what)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs for the transformer
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def encode_prompts(
+    text_encoder: UMT5EncoderModel,
+    tokenizer: PreTrainedTokenizerBase,
+    captions: list[str],
+    max_length: int = 512,
+    device: torch.device | str | None = None,
+) -> list[torch.Tensor]:
+    """UMT5 embeddings of each caption at its true token length (with `</s>`): one [L, D] tensor each.
+
+    Tokens are padded to `max_length` and masked, as WanPipeline does, so the kept rows are the ones the
+    pipeline computes. The official model and WanPipeline feed the transformer these rows followed by
+    zeros up to 512 tokens; whoever batches them must pad the same way. Whitespace is collapsed first,
+    as in both (diffusers additionally runs ftfy and html unescaping, which is left out here).
+    """
+    device = torch.device(device) if device is not None else text_encoder.device
+    tokens = tokenizer(
+        [" ".join(c.split()) for c in captions],
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    mask = tokens.attention_mask.to(device)
+    hidden = text_encoder(tokens.input_ids.to(device), attention_mask=mask).last_hidden_state
+    return [h[:n] for h, n in zip(hidden, mask.sum(dim=1).tolist())]
+
+
+def _latent_stats(vae: AutoencoderKLWan, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, 1/std) of the latent channels, shaped to broadcast over [B, C, F, H, W]."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+    return mean, inv_std
+
+
+@torch.no_grad()
+def encode_video(vae: AutoencoderKLWan, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalized latents [B, C, 1 + (F-1)/4, H/s, W/s] of videos [B, 3, F, H, W] in [-1, 1]: C = 16 and
+    s = 8 for the Wan 2.1 VAE, C = 48 and s = 16 for Wan 2.2's (its config's `scale_factor_spatial`).
+
+    Uses the mean of the latent distribution (`latent_dist.mode()`; no sampling, so caching is
+    deterministic) and normalizes per channel with the VAE config's `latents_mean` / `latents_std`, the
+    statistics WanPipeline undoes before decoding.
+    """
+    frames, height, width = pixels.shape[2:]
+    side = vae.config.scale_factor_spatial
+    if (frames - 1) % 4 or height % side or width % side:
+        raise ValueError(
+            f"Wan VAE needs 1 + 4k frames and sides divisible by {side}, got {tuple(pixels.shape)}"
+        )
+    param = next(vae.parameters())
+    latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()
+    mean, inv_std = _latent_stats(vae, latents)
+    return (latents - mean) * inv_std
+
+
+@torch.no_grad()
+def decode_latents(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    """Videos [B, 3, F, H, W] in about [-1, 1] from normalized latents (the inverse of `encode_video`)."""
+    param = next(vae.parameters())
+    latents = latents.to(param.device, param.dtype)
+    mean, inv_std = _latent_stats(vae, latents)
+    return vae.decode(latents / inv_std + mean).sample
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# WanTransformer3DModel.forward for text-to-video inputs (one timestep per sample, no image context);
+# tests/test_distributed_pipeline.py checks the parts against the whole forward.
+
+
+def embed(model: WanTransformer3DModel, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block on its keyword arguments: (video tokens, text tokens, the
+    blocks' timestep projection, rotary cos, rotary sin, timestep embedding)."""
+    latents = inputs["hidden_states"]
+    cos, sin = model.rope(latents)
+    hidden = model.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+    temb, projection, text, _ = model.condition_embedder(
+        inputs["timestep"], inputs["encoder_hidden_states"], None
+    )
+    return hidden, text, projection.unflatten(1, (6, -1)), cos, sin, temb
+
+
+def run_block(
+    model: WanTransformer3DModel, block: torch.nn.Module, carried: tuple
+) -> tuple[torch.Tensor, ...]:
+    """One transformer block on the carried tensors."""
+    from tuner.distributed.stages import call_block
+
+    hidden, text, projection, cos, sin, temb = carried
+    return call_block(model, block, hidden, text, projection, (cos, sin)), text, projection, cos, sin, temb
+
+
+def project_out(model: WanTransformer3DModel, carried: tuple, latents: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection and unpatchify to `latents`' shape."""
+    hidden, temb = carried[0], carried[-1]
+    shift, scale = (model.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+    hidden = model.proj_out((model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden))
+    b, _, frames, height, width = latents.shape
+    p_t, p_h, p_w = model.config.patch_size
+    hidden = hidden.reshape(b, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
+    return hidden.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)

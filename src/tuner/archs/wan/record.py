@@ -1,0 +1,145 @@
+"""The wan family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tuner.archs.record import Architecture, comfy
+
+_WAN21_COMFY, _WAN22_COMFY = "Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
+
+_UMT5 = "text_encoders/umt5_xxl_fp16.safetensors"
+
+_WAN21_VAE = "vae/wan_2.1_vae.safetensors"
+
+
+def _wan21_i2v(variant: str) -> tuple[tuple[str, str], ...]:
+    """Wan 2.1 I2V / FLF2V 14B's repackaged files ("i2v_480p", "i2v_720p", "flf2v_720p")."""
+    return comfy(_WAN21_COMFY, transformer=f"diffusion_models/wan2.1_{variant}_14B_fp16.safetensors",
+                  vae=_WAN21_VAE, text_encoder=_UMT5, image_encoder="clip_vision/clip_vision_h.safetensors")  # fmt: skip
+
+
+def _wan22_experts(task: str) -> tuple[tuple[str, str], ...]:
+    """Wan 2.2 A14B's repackaged experts (task "t2v" or "i2v") with Wan 2.1's VAE."""
+    return comfy(_WAN22_COMFY, transformer=f"diffusion_models/wan2.2_{task}_high_noise_14B_fp16.safetensors",
+                  transformer_2=f"diffusion_models/wan2.2_{task}_low_noise_14B_fp16.safetensors", vae=_WAN21_VAE,
+                  text_encoder=_UMT5)  # fmt: skip
+
+
+# Wan 2.1 I2V / FLF2V cross-attend to CLIP tokens of the given frame(s) in every block, and no pipeline runs
+# them without: diffusers' WanImageToVideoPipeline and the release require an image; ComfyUI, given no CLIP
+# output, hands the image attention the text tokens. Zeros or a blank image's tokens would be inputs the
+# model never saw, so these train with their frames only.
+_WAN_CLIP_REQUIRED = (
+    "its CLIP image cross-attention needs the frame's tokens; no pipeline runs it without them"
+)
+
+
+WAN = Architecture(
+    name="wan",
+    title="Wan 2.1 text-to-video (1.3B, 14B)",
+    trainer="tuner.archs.wan.trainer:WanTrainer",
+    layout="tuner.archs.wan.keys:WAN_LAYOUT",
+    fixture="tuner.archs.wan.fixture:FIXTURE",
+    model_class="WanTransformer3DModel",
+    block_lists=("blocks",),
+    # every linear layer of the attention and FFN inside the blocks (the condition embedders, time
+    # projection and output head are left alone)
+    default_targets=(
+        r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)",
+        r"blocks\.\d+\.ffn\.net\.(0\.proj|2)",
+    ),
+    configs="wan",
+    save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
+    tokenizers=(("tokenizer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"),),  # UMT5, the same for 2.2
+    hub_repos=(("1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
+    comfy_files=tuple(
+        (
+            v,
+            comfy(
+                _WAN21_COMFY,
+                transformer=f"diffusion_models/wan2.1_t2v_{v}_fp16.safetensors",
+                vae=_WAN21_VAE,
+                text_encoder=_UMT5,
+            ),
+        )
+        for v in ("1.3B", "14B")
+    ),  # fmt: skip
+)
+
+
+RECORDS = (
+    WAN,
+    # Wan 2.2 T2V A14B: two Wan 2.1 14B-shaped experts, switched at t = 0.875 (the release's boundary)
+    replace(
+        WAN,
+        name="wan22_t2v",
+        hub_repos=(("A14B", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),),
+        comfy_files=(("A14B", _wan22_experts("t2v")),),
+        title="Wan 2.2 text-to-video A14B (high- and low-noise 14B experts)",
+        trainer="tuner.archs.wan.trainer_wan22:Wan22T2VTrainer",
+        fixture="tuner.archs.wan.fixture_wan22:T2V_FIXTURE",
+        boundary=0.875,
+    ),
+    # Wan 2.2 I2V A14B: two experts taking Wan 2.1 I2V's 36-channel input without its CLIP image
+    # layers, switched at t = 0.9 (the release's boundary)
+    replace(
+        WAN,
+        name="wan22_i2v",
+        hub_repos=(("A14B", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),),
+        comfy_files=(("A14B", _wan22_experts("i2v")),),
+        title="Wan 2.2 image-to-video A14B (high- and low-noise 14B experts; first frame, no CLIP)",
+        trainer="tuner.archs.wan.trainer_wan22:Wan22I2VTrainer",
+        fixture="tuner.archs.wan.fixture_wan22:I2V_FIXTURE",
+        boundary=0.9,
+        first_frame=1.0,  # without it: zero condition latents and mask (`WanFrameConditionedTrainer`)
+    ),
+    # Wan 2.2 TI2V-5B: one 5B Wan network on the Wan 2.2 VAE's 48 channels, text- and image-to-video
+    replace(
+        WAN,
+        name="wan22_ti2v",
+        hub_repos=(("5B", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),),
+        comfy_files=(
+            (
+                "5B",
+                comfy(
+                    _WAN22_COMFY,
+                    transformer="diffusion_models/wan2.2_ti2v_5B_fp16.safetensors",
+                    vae="vae/wan2.2_vae.safetensors",
+                    text_encoder=_UMT5,
+                ),
+            ),
+        ),  # fmt: skip
+        title="Wan 2.2 TI2V-5B text/image-to-video (48-channel Wan 2.2 VAE)",
+        trainer="tuner.archs.wan.trainer_ti2v:Wan22TI2VTrainer",
+        fixture="tuner.archs.wan.fixture_ti2v:FIXTURE",
+        first_frame=0.5,  # one model for both tasks: half the video samples train text-to-video
+    ),
+    # Wan 2.1 I2V / FLF2V 14B: the 14B network with 36 input channels and CLIP image cross-attention;
+    # the default targets already hold its image projections (add_k_proj / add_v_proj = k_img / v_img)
+    replace(
+        WAN,
+        name="wan_i2v",
+        hub_repos=(
+            ("480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
+            ("720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"),
+        ),
+        comfy_files=(("480p", _wan21_i2v("i2v_480p")), ("720p", _wan21_i2v("i2v_720p"))),
+        title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
+        trainer="tuner.archs.wan.trainer_i2v:WanI2VTrainer",
+        fixture="tuner.archs.wan.fixture_i2v:I2V_FIXTURE",
+        first_frame=1.0,
+        first_frame_required=_WAN_CLIP_REQUIRED,
+    ),
+    replace(
+        WAN,
+        name="wan_flf2v",
+        hub_repos=(("720p", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"),),
+        comfy_files=(("720p", _wan21_i2v("flf2v_720p")),),
+        title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",
+        trainer="tuner.archs.wan.trainer_i2v:WanFLF2VTrainer",
+        fixture="tuner.archs.wan.fixture_i2v:FLF2V_FIXTURE",
+        first_frame=1.0,
+        first_frame_required=_WAN_CLIP_REQUIRED,
+    ),
+)

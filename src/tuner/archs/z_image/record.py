@@ -1,0 +1,42 @@
+"""The z_image family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+
+from __future__ import annotations
+
+from tuner.archs.record import Architecture, comfy
+
+Z_IMAGE = Architecture(
+    name="z_image",
+    title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
+    trainer="tuner.archs.z_image.trainer:ZImageTrainer",
+    layout="tuner.archs.z_image.loaders:Z_IMAGE_LAYOUT",
+    fixture="tuner.archs.z_image.fixture:FIXTURE",
+    model_class="ZImageTransformer2DModel",
+    block_lists=("noise_refiner", "context_refiner", "layers"),
+    # q/k/v (the release's fused `attention.qkv`), the output projection and the SwiGLU MLP of every
+    # block, refiners included; the modulations, embedders and final layer are left alone
+    default_targets=(
+        r"(noise_refiner|context_refiner|layers)\.\d+\.attention\.(to_q|to_k|to_v|to_out\.0)",
+        r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
+    ),
+    configs="z_image",
+    tokenizers=(("tokenizer", "Tongyi-MAI/Z-Image-Turbo:tokenizer"),),  # Qwen3
+    hub_repos=(("turbo", "Tongyi-MAI/Z-Image-Turbo"),),
+    comfy_files=(
+        (
+            "turbo",
+            comfy(
+                "Comfy-Org/z_image_turbo",
+                transformer="diffusion_models/z_image_turbo_bf16.safetensors",
+                vae="vae/ae.safetensors",
+                text_encoder="text_encoders/qwen_3_4b.safetensors",
+            ),
+        ),
+    ),  # fmt: skip
+    # the release's names (fused `attention.qkv`, `attention.out`) in kohya's spelling: ComfyUI maps
+    # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
+    # `attention.out.alpha` unread and refuses it)
+    save_format="kohya",
+)
+
+
+RECORDS = (Z_IMAGE,)

@@ -1,0 +1,159 @@
+"""Z-Image's text encoder: Qwen3-4B, its tokenizer, and prompt encoding.
+
+Z-Image conditions on Qwen3's **second-to-last** hidden states (`hidden_states[-2]`: the output of the
+last-but-one decoder layer, before the final norm) over the prompt in Qwen3's chat format with thinking
+enabled, which for one user message is exactly `TEMPLATE`. Unlike Qwen-Image, nothing is dropped: every
+token of the templated prompt, up to `max_length` (512 in ZImagePipeline), is a row of the embedding,
+kept at its true length (the pipeline selects the rows by the attention mask).
+
+Loading takes the diffusers folder (`text_encoder/` of `Tongyi-MAI/Z-Image-Turbo`, with `tokenizer/`
+beside it) or ComfyUI's single file `qwen_3_4b.safetensors`: the Hugging Face checkpoint of
+Qwen3-4B (`model.embed_tokens.weight`, `model.layers.0...`; `lm_head.weight` when present is dropped,
+the hidden states do not use it). A single file carries no tokenizer: pass the tokenizer folder
+(`tokenizer/` of a Z-Image diffusers release, or Qwen3-4B's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from tuner.errors import CheckpointError
+from tuner.models.identify import SingleFileSpec, Variant, identify_single_file
+from tuner.models.loading import (
+    assert_materialized,
+    cast_like_from_pretrained_,
+    load_tensors,
+    load_tokenizer,
+    normalize_state_dict,
+    read_folder_config,
+    resolve_folder,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, Qwen3Model
+
+CONFIGS = Path(__file__).parent / "configs" / "text_encoder"
+
+TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+"""Qwen3's chat template for one user message with `add_generation_prompt=True, enable_thinking=True`
+(ZImagePipeline's call): no system prompt, no empty think block."""
+
+VARIANTS = (
+    Variant(
+        "qwen3-4b",
+        CONFIGS / "qwen3-4b",
+        {
+            "model.embed_tokens.weight": (151936, 2560),
+            "model.layers.35.mlp.gate_proj.weight": (9728, 2560),
+            "model.layers.36.mlp.gate_proj.weight": None,
+        },
+    ),
+    Variant(  # the test fixture: 2 layers of width 64
+        "tiny",
+        CONFIGS / "tiny",
+        {
+            "model.embed_tokens.weight": (2048, 64),
+            "model.layers.1.mlp.gate_proj.weight": (128, 64),
+            "model.layers.2.mlp.gate_proj.weight": None,
+        },
+    ),
+)
+
+_LM_HEAD = "lm_head.weight"
+
+
+def original_key(key: str) -> str:
+    """A `Qwen3Model` key (`layers.0...`) in the Hugging Face checkpoint's layout (`model.layers.0...`)."""
+    return "model." + key
+
+
+def _expected_keys(variant: Variant) -> list[str]:
+    from transformers import Qwen3Config, Qwen3Model
+
+    with torch.device("meta"):
+        model = Qwen3Model(Qwen3Config.from_pretrained(variant.config_dir))
+    return [original_key(k) for k in model.state_dict()]
+
+
+SPEC = SingleFileSpec(
+    what="Qwen3 text encoder",
+    variants=VARIANTS,
+    expected_keys=_expected_keys,
+    original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_norm.weight"),
+    aliases={_LM_HEAD: "model.embed_tokens.weight"},  # tied in Qwen3-4B; unused here
+)
+
+
+class TextEncoder(NamedTuple):
+    """Qwen3 (base model, eval mode) and its tokenizer."""
+
+    model: Qwen3Model
+    tokenizer: PreTrainedTokenizerBase
+
+
+def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype) -> TextEncoder:
+    """Load Qwen3 and its tokenizer. `tokenizer_path` may be None for a diffusers pipeline root or its
+    `text_encoder/` folder (the sibling `tokenizer/` is used); a single file needs it."""
+    from transformers import Qwen3Model
+
+    folder = resolve_folder(path, "text_encoder")
+    if folder is not None:
+        if read_folder_config(folder).get("model_type") != "qwen3":
+            raise CheckpointError(
+                f"{folder}: config.json does not describe a Qwen3 model (model_type 'qwen3')."
+            )
+        try:
+            model = Qwen3Model.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: cannot be loaded as Qwen3: {e}") from None
+        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
+            tokenizer_path = folder.parent / "tokenizer"
+    else:
+        model = _load_single_file(Path(path), dtype)
+    tokenizer = load_tokenizer(tokenizer_path, path, "Qwen3 tokenizer (the tokenizer/ folder of Z-Image)")
+    return TextEncoder(model.eval(), tokenizer)
+
+
+def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen3Model:
+    from accelerate import init_empty_weights
+    from transformers import Qwen3Config, Qwen3Model
+
+    variant = identify_single_file(path, SPEC)
+    stored = normalize_state_dict(load_tensors(path), dtype)
+    stored.pop(_LM_HEAD, None)
+    config = Qwen3Config.from_pretrained(variant.config_dir)
+    config._attn_implementation = "sdpa"  # what from_pretrained picks, so both layouts compute alike
+    with init_empty_weights():  # parameters on the meta device; rotary tables are real buffers
+        model = Qwen3Model(config)
+    try:
+        model.load_state_dict(
+            {k.removeprefix("model."): v for k, v in stored.items()}, strict=True, assign=True
+        )
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: cannot be loaded as Qwen3: {e}") from None
+    assert_materialized(model, path)
+    cast_like_from_pretrained_(model, dtype)
+    return model
+
+
+@torch.no_grad()
+def encode_prompts(encoder: TextEncoder, captions: list[str], max_length: int = 512) -> list[torch.Tensor]:
+    """One [L, D] tensor per caption: Qwen3's second-to-last hidden states of the templated caption at
+    its true length (L ≤ max_length). Padding to the batch's longest leaves the real rows unchanged
+    (causal attention), so the result equals ZImagePipeline's padding to `max_length`."""
+    model, tokenizer = encoder
+    tokens = tokenizer(
+        [TEMPLATE.format(c) for c in captions],
+        max_length=max_length,
+        padding=True,
+        truncation=True,
+        return_tensors="pt",
+    )
+    mask = tokens.attention_mask.to(model.device).bool()
+    hidden = model(
+        input_ids=tokens.input_ids.to(model.device), attention_mask=mask, output_hidden_states=True
+    ).hidden_states[-2]
+    return [h[m] for h, m in zip(hidden, mask, strict=True)]

@@ -1,0 +1,86 @@
+"""Z-Image (Turbo and Base) on diffusers' ZImageTransformer2DModel.
+
+Latents: the FLUX.1 VAE (8× compression, 16 channels, normalized with its shift and scaling factors),
+patched 2×2 by the model itself, so pixel sides are multiples of 16. Text: Qwen3-4B's second-to-last
+hidden states stored at their true length; a batch is padded to its longest caption with a mask, and
+`predict` hands the model each caption's real rows, as the pipeline does. Sampling uses ZImagePipeline's
+constant shift of 3. Guidance: tuner's scale w is diffusers' `guidance_scale` + 1 (ZImagePipeline adds
+its scale times (cond − uncond) to cond); Turbo samples without guidance (1). Training Turbo without
+`model.merge_adapters` (a de-distillation adapter) warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from tuner.archs.flux import loaders as flux
+from tuner.archs.z_image import loaders as z_image
+from tuner.archs.z_image import text as z_image_text
+from tuner.errors import ConfigError
+from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.trainers.base import NetworkTrainer
+
+
+class ZImageTrainer(NetworkTrainer):
+    architecture = "z_image"
+    spatial_step = 16
+    latent_patch = (2, 2)
+    sample_shift = 3.0  # Z-Image-Turbo's scheduler_config.json
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return z_image.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return flux.load_vae(self.weights_path("vae"), dtype).to(device)
+
+    def load_text_encoder(self, device: torch.device, dtype: str) -> z_image_text.TextEncoder:
+        encoder = z_image_text.load_text_encoder(
+            self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
+        )
+        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        return encoder
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.shape[2] != 1:
+            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
+        return flux.encode_images(vae, pixels[:, :, 0])
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        return flux.decode_latents(vae, latents).unsqueeze(2)
+
+    def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
+        embeds = z_image_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
+        return [{"prompt_embeds": e} for e in embeds]
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        rows = [entry["prompt_embeds"] for entry in entries]
+        embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        mask = torch.zeros(embeds.shape[:2], dtype=torch.bool)
+        for i, r in enumerate(rows):
+            mask[i, : r.shape[0]] = True
+        return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return z_image.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        factor = z_image.VAE_FACTOR
+        return (z_image.LATENT_CHANNELS, height // factor, width // factor)
+
+    def build_trained(self, model: nn.Module):
+        """The adapter, after warning (once per file) when it would train Turbo's distilled weights as
+        they are: a few hundred steps undo the 8-step distillation, and the adapter then needs many
+        steps and guidance at inference. A de-distillation adapter merged first avoids that."""
+        path = self.cfg.model.transformer
+        if z_image.is_turbo(path) and not self.cfg.model.merge_adapters:
+            warnings.warn(
+                f"{path} is Z-Image-Turbo, which is step-distilled: training it directly undoes the "
+                "distillation. Merge a de-distillation (training) adapter first with model.merge_adapters "
+                '= ["zimage_turbo_training_adapter.safetensors:1.0"], or train Z-Image (Base).',
+                UserWarning,
+                stacklevel=2,
+            )
+        return super().build_trained(model)
