@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install browser demo test test-fast lint format clean
+.PHONY: install browser demo test test-fast lint format docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(BIN)/python -m ruff format src tests scripts benchmarks
 	$(BIN)/python -m ruff check --fix src tests scripts benchmarks
+
+# What is generated from the code: the config reference and the record-dependent parts of the README and
+# docs/architectures.md (tests fail while either is stale).
+docs: $(STAMP)
+	$(BIN)/python -m tuner.config.docs > docs/config.md
+	$(BIN)/python -m tuner.archs.docs --write
 
 clean:
 	rm -rf demo_out .pytest_cache .ruff_cache

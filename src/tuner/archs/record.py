@@ -43,7 +43,14 @@ class Architecture:
     """Family folder under `tuner/archs/` whose `configs/` holds the diffusers configs of every shipped variant (a
     `transformer/` folder holding a `tiny` variant and at least one real one)."""
     save_format: str
-    """The layout `save.format = "auto"` writes: one that ComfyUI and diffusers both load."""
+    """The layout `save.format = "auto"` writes: one that ComfyUI and diffusers both load where one exists."""
+    save_format_loads: str
+    """Which tools load the `save_format` file as saved, and what the others need (shown in the docs)."""
+    variants: tuple[str, ...]
+    """The transformer variants it trains: folders of its family's `configs/transformer/` (a real release's
+    config each; the `tiny*` fixtures' are not listed)."""
+    checkpoints: str
+    """The files each `model.*` component loads, in the layouts users have (the docs' variants table)."""
     boundary: float | None = None
     """Two-expert models (Wan 2.2 A14B): the release's t in [0, 1] where denoising switches from the
     high-noise expert (`model.transformer`) to the low-noise one (`model.transformer_2`); None for models

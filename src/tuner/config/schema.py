@@ -332,9 +332,10 @@ class SaveConfig:
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "Dtype of saved adapter weights.")
     format: Literal["auto", "comfy", "diffusers", "kohya"] = option(
         "auto",
-        "Key layout of saved adapters: auto (the one ComfyUI and diffusers both load: comfy for Wan and "
-        "Qwen-Image, kohya for FLUX.1; resolved when the config is read), comfy (original names with "
-        "`diffusion_model.`), diffusers (PEFT, alpha folded in), kohya (`lora_unet_` + original names).",
+        "Key layout of saved adapters: auto (per architecture, the one ComfyUI loads and diffusers too where "
+        "its loader reads it: docs/architectures.md#adapter-layouts lists each; resolved when the config is "
+        "read), comfy (original names with `diffusion_model.`), diffusers (PEFT, alpha folded in), kohya "
+        "(`lora_unet_` + original names).",
     )
 
 

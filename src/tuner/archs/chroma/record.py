@@ -12,6 +12,16 @@ RECORDS = (
     replace(
         FLUX,
         name="chroma",
+        variants=("chroma1",),
+        checkpoints=(
+            "Variants: `chroma1` (`chroma-unlocked-v*`, Chroma1-Base, Chroma1-HD: one network). "
+            "`transformer`: the release's / ComfyUI single file (FLUX.1's BFL names with fused `qkv` / "
+            "`linear1`, plus `distilled_guidance_layer.*`; fp8 too) or the diffusers folder "
+            "(`ChromaTransformer2DModel`); `vae`: the FLUX.1 VAE (`ae.safetensors` or `vae/`); "
+            "`text_encoder`: T5-XXL (ComfyUI's `t5xxl_*.safetensors` + `tokenizer`, or the diffusers root's "
+            "`text_encoder/` and `tokenizer/`); no CLIP"
+        ),
+        save_format_loads="ComfyUI; diffusers (its FLUX.1 converter, at the real width)",
         title="Chroma text-to-image (FLUX.1-schnell based, T5 only)",
         trainer="tuner.archs.chroma.trainer:ChromaTrainer",
         layout="tuner.archs.chroma.keys:CHROMA_LAYOUT",

@@ -8,6 +8,18 @@ from tuner.archs.record import Architecture
 
 COSMOS_PREDICT2 = Architecture(
     name="cosmos_predict2",
+    variants=("2B-t2i", "14B-t2i"),
+    checkpoints=(
+        "`transformer`: NVIDIA's Cosmos-Predict2 Text2Image single file (`model.pt` as safetensors: "
+        "`net.blocks.0.self_attn.q_proj.weight`, ...; its RoPE buffers and counters are dropped) or "
+        "ComfyUI's `cosmos_predict2_*_t2i.safetensors` (fp8 too), or the diffusers folder "
+        "(`nvidia/Cosmos-Predict2-2B-Text2Image`); `vae`: the Wan 2.1 VAE as `wan`; `text_encoder`: "
+        "T5-11B (`configs/cosmos_predict2/text_encoder/t5-11b`; the diffusers `text_encoder/` + "
+        "`tokenizer/`, or a transformers-layout single file such as ComfyUI's `oldt5_xxl_*.safetensors` + "
+        "`tokenizer`). Image datasets only; Video2World files are refused naming `cosmos_predict2_v2w`, "
+        "Cosmos 1.0 and Predict2.5 files by name"
+    ),
+    save_format_loads="ComfyUI; diffusers has no LoRA loader for the Predict2 pipelines",
     title="Cosmos-Predict2 text-to-image (2B, 14B)",
     trainer="tuner.archs.cosmos_predict2.trainer:CosmosPredict2Trainer",
     layout="tuner.archs.cosmos_predict2.keys:COSMOS_PREDICT2_LAYOUT",
@@ -35,6 +47,17 @@ RECORDS = (
     replace(
         COSMOS_PREDICT2,
         name="cosmos_predict2_v2w",
+        variants=("2B-v2w", "14B-v2w"),
+        checkpoints=(
+            "Variants: `2B-v2w`, `14B-v2w` (`in_channels` 17: the condition mask). `transformer`: NVIDIA's "
+            "Cosmos-Predict2 Video2World single file (`model-480p-16fps.pt`, `model-720p-16fps.pt`, ... as "
+            "safetensors) or ComfyUI's `cosmos_predict2_2B_video2world_480p_16fps.safetensors` (fp8 too), or "
+            "the diffusers folder (`nvidia/Cosmos-Predict2-2B-Video2World`); Text2Image files are refused "
+            "naming `cosmos_predict2`. 480p and 720p (10 and 16 fps) files are the same network with the same "
+            "RoPE scale (NVIDIA's `config_video2world.py`: 2B (1, 3, 3), 14B (20/24, 2, 2) for every "
+            "resolution; diffusers' converter and ComfyUI agree), so nothing is chosen by file name. `vae`, "
+            "`text_encoder` as `cosmos_predict2`. Video datasets only (4N+1 frames, ≥ 5)"
+        ),
         title="Cosmos-Predict2 Video2World 2B, 14B (480p, 720p; video from its first frames)",
         trainer="tuner.archs.cosmos_predict2.trainer_v2w:CosmosPredict2V2WTrainer",
         fixture="tuner.archs.cosmos_predict2.fixture:V2W_FIXTURE",

@@ -8,6 +8,15 @@ from tuner.archs.record import Architecture
 
 FLUX = Architecture(
     name="flux",
+    variants=("dev",),
+    checkpoints=(
+        "`transformer`: BFL's `flux1-dev.safetensors` or ComfyUI's single files (BFL names: fused "
+        "`img_attn.qkv`, `linear1`; `model.diffusion_model.` optional; scaled fp8 too) or the diffusers "
+        "folder (`black-forest-labs/FLUX.1-dev`); `vae`: BFL's `ae.safetensors` (LDM layout) or `vae/`; "
+        "`text_encoder`: CLIP-L (ComfyUI's `clip_l.safetensors` + `tokenizer`, or `text_encoder/`); "
+        "`text_encoder_2`: T5-XXL (ComfyUI's `t5xxl_*.safetensors` + `tokenizer_2`, or `text_encoder_2/`)"
+    ),
+    save_format_loads="ComfyUI; diffusers (its FLUX.1 converter)",
     title="FLUX.1 dev text-to-image",
     trainer="tuner.archs.flux.trainer:FluxTrainer",
     layout="tuner.archs.flux.keys:FLUX_LAYOUT",
@@ -41,6 +50,12 @@ RECORDS = (
     replace(
         FLUX,
         name="flux_kontext",
+        variants=("dev",),
+        checkpoints=(
+            "as `flux`, with the Kontext transformer (`flux1-kontext-dev.safetensors`, the same network: the "
+            "config's architecture says which it is). Image datasets with one control image (the reference) "
+            "per item"
+        ),
         hub_repos=(("dev", "black-forest-labs/FLUX.1-Kontext-dev"),),
         title="FLUX.1 Kontext dev image editing (one reference image)",
         trainer="tuner.archs.flux.trainer:FluxKontextTrainer",

@@ -8,6 +8,18 @@ from tuner.archs.record import Architecture
 
 FLUX2 = Architecture(
     name="flux2",
+    variants=("dev",),
+    checkpoints=(
+        "Variants: `dev` (a klein file is refused naming `flux2_klein`). `transformer`: FLUX.2-dev single "
+        "file (BFL `flux2-dev.safetensors`, ComfyUI `flux2_dev_fp8mixed.safetensors`; fused "
+        "`img_attn.qkv`, `single_blocks.N.linear1`) or diffusers folder; `vae`: FLUX.2 VAE "
+        "(`ae.safetensors` / `flux2-vae.safetensors`, LDM layout + `encoder.quant_conv`, `bn.*`; or "
+        "diffusers `vae/`); `text_encoder`: Mistral-Small 3.x 24B (the diffusers folder's "
+        "`text_encoder/`, or a single file with the language model as `model.language_model.*`, "
+        "`language_model.model.*` or `model.*`; only the language model is loaded) + `tokenizer`. Control "
+        "images (0-10 per item) are reference images"
+    ),
+    save_format_loads="ComfyUI; diffusers (its FLUX.2 converter)",
     title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
     trainer="tuner.archs.flux2.trainer:Flux2Trainer",
     layout="tuner.archs.flux2.keys:FLUX2_LAYOUT",
@@ -38,6 +50,14 @@ RECORDS = (
     replace(
         FLUX2,
         name="flux2_klein",
+        variants=("klein-4b", "klein-9b"),
+        checkpoints=(
+            "Variants: `klein-4b`, `klein-9b` (no guidance embedding; a dev file is refused naming `flux2`). "
+            "`transformer`: BFL `flux-2-klein-4b.safetensors` / `-9b` (same layout as dev) or diffusers "
+            "folder; `vae`: as `flux2`; `text_encoder`: Qwen3-4B (klein 4B) or Qwen3-8B (klein 9B), ComfyUI's "
+            "single file (`model.*`, `lm_head` unused) or the diffusers `text_encoder/` + `tokenizer`; hidden "
+            "states after layers 9, 18, 27"
+        ),
         title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
         trainer="tuner.archs.flux2.trainer:Flux2KleinTrainer",
         fixture="tuner.archs.flux2.fixture:KLEIN_FIXTURE",

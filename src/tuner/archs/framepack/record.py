@@ -11,6 +11,25 @@ from tuner.archs.hunyuan_video.record import HUNYUAN_VIDEO
 FRAMEPACK = replace(
     HUNYUAN_VIDEO,
     name="framepack",
+    variants=("i2v",),
+    checkpoints=(
+        "Variants: `i2v` (FramePackI2V_HY; the F1 file has the same shapes and loads, but sections are "
+        "built with the base model's inverted anti-drifting indices, not F1's forward ones). "
+        "`transformer`: the release's single file (`FramePackI2V_HY_bf16.safetensors` / `_fp8_e4m3fn`: "
+        "lllyasviel's class, diffusers' names, `model.diffusion_model.` optional), the same weights in "
+        "HunyuanVideo's Tencent names (fused qkv / `linear1`, plus `clean_x_embedder.*`, "
+        "`image_projection.*`; what a full fine-tune saves), or the diffusers folder "
+        "(`lllyasviel/FramePackI2V_HY`); `image_encoder`: SigLIP so400m-patch14-384, ComfyUI's "
+        "`sigclip_vision_patch14_384.safetensors` (`vision_model.*`) or the diffusers `image_encoder/` (+ "
+        "`feature_extractor/`; configs in `configs/framepack/siglip/`); VAE, `text_encoder` (+ "
+        "`tokenizer`) and `text_encoder_2` (+ `tokenizer_2`) as `hunyuan_video`. Video datasets only (5+ "
+        "frames). A HunyuanVideo file is refused naming `hunyuan_video` and a FramePack file given to "
+        "`hunyuan_video` names `framepack`. Adapters save by default in HunyuanVideo's names with fused "
+        "qkv / `linear1` (comfy, as `hunyuan_video`); diffusers' FramePack pipeline and ComfyUI's "
+        "FramePack wrapper (which passes LoRAs through diffusers' HunyuanVideo LoRA converter) read "
+        '`save.format = "diffusers"` only: that converter cannot take the `.alpha` keys of fused layers'
+    ),
+    save_format_loads="ComfyUI (HunyuanVideo's names); diffusers' FramePack pipeline needs `save.format = \"diffusers\"`",
     title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
     trainer="tuner.archs.framepack.trainer:FramePackTrainer",
     layout="tuner.archs.framepack.keys:FRAMEPACK_LAYOUT",
@@ -34,6 +53,11 @@ RECORDS = (
     replace(
         FRAMEPACK,
         name="framepack_1f",
+        variants=("i2v",),
+        checkpoints=(
+            "the files of `framepack`. Image datasets with one control image (the reference) per item; `tuner "
+            "generate --control REF --frames 1`"
+        ),
         title="FramePack single-frame image editing (one target frame from one reference image)",
         trainer="tuner.archs.framepack.trainer:FramePackOneFrameTrainer",
         fixture="tuner.archs.framepack.fixture:ONE_FRAME_FIXTURE",

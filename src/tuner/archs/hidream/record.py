@@ -6,6 +6,22 @@ from tuner.archs.record import Architecture
 
 HIDREAM = Architecture(
     name="hidream",
+    variants=("i1",),
+    checkpoints=(
+        "Variants: `i1` (Full, Dev and Fast: one network, 16 double- + 32 single-stream MoE blocks; told "
+        "apart by file / folder name only, which sets generate's default shift: Dev 6, else 3). "
+        "`transformer`: ComfyUI's `hidream_i1_{full,dev,fast}_*.safetensors` (the release is already "
+        "diffusers-named; `model.diffusion_model.` optional, fp8 too) or the diffusers folder "
+        "(`HiDream-ai/HiDream-I1-Full`); `vae`: FLUX.1's (`ae.safetensors` or `vae/`); `text_encoder` / "
+        "`text_encoder_2`: CLIP-L / CLIP-G with projection (`clip_l_hidream.safetensors`, "
+        "`clip_g_hidream.safetensors`, 248 positions, or `text_encoder/`, `text_encoder_2/`); "
+        "`text_encoder_3`: T5-XXL as `flux`; `text_encoder_4`: Llama 3.1 8B Instruct (the "
+        "`meta-llama/Llama-3.1-8B-Instruct` folder with its tokenizer, or ComfyUI's "
+        "`llama_3.1_8b_instruct_*.safetensors` + `tokenizer_4`); every Llama layer's hidden states are "
+        "cached ([32, L, 4096] per caption: use `cache.text_max_length = 128` and "
+        '`cache.text_encoder_dtype = "nf4"`)'
+    ),
+    save_format_loads="ComfyUI (`transformer.<name>`); diffusers (`load_lora_weights`)",
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
     trainer="tuner.archs.hidream.trainer:HiDreamTrainer",
     layout="tuner.archs.hidream.loaders:HIDREAM_LAYOUT",

@@ -6,6 +6,23 @@ from tuner.archs.record import Architecture, comfy
 
 HUNYUAN_VIDEO = Architecture(
     name="hunyuan_video",
+    variants=("720p",),
+    checkpoints=(
+        "Variants: `720p` (the 13B cfg-distilled T2V network; ). `transformer`: Tencent's / ComfyUI's "
+        "single file (`hunyuan_video_720_cfgdistill_bf16.safetensors`, "
+        "`hunyuan_video_t2v_720p_bf16.safetensors`; fused `img_attn_qkv` / `txt_attn_qkv` / `linear1` / "
+        "refiner `self_attn_qkv`, fp8 too) or the diffusers folder "
+        "(`hunyuanvideo-community/HunyuanVideo`); `vae`: ComfyUI's `hunyuan_video_vae_bf16.safetensors` "
+        "(diffusers names) or `vae/`; `text_encoder`: LLaVA-LLaMA-3-8B's language model, ComfyUI's "
+        "`llava_llama3_fp16` / `_fp8_scaled.safetensors` (`model.*`, `lm_head` unused) or `text_encoder/` "
+        "(+ `tokenizer`); `text_encoder_2`: CLIP-L as FLUX.1's (+ `tokenizer_2`). A HunyuanVideo 1.5 file "
+        "is refused naming `hunyuan_video15`. Adapters save as comfy (ComfyUI); diffusers' loader needs "
+        '`save.format = "diffusers"` (its converter cannot read `.alpha` keys of fused layers)'
+    ),
+    save_format_loads=(
+        'ComfyUI; diffusers needs `save.format = "diffusers"` (its converter cannot read the fused '
+        "layers' `.alpha`)"
+    ),
     title="HunyuanVideo text-to-video (13B, cfg-distilled 720p T2V)",
     trainer="tuner.archs.hunyuan_video.trainer:HunyuanVideoTrainer",
     layout="tuner.archs.hunyuan_video.keys:HUNYUAN_VIDEO_LAYOUT",

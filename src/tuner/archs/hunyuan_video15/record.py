@@ -15,6 +15,26 @@ _HV15_PARTS = {"vae": "vae/hunyuanvideo15_vae_fp16.safetensors",
 
 HUNYUAN_VIDEO15 = Architecture(
     name="hunyuan_video15",
+    variants=("480p_t2v", "720p_t2v"),
+    checkpoints=(
+        "Variants: `480p_t2v`, `720p_t2v` (one 8.3B network: 54 double blocks of 2048; the configs differ "
+        "only in the pipeline's default size, picked from `720p` in the file / folder name; ). "
+        "`transformer`: Tencent's `transformer/480p_t2v/diffusion_pytorch_model.safetensors` or ComfyUI's "
+        "`hunyuanvideo1.5_{480p,720p}_t2v_*.safetensors` (separate `img_attn_q/k/v`, fused refiner "
+        "`self_attn_qkv`, `byt5_in.*`, `vision_in.*`, `cond_type_embedding`; `model.diffusion_model.` "
+        "optional, fp8 too) or the diffusers folder "
+        "(`hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v`); a file named `i2v` is refused "
+        "naming `hunyuan_video15_i2v` (same shapes, other weights), a HunyuanVideo 1.0 file naming "
+        "`hunyuan_video`. `vae`: `AutoencoderKLHunyuanVideo15` (32 channels, 16× spatial) in Tencent's "
+        "names (`encoder.down.0.block.0...`, ComfyUI's `hunyuanvideo15_vae_fp16.safetensors`), diffusers' "
+        "names, or `vae/`; `text_encoder`: Qwen2.5-VL-7B (ComfyUI's `qwen_2.5_vl_7b*.safetensors`, only "
+        "its language model kept, or the diffusers `text_encoder/`) + `tokenizer`, `hidden_states[-3]` "
+        "after the chat template (108 tokens cropped); `text_encoder_2`: the ByT5 glyph encoder "
+        "(Glyph-SDXL-v2's ByT5-small, `byt5_small_glyphxl_fp16.safetensors` or `text_encoder_2/`) + "
+        "`tokenizer_2`, fed the prompt's quoted text. Adapters save as comfy (Tencent's names); diffusers "
+        "has no HunyuanVideo 1.5 LoRA loader"
+    ),
+    save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
     title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
     trainer="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15Trainer",
     layout="tuner.archs.hunyuan_video15.keys:HUNYUAN_VIDEO15_LAYOUT",
@@ -58,6 +78,21 @@ RECORDS = (
     replace(
         HUNYUAN_VIDEO15,
         name="hunyuan_video15_i2v",
+        variants=("480p_i2v", "720p_i2v"),
+        checkpoints=(
+            "Variants: `480p_i2v`, `720p_i2v` (the T2V network's shapes, other weights). `transformer`: "
+            "Tencent's `transformer/480p_i2v/...` or ComfyUI's "
+            "`hunyuanvideo1.5_{480p,720p}_i2v_*.safetensors` or the diffusers folder "
+            "(`hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v`); a file named `t2v` is refused "
+            "naming `hunyuan_video15`. `image_encoder`: SigLIP so400m-patch14-384 (ComfyUI's "
+            "`sigclip_vision_patch14_384.safetensors`, `vision_model.*`, or the diffusers `image_encoder/` + "
+            "`feature_extractor/`; configs in `configs/hunyuan_video15/siglip/`); VAE and text encoders as "
+            "`hunyuan_video15`. Latent entries hold `latents`, `image_latents` (the clip's first frame "
+            "encoded alone) and `image_embeds` (SigLIP's `last_hidden_state`, 729 tokens), keyed by "
+            "`model.vae` and `model.image_encoder`; the model is given the frame's latent in latent frame 0 "
+            "of the condition channels with a mask channel, as `HunyuanVideo15ImageToVideoPipeline`. Video "
+            "datasets only"
+        ),
         title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
         trainer="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15I2VTrainer",
         fixture="tuner.archs.hunyuan_video15.fixture:I2V_FIXTURE",

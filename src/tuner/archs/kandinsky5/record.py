@@ -6,6 +6,25 @@ from tuner.archs.record import Architecture
 
 KANDINSKY5 = Architecture(
     name="kandinsky5",
+    variants=("lite-5s", "lite-10s"),
+    checkpoints=(
+        "Variants: `lite-5s`, `lite-10s` (Kandinsky 5.0 Video Lite T2V, 2B: pretrain, sft, nocfg and "
+        "distilled16steps share shapes; ). `transformer`: the release's single file "
+        "(`kandinsky5lite_t2v_sft_5s.safetensors`, ...; already diffusers-named, so the layout renames "
+        "nothing; `model.diffusion_model.` optional, fp8 too) or the diffusers folder "
+        "(`ai-forever/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers`). Shapes cannot tell the releases apart: a "
+        "`10s` file name picks the NABLA sparse-attention config (a folder's config says it); the release "
+        "name sets only generation's recommended steps / guidance (sft, pretrain 50 / 5; nocfg 50 / 1; "
+        "distilled16steps 16 / 1; shift 10 for all). I2V files are refused by name; the Lite image model "
+        "(FLUX VAE) and the 19B Pro models are not supported. `vae`: the HunyuanVideo VAE (as "
+        "`hunyuan_video`); `text_encoder`: Qwen2.5-VL-7B (as `qwen_image`: `qwen_2.5_vl_7b.safetensors` + "
+        "`tokenizer`, or `text_encoder/`), last hidden states after the template's 128 tokens; "
+        "`text_encoder_2`: CLIP-L pooled (`clip_l.safetensors` + `tokenizer_2`, or `text_encoder_2/`). "
+        "Loaders keep the time embedding and modulations fp32 (what makes bf16 work without autocast) and "
+        "rotate q/k in fp32 (upstream rounds them to bf16 in any dtype). Adapters: `comfy` by default; "
+        'diffusers\' Kandinsky loader reads `save.format = "diffusers"`'
+    ),
+    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its loader takes `transformer.` keys only)',
     title="Kandinsky 5.0 Video Lite text-to-video (2B; sft, pretrain, nocfg, distilled, 5 s / 10 s)",
     trainer="tuner.archs.kandinsky5.trainer:Kandinsky5Trainer",
     layout="tuner.archs.kandinsky5.loaders:KANDINSKY5_LAYOUT",

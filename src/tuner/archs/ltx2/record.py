@@ -6,6 +6,22 @@ from tuner.archs.record import Architecture
 
 LTX2 = Architecture(
     name="ltx2",
+    variants=("19b",),
+    checkpoints=(
+        "Variants: `19b` (LTX-2 dev / distilled: 48 blocks, video width 4096, audio width 2048; configs "
+        "from diffusers' class defaults), `tiny`. `transformer`: Lightricks' single file "
+        "(`ltx-2-19b-dev.safetensors`: `model.diffusion_model.*` with `patchify_proj`, `adaln_single`, "
+        "`av_ca_*_adaln_single`, `q_norm` / `k_norm`; its bundled connectors, `vae.*`, `audio_vae.*`, "
+        "`vocoder.*` are skipped; fp8 too) or the diffusers folder; `vae`: the same release file (`vae.*` "
+        "in one sequence of stages and resamplers, `res_blocks`, `per_channel_statistics.*`; "
+        "`audio_vae.*`; read alone, not the whole file) or the diffusers folder (`vae/`, and `audio_vae/` "
+        "beside it); the file's or folders' fingerprint keys latent entries; `text_encoder`: the "
+        "diffusers folder (`text_encoder/` Gemma 3 + `tokenizer/` + `connectors/`: text entries hold the "
+        "connectors' video and audio contexts). Adapters: `comfy` by default (ComfyUI; the blocks' "
+        "linears have the same names in both layouts); diffusers' LTX-2 loader reads `save.format = "
+        '"diffusers"` only (it refuses `.alpha` keys)'
+    ),
+    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
     trainer="tuner.archs.ltx2.trainer:LTX2Trainer",
     layout="tuner.archs.ltx2.keys:LTX2_LAYOUT",

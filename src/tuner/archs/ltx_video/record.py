@@ -6,6 +6,17 @@ from tuner.archs.record import Architecture
 
 LTX_VIDEO = Architecture(
     name="ltx_video",
+    variants=("0.9",),
+    checkpoints=(
+        "Variants: `0.9` (LTX-Video 0.9 / 0.9.1 2B: 28 blocks of width 2048; configs from diffusers' "
+        "class defaults), `tiny`. `transformer`: Lightricks' single file (`model.diffusion_model.*`: "
+        "`patchify_proj`, `adaln_single`, `q_norm` / `k_norm`; an LTX-2 file is refused naming `ltx2`) or "
+        "the diffusers folder; `vae`: the diffusers folder (`vae/`; the release's bundled `vae.*` is not "
+        "read yet); `text_encoder`: T5-XXL as FLUX.1's (`text_encoder/` + `tokenizer/`, or a single file "
+        "+ `tokenizer`). Adapters: `comfy` by default; diffusers' LTX-Video loader reads `save.format = "
+        '"diffusers"` only. 0.9.5 / 0.9.7 and 13B are not shipped variants'
+    ),
+    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-Video 0.9 text-to-video (2B)",
     trainer="tuner.archs.ltx_video.trainer:LTXVideoTrainer",
     layout="tuner.archs.ltx_video.keys:LTX_VIDEO_LAYOUT",

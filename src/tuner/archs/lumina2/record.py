@@ -6,6 +6,19 @@ from tuner.archs.record import Architecture
 
 LUMINA2 = Architecture(
     name="lumina2",
+    variants=("lumina2",),
+    checkpoints=(
+        "Variants: `lumina2` (Lumina-Image-2.0, 2.6B; ). `transformer`: Alpha-VLLM's single file "
+        "(`consolidated.00-of-01.pth` or its safetensors conversion: `layers.N.attention.qkv`, "
+        "`feed_forward.w1/w2/w3`, `adaLN_modulation.1`; its unused `norm_final.weight` is dropped), "
+        "ComfyUI's `lumina_2_model_bf16.safetensors` (fp8 too), the transformer part "
+        "(`model.diffusion_model.*`) of ComfyUI's all-in-one `lumina_2.safetensors`, or the diffusers "
+        "folder (`Alpha-VLLM/Lumina-Image-2.0`); `vae`: the FLUX.1 VAE (`ae.safetensors` or the diffusers "
+        "`vae/`); `text_encoder`: Gemma 2 2B (ComfyUI's `gemma_2_2b_fp16.safetensors`, `model.*` keys, or "
+        "the diffusers `text_encoder/`) + `tokenizer` (`configs/lumina2/text_encoder/`). Adapters: `auto` "
+        '= `comfy` (ComfyUI); diffusers\' Lumina 2 loader reads `save.format = "diffusers"` only'
+    ),
+    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its converter fixes the 2.6B sizes)',
     title="Lumina Image 2.0 text-to-image (Gemma 2 text encoder)",
     trainer="tuner.archs.lumina2.trainer:Lumina2Trainer",
     layout="tuner.archs.lumina2.keys:LUMINA2_LAYOUT",

@@ -8,6 +8,14 @@ from tuner.archs.record import Architecture, comfy
 
 QWEN_IMAGE = Architecture(
     name="qwen_image",
+    variants=("qwen-image",),
+    checkpoints=(
+        "`transformer`: ComfyUI's `qwen_image_bf16.safetensors` (the release's names are diffusers'; "
+        "`model.diffusion_model.` optional, fp8 too) or the diffusers folder (`Qwen/Qwen-Image`); `vae`: "
+        "ComfyUI's `qwen_image_vae.safetensors` (the Wan 2.1 VAE's key layout) or `vae/`; `text_encoder`: "
+        "Qwen2.5-VL-7B (ComfyUI's `qwen_2.5_vl_7b*.safetensors` + `tokenizer`, or `text_encoder/`)"
+    ),
+    save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Qwen-Image text-to-image",
     trainer="tuner.archs.qwen_image.trainer:QwenImageTrainer",
     layout="tuner.archs.qwen_image.loaders:QWEN_IMAGE_LAYOUT",
@@ -44,6 +52,12 @@ RECORDS = (
     replace(
         QWEN_IMAGE,
         name="qwen_image_edit",
+        variants=("qwen-image", "qwen-image-edit-2511"),
+        checkpoints=(
+            "as `qwen_image`, with the Edit transformer (`qwen_image_edit_2509_bf16.safetensors`, ...; "
+            "ComfyUI's `__index_timestep_zero__` marker picks the 2511 config). Image datasets with 1-3 "
+            "control images per item; the text encoder sees them too"
+        ),
         hub_repos=(("2509", "Qwen/Qwen-Image-Edit-2509"), ("2511", "Qwen/Qwen-Image-Edit-2511")),
         comfy_files=(),
         title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",

@@ -6,6 +6,22 @@ from tuner.archs.record import Architecture
 
 SD3 = Architecture(
     name="sd3",
+    variants=("medium", "large"),
+    checkpoints=(
+        "Variants: `medium` (24 blocks of 1536, `attn2` in blocks 0-12), `large` (38 blocks of 2432; "
+        "Large Turbo is the same network). `transformer`: `sd3.5_medium.safetensors` / "
+        "`sd3.5_large*.safetensors` (`joint_blocks.N.x_block.attn.qkv`, ...; `model.diffusion_model.` "
+        "optional; fp8 too) or the diffusers folder; an SD 3.0 Medium file is refused by name. `vae`: the "
+        "diffusers `vae/`, an LDM-layout file, or the release's file itself (`first_stage_model.*`). "
+        "`text_encoder` / `text_encoder_2`: CLIP-L / OpenCLIP bigG (`clip_l.safetensors`, "
+        "`clip_g.safetensors`, a file bundling `text_encoders.clip_l.*` / `clip_g.*`, or diffusers "
+        "folders; bigG found beside CLIP-L or in the same file); `text_encoder_3`: T5-XXL "
+        "(`t5xxl_*.safetensors`, `text_encoders.t5xxl.*`, `text_encoder_3/`), optional: unset, its "
+        "features are zeros as in `StableDiffusion3Pipeline` (logged once). Tokenizers `tokenizer`, "
+        '`tokenizer_2` (bigG pads with "!"), `tokenizer_3`. Adapters: `comfy` by default (the release\'s '
+        'names, qkv fused); diffusers\' SD3 loader reads only `save.format = "diffusers"`'
+    ),
+    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its SD3 loader has no converter)',
     title="Stable Diffusion 3.5 text-to-image (Medium, Large, Large Turbo)",
     trainer="tuner.archs.sd3.trainer:SD3Trainer",
     layout="tuner.archs.sd3.keys:SD3_LAYOUT",

@@ -6,6 +6,18 @@ from tuner.archs.record import Architecture
 
 SDXL = Architecture(
     name="sdxl",
+    variants=("sdxl",),
+    checkpoints=(
+        "Variants: `sdxl` (SDXL 1.0 base and its fine-tunes), `tiny`. `transformer`, `vae`, "
+        "`text_encoder`, `text_encoder_2`: the bundled A1111 / ComfyUI checkpoint "
+        "(`model.diffusion_model.*` UNet in the original `sgm` layout, `first_stage_model.*` VAE, "
+        "`conditioner.embedders.0.transformer.*` CLIP-L, `conditioner.embedders.1.model.*` OpenCLIP "
+        "bigG), or each part alone (UNet-only file, `sdxl_vae.safetensors` / fp16-fix VAE, ComfyUI's "
+        "`clip_l` / `clip_g`), or the diffusers folder (`unet/`, `vae/`, `text_encoder/`, "
+        "`text_encoder_2/`); `tokenizer`, `tokenizer_2` for single files. SD 1.x / 2.x files and the "
+        "refiner are refused by name; a `v_pred` marker key warns when trained as epsilon"
+    ),
+    save_format_loads="ComfyUI, A1111 / Forge; diffusers (`load_lora_weights`)",
     title="SDXL text-to-image (base 1.0 and fine-tunes: Pony, Illustrious, NoobAI; epsilon or v-pred)",
     trainer="tuner.archs.sdxl.trainer:SDXLTrainer",
     layout="tuner.archs.sdxl.keys:SDXL_LAYOUT",

@@ -37,6 +37,12 @@ _WAN_CLIP_REQUIRED = (
 
 WAN = Architecture(
     name="wan",
+    variants=("t2v-1.3B", "t2v-14B"),
+    checkpoints=(
+        "`transformer`: Wan 2.1 T2V single file (official / ComfyUI, fp8 too) or diffusers folder; `vae`: "
+        "Wan 2.1 VAE; `text_encoder`: UMT5-XXL (+ `tokenizer`)"
+    ),
+    save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Wan 2.1 text-to-video (1.3B, 14B)",
     trainer="tuner.archs.wan.trainer:WanTrainer",
     layout="tuner.archs.wan.keys:WAN_LAYOUT",
@@ -74,6 +80,13 @@ RECORDS = (
     replace(
         WAN,
         name="wan22_t2v",
+        variants=("t2v-14B",),
+        checkpoints=(
+            "Variants: `t2v-14B` (each expert has the Wan 2.1 14B network). `transformer`: the high-noise "
+            "expert (`wan2.2_t2v_high_noise_14B_*.safetensors`, `high_noise_model/`, or the diffusers root's "
+            "`transformer/`); `transformer_2`: the low-noise expert (`transformer_2/`); VAE and text encoder "
+            "as `wan`"
+        ),
         hub_repos=(("A14B", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),),
         comfy_files=(("A14B", _wan22_experts("t2v")),),
         title="Wan 2.2 text-to-video A14B (high- and low-noise 14B experts)",
@@ -86,6 +99,13 @@ RECORDS = (
     replace(
         WAN,
         name="wan22_i2v",
+        variants=("i2v-A14B",),
+        checkpoints=(
+            "Variants: `i2v-A14B` (36 input channels, no CLIP layers; 480p and 720p). `transformer`: the "
+            "high-noise expert (`wan2.2_i2v_high_noise_14B_*.safetensors`, `high_noise_model/`, or the "
+            "diffusers root's `transformer/`); `transformer_2`: the low-noise expert (`transformer_2/`); VAE "
+            "and text encoder as `wan`; no `image_encoder`. Video datasets only"
+        ),
         hub_repos=(("A14B", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),),
         comfy_files=(("A14B", _wan22_experts("i2v")),),
         title="Wan 2.2 image-to-video A14B (high- and low-noise 14B experts; first frame, no CLIP)",
@@ -98,6 +118,13 @@ RECORDS = (
     replace(
         WAN,
         name="wan22_ti2v",
+        variants=("ti2v-5B",),
+        checkpoints=(
+            "`transformer`: `wan2.2_ti2v_5B_*.safetensors` (official / ComfyUI, fp8 too) or the diffusers "
+            "folder (`Wan-AI/Wan2.2-TI2V-5B-Diffusers`); `vae`: **the Wan 2.2 VAE** (`Wan2.2_VAE.pth`, "
+            "ComfyUI's `wan2.2_vae.safetensors`, or the diffusers `vae/`; 48 channels, "
+            "`configs/wan/vae/wan2.2`); `text_encoder`: UMT5-XXL as `wan`"
+        ),
         hub_repos=(("5B", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),),
         comfy_files=(
             (
@@ -120,6 +147,14 @@ RECORDS = (
     replace(
         WAN,
         name="wan_i2v",
+        variants=("i2v-14B",),
+        checkpoints=(
+            "Variants: `i2v-14B` (480p and 720p share it). `transformer`: Wan 2.1 I2V single file "
+            "(`wan2.1_i2v_480p_14B_*.safetensors`, `..._720p_...`) or diffusers folder; `image_encoder`: CLIP "
+            "ViT-H/14, ComfyUI's `clip_vision_h.safetensors` (`vision_model.*`, its `visual_projection` "
+            "unused) or the diffusers folder's `image_encoder/` (+ `image_processor/`; configs in "
+            "`configs/clip_vision/`); VAE and text encoder as `wan`. Video datasets only"
+        ),
         hub_repos=(
             ("480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
             ("720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"),
@@ -134,6 +169,11 @@ RECORDS = (
     replace(
         WAN,
         name="wan_flf2v",
+        variants=("flf2v-14B",),
+        checkpoints=(
+            "Variants: `flf2v-14B` (720p). as `wan_i2v` with the FLF2V transformer (`img_emb.emb_pos`); clips "
+            "of 5 frames or more"
+        ),
         hub_repos=(("720p", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"),),
         comfy_files=(("720p", _wan21_i2v("flf2v_720p")),),
         title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",

@@ -6,6 +6,20 @@ from tuner.archs.record import Architecture, comfy
 
 Z_IMAGE = Architecture(
     name="z_image",
+    variants=("turbo", "base"),
+    checkpoints=(
+        "Variants: `turbo`, `base` (one network: a 6B header matches the `z-image` signature, and `turbo` "
+        "in the file or folder name picks Turbo's config). `transformer`: ComfyUI's "
+        "`z_image_turbo_bf16.safetensors` / `z_image_bf16.safetensors` (the release's keys: fused "
+        "`attention.qkv`, `attention.out`, `q_norm` / `k_norm`, `x_embedder`, `final_layer`; fp8 too; a "
+        "stray `norm_final.weight` is ignored), the same network saved in diffusers' keys, or the "
+        "diffusers folder (`Tongyi-MAI/Z-Image-Turbo`); `vae`: FLUX.1's (`ae.safetensors` or the "
+        "diffusers `vae/`); `text_encoder`: Qwen3-4B (`qwen_3_4b.safetensors` + `tokenizer`, or the "
+        "diffusers folder), second-to-last hidden states. Adapters save as `kohya` (ComfyUI maps it; "
+        "diffusers' Z-Image converter splits the fused qkv). Turbo is step-distilled: training it without "
+        "`model.merge_adapters` (a de-distillation adapter merged in memory first) warns once"
+    ),
+    save_format_loads="ComfyUI; diffusers (its Z-Image converter splits the fused qkv)",
     title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
     trainer="tuner.archs.z_image.trainer:ZImageTrainer",
     layout="tuner.archs.z_image.loaders:Z_IMAGE_LAYOUT",

@@ -1,0 +1,175 @@
+"""The documentation that depends on the records, generated from them.
+
+The README's architecture table, example list and `save.format = "auto"` summary, and
+`docs/architectures.md`'s variants and adapter-layout tables are written between markers
+
+    <!-- generated: NAME (python -m tuner.archs.docs --write) -->
+    ...
+    <!-- end generated: NAME -->
+
+from the records (`tuner.registry`), the shipped variant configs (`archs/<family>/configs/transformer/`)
+and the example TOMLs (`examples/`). `python -m tuner.archs.docs --write` rewrites them;
+`tests/test_generated_docs.py` fails while any fragment differs from what this module renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tuner.archs.record import Architecture
+from tuner.config import tomllib
+from tuner.io import write_text
+from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS
+
+REPO = Path(__file__).resolve().parents[3]
+_LAYOUT_TEXT = {
+    "comfy": "the release's names under `diffusion_model.` with a per-module `alpha`",
+    "kohya": "`lora_unet_` + the release's names with `lora_down` / `lora_up` / `alpha`",
+    "diffusers": "the PEFT layout under `transformer.`, alpha folded in",
+}
+
+
+def examples(root: Path = REPO) -> dict[str, list[tuple[str, str | None]]]:
+    """architecture -> [(training TOML, its dataset TOML or None)] of the example configs, by file name."""
+    found: dict[str, list[tuple[str, str | None]]] = {}
+    for path in sorted((root / "examples").glob("*.toml")):
+        data = tomllib.loads(path.read_text())
+        if "model" not in data:
+            continue
+        dataset = data.get("data", {}).get("dataset_config")
+        found.setdefault(data["model"]["architecture"], []).append((path.name, dataset))
+    return found
+
+
+def _code_list(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names)
+
+
+def architecture_table(root: Path = REPO) -> str:
+    shipped = examples(root)
+    lines = [
+        '| architecture | `model.architecture` | variants | `save.format = "auto"` loads in | example |',
+        "|---|---|---|---|---|",
+    ]
+    for name, record in ARCHITECTURES.items():
+        example = _code_list([train for train, _ in shipped.get(name, [])]) or "—"
+        loads = f"`{record.save_format}`: {record.save_format_loads}"
+        lines.append(
+            f"| {record.title} | `{name}` | {_code_list(list(record.variants))} | {loads} | {example} |"
+        )
+    return "\n".join(lines)
+
+
+def example_list(root: Path = REPO) -> str:
+    lines = []
+    for name, pairs in examples(root).items():
+        files = "; ".join(
+            f"`{train}`" + (f" with `{dataset}`" if dataset else "") for train, dataset in pairs
+        )
+        lines.append(f"   - `{name}`: {files}")
+    return "\n".join(lines)
+
+
+def auto_layouts() -> str:
+    lines = []
+    for layout in SAVE_LAYOUTS:
+        names = [n for n, r in ARCHITECTURES.items() if r.save_format == layout]
+        if names:
+            lines.append(f"  - `{layout}` ({_LAYOUT_TEXT[layout]}): {_code_list(names)}")
+    return "\n".join(lines)
+
+
+def record_fields() -> str:
+    """The fields of `Architecture` with their docstrings (the one description of each)."""
+    tree = ast.parse(inspect.getsource(Architecture))
+    body = tree.body[0].body
+    lines = ["| field | what it holds |", "|---|---|"]
+    for node, after in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
+            doc = " ".join(inspect.cleandoc(after.value.value).split()).replace("|", "\\|")
+            lines.append(f"| `{node.target.id}` | {doc} |")
+    return "\n".join(lines)
+
+
+def variants_table() -> str:
+    lines = ["| `model.architecture` | transformer variants | files |", "|---|---|---|"]
+    for name, record in ARCHITECTURES.items():
+        where = f"`archs/{record.configs}/configs/transformer/`"
+        lines.append(f"| `{name}` | {_code_list(list(record.variants))} ({where}) | {record.checkpoints} |")
+    return "\n".join(lines)
+
+
+def adapter_layouts() -> str:
+    lines = ['| `model.architecture` | `save.format = "auto"` | loads in |', "|---|---|---|"]
+    for name, record in ARCHITECTURES.items():
+        lines.append(f"| `{name}` | `{record.save_format}` | {record.save_format_loads} |")
+    return "\n".join(lines)
+
+
+FRAGMENTS: dict[str, tuple[str, Callable[[], str]]] = {
+    "record-fields": ("docs/architectures.md", record_fields),
+    "architectures": ("README.md", architecture_table),
+    "examples": ("README.md", example_list),
+    "auto-layouts": ("README.md", auto_layouts),
+    "variants": ("docs/architectures.md", variants_table),
+    "adapter-layouts": ("docs/architectures.md", adapter_layouts),
+}
+"""name -> (file relative to the repository, what renders it)."""
+
+
+def _pattern(name: str) -> re.Pattern:
+    return re.compile(
+        rf"(<!-- generated: {re.escape(name)} [^\n]*-->\n)(.*?)(<!-- end generated: {re.escape(name)} -->)",
+        re.S,
+    )
+
+
+def stale(root: Path = REPO) -> list[str]:
+    """The fragments whose text differs from what the records render (a missing marker counts)."""
+    out = []
+    for name, (file, render) in FRAGMENTS.items():
+        match = _pattern(name).search((root / file).read_text())
+        if match is None or match.group(2) != render() + "\n":
+            out.append(f"{file}: {name}")
+    return out
+
+
+def write(root: Path = REPO) -> list[str]:
+    """Rewrite every fragment in place; return the ones that changed. A file without a fragment's
+    markers is an error naming them, and then nothing is written."""
+    for name, (file, _) in FRAGMENTS.items():  # every marker first: nothing is written when one is missing
+        if not _pattern(name).search((root / file).read_text()):
+            raise SystemExit(
+                f"{file}: no '<!-- generated: {name} ... -->' marker; add the pair where the fragment goes"
+            )
+    changed = []
+    for name, (file, render) in FRAGMENTS.items():
+        path = root / file
+        text = path.read_text()
+        new = _pattern(name).sub(lambda m, r=render: m.group(1) + r() + "\n" + m.group(3), text)
+        if new != text:
+            write_text(path, new)
+            changed.append(f"{file}: {name}")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the fragments (else: list stale ones)")
+    args = parser.parse_args(argv)
+    if args.write:
+        print("\n".join(write()) or "all fragments up to date")
+        return 0
+    out = stale()
+    print("\n".join(out) or "all fragments up to date")
+    return 1 if out else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
