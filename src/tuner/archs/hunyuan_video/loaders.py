@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from tuner.archs.flux.loaders import _from_pretrained, _load_clip, _sibling, from_state_dict
+from tuner.archs.flux.loaders import load_clip
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.identify import (
@@ -45,14 +45,17 @@ from tuner.models.identify import (
     wrong_architecture,
 )
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors,
     load_tokenizer,
+    load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
+    sibling,
 )
 
 if TYPE_CHECKING:
@@ -278,7 +281,7 @@ def load_text_encoders(
     """
     if clip_path is None:
         folder = resolve_folder(llama_path, "text_encoder")
-        clip_path = _sibling(folder, "text_encoder_2") if folder is not None else None
+        clip_path = sibling(folder, "text_encoder_2") if folder is not None else None
         if clip_path is None:
             raise CheckpointError(
                 f"{llama_path}: HunyuanVideo needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
@@ -287,8 +290,8 @@ def load_text_encoders(
             )
     llama, found = _load_llama(llama_path, dtype)
     clip_path = _component(clip_path, "text_encoder_2")
-    clip, _ = _load_clip(clip_path, dtype)  # FLUX.1's loader; its tokenizer here is `tokenizer_2/`
-    found_2 = _sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
+    clip, _ = load_clip(clip_path, dtype)  # FLUX.1's loader; its tokenizer here is `tokenizer_2/`
+    found_2 = sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
     return TextEncoders(
         llama,
         load_tokenizer(
@@ -313,7 +316,7 @@ def _load_llama(path: str | Path, dtype: torch.dtype) -> tuple[LlamaModel, Path 
 
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
-        return _from_pretrained(LlamaModel, folder, dtype, "llama"), _sibling(folder, "tokenizer")
+        return load_transformers_folder(LlamaModel, folder, dtype, "llama"), sibling(folder, "tokenizer")
     shapes = _llama_names(normalize_shapes(read_tensor_shapes(path)))
     if not all(k in shapes for k in _LLAMA_MARKERS):
         raise wrong_architecture(path, shapes, "Llama text encoder", _LLAMA_MARKERS)

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.flux.loaders import from_state_dict
 from tuner.archs.ltx2.keys import AUDIO_VAE_LAYOUT, LTX2_LAYOUT, VAE_STATISTICS_UNUSED, VIDEO_VAE_LAYOUT
 from tuner.data.audio import log_mel
 from tuner.errors import CheckpointError
@@ -43,6 +42,7 @@ from tuner.models.identify import (
     pick_variant,
 )
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors_of,
     normalize_shapes,
