@@ -40,11 +40,11 @@ import torch
 
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    diffusers_meta_keys,
     identify_single_file,
     pick_variant,
     wrong_architecture,
@@ -129,11 +129,9 @@ _SIGLIP_PREFIX = "vision_model."
 _SIGLIP_MARKER = "vision_model.embeddings.patch_embedding.weight"
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import HunyuanVideoFramepackTransformer3DModel
-
-    keys = diffusers_meta_keys(HunyuanVideoFramepackTransformer3DModel, variant.config_dir)
-    return {FRAMEPACK_LAYOUT.key_to_original(k) for k in keys}
+_transformer_keys = diffusers_keys(
+    "HunyuanVideoFramepackTransformer3DModel", FRAMEPACK_LAYOUT.key_to_original
+)
 
 
 TRANSFORMER_SPEC = SingleFileSpec(

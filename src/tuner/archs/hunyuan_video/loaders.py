@@ -35,18 +35,15 @@ import torch
 from tuner.archs.flux.loaders import load_clip
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys, load_component
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    diffusers_meta_keys,
-    identify_single_file,
     pick_variant,
     wrong_architecture,
 )
 from tuner.models.loading import (
-    from_state_dict,
-    load_diffusers_folder,
     load_tensors,
     load_tokenizer,
     load_transformers_folder,
@@ -163,17 +160,10 @@ _HUNYUAN_VIDEO_15_MARKERS = ("vision_in.proj.0.weight", "cond_type_embedding.wei
                              "image_embedder.linear_1.weight", "cond_type_embed.weight")  # fmt: skip
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    keys = diffusers_meta_keys(HunyuanVideoTransformer3DModel, variant.config_dir)
-    return {transformer_key_to_original(k) for k in keys}
+_transformer_keys = diffusers_keys("HunyuanVideoTransformer3DModel", transformer_key_to_original)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    return diffusers_meta_keys(AutoencoderKLHunyuanVideo, variant.config_dir)
+_vae_keys = diffusers_keys("AutoencoderKLHunyuanVideo")
 
 
 TRANSFORMER_SPEC = SingleFileSpec(
@@ -222,7 +212,6 @@ def _hunyuan_video_15(path: str | Path) -> CheckpointError:
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransformer3DModel:
     """The HunyuanVideo transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    from diffusers import HunyuanVideoTransformer3DModel
 
     folder = resolve_folder(path, "transformer")
     if folder is not None:
@@ -231,31 +220,21 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransf
             raise _hunyuan_video_15(folder)
         if class_name == "HunyuanVideoFramepackTransformer3DModel":
             raise _framepack(folder)
-        return load_diffusers_folder(
-            HunyuanVideoTransformer3DModel, folder, dtype, "HunyuanVideoTransformer3DModel"
-        )
-    names = normalize_shapes(read_tensor_shapes(path))
-    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
-        raise _hunyuan_video_15(path)
-    if any(name.startswith("clean_x_embedder.") for name in names):
-        raise _framepack(path)
-    variant = identify_single_file(path, TRANSFORMER_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in _ORIGINAL_MARKERS):
-        state_dict = transformer_to_diffusers(state_dict)
-    return from_state_dict(HunyuanVideoTransformer3DModel, state_dict, variant.config_dir, dtype, Path(path))
+    else:
+        names = normalize_shapes(read_tensor_shapes(path))
+        if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
+            raise _hunyuan_video_15(path)
+        if any(name.startswith("clean_x_embedder.") for name in names):
+            raise _framepack(path)
+    return load_component(
+        path, dtype, "HunyuanVideoTransformer3DModel", "transformer", TRANSFORMER_SPEC,
+        lambda state_dict, _: transformer_to_diffusers(state_dict),
+    )  # fmt: skip
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLHunyuanVideo:
     """The causal 3D VAE from a diffusers folder or a single file (diffusers' names), in eval mode."""
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKLHunyuanVideo, folder, dtype, "AutoencoderKLHunyuanVideo")
-    variant = identify_single_file(path, VAE_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    return from_state_dict(AutoencoderKLHunyuanVideo, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(path, dtype, "AutoencoderKLHunyuanVideo", "vae", VAE_SPEC)
 
 
 class TextEncoders(NamedTuple):

@@ -43,10 +43,10 @@ import torch
 from tuner.archs.flux.loaders import t5_keys
 from tuner.archs.hunyuan_video15.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    diffusers_meta_keys,
     identify_shapes,
     identify_single_file,
 )
@@ -163,11 +163,7 @@ _HUNYUAN_VIDEO_1_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "single_block
                             "single_transformer_blocks.0.proj_mlp.weight")  # fmt: skip
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    keys = diffusers_meta_keys(HunyuanVideo15Transformer3DModel, variant.config_dir)
-    return {transformer_key_to_original(k) for k in keys}
+_transformer_keys = diffusers_keys("HunyuanVideo15Transformer3DModel", transformer_key_to_original)
 
 
 TRANSFORMER_SPEC = SingleFileSpec(
@@ -213,12 +209,7 @@ def vae_key_to_original(key: str) -> str:
     return _rename(key, _VAE_TO_ORIGINAL)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    return [
-        vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLHunyuanVideo15, variant.config_dir)
-    ]
+_vae_keys = diffusers_keys("AutoencoderKLHunyuanVideo15", vae_key_to_original)
 
 
 VAE_SPEC = SingleFileSpec(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.archs.wan.keys import vae_key_to_original
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -155,10 +156,7 @@ def _zero_cond_config(variant: Variant) -> Path:
     return variant.config_dir.with_name(f"{variant.config_dir.name}-edit-2511")
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLQwenImage
-
-    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLQwenImage, variant.config_dir)]
+_vae_keys = diffusers_keys("AutoencoderKLQwenImage", vae_key_to_original)
 
 
 VAE_SPEC = SingleFileSpec(

@@ -39,7 +39,8 @@ from tuner.archs.flux import loaders as flux
 from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys, identify_shapes
+from tuner.models.component import diffusers_keys
+from tuner.models.identify import SingleFileSpec, Variant, identify_shapes
 from tuner.models.loading import (
     from_state_dict,
     load_diffusers_folder,
@@ -142,18 +143,10 @@ T5_VARIANTS = (
 )
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import SD3Transformer2DModel
-
-    return {
-        transformer_key_to_original(k) for k in diffusers_meta_keys(SD3Transformer2DModel, variant.config_dir)
-    }
+_transformer_keys = diffusers_keys("SD3Transformer2DModel", transformer_key_to_original)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKL
-
-    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKL, variant.config_dir)]
+_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 
 
 def _clip_keys(variant: Variant) -> list[str]:

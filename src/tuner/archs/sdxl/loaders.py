@@ -47,11 +47,11 @@ from tuner.archs.sdxl.keys import (
     unet_to_diffusers,
 )
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    diffusers_meta_keys,
     pick_variant,
     wrong_architecture,
 )
@@ -161,16 +161,10 @@ _OPEN_CLIP_MARKERS = ("token_embedding.weight", "transformer.resblocks.0.attn.in
 _CLIP_L_EXTRAS = ("text_projection.weight", "logit_scale", "embeddings.position_ids")
 
 
-def _unet_keys(variant: Variant) -> list[str]:
-    from diffusers import UNet2DConditionModel
-
-    return [unet_key_to_original(k) for k in diffusers_meta_keys(UNet2DConditionModel, variant.config_dir)]
+_unet_keys = diffusers_keys("UNet2DConditionModel", unet_key_to_original)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKL
-
-    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKL, variant.config_dir)]
+_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 
 
 UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS)
