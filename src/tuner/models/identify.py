@@ -61,6 +61,13 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# Keys that tell apart architectures sharing block names, for loaders refusing a sibling's file:
+# Chroma is FLUX.1-schnell's names plus a guidance approximator; FLUX.2 modulates per kind of block
+# (its key in the release's and in diffusers' layout).
+CHROMA_MARKER = "distilled_guidance_layer.in_proj.weight"
+FLUX2_MARKERS = ("double_stream_modulation_img.lin.weight", "double_stream_modulation_img.linear.weight")
+
+
 @dataclass(frozen=True)
 class Variant:
     """A known variant of an architecture: its shipped config folder and the shapes that identify it."""

@@ -271,6 +271,47 @@ def load_diffusers_single_file(
     return model.eval()
 
 
+def from_state_dict(
+    model_cls: type, state_dict: dict[str, torch.Tensor], config_dir: Path, dtype: torch.dtype, path: Path
+) -> torch.nn.Module:
+    """A diffusers model of the shipped config holding exactly `state_dict` (diffusers keys), cast the
+    way `from_pretrained` casts. Parameters are built on the meta device, so no memory goes to random
+    init; buffers are real (Chroma computes its non-persistent `mod_proj` table at construction)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = model_cls.from_config(model_cls.load_config(config_dir))
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as e:  # shapes or names that do not fit the identified variant
+        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
+    assert_materialized(model, path)
+    cast_like_from_pretrained_(model, dtype)
+    return model.eval()
+
+
+def load_transformers_folder(
+    model_cls: type, folder: Path, dtype: torch.dtype, model_type: str
+) -> torch.nn.Module:
+    """`model_cls.from_pretrained(folder)` of a transformers model (a text encoder) offline, after checking
+    the folder's config describes a `model_type`."""
+    found = read_folder_config(folder).get("model_type")
+    if found != model_type:
+        raise CheckpointError(
+            f"{folder}: config.json describes a {found!r} model, not a {model_cls.__name__} ({model_type!r})."
+        )
+    try:
+        model = model_cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{folder}: cannot be loaded as a {model_cls.__name__}: {e}") from None
+    return model.eval()
+
+
+def sibling(folder: Path, name: str) -> Path | None:
+    """The folder `name` beside a pipeline component's `folder` (its tokenizer, another encoder), or None."""
+    return folder.parent / name if (folder.parent / name).is_dir() else None
+
+
 @torch.no_grad()
 def cast_like_from_pretrained_(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast floating state-dict tensors to `dtype`, keeping the model's `_keep_in_fp32_modules` in fp32.

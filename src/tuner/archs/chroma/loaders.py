@@ -37,21 +37,17 @@ import torch
 
 from tuner.archs.chroma.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.archs.flux.loaders import (
-    CHROMA_MARKER,
-    from_state_dict,
     image_ids,
     load_t5,
     pack_latents,
     unpack_latents,
 )
 from tuner.errors import CheckpointError
-from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys, identify_single_file
+from tuner.models.component import diffusers_keys, load_component
+from tuner.models.identify import CHROMA_MARKER, SingleFileSpec, Variant
 from tuner.models.loading import (
-    load_diffusers_folder,
-    load_tensors,
     load_tokenizer,
     normalize_shapes,
-    normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
@@ -107,19 +103,10 @@ _ORIGINAL_MARKERS = ("double_blocks.0.img_attn.qkv.weight", CHROMA_MARKER)
 _FLUX_MARKERS = ("double_blocks.0.img_mod.lin.weight", "transformer_blocks.0.norm1.linear.weight")
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import ChromaTransformer2DModel
-
-    return {
-        transformer_key_to_original(k)
-        for k in diffusers_meta_keys(ChromaTransformer2DModel, variant.config_dir)
-    }
-
-
 TRANSFORMER_SPEC = SingleFileSpec(
     what="Chroma transformer",
     variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
+    expected_keys=diffusers_keys("ChromaTransformer2DModel", transformer_key_to_original),
     original_markers=_ORIGINAL_MARKERS,
     diffusers_markers=("transformer_blocks.0.attn.to_q.weight", CHROMA_MARKER),
     to_original=transformer_key_to_original,
@@ -133,17 +120,11 @@ TRANSFORMER_SPEC = SingleFileSpec(
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> ChromaTransformer2DModel:
     """Load the Chroma transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    from diffusers import ChromaTransformer2DModel
-
-    folder = resolve_folder(path, "transformer")
-    _refuse_flux(path, folder)
-    if folder is not None:
-        return load_diffusers_folder(ChromaTransformer2DModel, folder, dtype, "ChromaTransformer2DModel")
-    variant = identify_single_file(path, TRANSFORMER_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in _ORIGINAL_MARKERS):
-        state_dict = transformer_to_diffusers(state_dict)
-    return from_state_dict(ChromaTransformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    _refuse_flux(path, resolve_folder(path, "transformer"))
+    return load_component(
+        path, dtype, "ChromaTransformer2DModel", "transformer", TRANSFORMER_SPEC,
+        lambda state_dict, _: transformer_to_diffusers(state_dict),
+    )  # fmt: skip
 
 
 def _refuse_flux(path: str | Path, folder: Path | None) -> None:

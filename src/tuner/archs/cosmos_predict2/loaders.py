@@ -49,12 +49,12 @@ from tuner.archs.cosmos_predict2.keys import (
 )
 from tuner.archs.flux.loaders import T5_TIED_EMBEDDING, t5_keys
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     apply_aliases,
     check_keys,
-    diffusers_meta_keys,
     pick_variant,
     wrong_architecture,
 )
@@ -157,13 +157,7 @@ _ORIGINAL_MARKERS = ("x_embedder.proj.1.weight", "blocks.0.self_attn.q_proj.weig
 _DIFFUSERS_MARKERS = ("patch_embed.proj.weight", "transformer_blocks.0.attn1.to_q.weight")
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import CosmosTransformer3DModel
-
-    return {
-        transformer_key_to_original(k)
-        for k in diffusers_meta_keys(CosmosTransformer3DModel, variant.config_dir)
-    }
+_transformer_keys = diffusers_keys("CosmosTransformer3DModel", transformer_key_to_original)
 
 
 T5_VARIANTS = (

@@ -36,27 +36,28 @@ from tuner.archs.flux.keys import (
     vae_to_diffusers,
 )
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys, load_component, vae_levels
 from tuner.models.identify import (
+    CHROMA_MARKER,
+    FLUX2_MARKERS,
     SingleFileSpec,
     Variant,
     apply_aliases,
     check_keys,
-    diffusers_meta_keys,
     identify_single_file,
     pick_variant,
     wrong_architecture,
 )
 from tuner.models.loading import (
-    assert_materialized,
-    cast_like_from_pretrained_,
-    load_diffusers_folder,
     load_tensors,
     load_tokenizer,
+    load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
+    sibling,
 )
 
 # diffusers and transformers are imported where a model is built: importing them costs seconds (every
@@ -171,39 +172,23 @@ T5_VARIANTS = (
     ),
 )
 
-# Chroma (`tuner.archs.chroma.loaders`) is FLUX.1-schnell with a guidance approximator in place of the
-# modulation linears; a Chroma file has FLUX.1's names otherwise.
-CHROMA_MARKER = "distilled_guidance_layer.in_proj.weight"
 _ORIGINAL_TRANSFORMER_MARKERS = ("double_blocks.0.img_attn.qkv.weight", "img_in.weight")
 _ORIGINAL_VAE_MARKERS = ("encoder.down.0.block.0.conv1.weight", "decoder.up.0.block.0.conv1.weight")
 
 
-def _levels(variant: Variant) -> int:
-    from diffusers import AutoencoderKL
-
-    return len(AutoencoderKL.load_config(variant.config_dir)["block_out_channels"])
-
-
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import FluxTransformer2DModel
-
-    return {
-        transformer_key_to_original(k)
-        for k in diffusers_meta_keys(FluxTransformer2DModel, variant.config_dir)
-    }
-
-
 def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKL
+    levels = vae_levels("AutoencoderKL", variant)
+    return [vae_key_to_original(k, levels) for k in diffusers_keys("AutoencoderKL")(variant)]
 
-    levels = _levels(variant)
-    return [vae_key_to_original(k, levels) for k in diffusers_meta_keys(AutoencoderKL, variant.config_dir)]
+
+def _vae_to_diffusers(state_dict: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+    return vae_to_diffusers(state_dict, vae_levels("AutoencoderKL", variant))
 
 
 TRANSFORMER_SPEC = SingleFileSpec(
     what="FLUX.1 transformer",
     variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
+    expected_keys=diffusers_keys("FluxTransformer2DModel", transformer_key_to_original),
     original_markers=_ORIGINAL_TRANSFORMER_MARKERS,
     diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.weight"),
     to_original=transformer_key_to_original,
@@ -255,25 +240,20 @@ _CLIP_MARKERS = ("embeddings.token_embedding.weight", "encoder.layers.0.self_att
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> FluxTransformer2DModel:
     """Load the FLUX.1 transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    from diffusers import FluxTransformer2DModel
-
     folder = resolve_folder(path, "transformer")
     _refuse_chroma(path, folder)
-    if folder is not None:
-        return load_diffusers_folder(FluxTransformer2DModel, folder, dtype, "FluxTransformer2DModel")
-    from tuner.archs.flux2.loaders import (
-        is_flux2_file,  # here: tuner.archs.flux2.loaders builds on this module
-    )
-
-    if is_flux2_file(normalize_shapes(read_tensor_shapes(path))):  # same block names, another network
-        raise CheckpointError(
+    if folder is None and any(k in normalize_shapes(read_tensor_shapes(path)) for k in FLUX2_MARKERS):
+        raise CheckpointError(  # same block names, another network
             f'{path}: a FLUX.2 transformer (shared stream modulations), not FLUX.1. Set model.architecture = "flux2".'
         )
-    variant = identify_single_file(path, TRANSFORMER_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in _ORIGINAL_TRANSFORMER_MARKERS):
-        state_dict = transformer_to_diffusers(state_dict)
-    return from_state_dict(FluxTransformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(
+        path,
+        dtype,
+        "FluxTransformer2DModel",
+        "transformer",
+        TRANSFORMER_SPEC,
+        lambda sd, _: transformer_to_diffusers(sd),
+    )
 
 
 def _refuse_chroma(path: str | Path, folder: Path | None) -> None:
@@ -291,35 +271,7 @@ def _refuse_chroma(path: str | Path, folder: Path | None) -> None:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the FLUX.1 VAE from a diffusers folder or a single file (`ae.safetensors`), in eval mode."""
-    from diffusers import AutoencoderKL
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKL, folder, dtype, "AutoencoderKL")
-    variant = identify_single_file(path, VAE_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in _ORIGINAL_VAE_MARKERS):
-        state_dict = vae_to_diffusers(state_dict, _levels(variant))
-    return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, Path(path))
-
-
-def from_state_dict(
-    model_cls: type, state_dict: dict[str, torch.Tensor], config_dir: Path, dtype: torch.dtype, path: Path
-) -> torch.nn.Module:
-    """A diffusers model of the shipped config holding exactly `state_dict` (diffusers keys), cast the
-    way `from_pretrained` casts. Parameters are built on the meta device, so no memory goes to random
-    init; buffers are real (Chroma computes its non-persistent `mod_proj` table at construction)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = model_cls.from_config(model_cls.load_config(config_dir))
-    try:
-        model.load_state_dict(state_dict, strict=True, assign=True)
-    except RuntimeError as e:  # shapes or names that do not fit the identified variant
-        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
-    assert_materialized(model, path)
-    cast_like_from_pretrained_(model, dtype)
-    return model.eval()
+    return load_component(path, dtype, "AutoencoderKL", "vae", VAE_SPEC, _vae_to_diffusers)
 
 
 class TextEncoders(NamedTuple):
@@ -345,14 +297,14 @@ def load_text_encoders(
     """
     if t5_path is None:
         folder = resolve_folder(clip_path, "text_encoder")
-        t5_path = _sibling(folder, "text_encoder_2") if folder is not None else None
+        t5_path = sibling(folder, "text_encoder_2") if folder is not None else None
         if t5_path is None:
             raise CheckpointError(
                 f"{clip_path}: FLUX.1 needs a second text encoder (T5-XXL). Set model.text_encoder_2 to its "
                 "single file (e.g. t5xxl_fp16.safetensors) or diffusers folder, or point model.text_encoder "
                 "at a FLUX.1 diffusers pipeline folder."
             )
-    clip, found = _load_clip(clip_path, dtype)
+    clip, found = load_clip(clip_path, dtype)
     t5, found_2 = load_t5(t5_path, dtype)
     return TextEncoders(
         clip,
@@ -362,14 +314,14 @@ def load_text_encoders(
     )
 
 
-def _load_clip(path: str | Path, dtype: torch.dtype) -> tuple[CLIPTextModel, Path | None]:
+def load_clip(path: str | Path, dtype: torch.dtype) -> tuple[CLIPTextModel, Path | None]:
     """The CLIP text model, and the tokenizer folder beside it in a diffusers layout (else None)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
-        model = _from_pretrained(CLIPTextModel, folder, dtype, "clip_text_model")
-        return model, _sibling(folder, "tokenizer")
+        model = load_transformers_folder(CLIPTextModel, folder, dtype, "clip_text_model")
+        return model, sibling(folder, "tokenizer")
     shapes = _clip_names(normalize_shapes(read_tensor_shapes(path)))
     if not all(k in shapes for k in _CLIP_MARKERS):
         raise wrong_architecture(path, shapes, "CLIP text encoder", _CLIP_MARKERS)
@@ -400,29 +352,12 @@ def load_t5(
 
     folder = resolve_folder(path, subfolder)
     if folder is not None:
-        return _from_pretrained(T5EncoderModel, folder, dtype, "t5"), _sibling(folder, tokenizer)
+        return load_transformers_folder(T5EncoderModel, folder, dtype, "t5"), sibling(folder, tokenizer)
     variant = identify_single_file(path, T5_SPEC)
     state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_TIED_EMBEDDING)
     config = T5Config.from_pretrained(variant.config_dir)
     model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
     return model.eval(), None
-
-
-def _from_pretrained(model_cls: type, folder: Path, dtype: torch.dtype, model_type: str):
-    found = read_folder_config(folder).get("model_type")
-    if found != model_type:
-        raise CheckpointError(
-            f"{folder}: config.json describes a {found!r} model, not a {model_cls.__name__} ({model_type!r})."
-        )
-    try:
-        model = model_cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{folder}: cannot be loaded as a {model_cls.__name__}: {e}") from None
-    return model.eval()
-
-
-def _sibling(folder: Path, name: str) -> Path | None:
-    return folder.parent / name if (folder.parent / name).is_dir() else None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,13 +22,12 @@ model scales it); dev's guidance embedding gets `model.guidance` (klein has none
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.flux.loaders import CHROMA_MARKER, from_state_dict
 from tuner.archs.flux2.keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
@@ -36,13 +35,21 @@ from tuner.archs.flux2.keys import (
     vae_to_diffusers,
 )
 from tuner.errors import CheckpointError
+from tuner.models.component import (
+    diffusers_class,
+    diffusers_keys,
+    load_component,
+    load_single_file,
+    vae_levels,
+)
 from tuner.models.identify import (
+    CHROMA_MARKER,
     SingleFileSpec,
     Variant,
-    diffusers_meta_keys,
     identify_single_file,
 )
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors,
     normalize_shapes,
@@ -157,27 +164,13 @@ FLUX1_MARKER = "double_blocks.0.img_mod.lin.weight"  # FLUX.1 modulates per bloc
 _ORIGINAL_VAE_MARKERS = ("encoder.down.0.block.0.conv1.weight", "bn.running_mean")
 
 
-def _levels(variant: Variant) -> int:
-    from diffusers import AutoencoderKLFlux2
-
-    return len(AutoencoderKLFlux2.load_config(variant.config_dir)["block_out_channels"])
-
-
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import Flux2Transformer2DModel
-
-    return {
-        transformer_key_to_original(k)
-        for k in diffusers_meta_keys(Flux2Transformer2DModel, variant.config_dir)
-    }
-
-
 def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLFlux2
-
-    levels = _levels(variant)
-    keys = diffusers_meta_keys(AutoencoderKLFlux2, variant.config_dir)
-    return [vae_key_to_original(k, levels) for k in keys if k != _BN_COUNTER]
+    levels = vae_levels("AutoencoderKLFlux2", variant)
+    return [
+        vae_key_to_original(k, levels)
+        for k in diffusers_keys("AutoencoderKLFlux2")(variant)
+        if k != _BN_COUNTER
+    ]
 
 
 _BN_COUNTER = "bn.num_batches_tracked"  # a BatchNorm training counter; released files may lack it
@@ -185,7 +178,7 @@ _BN_COUNTER = "bn.num_batches_tracked"  # a BatchNorm training counter; released
 TRANSFORMER_SPEC = SingleFileSpec(
     what="FLUX.2 transformer",
     variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
+    expected_keys=diffusers_keys("Flux2Transformer2DModel", transformer_key_to_original),
     original_markers=_ORIGINAL_MARKERS,
     diffusers_markers=("double_stream_modulation_img.linear.weight", "x_embedder.weight"),
     to_original=transformer_key_to_original,
@@ -200,14 +193,6 @@ VAE_SPEC = SingleFileSpec(
     # BatchNorm's step counter: some files store it, some do not; identification ignores it
     aliases={_BN_COUNTER: "bn.running_mean"},
 )
-
-
-def is_flux2_file(shapes: Mapping[str, object]) -> bool:
-    """Whether checkpoint keys (prefix stripped) are a FLUX.2 transformer's, in either layout."""
-    return any(
-        k in shapes
-        for k in ("double_stream_modulation_img.lin.weight", TRANSFORMER_SPEC.diffusers_markers[0])
-    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,12 +220,10 @@ def load_transformer(path: str | Path, dtype: torch.dtype, klein: bool = False) 
         raise CheckpointError(
             f'{path}: a Chroma transformer (it has distilled_guidance_layer), not FLUX.2. Set model.architecture = "chroma".'
         )
-    variant = identify_single_file(path, TRANSFORMER_SPEC)
-    _check_family(path, variant.name in KLEIN_VARIANTS, klein)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in _ORIGINAL_MARKERS):
-        state_dict = transformer_to_diffusers(state_dict)
-    return from_state_dict(Flux2Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    _check_family(path, identify_single_file(path, TRANSFORMER_SPEC).name in KLEIN_VARIANTS, klein)
+    return load_single_file(
+        path, dtype, "Flux2Transformer2DModel", TRANSFORMER_SPEC, lambda sd, _: transformer_to_diffusers(sd)
+    )
 
 
 def _check_family(path: str | Path, is_klein: bool, klein: bool) -> None:
@@ -259,17 +242,16 @@ def _check_family(path: str | Path, is_klein: bool, klein: bool) -> None:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLFlux2:
     """Load the FLUX.2 VAE from a diffusers folder or a single file, in eval mode."""
-    from diffusers import AutoencoderKLFlux2
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKLFlux2, folder, dtype, "AutoencoderKLFlux2")
+    if resolve_folder(path, "vae") is not None:
+        return load_component(path, dtype, "AutoencoderKLFlux2", "vae", VAE_SPEC)
     variant = identify_single_file(path, VAE_SPEC)
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if all(k in state_dict for k in _ORIGINAL_VAE_MARKERS):
-        state_dict = vae_to_diffusers(state_dict, _levels(variant))
-    state_dict.setdefault(_BN_COUNTER, torch.tensor(0))
-    return from_state_dict(AutoencoderKLFlux2, state_dict, variant.config_dir, dtype, Path(path))
+        state_dict = vae_to_diffusers(state_dict, vae_levels("AutoencoderKLFlux2", variant))
+    state_dict.setdefault(_BN_COUNTER, torch.tensor(0))  # in either layout
+    return from_state_dict(
+        diffusers_class("AutoencoderKLFlux2"), state_dict, variant.config_dir, dtype, Path(path)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -38,19 +38,19 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from tuner.archs.flux.loaders import _sibling, from_state_dict
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    diffusers_meta_keys,
     identify_single_file,
     pick_variant,
     wrong_architecture,
 )
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors,
     normalize_shapes,
@@ -58,6 +58,7 @@ from tuner.models.loading import (
     read_folder_config,
     read_shapes_of,
     resolve_folder,
+    sibling,
 )
 
 if TYPE_CHECKING:
@@ -128,11 +129,9 @@ _SIGLIP_PREFIX = "vision_model."
 _SIGLIP_MARKER = "vision_model.embeddings.patch_embedding.weight"
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import HunyuanVideoFramepackTransformer3DModel
-
-    keys = diffusers_meta_keys(HunyuanVideoFramepackTransformer3DModel, variant.config_dir)
-    return {FRAMEPACK_LAYOUT.key_to_original(k) for k in keys}
+_transformer_keys = diffusers_keys(
+    "HunyuanVideoFramepackTransformer3DModel", FRAMEPACK_LAYOUT.key_to_original
+)
 
 
 TRANSFORMER_SPEC = SingleFileSpec(
@@ -208,7 +207,7 @@ def load_image_encoder(path: str | Path, dtype: torch.dtype) -> ImageEncoder:
             model = SiglipVisionModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{folder}: cannot be loaded as a SigLIP vision model: {e}") from None
-        processor_dir = _sibling(folder, "feature_extractor") or _siglip_variant_of(model.config).config_dir
+        processor_dir = sibling(folder, "feature_extractor") or _siglip_variant_of(model.config).config_dir
     else:
         shapes = _siglip_names(normalize_shapes(read_shapes_of(path)))
         if _SIGLIP_MARKER not in shapes:

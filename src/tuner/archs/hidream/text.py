@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 # FLUX.1's loaders of transformers folders: same checks, same errors
-from tuner.archs.flux.loaders import T5_SPEC, _sibling
-from tuner.archs.flux.loaders import _from_pretrained as _from_folder
+from tuner.archs.flux.loaders import T5_SPEC
 from tuner.errors import CheckpointError
 from tuner.models.identify import (
     SingleFileSpec,
@@ -43,10 +42,12 @@ from tuner.models.identify import (
 from tuner.models.loading import (
     load_tensors,
     load_tokenizer,
+    load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
     read_tensor_shapes,
     resolve_folder,
+    sibling,
 )
 
 if TYPE_CHECKING:
@@ -156,8 +157,8 @@ def _load_clip(path: Path, subfolder: str, tokenizer_dir: str, variants: tuple[V
 
     folder = resolve_folder(path, subfolder)
     if folder is not None:
-        model = _from_folder(CLIPTextModelWithProjection, folder, dtype, "clip_text_model")
-        return model, _sibling(folder, tokenizer_dir)
+        model = load_transformers_folder(CLIPTextModelWithProjection, folder, dtype, "clip_text_model")
+        return model, sibling(folder, tokenizer_dir)
     what = f"HiDream {variants[0].name.upper()} text encoder"
     shapes = _clip_names(normalize_shapes(read_tensor_shapes(path)))
     markers = ("text_model.embeddings.token_embedding.weight", "text_projection.weight", _POSITIONS)
@@ -189,7 +190,7 @@ def _load_t5(path: Path, dtype: torch.dtype):
 
     folder = resolve_folder(path, "text_encoder_3")
     if folder is not None:
-        return _from_folder(T5EncoderModel, folder, dtype, "t5"), _sibling(folder, "tokenizer_3")
+        return load_transformers_folder(T5EncoderModel, folder, dtype, "t5"), sibling(folder, "tokenizer_3")
     variant = identify_single_file(path, T5_SPEC)
     state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_SPEC.aliases)
     config = T5Config.from_pretrained(variant.config_dir)
@@ -203,8 +204,8 @@ def _load_llama(path: Path, dtype: torch.dtype):
 
     folder = resolve_folder(path, "text_encoder_4")
     if folder is not None:
-        model = _from_folder(LlamaModel, folder, dtype, "llama")
-        tokenizer = folder if (folder / "tokenizer.json").is_file() else _sibling(folder, "tokenizer_4")
+        model = load_transformers_folder(LlamaModel, folder, dtype, "llama")
+        tokenizer = folder if (folder / "tokenizer.json").is_file() else sibling(folder, "tokenizer_4")
         return model, tokenizer
     variant = identify_single_file(path, LLAMA_SPEC)
     stored = normalize_state_dict(load_tensors(path), dtype)

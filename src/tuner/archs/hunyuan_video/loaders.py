@@ -32,27 +32,27 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from tuner.archs.flux.loaders import _from_pretrained, _load_clip, _sibling, from_state_dict
+from tuner.archs.flux.loaders import load_clip
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys, load_component
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    diffusers_meta_keys,
-    identify_single_file,
     pick_variant,
     wrong_architecture,
 )
 from tuner.models.loading import (
-    load_diffusers_folder,
     load_tensors,
     load_tokenizer,
+    load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
+    sibling,
 )
 
 if TYPE_CHECKING:
@@ -160,17 +160,10 @@ _HUNYUAN_VIDEO_15_MARKERS = ("vision_in.proj.0.weight", "cond_type_embedding.wei
                              "image_embedder.linear_1.weight", "cond_type_embed.weight")  # fmt: skip
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    keys = diffusers_meta_keys(HunyuanVideoTransformer3DModel, variant.config_dir)
-    return {transformer_key_to_original(k) for k in keys}
+_transformer_keys = diffusers_keys("HunyuanVideoTransformer3DModel", transformer_key_to_original)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    return diffusers_meta_keys(AutoencoderKLHunyuanVideo, variant.config_dir)
+_vae_keys = diffusers_keys("AutoencoderKLHunyuanVideo")
 
 
 TRANSFORMER_SPEC = SingleFileSpec(
@@ -219,7 +212,6 @@ def _hunyuan_video_15(path: str | Path) -> CheckpointError:
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransformer3DModel:
     """The HunyuanVideo transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    from diffusers import HunyuanVideoTransformer3DModel
 
     folder = resolve_folder(path, "transformer")
     if folder is not None:
@@ -228,31 +220,21 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransf
             raise _hunyuan_video_15(folder)
         if class_name == "HunyuanVideoFramepackTransformer3DModel":
             raise _framepack(folder)
-        return load_diffusers_folder(
-            HunyuanVideoTransformer3DModel, folder, dtype, "HunyuanVideoTransformer3DModel"
-        )
-    names = normalize_shapes(read_tensor_shapes(path))
-    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
-        raise _hunyuan_video_15(path)
-    if any(name.startswith("clean_x_embedder.") for name in names):
-        raise _framepack(path)
-    variant = identify_single_file(path, TRANSFORMER_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in _ORIGINAL_MARKERS):
-        state_dict = transformer_to_diffusers(state_dict)
-    return from_state_dict(HunyuanVideoTransformer3DModel, state_dict, variant.config_dir, dtype, Path(path))
+    else:
+        names = normalize_shapes(read_tensor_shapes(path))
+        if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
+            raise _hunyuan_video_15(path)
+        if any(name.startswith("clean_x_embedder.") for name in names):
+            raise _framepack(path)
+    return load_component(
+        path, dtype, "HunyuanVideoTransformer3DModel", "transformer", TRANSFORMER_SPEC,
+        lambda state_dict, _: transformer_to_diffusers(state_dict),
+    )  # fmt: skip
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLHunyuanVideo:
     """The causal 3D VAE from a diffusers folder or a single file (diffusers' names), in eval mode."""
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKLHunyuanVideo, folder, dtype, "AutoencoderKLHunyuanVideo")
-    variant = identify_single_file(path, VAE_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    return from_state_dict(AutoencoderKLHunyuanVideo, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(path, dtype, "AutoencoderKLHunyuanVideo", "vae", VAE_SPEC)
 
 
 class TextEncoders(NamedTuple):
@@ -278,7 +260,7 @@ def load_text_encoders(
     """
     if clip_path is None:
         folder = resolve_folder(llama_path, "text_encoder")
-        clip_path = _sibling(folder, "text_encoder_2") if folder is not None else None
+        clip_path = sibling(folder, "text_encoder_2") if folder is not None else None
         if clip_path is None:
             raise CheckpointError(
                 f"{llama_path}: HunyuanVideo needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
@@ -287,8 +269,8 @@ def load_text_encoders(
             )
     llama, found = _load_llama(llama_path, dtype)
     clip_path = _component(clip_path, "text_encoder_2")
-    clip, _ = _load_clip(clip_path, dtype)  # FLUX.1's loader; its tokenizer here is `tokenizer_2/`
-    found_2 = _sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
+    clip, _ = load_clip(clip_path, dtype)  # FLUX.1's loader; its tokenizer here is `tokenizer_2/`
+    found_2 = sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
     return TextEncoders(
         llama,
         load_tokenizer(
@@ -313,7 +295,7 @@ def _load_llama(path: str | Path, dtype: torch.dtype) -> tuple[LlamaModel, Path 
 
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
-        return _from_pretrained(LlamaModel, folder, dtype, "llama"), _sibling(folder, "tokenizer")
+        return load_transformers_folder(LlamaModel, folder, dtype, "llama"), sibling(folder, "tokenizer")
     shapes = _llama_names(normalize_shapes(read_tensor_shapes(path)))
     if not all(k in shapes for k in _LLAMA_MARKERS):
         raise wrong_architecture(path, shapes, "Llama text encoder", _LLAMA_MARKERS)

@@ -40,25 +40,28 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.archs.flux.loaders import _from_pretrained, _sibling, from_state_dict, t5_keys
+from tuner.archs.flux.loaders import t5_keys
 from tuner.archs.hunyuan_video15.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    diffusers_meta_keys,
     identify_shapes,
     identify_single_file,
 )
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors,
     load_tokenizer,
+    load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
+    sibling,
 )
 
 if TYPE_CHECKING:
@@ -160,11 +163,7 @@ _HUNYUAN_VIDEO_1_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "single_block
                             "single_transformer_blocks.0.proj_mlp.weight")  # fmt: skip
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    keys = diffusers_meta_keys(HunyuanVideo15Transformer3DModel, variant.config_dir)
-    return {transformer_key_to_original(k) for k in keys}
+_transformer_keys = diffusers_keys("HunyuanVideo15Transformer3DModel", transformer_key_to_original)
 
 
 TRANSFORMER_SPEC = SingleFileSpec(
@@ -210,12 +209,7 @@ def vae_key_to_original(key: str) -> str:
     return _rename(key, _VAE_TO_ORIGINAL)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    return [
-        vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLHunyuanVideo15, variant.config_dir)
-    ]
+_vae_keys = diffusers_keys("AutoencoderKLHunyuanVideo15", vae_key_to_original)
 
 
 VAE_SPEC = SingleFileSpec(
@@ -339,7 +333,7 @@ def load_text_encoders(
     qwen, found = _load_qwen(qwen_path, dtype)
     if byt5_path is None:
         folder = resolve_folder(qwen_path, "text_encoder")
-        byt5_path = _sibling(folder, "text_encoder_2") if folder is not None else None
+        byt5_path = sibling(folder, "text_encoder_2") if folder is not None else None
         if byt5_path is None:
             raise CheckpointError(
                 f"{qwen_path}: HunyuanVideo 1.5 needs a second text encoder (the ByT5 glyph encoder). Set "
@@ -366,12 +360,12 @@ def _load_qwen(path: str | Path, dtype: torch.dtype) -> tuple[Qwen2_5_VLTextMode
 
     folder = resolve_folder(path, "text_encoder")
     if folder is not None and read_folder_config(folder).get("model_type") == "qwen2_5_vl_text":
-        return _from_pretrained(Qwen2_5_VLTextModel, folder, dtype, "qwen2_5_vl_text"), _sibling(
+        return load_transformers_folder(Qwen2_5_VLTextModel, folder, dtype, "qwen2_5_vl_text"), sibling(
             folder, "tokenizer"
         )
     if folder is not None:  # a whole Qwen2.5-VL folder
-        encoder = qwen_image_text.load_text_encoder(folder, _sibling(folder, "tokenizer") or folder, dtype)
-        return encoder.model.language_model, _sibling(folder, "tokenizer")
+        encoder = qwen_image_text.load_text_encoder(folder, sibling(folder, "tokenizer") or folder, dtype)
+        return encoder.model.language_model, sibling(folder, "tokenizer")
     return qwen_image_text._load_single_file(Path(path), dtype).language_model.eval(), None
 
 
@@ -384,7 +378,7 @@ def _load_byt5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Pa
         path = path / "text_encoder_2"
     folder = resolve_folder(path, "text_encoder_2")
     if folder is not None:
-        return _from_pretrained(T5EncoderModel, folder, dtype, "t5"), _sibling(folder, "tokenizer_2")
+        return load_transformers_folder(T5EncoderModel, folder, dtype, "t5"), sibling(folder, "tokenizer_2")
     shapes = normalize_shapes(read_tensor_shapes(path))
     variant = identify_shapes(shapes, BYT5_SPEC, path)
     state_dict = normalize_state_dict(load_tensors(path), dtype)

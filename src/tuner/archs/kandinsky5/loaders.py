@@ -55,13 +55,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.archs.flux.loaders import _load_clip, _sibling, from_state_dict
+from tuner.archs.flux.loaders import load_clip
 from tuner.archs.qwen_image.text import QwenTextEncoder
 from tuner.archs.qwen_image.text import load_text_encoder as load_qwen
 from tuner.errors import CheckpointError
 from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
 from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors,
     load_tokenizer,
@@ -69,6 +70,7 @@ from tuner.models.loading import (
     normalize_state_dict,
     read_tensor_shapes,
     resolve_folder,
+    sibling,
 )
 from tuner.networks.architectures import ArchitectureKeys
 
@@ -291,7 +293,7 @@ def load_text_encoders(
     diffusers pipeline root or its `text_encoder/` (the sibling `text_encoder_2/` is used)."""
     folder = resolve_folder(qwen_path, "text_encoder")
     if clip_path is None:
-        clip_path = _sibling(folder, "text_encoder_2") if folder is not None else None
+        clip_path = sibling(folder, "text_encoder_2") if folder is not None else None
         if clip_path is None:
             raise CheckpointError(
                 f"{qwen_path}: Kandinsky 5 needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
@@ -302,8 +304,8 @@ def load_text_encoders(
     clip_path = Path(clip_path)
     if (clip_path / "text_encoder_2" / "config.json").is_file():
         clip_path = clip_path / "text_encoder_2"
-    clip, _ = _load_clip(clip_path, dtype)
-    found = _sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
+    clip, _ = load_clip(clip_path, dtype)
+    found = sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
     tokenizer = load_tokenizer(
         clip_tokenizer or found, clip_path, "CLIP (the tokenizer_2/ folder of Kandinsky 5)"
     )

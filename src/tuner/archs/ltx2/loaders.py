@@ -30,19 +30,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.flux.loaders import from_state_dict
 from tuner.archs.ltx2.keys import AUDIO_VAE_LAYOUT, LTX2_LAYOUT, VAE_STATISTICS_UNUSED, VIDEO_VAE_LAYOUT
 from tuner.data.audio import log_mel
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    diffusers_meta_keys,
     identify_shapes,
     pick_variant,
 )
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors_of,
     normalize_shapes,
@@ -110,13 +110,7 @@ _NOT_TRANSFORMER = (
 )
 
 
-def _transformer_keys(variant: Variant) -> list[str]:
-    from diffusers import LTX2VideoTransformer3DModel
-
-    return [
-        LTX2_LAYOUT.key_to_original(k)
-        for k in diffusers_meta_keys(LTX2VideoTransformer3DModel, variant.config_dir)
-    ]
+_transformer_keys = diffusers_keys("LTX2VideoTransformer3DModel", LTX2_LAYOUT.key_to_original)
 
 
 TRANSFORMER_SPEC = SingleFileSpec(

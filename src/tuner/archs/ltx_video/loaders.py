@@ -18,7 +18,8 @@ import torch
 from tuner.archs.ltx2.loaders import load_release_transformer
 from tuner.archs.ltx_video.keys import LTX_VIDEO_LAYOUT
 from tuner.errors import CheckpointError
-from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys
+from tuner.models.component import diffusers_keys
+from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import load_diffusers_folder, normalize_shapes, read_shapes_of, resolve_folder
 
 if TYPE_CHECKING:
@@ -48,13 +49,7 @@ TRANSFORMER_VARIANTS = (
 )
 
 
-def _transformer_keys(variant: Variant) -> list[str]:
-    from diffusers import LTXVideoTransformer3DModel
-
-    return [
-        LTX_VIDEO_LAYOUT.key_to_original(k)
-        for k in diffusers_meta_keys(LTXVideoTransformer3DModel, variant.config_dir)
-    ]
+_transformer_keys = diffusers_keys("LTXVideoTransformer3DModel", LTX_VIDEO_LAYOUT.key_to_original)
 
 
 TRANSFORMER_SPEC = SingleFileSpec(

@@ -39,7 +39,6 @@ from tuner.archs.lumina2.keys import (
     transformer_to_diffusers,
     transformer_to_original,
 )
-from tuner.archs.qwen_image.loaders import _build_from_state_dict
 from tuner.errors import CheckpointError
 from tuner.models.identify import (
     SingleFileSpec,
@@ -53,6 +52,7 @@ from tuner.models.identify import (
 )
 from tuner.models.loading import (
     as_file_list,
+    from_state_dict,
     load_diffusers_folder,
     load_tensors_of,
     load_tokenizer,
@@ -177,7 +177,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> Lumina2Transformer
         state_dict = transformer_to_diffusers(state_dict)
     # built with accelerate's empty weights (parameters on meta, other tensors real): the rotary tables
     # are plain tensor attributes computed in __init__, which a meta-device build would leave empty
-    return _build_from_state_dict(Lumina2Transformer2DModel, config_dir, state_dict, dtype, Path(path))
+    return from_state_dict(Lumina2Transformer2DModel, state_dict, config_dir, dtype, Path(path))
 
 
 def identify_transformer_file(files: str | Path) -> tuple[Path, bool]:

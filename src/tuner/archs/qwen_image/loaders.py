@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.archs.wan.keys import vae_key_to_original
-from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -48,8 +48,7 @@ from tuner.models.identify import (
 from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     as_file_list,
-    assert_materialized,
-    cast_like_from_pretrained_,
+    from_state_dict,
     load_diffusers_folder,
     load_diffusers_single_file,
     load_tensors,
@@ -157,10 +156,7 @@ def _zero_cond_config(variant: Variant) -> Path:
     return variant.config_dir.with_name(f"{variant.config_dir.name}-edit-2511")
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLQwenImage
-
-    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLQwenImage, variant.config_dir)]
+_vae_keys = diffusers_keys("AutoencoderKLQwenImage", vae_key_to_original)
 
 
 VAE_SPEC = SingleFileSpec(
@@ -222,24 +218,7 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLQwenImage:
     if "encoder.conv1.weight" in state_dict:  # the original layout; else the file is in diffusers keys
         by_original = {vae_key_to_original(k): k for k in diffusers_keys}
         state_dict = {by_original[k]: v for k, v in state_dict.items()}
-    return _build_from_state_dict(AutoencoderKLQwenImage, variant.config_dir, state_dict, dtype, path)
-
-
-def _build_from_state_dict(
-    model_cls, config_dir: Path, state_dict: dict, dtype: torch.dtype, path
-) -> torch.nn.Module:
-    """A diffusers model from its config and an exact state dict (keys checked before), in eval mode."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():  # parameters on the meta device, buffers real
-        model = model_cls.from_config(model_cls.load_config(config_dir))
-    try:
-        model.load_state_dict(state_dict, strict=True, assign=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
-    assert_materialized(model, path)
-    cast_like_from_pretrained_(model, dtype)
-    return model.eval()
+    return from_state_dict(AutoencoderKLQwenImage, state_dict, variant.config_dir, dtype, Path(path))
 
 
 # ---------------------------------------------------------------------------------------------------

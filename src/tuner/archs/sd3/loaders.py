@@ -39,10 +39,13 @@ from tuner.archs.flux import loaders as flux
 from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys, identify_shapes
+from tuner.models.component import diffusers_keys
+from tuner.models.identify import SingleFileSpec, Variant, identify_shapes
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tokenizer,
+    load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
     read_tensor_shapes,
@@ -140,18 +143,10 @@ T5_VARIANTS = (
 )
 
 
-def _transformer_keys(variant: Variant) -> set[str]:
-    from diffusers import SD3Transformer2DModel
-
-    return {
-        transformer_key_to_original(k) for k in diffusers_meta_keys(SD3Transformer2DModel, variant.config_dir)
-    }
+_transformer_keys = diffusers_keys("SD3Transformer2DModel", transformer_key_to_original)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKL
-
-    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKL, variant.config_dir)]
+_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 
 
 def _clip_keys(variant: Variant) -> list[str]:
@@ -241,7 +236,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> SD3Transformer2DMo
     state_dict = _without_bundled(state_dict)
     if "joint_blocks.0.x_block.attn.qkv.weight" in state_dict:
         state_dict = transformer_to_diffusers(state_dict)
-    return flux.from_state_dict(SD3Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    return from_state_dict(SD3Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
 
 
 def _without_bundled(entries: Mapping[str, T]) -> dict[str, T]:
@@ -261,7 +256,7 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     state_dict = _component_tensors(path, VAE_PREFIX, dtype)
     if all(k in state_dict for k in VAE_SPEC.original_markers):
         state_dict = vae_to_diffusers(state_dict)
-    return flux.from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, Path(path))
+    return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, Path(path))
 
 
 class TextEncoders(NamedTuple):
@@ -289,8 +284,8 @@ def load_text_encoders(
     clip_l_path, clip_g_path, t5_path = paths
     if clip_g_path is None:
         clip_g_path = _beside(clip_l_path)
-    clip_l, found = _load_clip(clip_l_path, CLIP_L_SPEC, CLIP_L_PREFIX, "text_encoder", dtype)
-    clip_g, found_2 = _load_clip(clip_g_path, CLIP_G_SPEC, CLIP_G_PREFIX, "text_encoder_2", dtype)
+    clip_l, found = load_clip(clip_l_path, CLIP_L_SPEC, CLIP_L_PREFIX, "text_encoder", dtype)
+    clip_g, found_2 = load_clip(clip_g_path, CLIP_G_SPEC, CLIP_G_PREFIX, "text_encoder_2", dtype)
     t5 = tokenizer_3 = None
     if t5_path is not None:
         t5, found_3 = _load_t5(t5_path, dtype)
@@ -324,7 +319,7 @@ def _beside(clip_l_path: str | Path) -> Path:
     )
 
 
-def _load_clip(
+def load_clip(
     path: str | Path, spec: SingleFileSpec, prefix: str, subfolder: str, dtype: torch.dtype
 ) -> tuple[CLIPTextModelWithProjection, Path | None]:
     """A CLIP text model with projection, and the tokenizer folder beside it in a diffusers layout."""
@@ -332,7 +327,7 @@ def _load_clip(
 
     folder = resolve_folder(path, subfolder)
     if folder is not None:
-        model = flux._from_pretrained(CLIPTextModelWithProjection, folder, dtype, "clip_text_model")
+        model = load_transformers_folder(CLIPTextModelWithProjection, folder, dtype, "clip_text_model")
         tokenizer = folder.parent / subfolder.replace("text_encoder", "tokenizer")
         return model, tokenizer if tokenizer.is_dir() else None
     identity = spec is CLIP_L_SPEC  # SD3 uses CLIP-L's pooled output unprojected (module docstring)
@@ -362,7 +357,7 @@ def _load_t5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path
     folder = resolve_folder(path, "text_encoder_3")
     if folder is not None:
         tokenizer = folder.parent / "tokenizer_3"
-        return flux._from_pretrained(
+        return load_transformers_folder(
             T5EncoderModel, folder, dtype, "t5"
         ), tokenizer if tokenizer.is_dir() else None
     variant = identify_shapes(_component_shapes(path, T5_PREFIX), T5_SPEC, path)

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import torch
 
 from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers, vae_to_original
-from tuner.archs.flux.loaders import from_state_dict
 from tuner.archs.sdxl.keys import (
     BUNDLED_CLIP_G,
     BUNDLED_CLIP_L,
@@ -48,15 +47,16 @@ from tuner.archs.sdxl.keys import (
     unet_to_diffusers,
 )
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    diffusers_meta_keys,
     pick_variant,
     wrong_architecture,
 )
 from tuner.models.loading import (
+    from_state_dict,
     load_diffusers_folder,
     load_tensors,
     load_tokenizer,
@@ -161,16 +161,10 @@ _OPEN_CLIP_MARKERS = ("token_embedding.weight", "transformer.resblocks.0.attn.in
 _CLIP_L_EXTRAS = ("text_projection.weight", "logit_scale", "embeddings.position_ids")
 
 
-def _unet_keys(variant: Variant) -> list[str]:
-    from diffusers import UNet2DConditionModel
-
-    return [unet_key_to_original(k) for k in diffusers_meta_keys(UNet2DConditionModel, variant.config_dir)]
+_unet_keys = diffusers_keys("UNet2DConditionModel", unet_key_to_original)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKL
-
-    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKL, variant.config_dir)]
+_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 
 
 UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS)
@@ -280,10 +274,8 @@ def load_text_encoders(
     """CLIP-L from `path` and bigG from `path_2` (None: the same bundled file or diffusers root)."""
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    clip_l = _load_clip(CLIPTextModel, path, "text_encoder", "tokenizer", dtype)[0]
-    clip_g = _load_clip(CLIPTextModelWithProjection, path_2 or path, "text_encoder_2", "tokenizer_2", dtype)[
-        0
-    ]
+    clip_l = load_clip(CLIPTextModel, path, "text_encoder", "tokenizer", dtype)[0]
+    clip_g = load_clip(CLIPTextModelWithProjection, path_2 or path, "text_encoder_2", "tokenizer_2", dtype)[0]
     tokenizer_l, tokenizer_g = load_tokenizers(path, path_2, tokenizer, tokenizer_2)
     return TextEncoders(clip_l, tokenizer_l, clip_g, tokenizer_g)
 
@@ -307,7 +299,7 @@ def _tokenizer_folder(path: str | Path, subfolder: str, tokenizer: str) -> Path 
     return sibling if sibling is not None and sibling.is_dir() else None
 
 
-def _load_clip(model_cls: type, path: str | Path, subfolder: str, tokenizer: str, dtype: torch.dtype):
+def load_clip(model_cls: type, path: str | Path, subfolder: str, tokenizer: str, dtype: torch.dtype):
     """One CLIP text model and the tokenizer folder beside it in a diffusers layout (else None)."""
     from transformers import CLIPTextConfig
 
@@ -471,9 +463,9 @@ def bundle_companions(vae: str | Path, text_encoder: str | Path, text_encoder_2:
     text_encoder_2 = text_encoder_2 or text_encoder
     parts: list[tuple[str | Path, str, Callable[[], dict[str, torch.Tensor]]]] = [
         (vae, VAE_PREFIX, lambda: vae_to_original(load_vae(vae, dtype).state_dict())),
-        (text_encoder, CLIP_L_PREFIX, lambda: {f"text_model.{k}": v for k, v in _load_clip(
+        (text_encoder, CLIP_L_PREFIX, lambda: {f"text_model.{k}": v for k, v in load_clip(
             CLIPTextModel, text_encoder, "text_encoder", "tokenizer", dtype)[0].state_dict().items()}),
-        (text_encoder_2, CLIP_G_PREFIX, lambda: clip_g_to_original(_load_clip(
+        (text_encoder_2, CLIP_G_PREFIX, lambda: clip_g_to_original(load_clip(
             CLIPTextModelWithProjection, text_encoder_2, "text_encoder_2", "tokenizer_2", dtype)[0].state_dict())),
     ]  # fmt: skip
     out: dict[str, torch.Tensor] = {}

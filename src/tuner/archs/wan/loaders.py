@@ -37,11 +37,11 @@ from tuner.archs.wan.keys import (
     vae_to_original,
 )
 from tuner.errors import CheckpointError
+from tuner.models.component import diffusers_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     apply_aliases,
-    diffusers_meta_keys,
     identify_single_file,
 )
 from tuner.models.loading import (
@@ -262,16 +262,10 @@ TEXT_ENCODER_VARIANTS = (
 _TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
-def _transformer_keys(variant: Variant) -> list[str]:
-    from diffusers import WanTransformer3DModel
-
-    return [original_module_name(k) for k in diffusers_meta_keys(WanTransformer3DModel, variant.config_dir)]
+_transformer_keys = diffusers_keys("WanTransformer3DModel", original_module_name)
 
 
-def _vae_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLWan
-
-    return [vae_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLWan, variant.config_dir)]
+_vae_keys = diffusers_keys("AutoencoderKLWan", vae_key_to_original)
 
 
 def _text_encoder_keys(variant: Variant) -> list[str]:

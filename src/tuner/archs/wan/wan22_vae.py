@@ -25,7 +25,8 @@ import torch
 
 from tuner.archs.wan.keys import vae22_key_to_original
 from tuner.errors import CheckpointError
-from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys, identify_single_file
+from tuner.models.component import diffusers_keys
+from tuner.models.identify import SingleFileSpec, Variant, identify_single_file
 from tuner.models.loading import (
     assert_materialized,
     cast_like_from_pretrained_,
@@ -58,10 +59,7 @@ VAE22_VARIANTS = (
 )
 
 
-def _vae22_keys(variant: Variant) -> list[str]:
-    from diffusers import AutoencoderKLWan
-
-    return [vae22_key_to_original(k) for k in diffusers_meta_keys(AutoencoderKLWan, variant.config_dir)]
+_vae22_keys = diffusers_keys("AutoencoderKLWan", vae22_key_to_original)
 
 
 VAE22_SPEC = SingleFileSpec(

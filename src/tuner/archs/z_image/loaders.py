@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.flux.loaders import from_state_dict
 from tuner.errors import CheckpointError
 from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
 from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     as_file_list,
+    from_state_dict,
     load_diffusers_folder,
     load_tensors_of,
     normalize_shapes,
