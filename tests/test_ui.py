@@ -21,6 +21,7 @@ from tuner.ui import folders, form  # noqa: E402
 from tuner.ui.app import create_app  # noqa: E402
 from tuner.ui.paths import OutsideRoots, Roots  # noqa: E402
 from tuner.ui.toml_text import dumps  # noqa: E402
+from ui_server import ui_client  # noqa: E402
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,7 +44,7 @@ def client_for(root: Path, token: str | None = None) -> TestClient:
 
     runs = root / "runs"
     queue = JobQueue(runs / "jobs.sqlite", runs)
-    return TestClient(create_app([root], runs, token=token, queue=queue), base_url="http://127.0.0.1:7860")
+    return ui_client(create_app([root], runs, token=token, queue=queue))
 
 
 # ---------------------------------------------------------------- folders the UI may touch

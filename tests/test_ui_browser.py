@@ -2,8 +2,9 @@
 a loopback port, on the tiny demo project. One flow, in the order a user takes it: open the address with
 its token, look at a dataset (buckets, a caption edited in place), fill the new-run form with a typo and
 see the did-you-mean, launch the run, watch the loss chart grow and a sample appear, stop it and resume
-it until it is done, then its adapters and the compare page. Each page's screenshot goes to docs/ui/ (the
-README shows them)."""
+it until it is done, then its adapters and the compare page. Each page's screenshot goes to the test's
+temporary folder, or where TUNER_UI_SCREENSHOTS says: `TUNER_UI_SCREENSHOTS=docs/ui pytest
+tests/test_ui_browser.py` refreshes the ones the README shows (a plain `make test` leaves them alone)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from project import make_project  # noqa: E402
 from ui_server import LiveServer  # noqa: E402
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-SHOTS = Path(__file__).resolve().parents[1] / "docs" / "ui"
 
 if not os.path.exists(CHROMIUM):
     if os.environ.get("CI"):
@@ -59,9 +59,14 @@ def page():
         browser.close()
 
 
-def shot(page, name: str, full_page: bool = True) -> None:
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=full_page)
+def shots_dir(tmp_path: Path) -> Path:
+    """Where the screenshots go: TUNER_UI_SCREENSHOTS when set, else under the test's `tmp_path`."""
+    return Path(os.environ.get("TUNER_UI_SCREENSHOTS") or tmp_path / "screenshots")
+
+
+def shot(page, folder: Path, name: str, full_page: bool = True) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / f"{name}.png"), full_page=full_page)
 
 
 def wait_state(page, *states: str, timeout: float = 300_000) -> str:
@@ -79,9 +84,11 @@ def chart_points(page) -> int:
     )
 
 
-def test_browser_flow(project, page):
-    root = project.parent
-    server = LiveServer("--root", str(root), "--runs", str(root / "runs"), "--token", "browser-test-token")
+def test_browser_flow(project, page, wan_model, tmp_path):
+    root, shots = project.parent, shots_dir(tmp_path)
+    server = LiveServer(
+        "--root", str(root), "--root", str(wan_model), "--runs", str(root / "runs"), "--token", "browser-test-token"
+    )  # fmt: skip
     try:
         # the printed address carries the token; the cookie it sets lets every later page in
         assert server.address.endswith("?token=browser-test-token")
@@ -105,7 +112,7 @@ def test_browser_flow(project, page):
         item.locator(".saved", has_text="saved").wait_for()
         assert (images / "image_002.txt").read_text() == "a yellow square, edited in the browser"
         page.wait_for_function("() => [...document.images].every(i => i.complete && i.naturalWidth > 0)")
-        shot(page, "datasets")
+        shot(page, shots, "datasets")
 
         # ---- the new-run form: the demo's config, a typo in a key's value, the did-you-mean inline
         page.goto(f"{server.url}/runs/new?config={project}")
@@ -115,7 +122,7 @@ def test_browser_flow(project, page):
         field_error = page.locator('.field[data-key="train.lr_scheduler"] .field-error')
         field_error.filter(has_text="Did you mean 'cosine'?").wait_for()
         page.locator('.field[data-key="train.optimizer"]').scroll_into_view_if_needed()
-        shot(page, "new_run", full_page=False)  # the form is long: the part around the message
+        shot(page, shots, "new_run", full_page=False)  # the form is long: the part around the message
         page.fill("input[name='train.lr_scheduler']", "constant")
         page.click("#check-button")
         page.locator("#check.ok").wait_for()
@@ -136,12 +143,14 @@ def test_browser_flow(project, page):
         assert page.inner_text("#stat-loss") != "–" and page.inner_text("#stat-eta") != "–"
         page.wait_for_function("() => document.getElementById('stat-val').textContent !== '–'")
         assert page.locator("#loss-chart circle").count() >= 1  # the validation losses
+        assert page.locator("#loss-chart polyline.smoothed").count() == 1  # the trend beside the raw loss
 
         # ---- stop (the trainer saves a resumable state), resume: it goes on from there; stop again
         page.click("button.action-stop")
         assert wait_state(page, "stopped", "failed") == "stopped", page.inner_text("#job-error")
         page.wait_for_timeout(2500)  # the last metrics poll
         stopped_at = int(page.inner_text("#stat-step"))
+        assert page.inner_text("#stat-eta") == "–"  # a stopped job has no ETA
         samples = page.locator("#samples img").count()
         page.click("button.action-resume")
         wait_state(page, "running")
@@ -157,15 +166,15 @@ def test_browser_flow(project, page):
             page.locator(".adapter").count() >= 1 and "rank" in page.locator(".adapter pre").last.inner_text()
         )
         page.wait_for_selector("#samples img")
-        shot(page, "job")
+        shot(page, shots, "job")
 
         # ---- one prompt across steps
         page.click("text=compare a prompt across steps")
         page.wait_for_selector(".compare img")
         steps = page.locator(".compare figcaption").all_inner_texts()
         assert len(steps) >= 2 and len(set(steps)) == len(steps), steps
-        shot(page, "compare")
+        shot(page, shots, "compare")
         page.goto(server.url + "/jobs")
-        shot(page, "jobs")
+        shot(page, shots, "jobs")
     finally:
         server.stop()

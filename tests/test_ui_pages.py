@@ -17,6 +17,7 @@ from tuner.networks.keys import read_safetensors  # noqa: E402
 from tuner.ui import form  # noqa: E402
 from tuner.ui.app import create_app  # noqa: E402
 from tuner.ui.jobs import JobQueue  # noqa: E402
+from ui_server import ui_client  # noqa: E402
 
 
 @pytest.fixture()
@@ -26,14 +27,14 @@ def project(tmp_path, wan_model):
     return make_project(tmp_path / "project", wan_model)
 
 
-def client_for(root, queue) -> TestClient:
-    return TestClient(create_app([root], queue.runs_dir, queue=queue), base_url="http://127.0.0.1:7860")
+def client_for(root, queue, *more_roots) -> TestClient:
+    return ui_client(create_app([root, *more_roots], queue.runs_dir, queue=queue))
 
 
-def test_submit_list_stop_delete_a_job(project):
+def test_submit_list_stop_delete_a_job(project, wan_model):
     root = project.parent
     queue = JobQueue(root / "runs" / "jobs.sqlite", root / "runs")  # not polled: jobs stay queued
-    c = client_for(root, queue)
+    c = client_for(root, queue, wan_model)  # the model's folder is a root: a job reads only under them
     values = form.toml_to_form(project.read_text(), project.parent)
     r = c.post("/runs", data={**values, "_name": "first run"}, follow_redirects=False)
     assert r.status_code == 303

@@ -67,3 +67,14 @@ class LiveServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def ui_client(app, base_url: str = "http://127.0.0.1:7860"):
+    """A TestClient of `app` that behaves as the UI's own pages: it holds the session's CSRF cookie (from a
+    first request) and sends the token with every request, as the pages' script does."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(app, base_url=base_url)
+    client.get("/favicon.ico")  # any answer sets the cookie
+    client.headers["X-CSRF-Token"] = client.cookies.get("tuner_ui_csrf", "")
+    return client

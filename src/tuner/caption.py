@@ -108,6 +108,8 @@ def transformers_captioner(
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     try:
         processor = AutoProcessor.from_pretrained(model)
+    except OSError as e:  # not a folder, and the hub cannot give it (offline, not cached, no such repository)
+        raise DataError(_unavailable(model, e)) from None
     except (
         ImportError
     ) as e:  # Qwen2-VL / Qwen2.5-VL: their processor holds a video processor built on torchvision
@@ -118,7 +120,10 @@ def transformers_captioner(
             f"built for torch {torch.__version__.split('+')[0]}, or caption with a model whose processor needs "
             "only PIL (a LLaVA model, e.g. --model llava-hf/llava-1.5-7b-hf)."
         ) from None
-    vlm = AutoModelForImageTextToText.from_pretrained(model, dtype=dtype).to(device).eval()
+    try:
+        vlm = AutoModelForImageTextToText.from_pretrained(model, dtype=dtype).to(device).eval()
+    except OSError as e:  # its weights are missing from the cache (a processor-only download)
+        raise DataError(_unavailable(model, e)) from None
 
     @torch.no_grad()
     def caption(frames: list[Image.Image], prompt: str) -> str:
@@ -131,3 +136,14 @@ def transformers_captioner(
         return processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0]
 
     return caption
+
+
+def _unavailable(model: str, error: OSError) -> str:
+    """One line for a model transformers cannot load: why, and the command that fetches it."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if Path(model).expanduser().exists():
+        return f"--model {model}: cannot be loaded from that folder ({first})."
+    return (
+        f"--model {model}: not a local folder, and not loaded from the hub ({first}); fetch it once online: "
+        f"`hf download {model}`, or give --model a local folder."
+    )

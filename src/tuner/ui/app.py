@@ -15,13 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.exceptions import HTTPException
 
-from tuner.errors import TunerError
-from tuner.ui.auth import SameOriginMiddleware, TokenMiddleware
+from tuner.errors import ConfigError, TunerError
+from tuner.ui.auth import CSRF_FIELD, Guard
 from tuner.ui.paths import OutsideRoots, Roots
+from tuner.ui.responses import error_response
 
 HERE = Path(__file__).parent
 
@@ -40,8 +43,9 @@ def state(request: Request) -> UIState:
 
 def render(request: Request, template: str, status_code: int = 200, **context) -> Any:
     ui = state(request)
+    csrf = {"csrf": request.state.csrf, "csrf_field": CSRF_FIELD}  # set by `Guard` for every request
     return ui.templates.TemplateResponse(
-        request, template, {"roots": ui.roots.folders, **context}, status_code=status_code
+        request, template, {"roots": ui.roots.folders, **csrf, **context}, status_code=status_code
     )
 
 
@@ -49,7 +53,11 @@ def create_app(
     roots: list[str | os.PathLike], runs_dir: str | os.PathLike, token: str | None = None, queue: Any = None
 ) -> FastAPI:
     """The app serving `roots` (and `runs_dir`, where jobs run; always a root). With `token`, every request
-    must bring it. `queue` defaults to a `JobQueue` in `runs_dir`, polled in the background while serving."""
+    must bring it (an empty one is refused). `queue` defaults to a `JobQueue` in `runs_dir`, polled in the
+    background while serving; the app checks every job's paths against the roots when it is submitted
+    and when it starts (`queue.check`)."""
+    if token is not None and not token.strip():
+        raise ConfigError("--token: an empty access token lets anyone in; give a real one or leave it out.")
     runs = Path(runs_dir).expanduser().resolve()
     runs.mkdir(parents=True, exist_ok=True)
     own_queue = queue is None
@@ -70,18 +78,39 @@ def create_app(
     templates = Jinja2Templates(directory=HERE / "templates")
     templates.env.filters["when"] = when
     app.state.ui = UIState(Roots([*roots, runs]), runs, queue, templates)
-    if token:
-        app.add_middleware(TokenMiddleware, token=token)
-    app.add_middleware(SameOriginMiddleware, loopback_only=not token)  # added last: runs first
+    from tuner.ui.job_check import JobCheck
+
+    queue.check = JobCheck(app.state.ui.roots)
+    app.add_middleware(Guard, token=token)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon():
+        return FileResponse(HERE / "static" / "favicon.svg", media_type="image/svg+xml")
 
     @app.exception_handler(OutsideRoots)
     async def outside(request: Request, exc: OutsideRoots):
-        return _error(request, str(exc), 403)
+        return error_response(request.url.path, 403, str(exc))
 
     @app.exception_handler(TunerError)
     async def tuner_error(request: Request, exc: TunerError):
-        return _error(request, str(exc), 400)
+        return error_response(request.url.path, 400, str(exc))
+
+    @app.exception_handler(OSError)
+    async def os_error(request: Request, exc: OSError):  # a file name the system refuses (too long, ...)
+        return error_response(
+            request.url.path, 400, f"{exc.filename or request.url.path}: {exc.strerror or exc}."
+        )
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error_response(request.url.path, exc.status_code, str(exc.detail), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        where = " ".join(str(part) for part in first.get("loc", ()))
+        return error_response(request.url.path, 400, f"{where}: {first.get('msg', 'invalid')}.")
 
     from tuner.ui import routes_data, routes_jobs, routes_runs
 
@@ -94,9 +123,3 @@ def create_app(
 def when(seconds: float | None) -> str:
     """A job's time (seconds since the epoch) as the page shows it."""
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds)) if seconds else ""
-
-
-def _error(request: Request, message: str, status: int):
-    if request.url.path.startswith("/api/"):
-        return JSONResponse({"error": message}, status_code=status)
-    return PlainTextResponse(f"{status}: {message}", status_code=status)

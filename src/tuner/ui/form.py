@@ -25,6 +25,7 @@ from tuner.config.schema import TrainingFile
 from tuner.errors import TunerError
 from tuner.hub import parse_ref
 from tuner.ui import toml_text
+from tuner.ui.job_check import refuse_code_references
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,7 +33,34 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 OPEN_SECTIONS = ("model", "data", "network", "train")
-"""Sections shown open; the others start collapsed."""
+"""Sections shown open under "advanced" (which itself starts collapsed)."""
+SIMPLE = (
+    "model.architecture", "model.transformer", "model.transformer_2", "model.expert", "model.vae",
+    "model.text_encoder", "model.text_encoder_2", "model.text_encoder_3", "model.text_encoder_4",
+    "model.image_encoder", "data.dataset_config", "network.type", "network.rank", "network.alpha",
+    "train.learning_rate", "train.optimizer", "train.lr_scheduler", "train.max_steps", "train.epochs",
+    "save.output_name", "save.every_n_steps", "save.keep_last", "sample.prompts", "sample.every_n_steps",
+)  # fmt: skip
+"""The keys a first run needs, shown first in this order; every other key is under "advanced"."""
+SAVES_PER_RUN = 10
+"""`save.every_n_steps = "auto"` (the form's default) saves about this many adapters over the run."""
+NEW_RUN_VALUES = {"save.every_n_steps": "auto", "save.every_n_epochs": "0", "save.keep_last": "3"}
+"""What a blank new-run form holds besides the schema's defaults: adapters about `SAVES_PER_RUN` times
+over the run, not every epoch (an epoch of a 4-image set is 4 steps), and the last 3 adapters and states
+kept, not all of them."""
+UPPER_BOUNDS = {
+    "data.num_workers": 64, "cache.batch_size": 256, "cache.text_max_length": 8192,
+    "cache.text_encoder_blocks_to_swap": 1000, "network.rank": 1024, "network.alpha": 4096,
+    "train.max_steps": 1_000_000, "train.epochs": 10_000, "train.lr_warmup_steps": 1_000_000,
+    "train.lr_num_cycles": 1000, "train.gradient_accumulation_steps": 1024, "train.max_nonfinite_steps": 10_000,
+    "train.validate_every_n_steps": 1_000_000, "save.every_n_steps": 1_000_000, "save.every_n_epochs": 10_000,
+    "save.keep_last": 1000, "sample.every_n_steps": 1_000_000, "sample.width": 4096, "sample.height": 4096,
+    "sample.frames": 257, "sample.steps": 1000, "log.every_n_steps": 1_000_000,
+    "distributed.pipeline_microbatches": 1024,
+}  # fmt: skip
+"""The UI's upper bounds on numbers (the CLI takes any): a run the form starts cannot ask for 10^26 steps or a
+rank of 10^8. Whole numbers not listed stay below `MAX_INT`."""
+MAX_INT = 2**31 - 1
 RUN_RELATIVE = ("save.output_dir",)
 """Paths kept relative when a TOML is loaded into the form: a job resolves them in its own run folder, so
 each run of the same config writes its outputs apart."""
@@ -53,6 +81,9 @@ class FieldView:
     required: bool
     raw: bool  # the text is the value itself (strings); otherwise it is TOML (numbers, lists, tables)
     default_value: Any
+    placeholder: str  # what an empty input shows: the default as the user would type it
+    simple: bool  # shown among the basics (`SIMPLE`); the others are under "advanced"
+    path: bool  # a file or folder: the input gets a picker limited to the roots
 
 
 @dataclass(frozen=True)
@@ -84,11 +115,30 @@ def _field_view(section: str, f: dataclasses.Field, tp: Any) -> FieldView:
         default_value = f.default_factory()
     else:
         default_value = None
+    key = f"{section}.{f.name}"
     return FieldView(
-        key=f"{section}.{f.name}", name=f.name, doc=f.metadata["doc"], type=describe_type(tp),
-        default=default_text(f), range=bounds_text(f), widget=widget, choices=choices, required=required,
+        key=key, name=f.name, doc=f.metadata["doc"], type=describe_type(tp), default=default_text(f),
+        range=_range_text(key, f), widget=widget, choices=choices, required=required,
         raw=tp is str or bool(choices), default_value=default_value,
+        placeholder=_placeholder(key, required, default_value), simple=key in SIMPLE,
+        path=bool(f.metadata.get("path")),
     )  # fmt: skip
+
+
+def _placeholder(key: str, required: bool, default: Any) -> str:
+    if key == "save.every_n_steps":
+        return f"auto: about {SAVES_PER_RUN} saves over the run"
+    if required:
+        return "required"
+    if default in ("", (), None, {}):
+        return ""
+    return toml_text.value(default) if not isinstance(default, str) else default
+
+
+def _range_text(key: str, f: dataclasses.Field) -> str:
+    bound = UPPER_BOUNDS.get(key)
+    text = bounds_text(f)
+    return f"{text + ', ' if text else ''}≤ {bound} here" if bound is not None else text
 
 
 def sections() -> list[SectionView]:
@@ -127,8 +177,8 @@ def form_to_data(form: dict[str, str]) -> dict[str, dict[str, Any]]:
                 data.setdefault(key.split(".")[0], {})[view.name] = value
             continue
         text = text.strip()
-        if not text:
-            continue  # the default; a required key left empty is named by the loader
+        if not text or (key == "save.every_n_steps" and text == "auto"):
+            continue  # the default (auto: see `form_to_toml`); a required key left empty is named by the loader
         if view.raw:
             value = text
         else:
@@ -140,7 +190,21 @@ def form_to_data(form: dict[str, str]) -> dict[str, dict[str, Any]]:
 
 
 def form_to_toml(form: dict[str, str]) -> str:
-    return toml_text.dumps(form_to_data(form))
+    data = form_to_data(form)
+    if form.get("save.every_n_steps", "").strip() == "auto":
+        _auto_save_interval(data)
+    return toml_text.dumps(data)
+
+
+def _auto_save_interval(data: dict[str, dict[str, Any]]) -> None:
+    """`save.every_n_steps = "auto"`: about `SAVES_PER_RUN` saves over the run: every max_steps / 10
+    steps, or every epochs / 10 epochs when the run is counted in epochs."""
+    train, save = data.get("train", {}), data.setdefault("save", {})
+    steps, epochs = train.get("max_steps", 0), train.get("epochs", 1)
+    if isinstance(steps, int) and steps > 0:
+        save["every_n_steps"], save["every_n_epochs"] = max(1, steps // SAVES_PER_RUN), 0
+    elif isinstance(epochs, int) and epochs > 0:
+        save["every_n_epochs"] = max(1, epochs // SAVES_PER_RUN)
 
 
 # ---------------------------------------------------------------- TOML → form
@@ -214,14 +278,45 @@ def validate(config_text: str, dataset_text: str | None = None) -> Check:
                 .replace(str(config), "train.toml")
                 .replace(str(Path(tmp) / "dataset.toml"), "dataset.toml")
             )
-            found = _KEY.search(message)
-            return Check(False, message, found.group(1) if found else None)
+            return check_of(message)
+        try:
+            refuse_code_references(cfg)
+        except TunerError as e:
+            return check_of(str(e))
+        too_large = _above_bounds(cfg.file)
+        if too_large:
+            return too_large
     return Check(
         True,
         f"ok: {len({s.index for s in cfg.datasets})} dataset(s), architecture {cfg.model.architecture}, "
         f"adapters saved in the {cfg.save.format} layout",
         None,
     )
+
+
+def check_of(message: str) -> Check:
+    """A failed check with `message`, placed beside the key it names."""
+    found = _KEY.search(message)
+    return Check(False, message, found.group(1) if found else None)
+
+
+def _above_bounds(file: TrainingFile) -> Check | None:
+    """The first number above the UI's bound (`UPPER_BOUNDS`, `MAX_INT`), as a failed check."""
+    for section in dataclasses.fields(file):
+        values = getattr(file, section.name)
+        for f in dataclasses.fields(values):
+            key, value = f"{section.name}.{f.name}", getattr(values, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            bound = UPPER_BOUNDS.get(key, MAX_INT if isinstance(value, int) else None)
+            if bound is not None and abs(value) > bound:
+                return Check(
+                    False,
+                    f"key '{key}': {value} is above what the UI runs ({bound}); use a smaller value (or the "
+                    "CLI, which takes any).",
+                    key,
+                )
+    return None
 
 
 def with_dataset_file(config_text: str, dataset_file: str) -> str:

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -109,6 +110,10 @@ class JobQueue:
     `launcher`: the command the stages' tuner arguments are appended to (default: `default_launcher`, i.e.
     `accelerate launch ... -m tuner`); tests pass `[sys.executable, "-m", "tuner"]`. `gpus`: the GPUs jobs
     may use, one job at a time on each (default `visible_gpus()`; none means one job at a time on the CPU).
+
+    `check`: called with a job's config path when it is submitted and again when it starts; what it raises
+    refuses the submission, or fails the job with its message. The UI sets it to `tuner.ui.job_check.JobCheck`
+    (paths inside the roots, no code references); None checks nothing.
     """
 
     def __init__(self, db_path: str | os.PathLike, runs_dir: str | os.PathLike, launcher: list[str] | None = None,
@@ -116,6 +121,7 @@ class JobQueue:
         self.db_path = Path(db_path).resolve()
         self.runs_dir = Path(runs_dir).resolve()
         self.launcher = list(launcher) if launcher is not None else None
+        self.check: Callable[[Path], None] | None = None
         self.slots = (visible_gpus() if gpus is None else [str(g) for g in gpus]) or ["cpu"]
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         open_store(self.db_path)
@@ -130,6 +136,8 @@ class JobQueue:
         return [_job(row) for row in query(self.db_path, f"SELECT {_COLUMNS} FROM jobs ORDER BY id")]
 
     def get(self, id: int) -> Job:
+        if not 0 < id < 2**63:  # SQLite's integers: a larger id cannot name a job (and overflows the query)
+            raise UnknownJob(f"no job {id} in {self.db_path}")
         rows = query(self.db_path, f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (id,))
         if not rows:
             raise UnknownJob(f"no job {id} in {self.db_path}")
@@ -196,6 +204,14 @@ class JobQueue:
                 if dataset_text is not None:
                     write_text(run_dir / DATASET, dataset_text)
             except BaseException:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                raise
+        if self.check is not None:  # outside the transaction: loading a config may take a while
+            try:
+                self.check(run_dir / CONFIG)
+            except BaseException:
+                with transaction(self.db_path) as conn:
+                    conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
                 shutil.rmtree(run_dir, ignore_errors=True)
                 raise
         return job_id
@@ -320,6 +336,12 @@ class JobQueue:
             )
             if cur.rowcount == 0:
                 return False
+        if self.check is not None:
+            try:
+                self.check(job.run_dir / CONFIG)
+            except TunerError as e:
+                finish(self.db_path, job.id, "failed", f"refused before it started: {e}")
+                return True
         launcher = self.launcher if self.launcher is not None else default_launcher(slot)
         env = dict(os.environ)
         if env.get(

@@ -17,6 +17,10 @@ class OutsideRoots(TunerError):
     """A request named a path outside the folders the UI was given."""
 
 
+class BadPath(TunerError):
+    """A request named something that cannot be a path (a NUL byte, a name too long for the system)."""
+
+
 class Roots:
     def __init__(self, folders: list[str | os.PathLike]):
         if not folders:
@@ -27,10 +31,15 @@ class Roots:
         """`path` resolved (symlinks followed), or `OutsideRoots` when it is not inside a root.
 
         A relative path is taken from the first root."""
-        p = Path(path).expanduser()
-        if not p.is_absolute():
-            p = self.folders[0] / p
-        resolved = p.resolve()
+        if "\0" in str(path):
+            raise BadPath(f"{str(path)!r}: a path cannot hold a NUL byte.")
+        try:
+            p = Path(path).expanduser()
+            if not p.is_absolute():
+                p = self.folders[0] / p
+            resolved = p.resolve()
+        except (OSError, RuntimeError) as e:  # a name too long, a symlink loop, no home for `~user`
+            raise BadPath(f"{path}: not a usable path ({e}).") from None
         if not any(resolved == root or resolved.is_relative_to(root) for root in self.folders):
             raise OutsideRoots(
                 f"{path}: outside the folders this UI may use ({', '.join(map(str, self.folders))}); "

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from pydantic import BaseModel
 
@@ -12,8 +13,15 @@ from tuner.errors import DataError
 from tuner.registry import ARCHITECTURES
 from tuner.ui import folders, toml_text
 from tuner.ui.app import render, state
+from tuner.ui.responses import file_headers
 
 router = APIRouter()
+MAX_SIDE = 4096
+"""Largest width or height a page may ask for (the bucket check plans every item at it)."""
+MAX_FRAMES = 257
+"""Most frames a page may ask for (the longest clips the video models train on)."""
+Side = Annotated[int, Query(ge=16, le=MAX_SIDE)]
+Frames = Annotated[int, Query(ge=1, le=MAX_FRAMES)]
 
 
 @router.get("/")
@@ -23,13 +31,15 @@ def home():
 
 @router.get("/datasets")
 def datasets(
-    request: Request, path: str = "", architecture: str = "wan", width: int = 512, height: int = 512,
-    frames: int = 1, check: bool = False,
+    request: Request, path: str = "", architecture: str = "wan", width: Side = 512, height: Side = 512,
+    frames: Frames = 1, check: bool = False,
 ):  # fmt: skip
     roots = state(request).roots
     folder = roots.resolve(path) if path else roots.folders[0]
     if not folder.is_dir():
-        raise DataError(f"{path}: not a folder.")
+        raise HTTPException(404, f"{path}: no such folder.")
+    if check and architecture not in ARCHITECTURES:
+        raise DataError(f"architecture {architecture!r}: not known; one of {', '.join(ARCHITECTURES)}.")
     subfolders = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
     items, problems, checks, report, dataset = [], [], {}, [], ""
     if any(p.is_file() for p in folder.iterdir()):
@@ -52,6 +62,8 @@ def datasets(
 @router.get("/thumb")
 def thumb(request: Request, path: str):
     media = state(request).roots.resolve(path)
+    if not media.exists():
+        raise HTTPException(404, f"{path}: no such file.")
     try:
         return Response(
             folders.thumbnail(media), media_type="image/jpeg", headers={"Cache-Control": "max-age=60"}
@@ -62,10 +74,34 @@ def thumb(request: Request, path: str):
 
 @router.get("/file")
 def file(request: Request, path: str, download: bool = False):
+    """A file under the roots: images and videos inline, everything else as a download (never rendered:
+    see `tuner.ui.responses`)."""
     target = state(request).roots.resolve(path)
     if not target.is_file():
-        raise DataError(f"{path}: no such file.")
-    return FileResponse(target, filename=target.name if download else None)
+        raise HTTPException(404, f"{path}: no such file.")
+    media_type, headers = file_headers(target, download)
+    return FileResponse(target, media_type=media_type, headers=headers)
+
+
+MAX_ENTRIES = 2000
+"""Most entries the file picker lists of one folder."""
+
+
+@router.get("/api/browse")
+def browse(request: Request, path: str = ""):
+    """The file picker's view of a folder under the roots: its subfolders and files (the roots themselves
+    when `path` is empty); hidden entries left out."""
+    roots = state(request).roots
+    if not path:
+        entries = [{"name": str(r), "path": str(r), "dir": True} for r in roots.folders]
+        return {"path": "", "parent": None, "entries": entries}
+    folder = roots.resolve(path)
+    if not folder.is_dir():
+        raise HTTPException(404, f"{path}: no such folder.")
+    children = sorted((p for p in folder.iterdir() if not p.name.startswith(".")), key=lambda p: p.name)
+    entries = [{"name": p.name, "path": str(p), "dir": p.is_dir()} for p in children[:MAX_ENTRIES]]
+    up = str(folder.parent) if folder not in roots.folders and roots.contains(folder.parent) else ""
+    return {"path": str(folder), "parent": up, "entries": entries, "more": len(children) > MAX_ENTRIES}
 
 
 class CaptionEdit(BaseModel):
@@ -75,7 +111,9 @@ class CaptionEdit(BaseModel):
 
 @router.post("/api/caption")
 def caption(request: Request, edit: CaptionEdit):
-    media = state(request).roots.resolve(edit.path)
+    roots = state(request).roots
+    media = roots.resolve(edit.path)
+    roots.resolve(folders.caption_path(media))  # a frames folder that is a root has its sidecar outside
     written = folders.save_caption(media, edit.text)
     return {"path": str(written), "text": written.read_text(encoding="utf-8")}
 

@@ -7,13 +7,18 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, TunerError
 from tuner.registry import ARCHITECTURES
-from tuner.ui import form
+from tuner.ui import components, form
 from tuner.ui.app import render, state
-from tuner.ui.routes_data import dataset_text_for
+from tuner.ui.paths import OutsideRoots
+from tuner.ui.responses import attachment, one_line
+from tuner.ui.routes_data import Frames, Side, dataset_text_for
 
 router = APIRouter()
+MAX_NAME = 100
+"""Longest job name kept (its run folder's name holds the first 40 characters)."""
+MAX_TOML = 1 << 20
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"  # a source checkout's examples/
 
 
@@ -35,7 +40,7 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], str, str | Non
     for key in data:
         values = data.getlist(key)
         fields[key] = "true" if "true" in values else str(values[-1])
-    name = fields.pop("_name", "").strip() or "run"
+    name = one_line(fields.pop("_name", ""))[:MAX_NAME] or "run"
     dataset = fields.pop("_dataset", "").strip()
     dataset = dataset.replace("\r\n", "\n") + "\n" if dataset else None  # browsers send CRLF
     return fields, name, dataset
@@ -43,8 +48,8 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], str, str | Non
 
 @router.get("/runs/new")
 def new_run(
-    request: Request, preset: str = "", config: str = "", dataset: str = "", width: int = 512, height: int = 512,
-    frames: int = 1,
+    request: Request, preset: str = "", config: str = "", dataset: str = "", width: Side = 512, height: Side = 512,
+    frames: Frames = 1,
 ):  # fmt: skip
     values: dict[str, str] = {}
     source = ""
@@ -58,11 +63,28 @@ def new_run(
         )
     elif config:
         path = state(request).roots.resolve(config)
-        values, source = form.toml_to_form(path.read_text(encoding="utf-8"), path.parent), str(path)
+        if not path.is_file() or path.stat().st_size > MAX_TOML:
+            raise ConfigError(f"{config}: not a training TOML (a file of at most {MAX_TOML >> 10} KiB).")
+        try:
+            values, source = form.toml_to_form(path.read_text(encoding="utf-8"), path.parent), str(path)
+        except (ValueError, UnicodeDecodeError) as e:  # TOMLDecodeError is a ValueError
+            raise ConfigError(f"{config}: not a training TOML ({e}).") from None
+    else:
+        values = dict(form.NEW_RUN_VALUES)
     dataset_text = dataset_text_for(request, dataset, width, height, frames) if dataset else ""
+    return _page(request, values, source=source, dataset_text=dataset_text, name=Path(source).stem or "run")
+
+
+def _page(request: Request, values: dict[str, str], source: str = "", dataset_text: str = "", name: str = "run",
+          error: form.Check | None = None, status_code: int = 200):  # fmt: skip
+    """The new-run form holding `values` (`section.key` → text)."""
+    sections = form.sections()
     return render(
-        request, "new_run.html", sections=form.sections(), values=values, source=source, presets=presets(),
-        architectures=ARCHITECTURES, dataset_text=dataset_text, error=None, name=Path(source).stem or "run",
+        request, "new_run.html", sections=sections, fields={f.key: f for s in sections for f in s.fields},
+        simple=form.SIMPLE, values=values, source=source, presets=presets(), architectures=ARCHITECTURES,
+        dataset_text=dataset_text, error=error, name=name, status_code=status_code,
+        model_keys=components.model_keys_by_architecture(),
+        downloads={a: components.downloads(a) for a in ARCHITECTURES},
     )  # fmt: skip
 
 
@@ -78,8 +100,9 @@ async def check(request: Request):
 async def download_toml(request: Request):
     fields, name, _ = await _form_fields(request)
     text = form.form_to_toml(fields)
-    return Response(text, media_type="application/toml",
-                    headers={"Content-Disposition": f'attachment; filename="{Path(name).name}.toml"'})  # fmt: skip
+    return Response(
+        text, media_type="application/toml", headers={"Content-Disposition": attachment(f"{name}.toml")}
+    )
 
 
 @router.post("/runs")
@@ -87,12 +110,15 @@ async def submit(request: Request):
     fields, name, dataset = await _form_fields(request)
     text = form.form_to_toml(fields)
     result = form.validate(text, dataset)
-    if not result.ok:
-        return render(
-            request, "new_run.html", sections=form.sections(), values=fields, source="", presets=presets(),
-            architectures=ARCHITECTURES, dataset_text=dataset or "", error=result, name=name, status_code=400,
-        )  # fmt: skip
-    if dataset is not None:  # the queue writes it beside the config as dataset.toml
-        text = form.with_dataset_file(text, "dataset.toml")
-    job_id = state(request).queue.submit(name, text, dataset)
-    return RedirectResponse(f"/jobs/{job_id}", status_code=303)
+    status = 400
+    if result.ok:
+        if dataset is not None:  # the queue writes it beside the config as dataset.toml
+            text = form.with_dataset_file(text, "dataset.toml")
+        try:  # the queue checks the job's paths against the roots in its run folder
+            job_id = state(request).queue.submit(name, text, dataset)
+        except TunerError as e:
+            status = 403 if isinstance(e, OutsideRoots) else 400
+            result = form.check_of(str(e))
+        else:
+            return RedirectResponse(f"/jobs/{job_id}", status_code=303)
+    return _page(request, fields, dataset_text=dataset or "", name=name, error=result, status_code=status)

@@ -4,7 +4,8 @@
     tuner ui --host 0.0.0.0 --root /data             # prints http://HOST:7860/?token=... (required)
 
 On the loopback interface the server is only for this machine's user, and no token is asked unless
-`--token` gives one. Anywhere else a token is required: `--token`, or one generated and printed.
+`--token` gives one. Anywhere else a token is required: `--token`, or one generated and printed. An
+empty `--token` is an error (it would let anyone in).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def _serve(args: argparse.Namespace) -> None:
     from tuner.ui.auth import is_loopback, new_token
 
     token = args.token
+    if token is not None and not token.strip():
+        raise ConfigError(
+            "--token: empty; an empty access token would let anyone in. Give one (at least 16 characters), "
+            "or leave --token out to have one generated."
+        )
+    if token is not None and len(token) < 16:
+        raise ConfigError("--token: too short to guess-proof; give at least 16 characters, or leave it out.")
     if token is None and not is_loopback(args.host):
         token = new_token()
     roots = args.root or ["."]

@@ -1,8 +1,13 @@
-// tuner ui: live updates, caption edits and the charts. Our own code, no libraries.
+// tuner ui: live updates, caption edits, the form's helpers and the charts. Our own code, no libraries.
+// No page holds inline script (the Content-Security-Policy allows only this file): every handler is
+// attached here, from the elements' classes and data attributes.
 "use strict";
 
+// every request that changes something carries the session's CSRF token (see tuner/ui/auth.py)
+const CSRF = document.querySelector('meta[name="csrf-token"]').content;
+
 async function postJSON(url, body) {
-  const r = await fetch(url, {method: "POST", headers: {"Content-Type": "application/json"},
+  const r = await fetch(url, {method: "POST", headers: {"Content-Type": "application/json", "X-CSRF-Token": CSRF},
                               body: JSON.stringify(body)});
   const data = await r.json().catch(() => ({error: r.statusText}));
   if (!r.ok) throw new Error(data.error || data.detail || r.statusText);
@@ -47,8 +52,9 @@ function watchForm() {
 
 async function checkForm() {
   const form = document.getElementById("run-form");
-  const r = await fetch("/runs/check", {method: "POST", body: new FormData(form)});
+  const r = await fetch("/runs/check", {method: "POST", body: new FormData(form), headers: {"X-CSRF-Token": CSRF}});
   const result = await r.json();
+  if (!r.ok) result.message = result.error;
   const box = document.getElementById("check");
   box.textContent = result.message;
   box.className = result.ok ? "ok" : "error";
@@ -60,10 +66,63 @@ async function checkForm() {
     if (field) {
       field.classList.add("invalid");
       field.querySelector(".field-error").textContent = result.message;
-      field.closest("details").open = true;
+      for (let d = field.closest("details"); d; d = d.parentElement.closest("details")) d.open = true;
     }
   }
   return result;
+}
+
+// Only the model keys the chosen architecture uses are shown (and sent); a key it does not use that holds a
+// value stays, so the loader names it.
+function showArchitecture() {
+  const arch = document.getElementById("model.architecture").value;
+  const used = JSON.parse(document.getElementById("model-keys").textContent)[arch] || [];
+  for (const field of document.querySelectorAll('.field[data-key^="model."]')) {
+    const input = field.querySelector("input:not([type=hidden]), select");
+    const keep = used.includes(field.dataset.key) || (input && input.value !== "" && input.type !== "checkbox");
+    field.hidden = !keep;
+    for (const el of field.querySelectorAll("input, select")) el.disabled = !keep;
+  }
+  const box = document.getElementById("downloads");
+  const downloads = JSON.parse(document.getElementById("downloads-data").textContent)[arch] || [];
+  box.hidden = !downloads.length;
+  box.replaceChildren(Object.assign(document.createElement("b"), {textContent: "Download the weights: "}));
+  for (const d of downloads) {
+    const line = document.createElement("div");
+    line.append(Object.assign(document.createElement("code"), {textContent: d.command}), ` (${d.source})`);
+    box.append(line);
+  }
+}
+
+// ---------------------------------------------------------------- file picker (the roots only)
+
+let pickerTarget = null;
+
+async function pickerOpen(path) {
+  const r = await fetch("/api/browse?path=" + encodeURIComponent(path));
+  const data = await r.json();
+  const list = document.getElementById("picker-list");
+  list.replaceChildren();
+  if (!r.ok) { list.append(Object.assign(document.createElement("li"), {textContent: data.error})); return; }
+  document.getElementById("picker-path").textContent = data.path || "the folders this UI may use";
+  document.getElementById("picker-here").dataset.path = data.path;
+  const entries = data.path ? [{name: "..", path: data.parent, dir: true}, ...data.entries] : data.entries;
+  for (const e of entries) {
+    const a = Object.assign(document.createElement("a"), {href: "#", textContent: e.name + (e.dir ? "/" : "")});
+    a.className = "picker-entry";
+    a.dataset.path = e.path;
+    a.dataset.dir = e.dir ? "1" : "";
+    const li = document.createElement("li");
+    li.append(a);
+    list.append(li);
+  }
+}
+
+function pickerChoose(path) {
+  const input = document.getElementById(pickerTarget);
+  input.value = path;
+  input.dispatchEvent(new Event("input", {bubbles: true}));
+  document.getElementById("picker").close();
 }
 
 // ---------------------------------------------------------------- charts (SVG)
@@ -112,7 +171,8 @@ function lineChart(svg, series) {
     }
     if (pts.length > 1 && !s.dots) {
       const d = pts.map(p => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ");
-      svg.append(svgEl("polyline", {points: d, fill: "none", stroke: s.color, "stroke-width": 1.5, class: "line"}));
+      svg.append(svgEl("polyline", {points: d, fill: "none", stroke: s.color, "stroke-width": 1.5,
+                                    class: "line " + (s.cls || "")}));
     }
   }
 }
@@ -128,11 +188,24 @@ function duration(seconds) {
 
 function setText(id, text) { document.getElementById(id).textContent = text; }
 
-function showMetrics(rows) {
+// An exponential moving average of the loss (TensorBoard's smoothing, debiased so the start is not pulled
+// toward 0): the trend a per-step loss, noisy by the timestep drawn, hides.
+function smoothed(points, weight = 0.9) {
+  let avg = 0, n = 0;
+  return points.map(([x, y]) => {
+    avg = weight * avg + (1 - weight) * y;
+    n += 1;
+    return [x, avg / (1 - Math.pow(weight, n))];
+  });
+}
+
+function showMetrics(rows, running) {
   const train = rows.filter(r => r.loss !== null && r.loss !== undefined);
   const val = rows.filter(r => r.val_loss !== null && r.val_loss !== undefined);
+  const loss = train.map(r => [r.step, r.loss]);
   lineChart(document.getElementById("loss-chart"), [
-    {points: train.map(r => [r.step, r.loss]), color: "#2b6cb0"},
+    {points: loss, color: "#90cdf4", cls: "raw"},
+    {points: smoothed(loss), color: "#2b6cb0", cls: "smoothed"},
     {points: val.map(r => [r.step, r.val_loss]), color: "#dd6b20", dots: val.length < 50},
   ]);
   lineChart(document.getElementById("lr-chart"),
@@ -143,7 +216,7 @@ function showMetrics(rows) {
     setText("stat-loss", fmt(last.loss));
     setText("stat-lr", last.lr === undefined ? "–" : fmt(last.lr));
     setText("stat-time", last.step_seconds ? last.step_seconds.toFixed(2) + " s" : "–");
-    setText("stat-eta", duration(last.eta_seconds));
+    setText("stat-eta", running ? duration(last.eta_seconds) : "–");  // a stopped job has no ETA
   }
   if (val.length) setText("stat-val", fmt(val[val.length - 1].val_loss));
 }
@@ -194,7 +267,7 @@ async function refreshJob(id) {
   const atEnd = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
   log.textContent = job.log.join("\n");
   if (atEnd) log.scrollTop = log.scrollHeight;
-  showMetrics(metrics);
+  showMetrics(metrics, job.state === "running");
   showSamples(samples);
   return job;
 }
@@ -231,4 +304,46 @@ async function mergeAdapter(button) {
     });
     out.textContent = `wrote ${r.path}`;
   } catch (e) { out.textContent = e.message; }
+}
+
+// ---------------------------------------------------------------- wiring (no inline handlers)
+
+document.addEventListener("click", event => {
+  const el = event.target.closest("button, a");
+  if (!el) return;
+  if (el.matches(".save-caption")) saveCaption(el);
+  else if (el.matches(".convert")) convertAdapter(el);
+  else if (el.matches(".merge")) mergeAdapter(el);
+  else if (el.matches("#check-button")) checkForm();
+  else if (el.matches(".pick")) {
+    pickerTarget = el.dataset.for;
+    const current = document.getElementById(pickerTarget).value;
+    document.getElementById("picker").showModal();
+    pickerOpen(current.includes("/") ? current.replace(/\/[^/]*$/, "") : "").catch(() => pickerOpen(""));
+  } else if (el.matches(".picker-entry")) {
+    event.preventDefault();
+    if (el.dataset.dir) pickerOpen(el.dataset.path); else pickerChoose(el.dataset.path);
+  } else if (el.matches("#picker-here") && el.dataset.path) pickerChoose(el.dataset.path);
+  else if (el.matches("#picker-close")) document.getElementById("picker").close();
+});
+
+document.addEventListener("submit", event => {
+  const message = event.target.dataset.confirm;
+  if (message && !confirm(message)) event.preventDefault();
+});
+
+document.addEventListener("change", event => {
+  if (event.target.matches("select[data-autosubmit]")) event.target.form.submit();
+  if (event.target.id === "model.architecture") showArchitecture();
+});
+
+// a thumbnail that fails to load says so (error events do not bubble: caught on the way down)
+document.addEventListener("error", event => {
+  if (event.target.matches && event.target.matches("img.thumb")) thumbFailed(event.target);
+}, true);
+
+if (document.body.dataset.job) watchJob(document.body.dataset.job);
+if (document.body.dataset.page === "new-run") {
+  watchForm();
+  showArchitecture();
 }
