@@ -1,9 +1,14 @@
-"""Atomic file writes.
+"""Atomic file writes, and the one reader of a safetensors file's header.
 
 Nothing tuner writes may be left half-written: a crash or a kill during a save must leave either the
 previous file or the new one, never a truncated mix. Every writer goes through `atomic_path`, which
 hands out a temporary name in the same directory and renames it over the target only after the
 data is flushed to disk (rename within one filesystem is atomic on POSIX and Windows).
+
+A safetensors file starts with an 8-byte little-endian length and that many bytes of JSON (name ->
+dtype, shape, data offsets; plus `__metadata__`), then the tensor data. `safetensors_header_bytes` and
+`safetensors_header` read it without the data for the checkpoint loaders and the cache, which wrap its
+`NotSafetensors` in their own errors.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors.torch import save_file
@@ -62,3 +69,43 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """Write a text file atomically."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading safetensors headers
+# ---------------------------------------------------------------------------------------------------
+
+MAX_HEADER_BYTES = 100_000_000  # a longer "header" means the file is not safetensors (or is damaged)
+
+
+class NotSafetensors(ValueError):
+    """A file's start is not a safetensors header (too short, a length past its end, not a JSON object);
+    the message says which, in words that follow "not a readable checkpoint (...)"."""
+
+
+def safetensors_header_bytes(f: BinaryIO, max_bytes: int = MAX_HEADER_BYTES) -> bytes:
+    """The header of the safetensors file open as `f` (binary, seekable), unparsed: the bytes after its
+    8-byte length, read from the start of the file. Raises `NotSafetensors` when the length does not fit."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise NotSafetensors(f"the file has only {size} bytes")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(size - 8, max_bytes):
+        raise NotSafetensors(f"its header claims {length} bytes but the file has {size}")
+    return f.read(length)
+
+
+def safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """The parsed header of a safetensors file (its `__metadata__` included) and the offset where its
+    data starts. Raises `NotSafetensors` when the file does not start with one."""
+    with open(path, "rb") as f:
+        raw = safetensors_header_bytes(f)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NotSafetensors(f"its header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise NotSafetensors("its header is not a JSON object")
+    return header, 8 + len(raw)

@@ -27,11 +27,11 @@ import functools
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 
 from tuner.errors import CheckpointError, DataError
+from tuner.io import NotSafetensors, safetensors_header_bytes
 
 _BLOCK = 1 << 20  # read size for streamed hashing
 _SAMPLE_BYTES = 1 << 20  # bytes read per sampled chunk of a weights file
@@ -61,15 +61,12 @@ def hash_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def _safetensors_header(f, size: int) -> bytes | None:
+def _safetensors_header(f) -> bytes | None:
     """Return the JSON header of a safetensors file, or None if `f` is not one."""
-    if size < 8:
+    try:
+        header = safetensors_header_bytes(f, _MAX_HEADER)
+    except NotSafetensors:
         return None
-    f.seek(0)
-    (length,) = struct.unpack("<Q", f.read(8))
-    if length == 0 or length > min(_MAX_HEADER, size - 8):
-        return None
-    header = f.read(length)
     return header if header[:1] == b"{" else None
 
 
@@ -77,7 +74,7 @@ def _fingerprint_file(path: Path, h: hashlib.blake2b) -> None:
     size = path.stat().st_size
     h.update(f"size={size}\n".encode())
     with open(path, "rb") as f:
-        header = _safetensors_header(f, size)
+        header = _safetensors_header(f)
         start = 0
         if header is not None:
             h.update(b"safetensors-header\n")

@@ -54,6 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tuner.io import NotSafetensors, safetensors_header
+
 # safetensors dtype names (the format's spec) and the torch dtypes they hold.
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -111,18 +113,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int]:
     """Return a safetensors file's header dict and the offset where its data starts.
 
     Raises `ShardDamaged` when the file is too short for its header or the header is not JSON."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        length = int.from_bytes(f.read(8), "little")
-        if size < 8 or length > size - 8:
-            raise ShardDamaged(f"file is {size} bytes, shorter than its header says (truncated)")
-        try:
-            header = json.loads(f.read(length))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ShardDamaged(f"header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ShardDamaged("header is not a JSON object")
-    return header, 8 + length
+    try:
+        return safetensors_header(path)
+    except NotSafetensors as e:
+        raise ShardDamaged(str(e)) from None
 
 
 def shard_data_bytes(path: Path) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.errors import CheckpointError
+from tuner.io import NotSafetensors, safetensors_header
 
 if TYPE_CHECKING:  # transformers is imported where a tokenizer is loaded (it costs about a second)
     from transformers import PreTrainedTokenizerBase
@@ -59,22 +59,11 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorMeta]:
     """Return name -> (dtype, shape) for every tensor in a .safetensors file, reading only its header."""
     path = Path(path)
     _require_file(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _corrupt(path, f"the file has only {size} bytes")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(size - 8, 100_000_000):
-            raise _corrupt(path, f"its header claims {header_len} bytes but the file has {size}")
-        raw = f.read(header_len)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(path, f"its header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise _corrupt(path, "its header is not a JSON object")
-    data_size = size - 8 - header_len
+        header, data_start = safetensors_header(path)
+    except NotSafetensors as e:
+        raise _corrupt(path, str(e)) from None
+    data_size = path.stat().st_size - data_start
     tensors: dict[str, TensorMeta] = {}
     for name, entry in header.items():
         if name == "__metadata__":

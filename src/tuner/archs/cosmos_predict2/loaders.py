@@ -50,10 +50,10 @@ from tuner.archs.cosmos_predict2.keys import (
 from tuner.archs.flux.loaders import T5_TIED_EMBEDDING, t5_keys
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
+from tuner.models.encoders import load_encoder
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    apply_aliases,
     check_keys,
     pick_variant,
     wrong_architecture,
@@ -341,28 +341,11 @@ def load_text_encoder(
 ) -> tuple[T5EncoderModel, PreTrainedTokenizerBase]:
     """T5-11B and its tokenizer (`tokenizer_path`, else the pipeline's `tokenizer/` beside a diffusers
     `text_encoder/`), in eval mode."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5EncoderModel
 
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        config = read_folder_config(folder)
-        if config.get("model_type") != "t5":
-            raise CheckpointError(f"{folder}: config.json does not describe a T5 encoder (model_type 't5').")
-        try:
-            model = T5EncoderModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: cannot be loaded as a T5 encoder: {e}") from None
-        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
-            tokenizer_path = folder.parent / "tokenizer"
-    else:
-        from tuner.models.identify import identify_single_file
-
-        variant = identify_single_file(path, T5_SPEC)
-        state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_TIED_EMBEDDING)
-        config = T5Config.from_pretrained(variant.config_dir)
-        model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    model, found = load_encoder(path, dtype, T5EncoderModel, "t5", ("text_encoder", "tokenizer"), T5_SPEC)
     what = "T5 tokenizer (the tokenizer/ folder of a Cosmos-Predict2 diffusers release, or google-t5/t5-11b)"
-    return model.eval(), load_tokenizer(tokenizer_path, path, what)
+    return model, load_tokenizer(tokenizer_path or found, path, what)
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ from tuner.archs.flux.keys import (
 )
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys, load_component, vae_levels
+from tuner.models.encoders import load_encoder
 from tuner.models.identify import (
     CHROMA_MARKER,
     FLUX2_MARKERS,
@@ -44,7 +45,6 @@ from tuner.models.identify import (
     Variant,
     apply_aliases,
     check_keys,
-    identify_single_file,
     pick_variant,
     wrong_architecture,
 )
@@ -348,16 +348,9 @@ def load_t5(
 
     `subfolder` / `tokenizer` name the pipeline's folders (FLUX.1: `text_encoder_2/`, `tokenizer_2/`;
     Chroma, whose only encoder is T5: `text_encoder/`, `tokenizer/`)."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5EncoderModel
 
-    folder = resolve_folder(path, subfolder)
-    if folder is not None:
-        return load_transformers_folder(T5EncoderModel, folder, dtype, "t5"), sibling(folder, tokenizer)
-    variant = identify_single_file(path, T5_SPEC)
-    state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_TIED_EMBEDDING)
-    config = T5Config.from_pretrained(variant.config_dir)
-    model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
+    return load_encoder(path, dtype, T5EncoderModel, "t5", (subfolder, tokenizer), T5_SPEC)
 
 
 # ---------------------------------------------------------------------------------------------------

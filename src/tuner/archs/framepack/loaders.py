@@ -40,18 +40,15 @@ import torch
 
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
+from tuner.models.component import diffusers_keys, load_component
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
-    identify_single_file,
     pick_variant,
     wrong_architecture,
 )
 from tuner.models.loading import (
-    from_state_dict,
-    load_diffusers_folder,
     load_tensors,
     normalize_shapes,
     normalize_state_dict,
@@ -160,23 +157,22 @@ def _hunyuan_video(path: str | Path) -> CheckpointError:
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoFramepackTransformer3DModel:
     """The FramePack transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    from diffusers import HunyuanVideoFramepackTransformer3DModel
-
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         if read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel":
             raise _hunyuan_video(folder)
-        return load_diffusers_folder(HunyuanVideoFramepackTransformer3DModel, folder, dtype, CLASS_NAME)
-    shapes = normalize_shapes(read_shapes_of(path))
-    hunyuan = ("double_blocks.0.img_attn_qkv.weight", "transformer_blocks.0.attn.to_q.weight")
-    if any(k in shapes for k in hunyuan) and not any(k.startswith(_HISTORY_EMBEDDER) for k in shapes):
-        raise _hunyuan_video(path)
-    variant = identify_single_file(path, TRANSFORMER_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in TRANSFORMER_SPEC.original_markers):
-        state_dict = FRAMEPACK_LAYOUT.to_diffusers(state_dict)
-    return from_state_dict(
-        HunyuanVideoFramepackTransformer3DModel, state_dict, variant.config_dir, dtype, Path(path)
+    else:
+        shapes = normalize_shapes(read_shapes_of(path))
+        hunyuan = ("double_blocks.0.img_attn_qkv.weight", "transformer_blocks.0.attn.to_q.weight")
+        if any(k in shapes for k in hunyuan) and not any(k.startswith(_HISTORY_EMBEDDER) for k in shapes):
+            raise _hunyuan_video(path)
+    return load_component(
+        path,
+        dtype,
+        CLASS_NAME,
+        "transformer",
+        TRANSFORMER_SPEC,
+        lambda sd, _: FRAMEPACK_LAYOUT.to_diffusers(sd),
     )
 
 

@@ -30,12 +30,11 @@ import torch
 # FLUX.1's loaders of transformers folders: same checks, same errors
 from tuner.archs.flux.loaders import T5_SPEC
 from tuner.errors import CheckpointError
+from tuner.models.encoders import base_model_keys, load_encoder, load_encoder_file
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    apply_aliases,
     check_keys,
-    identify_single_file,
     pick_variant,
     wrong_architecture,
 )
@@ -186,33 +185,21 @@ def _clip_names(tensors: dict) -> dict:
 
 
 def _load_t5(path: Path, dtype: torch.dtype):
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5EncoderModel
 
-    folder = resolve_folder(path, "text_encoder_3")
-    if folder is not None:
-        return load_transformers_folder(T5EncoderModel, folder, dtype, "t5"), sibling(folder, "tokenizer_3")
-    variant = identify_single_file(path, T5_SPEC)
-    state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), T5_SPEC.aliases)
-    config = T5Config.from_pretrained(variant.config_dir)
-    model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
+    return load_encoder(path, dtype, T5EncoderModel, "t5", ("text_encoder_3", "tokenizer_3"), T5_SPEC)
 
 
 def _load_llama(path: Path, dtype: torch.dtype):
     """The Llama base model, and its tokenizer folder (a Hugging Face Llama folder holds its tokenizer)."""
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaModel
 
     folder = resolve_folder(path, "text_encoder_4")
     if folder is not None:
         model = load_transformers_folder(LlamaModel, folder, dtype, "llama")
         tokenizer = folder if (folder / "tokenizer.json").is_file() else sibling(folder, "tokenizer_4")
         return model, tokenizer
-    variant = identify_single_file(path, LLAMA_SPEC)
-    stored = normalize_state_dict(load_tensors(path), dtype)
-    state_dict = {k.removeprefix("model."): v for k, v in stored.items() if k != _LM_HEAD}
-    config = LlamaConfig.from_pretrained(variant.config_dir)
-    model = LlamaModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
+    return load_encoder_file(path, dtype, LlamaModel, LLAMA_SPEC, base_model_keys), None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -39,14 +39,12 @@ from tuner.archs.lumina2.keys import (
     transformer_to_diffusers,
     transformer_to_original,
 )
-from tuner.errors import CheckpointError
+from tuner.models.encoders import base_model_keys, load_encoder
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    apply_aliases,
     check_keys,
     diffusers_meta_keys,
-    identify_single_file,
     pick_variant,
     wrong_architecture,
 )
@@ -58,7 +56,6 @@ from tuner.models.loading import (
     load_tokenizer,
     normalize_shapes,
     normalize_state_dict,
-    read_folder_config,
     read_shapes_of,
     resolve_folder,
 )
@@ -256,32 +253,17 @@ class TextEncoder(NamedTuple):
 def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype) -> TextEncoder:
     """Load Gemma 2 and its tokenizer. `tokenizer_path` may be None when `path` is a diffusers pipeline
     root or its `text_encoder` folder (the sibling `tokenizer/` is used); a single file needs it."""
-    from transformers import Gemma2Config, Gemma2Model
+    from transformers import Gemma2Model
 
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        found = read_folder_config(folder).get("model_type")
-        if found != "gemma2":
-            raise CheckpointError(
-                f"{folder}: config.json describes a {found!r} model, not Gemma 2 ('gemma2')."
-            )
-        try:
-            model = Gemma2Model.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: cannot be loaded as Gemma 2: {e}") from None
-        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
-            tokenizer_path = folder.parent / "tokenizer"
-    else:
-        variant = identify_single_file(path, TEXT_ENCODER_SPEC)
-        stored = apply_aliases(normalize_state_dict(load_tensors_of(path), dtype), TEXT_ENCODER_SPEC.aliases)
-        state_dict = {k.removeprefix("model."): v for k, v in stored.items()}
-        config = Gemma2Config.from_pretrained(variant.config_dir)
-        model = Gemma2Model.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    folders = ("text_encoder", "tokenizer")
+    model, found = load_encoder(
+        path, dtype, Gemma2Model, "gemma2", folders, TEXT_ENCODER_SPEC, base_model_keys
+    )
     tokenizer = load_tokenizer(
-        tokenizer_path, path, "Gemma tokenizer (the tokenizer/ folder of Lumina-Image-2.0)"
+        tokenizer_path or found, path, "Gemma tokenizer (the tokenizer/ folder of Lumina-Image-2.0)"
     )
     tokenizer.padding_side = "right"  # as Lumina2Pipeline sets it: the mask counts the leading tokens
-    return TextEncoder(model.eval(), tokenizer)
+    return TextEncoder(model, tokenizer)
 
 
 @torch.no_grad()

@@ -35,23 +35,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.archs.wan.keys import vae_key_to_original
-from tuner.models.component import diffusers_keys
+from tuner.models.component import diffusers_class, diffusers_keys, load_component
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
     diffusers_meta_keys,
-    identify_single_file,
     pick_variant,
     wrong_architecture,
 )
 from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     as_file_list,
-    from_state_dict,
     load_diffusers_folder,
     load_diffusers_single_file,
-    load_tensors,
     load_tensors_of,
     normalize_shapes,
     normalize_state_dict,
@@ -207,18 +204,14 @@ def identify_transformer_file(files: str | Path) -> Path:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLQwenImage:
     """Load the Qwen-Image VAE from a diffusers folder or a single file (Wan 2.1 original keys)."""
-    from diffusers import AutoencoderKLQwenImage
+    return load_component(path, dtype, "AutoencoderKLQwenImage", "vae", VAE_SPEC, _vae_to_diffusers)
 
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKLQwenImage, folder, dtype, "AutoencoderKLQwenImage")
-    variant = identify_single_file(path, VAE_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    diffusers_keys = diffusers_meta_keys(AutoencoderKLQwenImage, variant.config_dir)
-    if "encoder.conv1.weight" in state_dict:  # the original layout; else the file is in diffusers keys
-        by_original = {vae_key_to_original(k): k for k in diffusers_keys}
-        state_dict = {by_original[k]: v for k, v in state_dict.items()}
-    return from_state_dict(AutoencoderKLQwenImage, state_dict, variant.config_dir, dtype, Path(path))
+
+def _vae_to_diffusers(state_dict: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+    """The original layout's tensors under diffusers' keys (renamed by the model's own key list)."""
+    keys = diffusers_meta_keys(diffusers_class("AutoencoderKLQwenImage"), variant.config_dir)
+    by_original = {vae_key_to_original(k): k for k in keys}
+    return {by_original[k]: v for k, v in state_dict.items()}
 
 
 # ---------------------------------------------------------------------------------------------------

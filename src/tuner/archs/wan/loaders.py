@@ -38,6 +38,7 @@ from tuner.archs.wan.keys import (
 )
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
+from tuner.models.encoders import load_encoder
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -415,27 +416,12 @@ def load_text_encoder(
     `tokenizer_path` may be None when `path` is a diffusers pipeline root or its `text_encoder` folder
     (the sibling `tokenizer/` folder is used); a single file needs it.
     """
-    from transformers import UMT5Config, UMT5EncoderModel
+    from transformers import UMT5EncoderModel
 
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        if read_folder_config(folder).get("model_type") != "umt5":
-            raise CheckpointError(
-                f"{folder}: config.json does not describe a UMT5 encoder (model_type 'umt5')."
-            )
-        try:
-            model = UMT5EncoderModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: cannot be loaded as a UMT5 encoder: {e}") from None
-        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
-            tokenizer_path = folder.parent / "tokenizer"
-    else:
-        variant = identify_single_file(path, TEXT_ENCODER_SPEC)
-        state_dict = apply_aliases(normalize_state_dict(load_tensors(path), dtype), _TIED_EMBEDDING)
-        config = UMT5Config.from_pretrained(variant.config_dir)
-        model = UMT5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
+    folders = ("text_encoder", "tokenizer")
+    model, found = load_encoder(path, dtype, UMT5EncoderModel, "umt5", folders, TEXT_ENCODER_SPEC)
     what = "UMT5 tokenizer (the tokenizer/ folder of a Wan 2.1 diffusers release, or google/umt5-xxl)"
-    return model.eval(), load_tokenizer(tokenizer_path, path, what)
+    return model, load_tokenizer(tokenizer_path or found, path, what)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ from tuner.models.loading import (
     cast_like_from_pretrained_,
     load_tensors,
     load_tokenizer,
+    load_transformers_folder,
     normalize_state_dict,
-    read_folder_config,
     resolve_folder,
+    sibling,
 )
 
 if TYPE_CHECKING:
@@ -101,16 +102,8 @@ def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype
 
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
-        if read_folder_config(folder).get("model_type") != "qwen3":
-            raise CheckpointError(
-                f"{folder}: config.json does not describe a Qwen3 model (model_type 'qwen3')."
-            )
-        try:
-            model = Qwen3Model.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: cannot be loaded as Qwen3: {e}") from None
-        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
-            tokenizer_path = folder.parent / "tokenizer"
+        model = load_transformers_folder(Qwen3Model, folder, dtype, "qwen3")
+        tokenizer_path = tokenizer_path or sibling(folder, "tokenizer")
     else:
         model = _load_single_file(Path(path), dtype)
     tokenizer = load_tokenizer(tokenizer_path, path, "Qwen3 tokenizer (the tokenizer/ folder of Z-Image)")
