@@ -1,4 +1,5 @@
-"""The tiny Wan 2.1 fixture: its files, determinism, and that diffusers' own pipeline runs on it offline."""
+"""The tiny Wan 2.1 fixture: its files, determinism, and that diffusers' own pipeline runs on it offline;
+and the helpers every family's fixture declares itself with (`tuner.fixtures`)."""
 
 import os
 
@@ -9,12 +10,14 @@ import json
 import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
-from transformers import AutoTokenizer, UMT5Config
+from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.fixture import build_wan_components, write_wan_fixture
+from tuner.fixtures import model_section, tokenizer_folders
+from tuner.fixtures.encoders import t5_file, vision_tower_file
 from tuner.fixtures.tokenizers import build_t5_tokenizer
-from tuner.fixtures.weights import fill_random_
+from tuner.fixtures.weights import fill_random_, tiny_config, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +100,43 @@ def test_tokenizer_covers_captions_and_fits_the_encoder(fx):
     assert tokenizer("a red car").input_ids == build_t5_tokenizer()("a red car").input_ids
     tiny = next(v for v in wan.TEXT_ENCODER_VARIANTS if v.name == "tiny")
     assert len(tokenizer) <= UMT5Config.from_pretrained(tiny.config_dir).vocab_size
+
+
+def test_model_section_points_at_single_files_and_their_tokenizers():
+    section = model_section(
+        "flux", transformer="t.safetensors", vae="diffusers", text_encoder_2="t5.safetensors"
+    )
+    assert section == (
+        'architecture = "flux"\n'
+        'transformer = "{root}/single/t.safetensors"\n'
+        'vae = "{root}/diffusers"\n'
+        'text_encoder_2 = "{root}/single/t5.safetensors"\n'
+        'tokenizer_2 = "{root}/single/tokenizer_2"\n'  # single files hold no tokenizer
+    )
+    assert "tokenizer" not in model_section("wan", text_encoder="diffusers")
+
+
+def test_tiny_model_reads_either_library_and_leaves_the_random_stream():
+    torch.manual_seed(7)
+    expected_next = torch.rand(2)
+    torch.manual_seed(7)
+    umt5 = tiny_model(UMT5EncoderModel, tiny_config("wan", "text_encoder"), seed=2)
+    transformer = tiny_model(WanTransformer3DModel, tiny_config("wan", "transformer"), seed=0)
+    assert torch.equal(torch.rand(2), expected_next)
+    assert not umt5.training and not transformer.training
+    parts = build_wan_components(seed=0)
+    for name, model in (("text_encoder", umt5), ("transformer", transformer)):
+        reference = parts[name].state_dict()
+        assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    with pytest.raises(FileNotFoundError):
+        tiny_config("wan", "transformer", "no-such-variant")
+
+
+def test_encoder_files_drop_the_tied_embedding_and_use_transformers_4_names():
+    parts = build_wan_components(seed=0)
+    t5 = t5_file(parts["text_encoder"])
+    assert "encoder.embed_tokens.weight" not in t5 and "shared.weight" in t5
+    assert tokenizer_folders(parts) == {"tokenizer": parts["tokenizer"]}
+    vision = torch.nn.Module()
+    vision.vision_model = torch.nn.Linear(2, 2)
+    assert set(vision_tower_file(vision)) == {"vision_model.weight", "vision_model.bias"}

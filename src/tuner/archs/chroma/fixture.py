@@ -23,16 +23,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
 from tuner.archs.chroma.keys import transformer_to_original
-from tuner.archs.chroma.loaders import TRANSFORMER_VARIANTS
-from tuner.archs.flux.fixture import T5_FILE, VAE_FILE, build_flux_components
-from tuner.archs.flux.keys import vae_to_original
-from tuner.fixtures import Fixture, publish_layouts
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.archs.flux.fixture import T5_FILE, VAE_FILE, build_flux_components, ldm_vae_file
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.encoders import t5_file
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "chroma-unlocked_tiny.safetensors"
 
@@ -41,12 +38,8 @@ def build_chroma_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments
     of `ChromaPipeline` (transformer, vae, text_encoder, tokenizer, scheduler)."""
     flux = build_flux_components(seed)
-    config = next(v.config_dir for v in TRANSFORMER_VARIANTS if v.name == "tiny")
-    with torch.random.fork_rng(devices=[]):  # keep the caller's random stream untouched
-        transformer = ChromaTransformer2DModel.from_config(ChromaTransformer2DModel.load_config(config))
-    fill_random_(transformer, seed + 4)
     return {
-        "transformer": transformer.eval(),
+        "transformer": tiny_model(ChromaTransformer2DModel, tiny_config("chroma", "transformer"), seed + 4),
         "vae": flux["vae"],
         "text_encoder": flux["text_encoder_2"],
         "tokenizer": flux["tokenizer_2"],
@@ -59,43 +52,17 @@ def write_chroma_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
 
     Keys: root, diffusers (pipeline folder), transformer_file, vae_file, text_encoder_file (T5),
     tokenizer (the single-file layout's tokenizer folder)."""
-    out = Path(out_dir)
     parts = build_chroma_components(seed)
-
-    def write(staging: Path) -> None:
-        ChromaPipeline(**parts).save_pretrained(staging / "diffusers", safe_serialization=True)
-        single = staging / "single"
-        single.mkdir(parents=True)
-        save_safetensors(
-            transformer_to_original(parts["transformer"].state_dict()), single / TRANSFORMER_FILE
-        )
-        levels = len(parts["vae"].config.block_out_channels)
-        save_safetensors(vae_to_original(parts["vae"].state_dict(), levels), single / VAE_FILE)
-        t5 = parts["text_encoder"].state_dict()
-        t5.pop("encoder.embed_tokens.weight")  # ComfyUI's T5 files hold the tied `shared.weight` only
-        save_safetensors(t5, single / T5_FILE)
-        parts["tokenizer"].save_pretrained(single / "tokenizer")
-
-    publish_layouts(out, "chroma", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / TRANSFORMER_FILE,
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / T5_FILE,
-        "tokenizer": single / "tokenizer",
+    single = {
+        "transformer_file": (TRANSFORMER_FILE, transformer_to_original(parts["transformer"].state_dict())),
+        "vae_file": (VAE_FILE, ldm_vae_file(parts["vae"])),
+        "text_encoder_file": (T5_FILE, t5_file(parts["text_encoder"])),  # ComfyUI's: `shared.weight` only
     }
+    return write_layouts(out_dir, "chroma", ChromaPipeline(**parts), single, tokenizer_folders(parts))
 
 
 FIXTURE = Fixture(
     write=write_chroma_fixture,
     # every part from its single file, as most Chroma users hold them
-    model_section=f"""\
-architecture = "chroma"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{T5_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-""",
+    model_section=model_section("chroma", transformer=TRANSFORMER_FILE, vae=VAE_FILE, text_encoder=T5_FILE),
 )

@@ -26,18 +26,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from diffusers import CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
-from transformers import T5Config, T5EncoderModel
+from transformers import T5EncoderModel
 
 from tuner.archs.cosmos_predict2.keys import transformer_to_original
-from tuner.archs.cosmos_predict2.loaders import T5_VARIANTS, TRANSFORMER_VARIANTS
 from tuner.archs.wan.fixture import VAE_FILE, build_wan_components
 from tuner.archs.wan.keys import vae_to_original
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.encoders import t5_file
 from tuner.fixtures.tokenizers import build_t5_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "cosmos_predict2_tiny_t2i.safetensors"
 V2W_TRANSFORMER_FILE = "cosmos_predict2_tiny_v2w.safetensors"
@@ -58,29 +56,17 @@ SCHEDULER_CONFIG = {
 }
 
 
-def _tiny(variants, name: str = "tiny") -> Path:
-    return next(v.config_dir for v in variants if v.name == name)
-
-
 def build_cosmos_predict2_components(seed: int = 0, video2world: bool = False) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`.
 
     Keys: transformer (diffusers' own class with the released config), vae, text_encoder, tokenizer,
     scheduler (the arguments of `Cosmos2TextToImagePipeline` / `Cosmos2VideoToWorldPipeline` but its
     safety checker)."""
-    with torch.random.fork_rng(devices=[]):
-        transformer = CosmosTransformer3DModel.from_config(
-            CosmosTransformer3DModel.load_config(
-                _tiny(TRANSFORMER_VARIANTS, "tiny-v2w" if video2world else "tiny")
-            )
-        )
-        text_encoder = T5EncoderModel(T5Config.from_pretrained(_tiny(T5_VARIANTS)))
-    fill_random_(transformer, seed)
-    fill_random_(text_encoder, seed + 2)
+    transformer = tiny_config("cosmos_predict2", "transformer", "tiny-v2w" if video2world else "tiny")
     return {
-        "transformer": transformer.eval(),
+        "transformer": tiny_model(CosmosTransformer3DModel, transformer, seed),
         "vae": build_wan_components(seed)["vae"],  # the tiny Wan 2.1 VAE, weights seeded by seed + 1
-        "text_encoder": text_encoder.eval(),
+        "text_encoder": tiny_model(T5EncoderModel, tiny_config("cosmos_predict2", "text_encoder"), seed + 2),
         "tokenizer": build_t5_tokenizer(),
         "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
     }
@@ -93,12 +79,9 @@ def write_cosmos_predict2_fixture(
     layouts; returns the paths.
 
     Keys: root, diffusers, transformer_file, vae_file, text_encoder_file, tokenizer."""
-    out = Path(out_dir)
     parts = build_cosmos_predict2_components(seed, video2world)
-    transformer_file = V2W_TRANSFORMER_FILE if video2world else TRANSFORMER_FILE
 
-    def write(staging: Path) -> None:
-        folder = staging / "diffusers"
+    def diffusers(folder: Path) -> None:
         for name, part in parts.items():
             part.save_pretrained(folder / name)
         index = {
@@ -113,39 +96,16 @@ def write_cosmos_predict2_fixture(
         }
         (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
-        single = staging / "single"
-        single.mkdir(parents=True)
-        save_safetensors(
-            transformer_to_original(parts["transformer"].state_dict()), single / transformer_file
-        )
-        save_safetensors(vae_to_original(parts["vae"].state_dict()), single / VAE_FILE)
-        t5 = parts["text_encoder"].state_dict()
-        t5.pop("encoder.embed_tokens.weight")  # tied to `shared.weight`, which single files hold
-        save_safetensors(t5, single / TEXT_ENCODER_FILE)
-        parts["tokenizer"].save_pretrained(single / "tokenizer")
-
-    publish_layouts(out, "cosmos_predict2_v2w" if video2world else "cosmos_predict2", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / transformer_file,
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / TEXT_ENCODER_FILE,
-        "tokenizer": single / "tokenizer",
+    single = {
+        "transformer_file": (
+            V2W_TRANSFORMER_FILE if video2world else TRANSFORMER_FILE,
+            transformer_to_original(parts["transformer"].state_dict()),
+        ),
+        "vae_file": (VAE_FILE, vae_to_original(parts["vae"].state_dict())),
+        "text_encoder_file": (TEXT_ENCODER_FILE, t5_file(parts["text_encoder"])),
     }
-
-
-FIXTURE = Fixture(
-    write=write_cosmos_predict2_fixture,
-    # the release's single file for the transformer, the diffusers folder for the rest
-    model_section=f"""\
-architecture = "cosmos_predict2"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-""",
-)
+    label = "cosmos_predict2_v2w" if video2world else "cosmos_predict2"
+    return write_layouts(out_dir, label, diffusers, single, tokenizer_folders(parts))
 
 
 def write_video2world_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
@@ -153,12 +113,16 @@ def write_video2world_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, P
     return write_cosmos_predict2_fixture(out_dir, seed, video2world=True)
 
 
+def _model_section(architecture: str, transformer_file: str) -> str:
+    # the release's single file for the transformer, the diffusers folder for the rest
+    return model_section(
+        architecture, transformer=transformer_file, vae="diffusers", text_encoder="diffusers"
+    )
+
+
+FIXTURE = Fixture(
+    write=write_cosmos_predict2_fixture, model_section=_model_section("cosmos_predict2", TRANSFORMER_FILE)
+)
 V2W_FIXTURE = Fixture(
-    write=write_video2world_fixture,
-    model_section=f"""\
-architecture = "cosmos_predict2_v2w"
-transformer = "{{root}}/single/{V2W_TRANSFORMER_FILE}"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-""",
+    write=write_video2world_fixture, model_section=_model_section("cosmos_predict2_v2w", V2W_TRANSFORMER_FILE)
 )

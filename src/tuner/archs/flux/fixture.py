@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from diffusers import (
     AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
@@ -33,15 +32,13 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import CLIPTextModel, T5EncoderModel
 
 from tuner.archs.flux.keys import transformer_to_original, vae_to_original
-from tuner.archs.flux.loaders import CLIP_VARIANTS, T5_VARIANTS, TRANSFORMER_VARIANTS, VAE_VARIANTS
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.encoders import clip_text_file, t5_file
 from tuner.fixtures.tokenizers import build_clip_tokenizer, build_t5_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
-from tuner.models.identify import Variant
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 DEV_FILE = "flux1-dev_tiny.safetensors"
 KONTEXT_FILE = "flux1-kontext-dev_tiny.safetensors"
@@ -50,44 +47,36 @@ CLIP_FILE = "clip_l.safetensors"
 T5_FILE = "t5xxl_tiny.safetensors"
 
 
-def _tiny(variants: tuple[Variant, ...]) -> Path:
-    return next(v.config_dir for v in variants if v.name == "tiny")
-
-
 def build_flux_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`.
 
     Keys: the arguments of `FluxPipeline` (transformer, vae, text_encoder, tokenizer, text_encoder_2,
     tokenizer_2, scheduler).
     """
-    # Constructors draw initial weights from the global generator; keep the caller's stream untouched.
-    with torch.random.fork_rng(devices=[]):
-        transformer = FluxTransformer2DModel.from_config(
-            FluxTransformer2DModel.load_config(_tiny(TRANSFORMER_VARIANTS))
-        )
-        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(_tiny(VAE_VARIANTS)))
-        clip = CLIPTextModel(CLIPTextConfig.from_pretrained(_tiny(CLIP_VARIANTS)))
-        t5 = T5EncoderModel(T5Config.from_pretrained(_tiny(T5_VARIANTS)))
-    fill_random_(transformer, seed)
-    fill_random_(vae, seed + 1)
-    fill_random_(clip, seed + 2)
-    fill_random_(t5, seed + 3)
-    # FLUX.1-dev's scheduler: flow-matching Euler with the resolution-dependent shift.
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-        base_image_seq_len=256, max_image_seq_len=4096,
-    )  # fmt: skip
     t5_tokenizer = build_t5_tokenizer()
     t5_tokenizer.model_max_length = 512
     return {
-        "transformer": transformer.eval(),
-        "vae": vae.eval(),
-        "text_encoder": clip.eval(),
+        "transformer": tiny_model(FluxTransformer2DModel, tiny_config("flux", "transformer"), seed),
+        "vae": tiny_model(AutoencoderKL, tiny_config("flux", "vae"), seed + 1),
+        "text_encoder": tiny_model(CLIPTextModel, tiny_config("flux", "clip"), seed + 2),
         "tokenizer": build_clip_tokenizer(),
-        "text_encoder_2": t5.eval(),
+        "text_encoder_2": tiny_model(T5EncoderModel, tiny_config("flux", "t5"), seed + 3),
         "tokenizer_2": t5_tokenizer,
-        "scheduler": scheduler,
+        # FLUX.1-dev's scheduler: flow-matching Euler with the resolution-dependent shift.
+        "scheduler": FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        ),
     }
+
+
+def ldm_vae_file(vae: AutoencoderKL) -> dict:
+    """A FLUX.1-style `AutoencoderKL` in the original LDM layout, as `ae.safetensors` holds it."""
+    return vae_to_original(vae.state_dict(), len(vae.config.block_out_channels))
 
 
 def write_flux_fixture(out_dir: str | Path, seed: int = 0, kontext: bool = False) -> dict[str, Path]:
@@ -98,28 +87,18 @@ def write_flux_fixture(out_dir: str | Path, seed: int = 0, kontext: bool = False
     Existing `diffusers/` and `single/` folders under `out_dir` are replaced only once the new ones are
     complete.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     parts = build_flux_components(seed)
-    pipeline = FluxKontextPipeline if kontext else FluxPipeline
-    transformer_file = KONTEXT_FILE if kontext else DEV_FILE
-
-    def write(staging: Path) -> None:
-        pipeline(**parts).save_pretrained(staging / "diffusers", safe_serialization=True)
-        write_single_files(staging / "single", parts, transformer_file)
-
-    publish_layouts(out, "flux", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / transformer_file,
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / CLIP_FILE,
-        "text_encoder_2_file": single / T5_FILE,
-        "tokenizer": single / "tokenizer",
-        "tokenizer_2": single / "tokenizer_2",
+    single = {
+        "transformer_file": (
+            KONTEXT_FILE if kontext else DEV_FILE,
+            transformer_to_original(parts["transformer"].state_dict()),
+        ),
+        "vae_file": (VAE_FILE, ldm_vae_file(parts["vae"])),
+        "text_encoder_file": (CLIP_FILE, clip_text_file(parts["text_encoder"])),
+        "text_encoder_2_file": (T5_FILE, t5_file(parts["text_encoder_2"])),
     }
+    pipeline = (FluxKontextPipeline if kontext else FluxPipeline)(**parts)
+    return write_layouts(out_dir, "flux", pipeline, single, tokenizer_folders(parts))
 
 
 def write_flux_kontext_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
@@ -127,43 +106,18 @@ def write_flux_kontext_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, 
     return write_flux_fixture(out_dir, seed, kontext=True)
 
 
-def write_single_files(folder: Path, parts: dict, transformer_file: str) -> None:
-    folder.mkdir(parents=True)
-    save_safetensors(transformer_to_original(parts["transformer"].state_dict()), folder / transformer_file)
-    levels = len(parts["vae"].config.block_out_channels)
-    save_safetensors(vae_to_original(parts["vae"].state_dict(), levels), folder / VAE_FILE)
-    # ComfyUI's CLIP files keep transformers 4's `text_model.` prefix.
-    clip = {f"text_model.{k}": v for k, v in parts["text_encoder"].state_dict().items()}
-    save_safetensors(clip, folder / CLIP_FILE)
-    # ComfyUI's T5 files hold `shared.weight` only; the encoder's embedding is tied to it.
-    t5 = parts["text_encoder_2"].state_dict()
-    t5.pop("encoder.embed_tokens.weight")
-    save_safetensors(t5, folder / T5_FILE)
-    parts["tokenizer"].save_pretrained(folder / "tokenizer")
-    parts["tokenizer_2"].save_pretrained(folder / "tokenizer_2")
-
-
 FIXTURE = Fixture(
     write=write_flux_fixture,
     # every part from its single file, as most FLUX.1 users hold them
-    model_section=f"""\
-architecture = "flux"
-transformer = "{{root}}/single/{DEV_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{CLIP_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-text_encoder_2 = "{{root}}/single/{T5_FILE}"
-tokenizer_2 = "{{root}}/single/tokenizer_2"
-""",
+    model_section=model_section(
+        "flux", transformer=DEV_FILE, vae=VAE_FILE, text_encoder=CLIP_FILE, text_encoder_2=T5_FILE
+    ),
 )
 
 KONTEXT_FIXTURE = Fixture(
     write=write_flux_kontext_fixture,
     # the BFL single file for the transformer, the diffusers folder for the rest (T5 found beside CLIP)
-    model_section=f"""\
-architecture = "flux_kontext"
-transformer = "{{root}}/single/{KONTEXT_FILE}"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-""",
+    model_section=model_section(
+        "flux_kontext", transformer=KONTEXT_FILE, vae="diffusers", text_encoder="diffusers"
+    ),
 )

@@ -42,17 +42,14 @@ from transformers import (
     Mistral3ForConditionalGeneration,
     MistralConfig,
     PixtralVisionConfig,
-    Qwen3Config,
     Qwen3ForCausalLM,
 )
 
 from tuner.archs.flux2.keys import transformer_to_original, vae_to_original
-from tuner.archs.flux2.loaders import TRANSFORMER_VARIANTS, VAE_VARIANTS
-from tuner.archs.flux2.text import MISTRAL, QWEN3
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.encoders import prefixed
 from tuner.fixtures.tokenizers import build_mistral_tokenizer, build_qwen3_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "flux2-dev_tiny.safetensors"
 VAE_FILE = "flux2-vae.safetensors"
@@ -72,15 +69,9 @@ SCHEDULER_CONFIG = {
 }
 
 
-def _tiny(variants, name: str = "tiny") -> Path:
-    return next(v.config_dir for v in variants if v.name == name)
-
-
-def build_flux2_components(seed: int = 0, klein: bool = False) -> dict:
-    """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments of
-    `Flux2Pipeline` (or, with `klein`, `Flux2KleinPipeline`): transformer, vae, text_encoder, tokenizer,
-    scheduler."""
-    text_config = MistralConfig.from_pretrained(_tiny(MISTRAL.variants))
+def _tiny_mistral(seed: int) -> Mistral3ForConditionalGeneration:
+    """The tiny Mistral (`configs/text_encoder/tiny`) with a tiny Pixtral vision tower, as the release's."""
+    text_config = MistralConfig.from_pretrained(tiny_config("flux2", "text_encoder"))
     vision_config = PixtralVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, head_dim=32,
         image_size=64, patch_size=16,
@@ -89,33 +80,34 @@ def build_flux2_components(seed: int = 0, klein: bool = False) -> dict:
         text_config=text_config.to_dict(), vision_config=vision_config.to_dict(), image_token_index=8,
         spatial_merge_size=2,
     )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        transformer = Flux2Transformer2DModel.from_config(
-            Flux2Transformer2DModel.load_config(
-                _tiny(TRANSFORMER_VARIANTS, "tiny-klein" if klein else "tiny")
-            )
-        )
-        vae = AutoencoderKLFlux2.from_config(AutoencoderKLFlux2.load_config(_tiny(VAE_VARIANTS)))
-        if klein:
-            text_encoder = Qwen3ForCausalLM(Qwen3Config.from_pretrained(_tiny(QWEN3.variants, "tiny-qwen3")))
-        else:
-            text_encoder = Mistral3ForConditionalGeneration(config)
-    fill_random_(transformer, seed)
-    fill_random_(vae, seed + 1)
-    fill_random_(text_encoder, seed + 2)
+    return tiny_model(Mistral3ForConditionalGeneration, config, seed)
+
+
+def build_flux2_components(seed: int = 0, klein: bool = False) -> dict:
+    """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments of
+    `Flux2Pipeline` (or, with `klein`, `Flux2KleinPipeline`): transformer, vae, text_encoder, tokenizer,
+    scheduler."""
+    transformer = tiny_config("flux2", "transformer", "tiny-klein" if klein else "tiny")
+    vae = tiny_model(AutoencoderKLFlux2, tiny_config("flux2", "vae"), seed + 1)
     generator = torch.Generator().manual_seed(seed + 3)
     channels = vae.bn.running_mean.shape[0]
     vae.bn.running_mean.copy_(0.3 * torch.randn(channels, generator=generator))
     vae.bn.running_var.copy_(0.5 + torch.rand(channels, generator=generator))
     if klein:
+        text_encoder = tiny_model(
+            Qwen3ForCausalLM, tiny_config("flux2", "text_encoder", "tiny-qwen3"), seed + 2
+        )
         tokenizer = build_qwen3_tokenizer()
         assert len(tokenizer) <= text_encoder.config.vocab_size, "the tiny vocabulary outgrew the tiny config"
     else:
-        tokenizer = build_mistral_tokenizer([SYSTEM_MESSAGE], vocab_size=text_config.vocab_size)
+        text_encoder = _tiny_mistral(seed + 2)
+        tokenizer = build_mistral_tokenizer(
+            [SYSTEM_MESSAGE], vocab_size=text_encoder.config.text_config.vocab_size
+        )
     return {
-        "transformer": transformer.eval(),
-        "vae": vae.eval(),
-        "text_encoder": text_encoder.eval(),
+        "transformer": tiny_model(Flux2Transformer2DModel, transformer, seed),
+        "vae": vae,
+        "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "scheduler": FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
     }
@@ -126,27 +118,26 @@ def write_flux2_fixture(out_dir: str | Path, seed: int = 0, klein: bool = False)
 
     Keys: root, diffusers (pipeline folder), transformer_file, vae_file, text_encoder_file, tokenizer.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     parts = build_flux2_components(seed, klein)
-    files = (KLEIN_FILE, QWEN3_FILE) if klein else (TRANSFORMER_FILE, TEXT_ENCODER_FILE)
-
-    def write(staging: Path) -> None:
-        (Flux2KleinPipeline if klein else Flux2Pipeline)(**parts).save_pretrained(
-            staging / "diffusers", safe_serialization=True
+    text_encoder = parts["text_encoder"]
+    if klein:  # Hugging Face's causal-LM keys, as ComfyUI's files
+        text_encoder_file = (QWEN3_FILE, text_encoder.state_dict())
+    else:  # the language model as transformers 4 named it in Mistral3ForConditionalGeneration
+        text_encoder_file = (
+            TEXT_ENCODER_FILE,
+            prefixed("language_model.model.", text_encoder.model.language_model.state_dict()),
         )
-        write_single_files(staging / "single", parts, *files)
-
-    publish_layouts(out, "flux2", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / files[0],
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / files[1],
-        "tokenizer": single / "tokenizer",
+    vae = {k: v for k, v in parts["vae"].state_dict().items() if k != "bn.num_batches_tracked"}
+    single = {
+        "transformer_file": (
+            KLEIN_FILE if klein else TRANSFORMER_FILE,
+            transformer_to_original(parts["transformer"].state_dict()),
+        ),
+        "vae_file": (VAE_FILE, vae_to_original(vae, len(parts["vae"].config.block_out_channels))),
+        "text_encoder_file": text_encoder_file,
     }
+    pipeline = (Flux2KleinPipeline if klein else Flux2Pipeline)(**parts)
+    return write_layouts(out_dir, "flux2", pipeline, single, tokenizer_folders(parts))
 
 
 def write_flux2_klein_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
@@ -154,40 +145,18 @@ def write_flux2_klein_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, P
     return write_flux2_fixture(out_dir, seed, klein=True)
 
 
-def write_single_files(folder: Path, parts: dict, transformer_file: str, text_encoder_file: str) -> None:
-    folder.mkdir(parents=True)
-    save_safetensors(transformer_to_original(parts["transformer"].state_dict()), folder / transformer_file)
-    vae = {k: v for k, v in parts["vae"].state_dict().items() if k != "bn.num_batches_tracked"}
-    save_safetensors(vae_to_original(vae, len(parts["vae"].config.block_out_channels)), folder / VAE_FILE)
-    text_encoder = parts["text_encoder"]
-    if isinstance(text_encoder, Qwen3ForCausalLM):  # Hugging Face's causal-LM keys, as ComfyUI's files
-        save_safetensors(text_encoder.state_dict(), folder / text_encoder_file)
-    else:  # the language model as transformers 4 named it in Mistral3ForConditionalGeneration
-        language_model = text_encoder.model.language_model.state_dict()
-        renamed = {f"language_model.model.{k}": v for k, v in language_model.items()}
-        save_safetensors(renamed, folder / text_encoder_file)
-    parts["tokenizer"].save_pretrained(folder / "tokenizer")
-
-
 FIXTURE = Fixture(
     write=write_flux2_fixture,
     # every part from its single file, as ComfyUI users hold them
-    model_section=f"""\
-architecture = "flux2"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{TEXT_ENCODER_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-""",
+    model_section=model_section(
+        "flux2", transformer=TRANSFORMER_FILE, vae=VAE_FILE, text_encoder=TEXT_ENCODER_FILE
+    ),
 )
 
 KLEIN_FIXTURE = Fixture(
     write=write_flux2_klein_fixture,
     # the BFL single file for the transformer, the diffusers folder for the rest (tokenizer found beside)
-    model_section=f"""\
-architecture = "flux2_klein"
-transformer = "{{root}}/single/{KLEIN_FILE}"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-""",
+    model_section=model_section(
+        "flux2_klein", transformer=KLEIN_FILE, vae="diffusers", text_encoder="diffusers"
+    ),
 )

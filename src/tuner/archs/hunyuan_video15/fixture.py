@@ -26,7 +26,6 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-import torch
 from diffusers import (
     AutoencoderKLHunyuanVideo15,
     ClassifierFreeGuidance,
@@ -35,34 +34,15 @@ from diffusers import (
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
 )
-from transformers import (
-    ByT5Tokenizer,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    SiglipImageProcessorPil,
-    SiglipVisionConfig,
-    SiglipVisionModel,
-    T5Config,
-    T5EncoderModel,
-)
+from transformers import ByT5Tokenizer, SiglipImageProcessorPil, SiglipVisionModel, T5EncoderModel
 
 from tuner.archs.hunyuan_video15.keys import transformer_to_original
-from tuner.archs.hunyuan_video15.loaders import (
-    BYT5_VARIANTS,
-    QWEN_CHAT_TEMPLATE,
-    SYSTEM_MESSAGE,
-    TRANSFORMER_VARIANTS,
-    VAE_VARIANTS,
-    vae_key_to_original,
-)
-from tuner.archs.hunyuan_video15.siglip import VARIANTS as SIGLIP_VARIANTS
-from tuner.archs.qwen_image.text import VARIANTS as QWEN_VARIANTS
-from tuner.archs.qwen_image.text import original_key
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.archs.hunyuan_video15.loaders import QWEN_CHAT_TEMPLATE, SYSTEM_MESSAGE, vae_key_to_original
+from tuner.archs.qwen_image.fixture import qwen_vl_file, tiny_qwen_vl
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.encoders import t5_file, vision_tower_file
 from tuner.fixtures.tokenizers import build_qwen2_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
-from tuner.models.identify import Variant
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "hunyuanvideo1.5_480p_t2v_tiny.safetensors"
 VAE_FILE = "hunyuanvideo15_vae_tiny.safetensors"
@@ -73,10 +53,6 @@ SIGLIP_FILE = "sigclip_vision_tiny.safetensors"
 SHIFT = 5.0  # the 480p releases' scheduler shift
 
 
-def _tiny(variants: tuple[Variant, ...]) -> Path:
-    return next(v.config_dir for v in variants if v.name == "tiny")
-
-
 def build_hunyuan_video15_components(seed: int = 0, i2v: bool = False) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`.
 
@@ -84,42 +60,31 @@ def build_hunyuan_video15_components(seed: int = 0, i2v: bool = False) -> dict:
     with the I2V transformer, its own weights, and the SigLIP encoder), and `qwen_full` (the whole
     Qwen2.5-VL model whose language model is `text_encoder`, as ComfyUI's file holds it).
     """
-    config_dir = TRANSFORMER_VARIANTS[1].config_dir.parent / ("tiny_i2v" if i2v else "tiny")
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        transformer = HunyuanVideo15Transformer3DModel.from_config(
-            HunyuanVideo15Transformer3DModel.load_config(config_dir)
-        )
-        vae = AutoencoderKLHunyuanVideo15.from_config(
-            AutoencoderKLHunyuanVideo15.load_config(_tiny(VAE_VARIANTS))
-        )
-        config = Qwen2_5_VLConfig.from_pretrained(_tiny(QWEN_VARIANTS))
-        qwen = Qwen2_5_VLForConditionalGeneration(config)
-        byt5 = T5EncoderModel(T5Config.from_pretrained(_tiny(BYT5_VARIANTS)))
-    fill_random_(transformer, seed + (10 if i2v else 0))  # I2V: other weights, same shapes
-    fill_random_(vae, seed + 1)
-    fill_random_(qwen, seed + 2)
-    fill_random_(byt5, seed + 3)
+    family = "hunyuan_video15"
+    qwen = tiny_qwen_vl(seed + 2)
     tokenizer = build_qwen2_tokenizer([SYSTEM_MESSAGE, "system\nuser\nassistant\n"])
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
-    assert len(tokenizer) <= config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
+    assert len(tokenizer) <= qwen.config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
     image = {}
     if i2v:
-        with torch.random.fork_rng(devices=[]):
-            siglip = SiglipVisionModel(SiglipVisionConfig.from_pretrained(_tiny(SIGLIP_VARIANTS)))
-        fill_random_(siglip, seed + 4)
-        processor = SiglipImageProcessorPil.from_pretrained(_tiny(SIGLIP_VARIANTS))
-        image = {"image_encoder": siglip.eval(), "feature_extractor": processor}
+        siglip = tiny_config(family, "siglip")
+        image = {
+            "image_encoder": tiny_model(SiglipVisionModel, siglip, seed + 4),
+            "feature_extractor": SiglipImageProcessorPil.from_pretrained(siglip),
+        }
+    transformer = tiny_config(family, "transformer", "tiny_i2v" if i2v else "tiny")
     return {
         **image,
-        "transformer": transformer.eval(),
-        "vae": vae.eval(),
-        "text_encoder": qwen.model.language_model.eval(),
+        # I2V: other weights, same shapes
+        "transformer": tiny_model(HunyuanVideo15Transformer3DModel, transformer, seed + (10 if i2v else 0)),
+        "vae": tiny_model(AutoencoderKLHunyuanVideo15, tiny_config(family, "vae"), seed + 1),
+        "text_encoder": qwen.model.language_model,
         "tokenizer": tokenizer,
-        "text_encoder_2": byt5.eval(),
+        "text_encoder_2": tiny_model(T5EncoderModel, tiny_config(family, "byt5"), seed + 3),
         "tokenizer_2": ByT5Tokenizer(),
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=SHIFT),
         "guider": ClassifierFreeGuidance(guidance_scale=6.0),
-        "qwen_full": qwen.eval(),
+        "qwen_full": qwen,
     }
 
 
@@ -131,74 +96,44 @@ def write_hunyuan_video15_fixture(out_dir: str | Path, seed: int = 0, i2v: bool 
     text_encoder_2_file (ByT5), tokenizer, tokenizer_2 (the single-file layout's tokenizer folders);
     I2V adds image_encoder_file (SigLIP).
     """
-    out = Path(out_dir)
     parts = build_hunyuan_video15_components(seed, i2v)
-    pipeline_cls = HunyuanVideo15ImageToVideoPipeline if i2v else HunyuanVideo15Pipeline
-
-    def write(staging: Path) -> None:
-        pipeline = {k: v for k, v in parts.items() if k != "qwen_full"}
-        pipeline_cls(**pipeline).save_pretrained(staging / "diffusers", safe_serialization=True)
-        write_single_files(staging / "single", parts, i2v)
-
-    publish_layouts(out, "hunyuan_video15_i2v" if i2v else "hunyuan_video15", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        **({"image_encoder_file": single / SIGLIP_FILE} if i2v else {}),
-        "transformer_file": single / (I2V_TRANSFORMER_FILE if i2v else TRANSFORMER_FILE),
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / QWEN_FILE,
-        "text_encoder_2_file": single / BYT5_FILE,
-        "tokenizer": single / "tokenizer",
-        "tokenizer_2": single / "tokenizer_2",
+    qwen = parts.pop("qwen_full")
+    single = {
+        "transformer_file": (
+            I2V_TRANSFORMER_FILE if i2v else TRANSFORMER_FILE,
+            transformer_to_original(parts["transformer"].state_dict()),
+        ),
+        "vae_file": (VAE_FILE, {vae_key_to_original(k): v for k, v in parts["vae"].state_dict().items()}),
+        "text_encoder_file": (QWEN_FILE, qwen_vl_file(qwen)),
+        "text_encoder_2_file": (BYT5_FILE, t5_file(parts["text_encoder_2"])),
     }
-
-
-def write_single_files(folder: Path, parts: dict, i2v: bool = False) -> None:
-    folder.mkdir(parents=True)
-    name = I2V_TRANSFORMER_FILE if i2v else TRANSFORMER_FILE
-    save_safetensors(transformer_to_original(parts["transformer"].state_dict()), folder / name)
     if i2v:  # ComfyUI's SigLIP file: transformers 4 names (`vision_model.*`)
-        siglip = parts["image_encoder"].state_dict()
-        save_safetensors({f"vision_model.{k.removeprefix('vision_model.')}": v for k, v in siglip.items()},
-                         folder / SIGLIP_FILE)  # fmt: skip
-    save_safetensors(
-        {vae_key_to_original(k): v for k, v in parts["vae"].state_dict().items()}, folder / VAE_FILE
-    )
-    qwen = parts["qwen_full"].state_dict()
-    save_safetensors(
-        {(k if k == "lm_head.weight" else original_key(k)): v for k, v in qwen.items()}, folder / QWEN_FILE
-    )
-    byt5 = parts["text_encoder_2"].state_dict()
-    byt5.pop("encoder.embed_tokens.weight")  # tied to `shared.weight`; files store it once
-    save_safetensors(byt5, folder / BYT5_FILE)
-    parts["tokenizer"].save_pretrained(folder / "tokenizer")
-    parts["tokenizer_2"].save_pretrained(folder / "tokenizer_2")
+        single["image_encoder_file"] = (SIGLIP_FILE, vision_tower_file(parts["image_encoder"]))
+    pipeline = (HunyuanVideo15ImageToVideoPipeline if i2v else HunyuanVideo15Pipeline)(**parts)
+    label = "hunyuan_video15_i2v" if i2v else "hunyuan_video15"
+    return write_layouts(out_dir, label, pipeline, single, tokenizer_folders(parts))
 
 
 FIXTURE = Fixture(
     write=write_hunyuan_video15_fixture,
     # every part from its single file, as ComfyUI users hold them
-    model_section=f"""\
-architecture = "hunyuan_video15"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{QWEN_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-text_encoder_2 = "{{root}}/single/{BYT5_FILE}"
-tokenizer_2 = "{{root}}/single/tokenizer_2"
-""",
+    model_section=model_section(
+        "hunyuan_video15",
+        transformer=TRANSFORMER_FILE,
+        vae=VAE_FILE,
+        text_encoder=QWEN_FILE,
+        text_encoder_2=BYT5_FILE,
+    ),
 )
 
 I2V_FIXTURE = Fixture(
     write=partial(write_hunyuan_video15_fixture, i2v=True),
     # the transformer and SigLIP from their single files, the rest from the diffusers folder
-    model_section=f"""\
-architecture = "hunyuan_video15_i2v"
-transformer = "{{root}}/single/{I2V_TRANSFORMER_FILE}"
-image_encoder = "{{root}}/single/{SIGLIP_FILE}"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-""",
+    model_section=model_section(
+        "hunyuan_video15_i2v",
+        transformer=I2V_TRANSFORMER_FILE,
+        image_encoder=SIGLIP_FILE,
+        vae="diffusers",
+        text_encoder="diffusers",
+    ),
 )

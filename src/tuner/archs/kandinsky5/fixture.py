@@ -23,34 +23,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from diffusers import (
     AutoencoderKLHunyuanVideo,
     FlowMatchEulerDiscreteScheduler,
     Kandinsky5T2VPipeline,
     Kandinsky5Transformer3DModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import CLIPTextModel
 
-from tuner.archs.flux.loaders import CLIP_VARIANTS
-from tuner.archs.hunyuan_video.loaders import VAE_VARIANTS
-from tuner.archs.kandinsky5.loaders import PROMPT_TEMPLATE, SAMPLE_SHIFT, TRANSFORMER_VARIANTS
-from tuner.archs.qwen_image.text import VARIANTS as QWEN_VARIANTS
-from tuner.archs.qwen_image.text import original_key
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.archs.kandinsky5.loaders import PROMPT_TEMPLATE, SAMPLE_SHIFT
+from tuner.archs.qwen_image.fixture import qwen_vl_file, tiny_qwen_vl
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.encoders import clip_text_file
 from tuner.fixtures.tokenizers import build_clip_tokenizer, build_qwen2_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "kandinsky5lite_t2v_sft_5s_tiny.safetensors"
 VAE_FILE = "hunyuan_video_vae_tiny.safetensors"
 QWEN_FILE = "qwen_2.5_vl_tiny.safetensors"
 CLIP_FILE = "clip_l.safetensors"
-
-
-def _tiny(variants) -> Path:
-    return next(v.config_dir for v in variants if v.name == "tiny")
-
 
 # Words of the template that are more than one token in Qwen's vocabulary (the template's "scren" typo,
 # "dynamism"): learned split, so the template's prefix is the pipeline's CROP_START (128) tokens.
@@ -67,28 +58,17 @@ def _tokenizer_corpus() -> str:
 def build_kandinsky5_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments
     of `Kandinsky5T2VPipeline`."""
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        transformer = Kandinsky5Transformer3DModel.from_config(
-            Kandinsky5Transformer3DModel.load_config(_tiny(TRANSFORMER_VARIANTS))
-        )
-        vae = AutoencoderKLHunyuanVideo.from_config(
-            AutoencoderKLHunyuanVideo.load_config(_tiny(VAE_VARIANTS))
-        )
-        config = Qwen2_5_VLConfig.from_pretrained(_tiny(QWEN_VARIANTS))
-        qwen = Qwen2_5_VLForConditionalGeneration(config)
-        clip = CLIPTextModel(CLIPTextConfig.from_pretrained(_tiny(CLIP_VARIANTS)))
-    fill_random_(transformer, seed)
-    fill_random_(vae, seed + 1)
-    fill_random_(qwen, seed + 2)
-    fill_random_(clip, seed + 3)
+    qwen = tiny_qwen_vl(seed + 2)
     tokenizer = build_qwen2_tokenizer([_tokenizer_corpus()])
-    assert len(tokenizer) <= config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
+    assert len(tokenizer) <= qwen.config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
     return {
-        "transformer": transformer.eval(),
-        "vae": vae.eval(),
-        "text_encoder": qwen.eval(),
+        "transformer": tiny_model(
+            Kandinsky5Transformer3DModel, tiny_config("kandinsky5", "transformer"), seed
+        ),
+        "vae": tiny_model(AutoencoderKLHunyuanVideo, tiny_config("hunyuan_video", "vae"), seed + 1),
+        "text_encoder": qwen,
         "tokenizer": tokenizer,
-        "text_encoder_2": clip.eval(),
+        "text_encoder_2": tiny_model(CLIPTextModel, tiny_config("flux", "clip"), seed + 3),
         "tokenizer_2": build_clip_tokenizer(),
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=SAMPLE_SHIFT),  # the Lite T2V release's
     }
@@ -100,52 +80,26 @@ def write_kandinsky5_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Pa
     Keys: root, diffusers (pipeline folder), transformer_file, vae_file, text_encoder_file (Qwen),
     text_encoder_2_file (CLIP), tokenizer, tokenizer_2 (the single-file layout's tokenizer folders).
     """
-    out = Path(out_dir)
     parts = build_kandinsky5_components(seed)
-
-    def write(staging: Path) -> None:
-        Kandinsky5T2VPipeline(**parts).save_pretrained(staging / "diffusers", safe_serialization=True)
-        _write_single_files(staging / "single", parts)
-
-    publish_layouts(out, "kandinsky5", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / TRANSFORMER_FILE,
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / QWEN_FILE,
-        "text_encoder_2_file": single / CLIP_FILE,
-        "tokenizer": single / "tokenizer",
-        "tokenizer_2": single / "tokenizer_2",
+    single = {
+        "transformer_file": (TRANSFORMER_FILE, parts["transformer"].state_dict()),
+        "vae_file": (VAE_FILE, parts["vae"].state_dict()),
+        "text_encoder_file": (QWEN_FILE, qwen_vl_file(parts["text_encoder"])),
+        "text_encoder_2_file": (CLIP_FILE, clip_text_file(parts["text_encoder_2"])),
     }
-
-
-def _write_single_files(folder: Path, parts: dict) -> None:
-    folder.mkdir(parents=True)
-    save_safetensors(parts["transformer"].state_dict(), folder / TRANSFORMER_FILE)
-    save_safetensors(parts["vae"].state_dict(), folder / VAE_FILE)
-    qwen = parts["text_encoder"].state_dict()
-    save_safetensors(
-        {(k if k == "lm_head.weight" else original_key(k)): v for k, v in qwen.items()}, folder / QWEN_FILE
+    return write_layouts(
+        out_dir, "kandinsky5", Kandinsky5T2VPipeline(**parts), single, tokenizer_folders(parts)
     )
-    save_safetensors(
-        {f"text_model.{k}": v for k, v in parts["text_encoder_2"].state_dict().items()}, folder / CLIP_FILE
-    )
-    parts["tokenizer"].save_pretrained(folder / "tokenizer")
-    parts["tokenizer_2"].save_pretrained(folder / "tokenizer_2")
 
 
 FIXTURE = Fixture(
     write=write_kandinsky5_fixture,
     # every part from its single file, as ComfyUI users hold them
-    model_section=f"""\
-architecture = "kandinsky5"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{QWEN_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-text_encoder_2 = "{{root}}/single/{CLIP_FILE}"
-tokenizer_2 = "{{root}}/single/tokenizer_2"
-""",
+    model_section=model_section(
+        "kandinsky5",
+        transformer=TRANSFORMER_FILE,
+        vae=VAE_FILE,
+        text_encoder=QWEN_FILE,
+        text_encoder_2=CLIP_FILE,
+    ),
 )

@@ -18,21 +18,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from tuner.archs.ltx2.keys import AUDIO_VAE_LAYOUT, LTX2_LAYOUT, VIDEO_VAE_LAYOUT
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures import Fixture, model_section, write_layouts
+from tuner.fixtures.encoders import prefixed
 from tuner.fixtures.tokenizers import build_gemma_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
-CONFIG_DIR = Path(__file__).parent / "configs"
 CHECKPOINT_FILE = "ltx-2-tiny.safetensors"  # the release's file: transformer, video and audio VAE
 TRANSFORMER_FILE = "ltx-2-tiny-transformer.safetensors"  # the transformer alone, in the same names
-
-
-def _tiny(component: str) -> Path:
-    return CONFIG_DIR / component / "tiny"
 
 
 def build_ltx2_components(seed: int = 0) -> dict:
@@ -46,7 +39,7 @@ def build_ltx2_components(seed: int = 0) -> dict:
     )
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM
 
     classes = {
         "transformer": LTX2VideoTransformer3DModel,
@@ -54,13 +47,12 @@ def build_ltx2_components(seed: int = 0) -> dict:
         "audio_vae": AutoencoderKLLTX2Audio,
         "vocoder": LTX2Vocoder,
         "connectors": LTX2TextConnectors,
+        "text_encoder": Gemma3ForCausalLM,
     }
-    parts = {}
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        for i, (name, cls) in enumerate(classes.items()):
-            parts[name] = fill_random_(cls.from_config(cls.load_config(_tiny(name))), seed + i).eval()
-        text_encoder = Gemma3ForCausalLM(Gemma3TextConfig.from_pretrained(_tiny("text_encoder")))
-    parts["text_encoder"] = fill_random_(text_encoder, seed + len(classes)).eval()
+    parts = {
+        name: tiny_model(cls, tiny_config("ltx2", name), seed + i)
+        for i, (name, cls) in enumerate(classes.items())
+    }
     parts["tokenizer"] = build_gemma_tokenizer()
     parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift_terminal=0.1, use_dynamic_shifting=True)
     return parts
@@ -71,42 +63,22 @@ def write_ltx2_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     transformer_file}."""
     from diffusers import LTX2Pipeline
 
-    out = Path(out_dir)
     parts = build_ltx2_components(seed)
-
-    def write(staging: Path) -> None:
-        LTX2Pipeline(**parts).save_pretrained(staging / "diffusers", safe_serialization=True)
-        (staging / "single").mkdir()
-        # the release bundles the transformer, both VAEs (and the vocoder, connectors) in one file; a
-        # full fine-tune saves the transformer alone, in the same names
-        alone = {
-            f"model.diffusion_model.{k}": v
-            for k, v in LTX2_LAYOUT.to_original(parts["transformer"].state_dict()).items()
-        }
-        save_safetensors(alone, staging / "single" / TRANSFORMER_FILE)
-        vaes = {f"vae.{k}": v for k, v in VIDEO_VAE_LAYOUT.to_original(parts["vae"].state_dict()).items()}
-        vaes |= {
-            f"audio_vae.{k}": v
-            for k, v in AUDIO_VAE_LAYOUT.to_original(parts["audio_vae"].state_dict()).items()
-        }
-        save_safetensors(alone | vaes, staging / "single" / CHECKPOINT_FILE)
-
-    publish_layouts(out, "ltx2", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "checkpoint_file": single / CHECKPOINT_FILE,
-        "transformer_file": single / TRANSFORMER_FILE,
+    # the release bundles the transformer, both VAEs (and the vocoder, connectors) in one file; a full
+    # fine-tune saves the transformer alone, in the same names
+    alone = prefixed("model.diffusion_model.", LTX2_LAYOUT.to_original(parts["transformer"].state_dict()))
+    vaes = prefixed("vae.", VIDEO_VAE_LAYOUT.to_original(parts["vae"].state_dict()))
+    vaes |= prefixed("audio_vae.", AUDIO_VAE_LAYOUT.to_original(parts["audio_vae"].state_dict()))
+    single = {
+        "checkpoint_file": (CHECKPOINT_FILE, alone | vaes),
+        "transformer_file": (TRANSFORMER_FILE, alone),
     }
+    return write_layouts(out_dir, "ltx2", LTX2Pipeline(**parts), single)
 
 
 FIXTURE = Fixture(
     write=write_ltx2_fixture,
-    model_section="""\
-architecture = "ltx2"
-transformer = "{root}/single/ltx-2-tiny.safetensors"
-vae = "{root}/single/ltx-2-tiny.safetensors"
-text_encoder = "{root}/diffusers"
-""",
+    model_section=model_section(
+        "ltx2", transformer=CHECKPOINT_FILE, vae=CHECKPOINT_FILE, text_encoder="diffusers"
+    ),
 )

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from tuner.archs.ltx_video.keys import LTX_VIDEO_LAYOUT
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures import Fixture, model_section, write_layouts
+from tuner.fixtures.encoders import prefixed
 from tuner.fixtures.tokenizers import build_t5_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "ltx-video-tiny.safetensors"
 
@@ -27,23 +25,12 @@ TRANSFORMER_FILE = "ltx-video-tiny.safetensors"
 def build_ltx_video_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32): the arguments of `LTXPipeline`."""
     from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5EncoderModel
 
-    from tuner.archs.flux.loaders import T5_VARIANTS
-
-    tiny = Path(__file__).parent / "configs"
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        transformer = LTXVideoTransformer3DModel.from_config(
-            LTXVideoTransformer3DModel.load_config(tiny / "transformer" / "tiny")
-        )
-        vae = AutoencoderKLLTXVideo.from_config(AutoencoderKLLTXVideo.load_config(tiny / "vae" / "tiny"))
-        t5 = T5EncoderModel(
-            T5Config.from_pretrained(next(v.config_dir for v in T5_VARIANTS if v.name == "tiny"))
-        )
     return {
-        "transformer": fill_random_(transformer, seed).eval(),
-        "vae": fill_random_(vae, seed + 1).eval(),
-        "text_encoder": fill_random_(t5, seed + 2).eval(),
+        "transformer": tiny_model(LTXVideoTransformer3DModel, tiny_config("ltx_video", "transformer"), seed),
+        "vae": tiny_model(AutoencoderKLLTXVideo, tiny_config("ltx_video", "vae"), seed + 1),
+        "text_encoder": tiny_model(T5EncoderModel, tiny_config("flux", "t5"), seed + 2),
         "tokenizer": build_t5_tokenizer(),
         "scheduler": FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
     }
@@ -53,31 +40,15 @@ def write_ltx_video_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Pat
     """Write the tiny LTX-Video under `out_dir` in both layouts; returns {root, diffusers, transformer_file}."""
     from diffusers import LTXPipeline
 
-    out = Path(out_dir)
     parts = build_ltx_video_components(seed)
-
-    def write(staging: Path) -> None:
-        LTXPipeline(**parts).save_pretrained(staging / "diffusers", safe_serialization=True)
-        (staging / "single").mkdir()
-        state = LTX_VIDEO_LAYOUT.to_original(parts["transformer"].state_dict())
-        save_safetensors(
-            {f"model.diffusion_model.{k}": v for k, v in state.items()}, staging / "single" / TRANSFORMER_FILE
-        )
-
-    publish_layouts(out, "ltx_video", write)
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": out / "single" / TRANSFORMER_FILE,
-    }
+    state = LTX_VIDEO_LAYOUT.to_original(parts["transformer"].state_dict())
+    single = {"transformer_file": (TRANSFORMER_FILE, prefixed("model.diffusion_model.", state))}
+    return write_layouts(out_dir, "ltx_video", LTXPipeline(**parts), single)
 
 
 FIXTURE = Fixture(
     write=write_ltx_video_fixture,
-    model_section=f"""\
-architecture = "ltx_video"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-""",
+    model_section=model_section(
+        "ltx_video", transformer=TRANSFORMER_FILE, vae="diffusers", text_encoder="diffusers"
+    ),
 )

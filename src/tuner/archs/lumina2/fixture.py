@@ -26,23 +26,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from diffusers import (
     AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     Lumina2Pipeline,
     Lumina2Transformer2DModel,
 )
-from transformers import Gemma2Config, Gemma2Model
+from transformers import Gemma2Model
 
-from tuner.archs.flux.keys import vae_to_original
-from tuner.archs.flux.loaders import VAE_VARIANTS
+from tuner.archs.flux.fixture import ldm_vae_file
 from tuner.archs.lumina2.keys import transformer_to_original
-from tuner.archs.lumina2.loaders import SYSTEM_PROMPT, TEXT_ENCODER_VARIANTS, TRANSFORMER_VARIANTS
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.archs.lumina2.loaders import SYSTEM_PROMPT
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.encoders import prefixed
 from tuner.fixtures.tokenizers import build_gemma_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "lumina_2_model_tiny.safetensors"
 ALL_IN_ONE_FILE = "lumina_2_tiny.safetensors"
@@ -50,30 +48,17 @@ VAE_FILE = "ae.safetensors"
 TEXT_ENCODER_FILE = "gemma_2_2b_tiny.safetensors"
 
 
-def _tiny(variants) -> Path:
-    return next(v.config_dir for v in variants if v.name == "tiny")
-
-
 def build_lumina2_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`.
 
     Keys: the arguments of `Lumina2Pipeline` (transformer, vae, text_encoder, tokenizer, scheduler).
     """
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        transformer = Lumina2Transformer2DModel.from_config(
-            Lumina2Transformer2DModel.load_config(_tiny(TRANSFORMER_VARIANTS))
-        )
-        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(_tiny(VAE_VARIANTS)))
-        gemma = Gemma2Model(Gemma2Config.from_pretrained(_tiny(TEXT_ENCODER_VARIANTS)))
-    fill_random_(transformer, seed)
-    fill_random_(vae, seed + 1)
-    fill_random_(gemma, seed + 2)
     tokenizer = build_gemma_tokenizer([SYSTEM_PROMPT, "<Prompt Start>"])
     tokenizer.padding_side = "right"
     return {
-        "transformer": transformer.eval(),
-        "vae": vae.eval(),
-        "text_encoder": gemma.eval(),
+        "transformer": tiny_model(Lumina2Transformer2DModel, tiny_config("lumina2", "transformer"), seed),
+        "vae": tiny_model(AutoencoderKL, tiny_config("flux", "vae"), seed + 1),
+        "text_encoder": tiny_model(Gemma2Model, tiny_config("lumina2", "text_encoder"), seed + 2),
         "tokenizer": tokenizer,
         # Lumina-Image-2.0's scheduler: flow-matching Euler with a static shift of 6
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=6.0),
@@ -86,54 +71,28 @@ def write_lumina2_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]
     Keys: root, diffusers (pipeline folder), transformer_file, all_in_one_file, vae_file,
     text_encoder_file, tokenizer (the single-file layout's tokenizer folder).
     """
-    out = Path(out_dir)
     parts = build_lumina2_components(seed)
-
-    def write(staging: Path) -> None:
-        Lumina2Pipeline(**parts).save_pretrained(staging / "diffusers", safe_serialization=True)
-        write_single_files(staging / "single", parts)
-
-    publish_layouts(out, "lumina2", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / TRANSFORMER_FILE,
-        "all_in_one_file": single / ALL_IN_ONE_FILE,
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / TEXT_ENCODER_FILE,
-        "tokenizer": single / "tokenizer",
-    }
-
-
-def write_single_files(folder: Path, parts: dict) -> None:
-    folder.mkdir(parents=True)
     transformer = transformer_to_original(parts["transformer"].state_dict())  # norm_final included
-    save_safetensors(transformer, folder / TRANSFORMER_FILE)
-    levels = len(parts["vae"].config.block_out_channels)
-    vae = vae_to_original(parts["vae"].state_dict(), levels)
-    save_safetensors(vae, folder / VAE_FILE)
-    gemma = {f"model.{k}": v for k, v in parts["text_encoder"].state_dict().items()}
-    save_safetensors(gemma, folder / TEXT_ENCODER_FILE)
-    save_safetensors(
-        {
-            **{f"model.diffusion_model.{k}": v for k, v in transformer.items()},
-            **{f"first_stage_model.{k}": v for k, v in vae.items()},
-            **{f"text_encoders.gemma2_2b.{k}": v for k, v in gemma.items()},
-        },
-        folder / ALL_IN_ONE_FILE,
+    vae = ldm_vae_file(parts["vae"])
+    gemma = prefixed("model.", parts["text_encoder"].state_dict())
+    all_in_one = (
+        prefixed("model.diffusion_model.", transformer)
+        | prefixed("first_stage_model.", vae)
+        | prefixed("text_encoders.gemma2_2b.", gemma)
     )
-    parts["tokenizer"].save_pretrained(folder / "tokenizer")
+    single = {
+        "transformer_file": (TRANSFORMER_FILE, transformer),
+        "all_in_one_file": (ALL_IN_ONE_FILE, all_in_one),
+        "vae_file": (VAE_FILE, vae),
+        "text_encoder_file": (TEXT_ENCODER_FILE, gemma),
+    }
+    return write_layouts(out_dir, "lumina2", Lumina2Pipeline(**parts), single, tokenizer_folders(parts))
 
 
 FIXTURE = Fixture(
     write=write_lumina2_fixture,
     # the release's single files, as ComfyUI users hold them
-    model_section=f"""\
-architecture = "lumina2"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{TEXT_ENCODER_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-""",
+    model_section=model_section(
+        "lumina2", transformer=TRANSFORMER_FILE, vae=VAE_FILE, text_encoder=TEXT_ENCODER_FILE
+    ),
 )

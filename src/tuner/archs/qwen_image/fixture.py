@@ -26,31 +26,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from tuner.archs.qwen_image.loaders import TRANSFORMER_VARIANTS, VAE_VARIANTS
-from tuner.archs.qwen_image.text import (
-    EDIT_TEMPLATE,
-    PICTURE,
-    TEXT_TO_IMAGE_TEMPLATE,
-    original_key,
-)
-from tuner.archs.qwen_image.text import (
-    VARIANTS as TEXT_ENCODER_VARIANTS,
-)
+from tuner.archs.qwen_image.text import EDIT_TEMPLATE, PICTURE, TEXT_TO_IMAGE_TEMPLATE, original_key
 from tuner.archs.wan.keys import vae_to_original
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
 from tuner.fixtures.tokenizers import build_qwen2_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "qwen_image_tiny.safetensors"
 VAE_FILE = "qwen_image_vae.safetensors"
@@ -70,8 +59,15 @@ SCHEDULER_CONFIG = {
 }
 
 
-def _tiny(variants) -> Path:
-    return next(v.config_dir for v in variants if v.name == "tiny")
+def tiny_qwen_vl(seed: int) -> Qwen2_5_VLForConditionalGeneration:
+    """The tiny Qwen2.5-VL (`configs/text_encoder/tiny`), filled with `seed`; Kandinsky 5's and
+    HunyuanVideo 1.5's fixtures use it too."""
+    return tiny_model(Qwen2_5_VLForConditionalGeneration, tiny_config("qwen_image", "text_encoder"), seed)
+
+
+def qwen_vl_file(model: Qwen2_5_VLForConditionalGeneration) -> dict:
+    """A Qwen2.5-VL in the original layout, as ComfyUI's file holds it (model.layers..., visual..., lm_head)."""
+    return {(k if k == "lm_head.weight" else original_key(k)): v for k, v in model.state_dict().items()}
 
 
 def build_qwen_image_components(seed: int = 0) -> dict:
@@ -80,25 +76,20 @@ def build_qwen_image_components(seed: int = 0) -> dict:
     Keys: transformer, vae, text_encoder, tokenizer, scheduler (the arguments of `QwenImagePipeline`),
     and image_processor (what the edit pipelines' `Qwen2VLProcessor` wraps with the tokenizer).
     """
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        transformer = QwenImageTransformer2DModel.from_config(
-            QwenImageTransformer2DModel.load_config(_tiny(TRANSFORMER_VARIANTS))
-        )
-        vae = AutoencoderKLQwenImage.from_config(AutoencoderKLQwenImage.load_config(_tiny(VAE_VARIANTS)))
-        config = Qwen2_5_VLConfig.from_pretrained(_tiny(TEXT_ENCODER_VARIANTS))
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
-    fill_random_(transformer, seed)
-    fill_random_(vae, seed + 1)
-    fill_random_(text_encoder, seed + 2)
+    text_encoder = tiny_qwen_vl(seed + 2)
     tokenizer = build_qwen2_tokenizer(
         [t.replace("{}", "\n") for t in (TEXT_TO_IMAGE_TEMPLATE, EDIT_TEMPLATE, PICTURE)]
         + ["user\nassistant\n"]
     )
-    assert len(tokenizer) <= config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
+    assert len(tokenizer) <= text_encoder.config.text_config.vocab_size, (
+        "the tiny vocabulary outgrew the tiny config"
+    )
     return {
-        "transformer": transformer.eval(),
-        "vae": vae.eval(),
-        "text_encoder": text_encoder.eval(),
+        "transformer": tiny_model(
+            QwenImageTransformer2DModel, tiny_config("qwen_image", "transformer"), seed
+        ),
+        "vae": tiny_model(AutoencoderKLQwenImage, tiny_config("qwen_image", "vae"), seed + 1),
+        "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "scheduler": FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
         "image_processor": Qwen2VLImageProcessorPil(),
@@ -113,27 +104,20 @@ def write_qwen_image_fixture(out_dir: str | Path, seed: int = 0, edit: bool = Fa
     (the single-file layout's tokenizer folder). Existing `diffusers/` and `single/` folders under
     `out_dir` are replaced only once the new ones are complete.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     parts = build_qwen_image_components(seed)
+    pipeline = QwenImagePipeline(**{k: v for k, v in parts.items() if k != "image_processor"})
 
-    def write(staging: Path) -> None:
-        pipeline_parts = {k: v for k, v in parts.items() if k != "image_processor"}
-        QwenImagePipeline(**pipeline_parts).save_pretrained(staging / "diffusers", safe_serialization=True)
+    def diffusers(folder: Path) -> None:
+        pipeline.save_pretrained(folder, safe_serialization=True)
         if edit:
-            _add_edit_processor(staging / "diffusers", parts)
-        write_single_files(staging / "single", parts)
+            _add_edit_processor(folder, parts)
 
-    publish_layouts(out, "qwen-image", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / TRANSFORMER_FILE,
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / TEXT_ENCODER_FILE,
-        "tokenizer": single / "tokenizer",
+    single = {
+        "transformer_file": (TRANSFORMER_FILE, parts["transformer"].state_dict()),
+        "vae_file": (VAE_FILE, vae_to_original(parts["vae"].state_dict())),
+        "text_encoder_file": (TEXT_ENCODER_FILE, qwen_vl_file(parts["text_encoder"])),
     }
+    return write_layouts(out_dir, "qwen-image", diffusers, single, tokenizer_folders(parts))
 
 
 def write_qwen_image_edit_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
@@ -153,37 +137,18 @@ def _add_edit_processor(folder: Path, parts: dict) -> None:
     (folder / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 
-def write_single_files(folder: Path, parts: dict) -> None:
-    folder.mkdir(parents=True)
-    save_safetensors(parts["transformer"].state_dict(), folder / TRANSFORMER_FILE)
-    save_safetensors(vae_to_original(parts["vae"].state_dict()), folder / VAE_FILE)
-    text_encoder = parts["text_encoder"].state_dict()
-    save_safetensors(
-        {(k if k == "lm_head.weight" else original_key(k)): v for k, v in text_encoder.items()},
-        folder / TEXT_ENCODER_FILE,
-    )
-    parts["tokenizer"].save_pretrained(folder / "tokenizer")
-
-
 FIXTURE = Fixture(
     write=write_qwen_image_fixture,
     # every part as a ComfyUI single file (the tokenizer from its folder)
-    model_section=f"""\
-architecture = "qwen_image"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{TEXT_ENCODER_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-""",
+    model_section=model_section(
+        "qwen_image", transformer=TRANSFORMER_FILE, vae=VAE_FILE, text_encoder=TEXT_ENCODER_FILE
+    ),
 )
 
 EDIT_FIXTURE = Fixture(
     write=write_qwen_image_edit_fixture,
     # the single-file transformer, the diffusers folder for the rest (text encoder with its processor)
-    model_section=f"""\
-architecture = "qwen_image_edit"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-""",
+    model_section=model_section(
+        "qwen_image_edit", transformer=TRANSFORMER_FILE, vae="diffusers", text_encoder="diffusers"
+    ),
 )

@@ -19,15 +19,12 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
-from tuner.archs.wan.fixture import VAE_FILE, build_wan_components, fixture_paths, write_single_files
+from tuner.archs.wan.fixture import build_wan_components, wan21_files
 from tuner.archs.wan.keys import transformer_to_original
-from tuner.archs.wan.loaders import TRANSFORMER_VARIANTS
-from tuner.fixtures import Fixture, publish_layouts
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
+from tuner.fixtures.weights import tiny_config, tiny_model
 from tuner.registry import architecture
 
 # per architecture: the experts' tiny variant, the release's file-name prefix, the diffusers pipeline
@@ -43,13 +40,6 @@ def expert_files(arch: str) -> tuple[str, str]:
     return f"{prefix}_high_noise_tiny.safetensors", f"{prefix}_low_noise_tiny.safetensors"
 
 
-def _tiny_expert(variant: str, seed: int) -> WanTransformer3DModel:
-    config_dir = next(v.config_dir for v in TRANSFORMER_VARIANTS if v.name == variant)
-    with torch.random.fork_rng(devices=[]):
-        model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(config_dir))
-    return fill_random_(model, seed).eval()
-
-
 def write_wan22_fixture(out_dir: str | Path, seed: int = 0, arch: str = "wan22_t2v") -> dict[str, Path]:
     """Write the tiny Wan 2.2 A14B model of `arch` (wan22_t2v or wan22_i2v) under `out_dir` in both
     layouts; returns the paths.
@@ -57,39 +47,30 @@ def write_wan22_fixture(out_dir: str | Path, seed: int = 0, arch: str = "wan22_t
     Keys: root, diffusers, transformer_file (the high-noise expert, what `model.transformer` holds),
     transformer_2_file (the low-noise one), vae_file, text_encoder_file, tokenizer.
     """
-    out = Path(out_dir)
     variant, _, pipeline = _KINDS[arch]
+    config = tiny_config("wan", "transformer", variant)
     parts = build_wan_components(seed)  # its transformer: the T2V high-noise expert
     if variant != "tiny":
-        parts["transformer"] = _tiny_expert(variant, seed + 4)
-    parts["transformer_2"] = _tiny_expert(variant, seed + 3)
+        parts["transformer"] = tiny_model(WanTransformer3DModel, config, seed + 4)
+    parts["transformer_2"] = tiny_model(WanTransformer3DModel, config, seed + 3)
     extra = {"image_encoder": None, "image_processor": None} if pipeline is WanImageToVideoPipeline else {}
     high, low = expert_files(arch)
-
-    def write(staging: Path) -> None:
-        pipe = pipeline(**parts, **extra, boundary_ratio=architecture(arch).boundary)
-        pipe.save_pretrained(staging / "diffusers", safe_serialization=True)
-        single = staging / "single"
-        write_single_files(single, parts)
-        (single / "wan2.1_t2v_tiny.safetensors").rename(single / high)
-        save_safetensors(transformer_to_original(parts["transformer_2"].state_dict()), single / low)
-
-    publish_layouts(out, arch, write)
-    return {**fixture_paths(out, high, VAE_FILE), "transformer_2_file": out / "single" / low}
+    single = {
+        "transformer_file": (high, transformer_to_original(parts["transformer"].state_dict())),
+        "transformer_2_file": (low, transformer_to_original(parts["transformer_2"].state_dict())),
+    }
+    pipe = pipeline(**parts, **extra, boundary_ratio=architecture(arch).boundary)
+    return write_layouts(out_dir, arch, pipe, single | wan21_files(parts), tokenizer_folders(parts))
 
 
 def _model_section(arch: str) -> str:
     # single files for the experts, the diffusers folder for the rest; the contract suite trains the
     # high-noise expert (model.transformer), the one it swaps for merged files
     high, low = expert_files(arch)
-    return f"""\
-architecture = "{arch}"
-transformer = "{{root}}/single/{high}"
-transformer_2 = "{{root}}/single/{low}"
-expert = "high"
-vae = "{{root}}/diffusers"
-text_encoder = "{{root}}/diffusers"
-"""
+    return (
+        model_section(arch, transformer=high, transformer_2=low, vae="diffusers", text_encoder="diffusers")
+        + 'expert = "high"\n'
+    )
 
 
 T2V_FIXTURE = Fixture(write=write_wan22_fixture, model_section=_model_section("wan22_t2v"))

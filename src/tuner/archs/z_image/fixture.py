@@ -24,16 +24,14 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-from transformers import Qwen3Config, Qwen3Model
+from transformers import Qwen3Model
 
-from tuner.archs.flux import loaders as flux
-from tuner.archs.flux.keys import vae_to_original
+from tuner.archs.flux.fixture import ldm_vae_file
 from tuner.archs.z_image import loaders as z_image
 from tuner.archs.z_image import text as z_image_text
-from tuner.fixtures import Fixture, publish_layouts
+from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
 from tuner.fixtures.tokenizers import build_qwen3_tokenizer
-from tuner.fixtures.weights import fill_random_
-from tuner.io import save_safetensors
+from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "z_image_tiny.safetensors"
 VAE_FILE = "ae.safetensors"
@@ -43,30 +41,18 @@ TEXT_ENCODER_FILE = "qwen_3_tiny.safetensors"
 SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
 
-def _tiny(variants) -> Path:
-    return next(v.config_dir for v in variants if v.name == "tiny")
-
-
 def build_z_image_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments
     of `ZImagePipeline` (transformer, vae, text_encoder, tokenizer, scheduler)."""
-    with torch.random.fork_rng(devices=[]):  # constructors draw from the global generator
-        transformer = ZImageTransformer2DModel.from_config(
-            ZImageTransformer2DModel.load_config(_tiny(z_image.TRANSFORMER_VARIANTS))
-        )
-        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(_tiny(flux.VAE_VARIANTS)))
-        config = Qwen3Config.from_pretrained(_tiny(z_image_text.VARIANTS))
-        text_encoder = Qwen3Model(config)
-    fill_random_(transformer, seed)
+    transformer = tiny_model(ZImageTransformer2DModel, tiny_config("z_image", "transformer"), seed)
     _quiet_block_modulation_(transformer)
-    fill_random_(vae, seed + 1)
-    fill_random_(text_encoder, seed + 2)
+    text_encoder = tiny_model(Qwen3Model, tiny_config("z_image", "text_encoder"), seed + 2)
     tokenizer = build_qwen3_tokenizer([z_image_text.TEMPLATE.replace("{}", "\n")])
-    assert len(tokenizer) <= config.vocab_size, "the tiny vocabulary outgrew the tiny config"
+    assert len(tokenizer) <= text_encoder.config.vocab_size, "the tiny vocabulary outgrew the tiny config"
     return {
-        "transformer": transformer.eval(),
-        "vae": vae.eval(),
-        "text_encoder": text_encoder.eval(),
+        "transformer": transformer,
+        "vae": tiny_model(AutoencoderKL, tiny_config("flux", "vae"), seed + 1),
+        "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "scheduler": FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
     }
@@ -90,48 +76,26 @@ def write_z_image_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]
     (the single-file layout's tokenizer folder). Existing `diffusers/` and `single/` folders under
     `out_dir` are replaced only once the new ones are complete.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     parts = build_z_image_components(seed)
-
-    def write(staging: Path) -> None:
-        ZImagePipeline(**parts).save_pretrained(staging / "diffusers", safe_serialization=True)
-        write_single_files(staging / "single", parts)
-
-    publish_layouts(out, "z-image", write)
-    single = out / "single"
-    return {
-        "root": out,
-        "diffusers": out / "diffusers",
-        "transformer_file": single / TRANSFORMER_FILE,
-        "vae_file": single / VAE_FILE,
-        "text_encoder_file": single / TEXT_ENCODER_FILE,
-        "tokenizer": single / "tokenizer",
-    }
-
-
-def write_single_files(folder: Path, parts: dict) -> None:
-    folder.mkdir(parents=True)
-    save_safetensors(
-        z_image.Z_IMAGE_LAYOUT.to_original(parts["transformer"].state_dict()), folder / TRANSFORMER_FILE
-    )
-    levels = len(parts["vae"].config.block_out_channels)
-    save_safetensors(vae_to_original(parts["vae"].state_dict(), levels), folder / VAE_FILE)
     text_encoder = parts["text_encoder"].state_dict()
-    save_safetensors(
-        {z_image_text.original_key(k): v for k, v in text_encoder.items()}, folder / TEXT_ENCODER_FILE
-    )
-    parts["tokenizer"].save_pretrained(folder / "tokenizer")
+    single = {
+        "transformer_file": (
+            TRANSFORMER_FILE,
+            z_image.Z_IMAGE_LAYOUT.to_original(parts["transformer"].state_dict()),
+        ),
+        "vae_file": (VAE_FILE, ldm_vae_file(parts["vae"])),
+        "text_encoder_file": (
+            TEXT_ENCODER_FILE,
+            {z_image_text.original_key(k): v for k, v in text_encoder.items()},
+        ),
+    }
+    return write_layouts(out_dir, "z-image", ZImagePipeline(**parts), single, tokenizer_folders(parts))
 
 
 FIXTURE = Fixture(
     write=write_z_image_fixture,
     # every part as a ComfyUI single file (the tokenizer from its folder)
-    model_section=f"""\
-architecture = "z_image"
-transformer = "{{root}}/single/{TRANSFORMER_FILE}"
-vae = "{{root}}/single/{VAE_FILE}"
-text_encoder = "{{root}}/single/{TEXT_ENCODER_FILE}"
-tokenizer = "{{root}}/single/tokenizer"
-""",
+    model_section=model_section(
+        "z_image", transformer=TRANSFORMER_FILE, vae=VAE_FILE, text_encoder=TEXT_ENCODER_FILE
+    ),
 )
