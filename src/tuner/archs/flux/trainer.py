@@ -16,16 +16,13 @@ import torch
 from torch import nn
 
 from tuner.archs.flux import loaders as flux
+from tuner.archs.model import ArchitectureModel
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class FluxTrainer(NetworkTrainer):
+class FluxModel(ArchitectureModel):
     architecture = "flux"
-    sample_shift = timestep_mode = "flux_shift"
-    spatial_step = 16
-    latent_patch = (2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return flux.load_transformer(self.weights_path("transformer"), dtype)
@@ -92,11 +89,10 @@ class FluxTrainer(NetworkTrainer):
         return (16, height // 8, width // 8)
 
 
-class FluxKontextTrainer(FluxTrainer):
+class FluxKontextModel(FluxModel):
     """FLUX.1 Kontext: the dev network, given the reference image (`control_0`) after the target."""
 
     architecture = "flux_kontext"
-    control_images = (1, 1)
 
     def references(self, cond: dict) -> tuple[torch.Tensor, ...]:
         controls = sorted(k for k in cond if k.startswith("control_"))

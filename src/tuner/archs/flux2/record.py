@@ -9,7 +9,7 @@ from tuner.archs.record import Architecture
 FLUX2 = Architecture(
     name="flux2",
     title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
-    trainer="tuner.archs.flux2.trainer:Flux2Trainer",
+    family="tuner.archs.flux2.trainer:Flux2Model",
     layout="tuner.archs.flux2.keys:FLUX2_LAYOUT",
     fixture="tuner.archs.flux2.fixture:FIXTURE",
     model_class="Flux2Transformer2DModel",
@@ -29,6 +29,11 @@ FLUX2 = Architecture(
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
+    spatial_step=16,
+    control_images=(0, 10),
+    timestep_mode="flux_shift",
+    sample_shift="flux_shift",
+    latent_patch=(1, 1),
 )
 
 
@@ -39,7 +44,7 @@ RECORDS = (
         FLUX2,
         name="flux2_klein",
         title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
-        trainer="tuner.archs.flux2.trainer:Flux2KleinTrainer",
+        family="tuner.archs.flux2.trainer:Flux2KleinModel",
         fixture="tuner.archs.flux2.fixture:KLEIN_FIXTURE",
         tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-klein-4B:tokenizer"),),  # Qwen3
         hub_repos=(

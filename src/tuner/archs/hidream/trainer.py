@@ -22,15 +22,13 @@ from torch import nn
 from tuner.archs.flux import loaders as flux
 from tuner.archs.hidream import loaders as hidream
 from tuner.archs.hidream import text as hidream_text
+from tuner.archs.model import ArchitectureModel
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class HiDreamTrainer(NetworkTrainer):
+class HiDreamModel(ArchitectureModel):
     architecture = "hidream"
-    spatial_step = 16
-    latent_patch = (2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return hidream.load_transformer(self.weights_path("transformer"), dtype)

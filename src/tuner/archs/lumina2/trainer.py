@@ -15,17 +15,13 @@ from torch import nn
 
 from tuner.archs.flux import loaders as flux
 from tuner.archs.lumina2 import loaders as lumina2
+from tuner.archs.model import ArchitectureModel
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class Lumina2Trainer(NetworkTrainer):
+class Lumina2Model(ArchitectureModel):
     architecture = "lumina2"
-    timestep_mode = "shift"
-    sample_shift = 6.0  # the release's scheduler: static shift 6
-    spatial_step = 16
-    latent_patch = (2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return lumina2.load_transformer(self.weights_path("transformer"), dtype)

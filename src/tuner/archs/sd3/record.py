@@ -7,7 +7,7 @@ from tuner.archs.record import Architecture
 SD3 = Architecture(
     name="sd3",
     title="Stable Diffusion 3.5 text-to-image (Medium, Large, Large Turbo)",
-    trainer="tuner.archs.sd3.trainer:SD3Trainer",
+    family="tuner.archs.sd3.trainer:SD3Model",
     layout="tuner.archs.sd3.keys:SD3_LAYOUT",
     fixture="tuner.archs.sd3.fixture:FIXTURE",
     model_class="SD3Transformer2DModel",
@@ -30,6 +30,8 @@ SD3 = Architecture(
     # layout. diffusers' SD3 loader reads only its own names (it has no converter): save.format =
     # "diffusers" (or `tuner lora convert --to diffusers`) writes those, which ComfyUI maps as well
     save_format="comfy",
+    spatial_step=16,
+    latent_patch=(2, 2),
 )
 
 

@@ -17,18 +17,15 @@ import torch
 from torch import nn
 
 from tuner.archs.flux import loaders as flux
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.z_image import loaders as z_image
 from tuner.archs.z_image import text as z_image_text
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class ZImageTrainer(NetworkTrainer):
+class ZImageModel(ArchitectureModel):
     architecture = "z_image"
-    spatial_step = 16
-    latent_patch = (2, 2)
-    sample_shift = 3.0  # Z-Image-Turbo's scheduler_config.json
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return z_image.load_transformer(self.weights_path("transformer"), dtype)
