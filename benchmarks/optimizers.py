@@ -58,8 +58,8 @@ def state_bytes_per_parameter(name: str) -> float:
 
 
 def demo_loss(name: str, project: Path, out: Path, steps: int, tail: int) -> float:
-    from tuner.archs.wan.trainer import WanTrainer
     from tuner.config import load_config
+    from tuner.registry import trainer_class
 
     lr, kwargs = RECOMMENDED[name]
     args = ", ".join(f"{k} = {json.dumps(v)}" for k, v in kwargs.items())  # JSON scalars are TOML
@@ -68,7 +68,7 @@ def demo_loss(name: str, project: Path, out: Path, steps: int, tail: int) -> flo
         f"train.optimizer='{name}'", f"train.learning_rate={lr}", f"train.optimizer_args={{ {args} }}",
         "save.every_n_epochs=0", "save.save_state=false",
     ])  # fmt: skip
-    trainer = WanTrainer(cfg)
+    trainer = trainer_class("wan")(cfg)
     trainer.train(log=lambda s: None)
     return sum(trainer.history[-tail:]) / tail
 

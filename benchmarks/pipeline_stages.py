@@ -41,8 +41,8 @@ def stage_bytes(architecture: str, variant: str, rank: int, stages: int) -> dict
 
     record = ARCHITECTURES[architecture]
     model = meta_model(architecture, variant)
-    trainer = record.trainer_class().__new__(record.trainer_class())  # only pipeline_parts is called
-    parts = trainer.pipeline_parts(model)
+    family = record.family_class()
+    parts = family.__new__(family).pipeline_parts(model)  # only pipeline_parts is called
     blocks = parts.blocks
     network = LoRANetwork.apply_to(
         model, TargetSpec(record.default_targets), rank, rank, name_map=record.key_table()

@@ -40,16 +40,16 @@ from diffusers import WanTransformer3DModel
 from diffusers.utils import logging as diffusers_logging
 from torch import nn
 
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.cache.plan import open_training_data
 from tuner.cli import main as tuner
 from tuner.config import Config, load_config
 from tuner.demo import prepare
+from tuner.dtypes import DTYPES
 from tuner.fixtures import write_fixture
 from tuner.networks.factory import build_network
 from tuner.optim import build_optimizer
+from tuner.registry import ARCHITECTURES, trainer_class
 from tuner.timesteps import add_noise, flow_loss, flow_target
-from tuner.trainers.base import DTYPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when loaded by path (tests)
 from report import table  # noqa: E402
@@ -106,8 +106,8 @@ class StepClock:
         return statistics.median(steps)
 
 
-class BenchTrainer(WanTrainer):
-    """WanTrainer with a random-weight transformer of the benchmark's size, timed by `clock`."""
+class BenchTrainer(trainer_class("wan")):
+    """The Wan trainer with a random-weight transformer of the benchmark's size, timed by `clock`."""
 
     def __init__(self, cfg: Config, dim: int, layers: int, clock: StepClock):
         super().__init__(cfg)
@@ -128,7 +128,9 @@ def tuner_loop(cfg: Config, dim: int, layers: int) -> StepClock:
 
 def bare_loop(cfg: Config, dim: int, layers: int, steps: int, device: torch.device) -> StepClock:
     """Forward, loss, backward, clip, step on one batch held on the device; nothing else."""
-    trainer = WanTrainer(cfg)  # for its model-specific calls only: collate_text, predict, timestep_sampler
+    trainer = ARCHITECTURES["wan"].family_model(
+        cfg
+    )  # for its model-specific calls only: collate_text, predict, timestep_sampler
     tc = cfg.train
     batch = next(iter(open_training_data(trainer, cfg, log=lambda s: None).epoch(0)))
     x0 = batch["latents"].to(device)

@@ -11,8 +11,10 @@ import sys
 
 import torch
 
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.config import load_config
+from tuner.registry import trainer_class
+
+WanTrainer = trainer_class("wan")
 
 config, out, *rest = sys.argv[1:]
 resume = None

@@ -11,9 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.config import load_config
 from tuner.distributed import fsdp
+from tuner.registry import trainer_class
+
+WanTrainer = trainer_class("wan")
 
 config, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -7,8 +7,10 @@ import signal
 import sys
 
 import tuner.io
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.config import load_config
+from tuner.registry import trainer_class
+
+WanTrainer = trainer_class("wan")
 
 config, out, kill_at, resume, *overrides = sys.argv[1:]
 real = tuner.io.atomic_path

@@ -50,7 +50,9 @@ def cfg(config: Path, *overrides: str):
 
 def train_wan(config: Path, out: Path, *overrides: str, resume: str | None = None):
     """Train the Wan project `config` into `out` with `overrides`, quietly; return the trainer."""
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.registry import trainer_class
+
+    WanTrainer = trainer_class("wan")
 
     trainer = WanTrainer(cfg(config, f"save.output_dir='{out}'", "log.tensorboard=false", *overrides))
     trainer.train(resume=resume, log=lambda s: None)

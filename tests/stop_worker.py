@@ -5,9 +5,11 @@ import os
 import signal
 import sys
 
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.config import load_config
 from tuner.errors import TrainingStopped
+from tuner.registry import trainer_class
+
+WanTrainer = trainer_class("wan")
 
 config, out = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])

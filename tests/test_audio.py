@@ -3,11 +3,13 @@ takes, decoded with PyAV, keyed and cached beside the clip's latents (`tuner.dat
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from project import make_project, run, summary
-from tuner.archs.wan.trainer import WanTrainer
+from tuner.archs.wan.trainer import WanModel
 from tuner.cache.store import CacheStore
 from tuner.data.audio import audio_window, has_audio, log_mel, plan_audio, read_audio, read_audio_window
 from tuner.errors import DataError
@@ -71,10 +73,12 @@ def test_a_broken_audio_stream_is_a_data_error(tmp_path, videos):
         read_audio_window(broken, audio_window(tuple(range(24)), 24.0, TONE_RATE, 2))
 
 
-class _SoundTrainer(WanTrainer):
+class _SoundModel(WanModel):
     """Wan with a sound stream: the clip's log-mel stands in for an audio VAE's latents."""
 
-    audio_format = (TONE_RATE, 2)
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.record = replace(self.record, audio_format=(TONE_RATE, 2))
 
     def encode_audio(self, encoder, waveform):
         return {"audio_latents": log_mel(waveform.float(), TONE_RATE, 1024, 160, 64)}
@@ -82,10 +86,10 @@ class _SoundTrainer(WanTrainer):
 
 @pytest.fixture
 def sound_project(tmp_path, wan_model, monkeypatch):
-    from tuner.cache import commands
+    from tuner.archs.record import Architecture
     from tuner.fixtures.dataset import write_demo_dataset
 
-    monkeypatch.setattr(commands, "trainer_class", lambda name: _SoundTrainer)
+    monkeypatch.setattr(Architecture, "family_model", lambda record, cfg: _SoundModel(cfg))
     config = make_project(tmp_path, wan_model)
     write_demo_dataset(config.parent / "data", videos=2, tone=True)  # the same pictures, now with sound
     return config
@@ -103,7 +107,7 @@ def test_audio_and_video_round_trip_the_cache_and_one_new_track_re_encodes_one_e
     code, out = run(capsys, "cache", "latents", "--config", sound_project)
     assert code == 0 and summary(out) == (6, 0, 0), out
     store, by_source = _entries(sound_project)
-    trainer = _SoundTrainer(cfg(sound_project))
+    trainer = _SoundModel(cfg(sound_project))
     jobs = {
         j.source: j for plan in plan_datasets(trainer, cfg(sound_project), lambda s: None) for j in plan.jobs
     }

@@ -53,9 +53,9 @@ def test_changed_source_file_is_reencoded(project, capsys):
 
 
 def test_interrupted_caching_resumes(project, capsys, monkeypatch):
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
 
-    real = WanTrainer.encode_pixels
+    real = WanModel.encode_pixels
     calls = {"n": 0}
 
     def crash_after_three(self, vae, pixels):
@@ -64,10 +64,10 @@ def test_interrupted_caching_resumes(project, capsys, monkeypatch):
             raise KeyboardInterrupt("killed")
         return real(self, vae, pixels)
 
-    monkeypatch.setattr(WanTrainer, "encode_pixels", crash_after_three)
+    monkeypatch.setattr(WanModel, "encode_pixels", crash_after_three)
     with pytest.raises(KeyboardInterrupt):
         run(capsys, "cache", "latents", "--config", project, "--batch-size", "1")
-    monkeypatch.setattr(WanTrainer, "encode_pixels", real)
+    monkeypatch.setattr(WanModel, "encode_pixels", real)
     encoded, reused, _ = summary(run(capsys, "cache", "latents", "--config", project)[1])
     assert encoded + reused == 6 and encoded < 6 and reused <= 3
     assert summary(run(capsys, "cache", "latents", "--config", project)[1]) == (0, 6, 0)
@@ -170,11 +170,11 @@ def test_file_that_fails_to_decode_while_caching_is_skipped_and_left_out(project
     assert "1 source(s) failed to decode" in out and "video_001.mp4: " in out and "corrupt frame 7" in out
     run(capsys, "cache", "text", "--config", project)
     from project import cfg
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
     from tuner.cache.plan import open_training_data
 
     notes = []
-    data = open_training_data(WanTrainer(cfg(project)), cfg(project), notes.append)
+    data = open_training_data(WanModel(cfg(project)), cfg(project), notes.append)
     assert len(data.samples) == 5 and any("left out" in n and "video_001.mp4" in n for n in notes)
 
 

@@ -15,7 +15,7 @@ from tuner.archs.chroma.keys import (
     transformer_to_diffusers,
     transformer_to_original,
 )
-from tuner.archs.chroma.trainer import ChromaTrainer
+from tuner.archs.chroma.trainer import ChromaModel
 from tuner.archs.flux import loaders as flux
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
@@ -55,8 +55,8 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
 
 
-def _trainer(text_length: int) -> ChromaTrainer:
-    return ChromaTrainer(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
+def _trainer(text_length: int) -> ChromaModel:
+    return ChromaModel(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,10 +18,12 @@ from project import cfg, make_project, wan_inputs
 from test_blockswap import add_lora, tiny_wan, train_step
 from tuner import compile as compile_module
 from tuner import memory
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.memory import MemorySettings, apply_memory_settings
 from tuner.offload import FakeTransfer
+from tuner.registry import trainer_class
 from tuner.trainers.base import NetworkTrainer
+
+WanTrainer = trainer_class("wan")
 
 # (memory settings, diffusers' gradient checkpointing)
 # (LoRA alone: `test_train_compile_trains_exactly_as_eager_without_recompiling`)

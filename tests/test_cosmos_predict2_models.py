@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
 from tuner.archs.cosmos_predict2 import loaders as cosmos
 from tuner.archs.cosmos_predict2.keys import RELEASE_ONLY, transformer_key_to_original
-from tuner.archs.cosmos_predict2.trainer import CosmosPredict2Trainer
+from tuner.archs.cosmos_predict2.trainer import CosmosPredict2Model
 from tuner.archs.wan import loaders as wan_models
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
@@ -77,8 +77,8 @@ def load_pipeline(pipeline_class, root, monkeypatch):
     )
 
 
-def _trainer(text_length: int = 512) -> CosmosPredict2Trainer:
-    return CosmosPredict2Trainer(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
+def _trainer(text_length: int = 512) -> CosmosPredict2Model:
+    return CosmosPredict2Model(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -328,7 +328,7 @@ def test_latents_match_the_pipelines_normalization(pipe, paths):
 
 
 def trainer_vae(paths):
-    trainer = CosmosPredict2Trainer(
+    trainer = CosmosPredict2Model(
         SimpleNamespace(model=SimpleNamespace(vae=str(paths["vae_file"])), cache=SimpleNamespace())
     )
     return trainer.load_vae(torch.device("cpu"), torch.float32).eval()

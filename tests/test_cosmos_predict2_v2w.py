@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from project import cfg, make_project, run
 from test_cosmos_predict2_models import PROMPT, _same_weights, load_pipeline
 from tuner.archs.cosmos_predict2 import loaders as cosmos
-from tuner.archs.cosmos_predict2.trainer_v2w import T_CONDITIONING, CosmosPredict2V2WTrainer
+from tuner.archs.cosmos_predict2.trainer_v2w import T_CONDITIONING, CosmosPredict2V2WModel
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, check_options, encode_conditions, sample_latents
@@ -37,8 +37,8 @@ def pipe(paths, monkeypatch):
     return load_pipeline(Cosmos2VideoToWorldPipeline, paths["diffusers"], monkeypatch)
 
 
-def _trainer(text_length: int = 512) -> CosmosPredict2V2WTrainer:
-    return CosmosPredict2V2WTrainer(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length),
+def _trainer(text_length: int = 512) -> CosmosPredict2V2WModel:
+    return CosmosPredict2V2WModel(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length),
                                                     train=SimpleNamespace(first_frame_conditioning_p=None)))  # fmt: skip
 
 
@@ -166,7 +166,7 @@ def test_training_gives_one_or_two_frames_and_masks_them():
 def test_generation_ends_on_the_given_first_frame(paths, tmp_path, capsys):
     """`--image` is the first frame: sampling ends exactly on its latent frame, and the CLI writes a video."""
     config = make_project(tmp_path / "project", paths["root"], architecture="cosmos_predict2_v2w")
-    trainer = CosmosPredict2V2WTrainer(cfg(config))
+    trainer = CosmosPredict2V2WModel(cfg(config))
     model = trainer.load_transformer(torch.float32)
     image = tmp_path / "first.png"
     _frames(1)[0].resize((64, 48)).save(image)

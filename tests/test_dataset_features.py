@@ -266,10 +266,10 @@ def test_several_resolutions_train_each_item_at_each(tmp_path, wan_model):
         ConfigError, match=r"key 'resolution' \[60, 48\] is not a multiple of the model's spatial step 16"
     ):
         tuner_cfg = cfg(config)
-        from tuner.archs.wan.trainer import WanTrainer
+        from tuner.archs.wan.trainer import WanModel
         from tuner.cache.plan import plan_datasets
 
-        plan_datasets(WanTrainer(tuner_cfg), tuner_cfg, log=lambda s: None)
+        plan_datasets(WanModel(tuner_cfg), tuner_cfg, log=lambda s: None)
 
 
 # ---------------------------------------------------------------- regularization datasets

@@ -114,10 +114,10 @@ def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, 
         assert torch.equal(load_file(resumed / "demo_lora.safetensors")[key], value), key
 
     # the saved adapter loads in one process and changes the model's output
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
     from tuner.networks.factory import apply_adapter_file
 
-    trainer = WanTrainer(cfg(project))
+    trainer = WanModel(cfg(project))
     model = trainer.load_transformer(torch.float32)
     before = output(model)
     apply_adapter_file(
@@ -169,36 +169,36 @@ def test_fp8_base_and_checkpointing_compose(project, tmp_path):
     ],
 )
 def test_check_names_both_keys(tmp_path, wan_model, override, key):
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
     from tuner.distributed import strategy_for
 
     config = cfg(make_project(tmp_path, wan_model), FSDP, override)
     with pytest.raises(ConfigError) as refused:
-        strategy_for(config, 2).check(WanTrainer(config), 2)
+        strategy_for(config, 2).check(WanModel(config), 2)
     assert key in str(refused.value) and "distributed.strategy = 'fsdp'" in str(refused.value)
 
 
 def test_check_refuses_samples_during_training(tmp_path, wan_model):
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
     from tuner.distributed import strategy_for
 
     project = make_project(tmp_path, wan_model)
     config = cfg(project, FSDP, "sample.prompts=['a cat']", "sample.every_n_steps=2")
     with pytest.raises(ConfigError, match="sample.every_n_steps"):
-        strategy_for(config, 2).check(WanTrainer(config), 2)
+        strategy_for(config, 2).check(WanModel(config), 2)
     plain = cfg(project, FSDP)
-    strategy_for(plain, 2).check(WanTrainer(plain), 2)  # the config without them passes
+    strategy_for(plain, 2).check(WanModel(plain), 2)  # the config without them passes
 
 
 def test_full_finetune_of_mixed_dtypes_is_refused_naming_the_fix(tmp_path, wan_model):
     """Wan keeps its modulation tables and some norms in fp32: a bf16 full fine-tune trains two dtypes,
     which FSDP2 cannot shard in one group; fp32 weights can."""
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
     from tuner.distributed.fsdp import _check_one_trained_dtype
     from tuner.networks.full import FullNetwork
 
     config = cfg(make_project(tmp_path, wan_model), FSDP, "network.type='full'", "model.dtype='bf16'")
-    model = WanTrainer(config).load_transformer(torch.bfloat16)
+    model = WanModel(config).load_transformer(torch.bfloat16)
     with pytest.raises(ConfigError, match="model.dtype = 'fp32' and train.mixed_precision = 'bf16'"):
         _check_one_trained_dtype(config, model, FullNetwork(model))
     _check_one_trained_dtype(config, model.float(), FullNetwork(model))

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from project import cfg, make_cached_project, make_project, train_wan
+from tuner.archs.model import ArchitectureModel
 from tuner.distributed.pipeline import PipelineStrategy
 from tuner.distributed.stages import balanced_stages, pipeline_architectures
 from tuner.errors import ConfigError
 from tuner.registry import ARCHITECTURES, trainer_class
-from tuner.trainers.base import NetworkTrainer
 
 
 def test_stages_are_contiguous_and_balanced_by_parameter_count():
@@ -41,8 +41,8 @@ def test_pipeline_parts_follow_the_predict_they_cut():
     offered = pipeline_architectures()
     assert offered == ["wan", "flux", "flux_kontext"]
     for name, record in ARCHITECTURES.items():
-        cls = record.trainer_class()
-        if cls.pipeline_parts is NetworkTrainer.pipeline_parts:
+        cls = record.family_class()
+        if cls.pipeline_parts is ArchitectureModel.pipeline_parts:
             continue
         assert issubclass(_rule_of(cls, "pipeline_parts"), _rule_of(cls, "predict")), name
 

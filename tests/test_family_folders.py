@@ -49,7 +49,7 @@ def test_records_point_into_their_own_folder(family):
     records = importlib.import_module(f"tuner.archs.{family}.record").RECORDS
     assert records, family
     for record in records:
-        for ref in (record.trainer, record.layout, record.fixture):
+        for ref in (record.family, record.layout, record.fixture):
             assert ref.startswith(f"tuner.archs.{family}."), (
                 f"{record.name}: {ref} is outside archs/{family}/"
             )

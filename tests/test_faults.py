@@ -19,10 +19,12 @@ from safetensors.torch import load_file
 
 import tuner.io
 from project import cfg, make_cached_project, run
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.errors import CheckpointError, ConfigError, TrainingError
+from tuner.registry import trainer_class
 from tuner.trainers import state
 from tuner.trainers.checkpoints import Checkpoints
+
+WanTrainer = trainer_class("wan")
 
 STEPS = ("train.max_steps=4", "save.every_n_steps=2", "save.every_n_epochs=0", "network.dropout=0.1")
 

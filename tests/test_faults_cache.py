@@ -201,7 +201,7 @@ def test_training_reads_a_store_it_cannot_write(project, capsys, monkeypatch):
     """Training opens the store read-only: nothing it does may write to the index."""
     run(capsys, "cache", "latents", "--config", project)
     run(capsys, "cache", "text", "--config", project)
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
     from tuner.cache import index
     from tuner.cache import store as store_module
     from tuner.cache.plan import open_training_data
@@ -211,7 +211,7 @@ def test_training_reads_a_store_it_cannot_write(project, capsys, monkeypatch):
     monkeypatch.setattr(
         store_module, "connect", lambda root, readonly: opened.append(readonly) or real(root, readonly)
     )
-    data = open_training_data(WanTrainer(cfg(project)), cfg(project), log=lambda s: None)
+    data = open_training_data(WanModel(cfg(project)), cfg(project), log=lambda s: None)
     assert next(iter(data.epoch(0)))["latents"].shape[0] >= 1
     assert opened and not any(readonly is False for readonly in opened)
 
@@ -230,18 +230,18 @@ def test_writer_commits_on_its_interval(tmp_path):
 
 # -- killed and concurrent caching runs ------------------------------------------------------------
 
-# Runs `tuner` with WanTrainer.encode_pixels slowed down and announcing each call on stdout, so the
+# Runs `tuner` with WanModel.encode_pixels slowed down and announcing each call on stdout, so the
 # test knows how far the run got. Item k is put (and, with commit_every_seconds = 0, committed)
 # before call k + 1 starts.
 _SLOW_TUNER = """
 import sys, time
-from tuner.archs.wan.trainer import WanTrainer
-real = WanTrainer.encode_pixels
+from tuner.archs.wan.trainer import WanModel
+real = WanModel.encode_pixels
 def slow(self, vae, pixels):
     print("encoding", flush=True)
     time.sleep(float(sys.argv[1]))
     return real(self, vae, pixels)
-WanTrainer.encode_pixels = slow
+WanModel.encode_pixels = slow
 from tuner.cli import main
 sys.exit(main(sys.argv[2:]))
 """

@@ -19,8 +19,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from project import cfg, killed_at_first_save, make_project
-from tuner.archs.hunyuan_video15.trainer import HunyuanVideo15Trainer
-from tuner.archs.wan.trainer import WanTrainer
+from tuner.archs.hunyuan_video15.trainer import HunyuanVideo15Model
+from tuner.archs.wan.trainer import WanModel
 from tuner.cache.plan import open_training_data
 from tuner.cli import main as tuner
 from tuner.errors import ConfigError
@@ -71,17 +71,17 @@ def _draw(trainer, x0, cond, seed: int) -> dict:
 def _without(arch: str, trainer, model, noisy, t, cond) -> torch.Tensor:
     """The model's prediction without the first frame, built by hand from what its pipeline feeds."""
     if arch == "wan22_ti2v":  # the text-to-video path: plain Wan, one timestep per sample
-        return WanTrainer.predict(trainer, model, noisy, t, cond)
+        return WanModel.predict(trainer, model, noisy, t, cond)
     if arch == "ltx_video":  # the text-to-video call (LTXPipeline's, pinned in test_ltx_video_models.py)
         return trainer.predict(model, noisy, t, cond)
     if arch == "wan22_i2v":  # zero mask (4) and condition latents (16): ComfyUI's input without an image
-        return WanTrainer.predict(trainer, model, torch.cat([noisy, torch.zeros_like(noisy[:, :4]),
+        return WanModel.predict(trainer, model, torch.cat([noisy, torch.zeros_like(noisy[:, :4]),
                                                              torch.zeros_like(noisy)], dim=1), t, cond)  # fmt: skip
     if (
         arch == "hunyuan_video15_i2v"
     ):  # the text-to-video trainer's call: zeros for the frame and image tokens
         text = {k: v for k, v in cond.items() if k not in ("image_latents", "image_embeds")}
-        return HunyuanVideo15Trainer.predict(trainer, model, noisy, t, text)
+        return HunyuanVideo15Model.predict(trainer, model, noisy, t, text)
     given = torch.zeros(noisy.shape[0], dtype=torch.long)  # cosmos: no frame given, zero condition mask
     return trainer.predict(model, noisy, t, {**cond, "given_frames": given})
 
@@ -158,16 +158,16 @@ def test_a_mixed_run_resumes_exactly(tmp_path, monkeypatch):
     config = _cached_project(tmp_path, "wan22_i2v")
     common = ("train.first_frame_conditioning_p=0.5", "train.max_steps=4", "save.every_n_steps=2",
               "save.every_n_epochs=0", "train.lr_warmup_steps=0")  # fmt: skip
-    from tuner.trainers.base import NetworkTrainer
+    from tuner.archs.model import ArchitectureModel
 
-    drawn, original = [], NetworkTrainer.first_frame_given
+    drawn, original = [], ArchitectureModel.first_frame_given
 
     def recorded(self, x0, generator):
         flags = original(self, x0, generator)
         drawn.append(flags.tolist())
         return flags
 
-    monkeypatch.setattr(NetworkTrainer, "first_frame_given", recorded)
+    monkeypatch.setattr(ArchitectureModel, "first_frame_given", recorded)
     _trainer(config, f"save.output_dir='{tmp_path / 'straight'}'", *common).train(log=lambda s: None)
     assert {flag for step in drawn for flag in step} == {True, False}  # the run mixes both
     killed_at_first_save(monkeypatch, lambda: _trainer(config, f"save.output_dir='{tmp_path / 'resumed'}'", *common).train(log=lambda s: None))  # fmt: skip

@@ -13,9 +13,11 @@ import torch
 import tuner.cache.batches as batches_module
 from project import cfg, make_cached_project
 from test_datasets import make_spec
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.cache import CacheStore
 from tuner.cache.batches import TrainingData, TrainingSample
+from tuner.registry import trainer_class
+
+WanTrainer = trainer_class("wan")
 
 
 def _samples(counts: dict[tuple[int, str], int]) -> list[TrainingSample]:

@@ -12,7 +12,7 @@ from tuner.archs.flux2 import loaders as flux2
 from tuner.archs.flux2 import text as flux2_text
 from tuner.archs.flux2.fixture import write_flux2_fixture, write_flux2_klein_fixture
 from tuner.archs.flux2.keys import transformer_to_original, vae_key_to_original
-from tuner.archs.flux2.trainer import Flux2KleinTrainer, Flux2Trainer
+from tuner.archs.flux2.trainer import Flux2KleinModel, Flux2Model
 from tuner.errors import CheckpointError
 from tuner.models.identify import pick_variant
 from tuner.registry import ARCHITECTURES
@@ -40,7 +40,7 @@ def encoder(fx):
     )
 
 
-def trainer_for(text_max_length: int = 64, guidance: float = 2.5, cls: type = Flux2Trainer) -> Flux2Trainer:
+def trainer_for(text_max_length: int = 64, guidance: float = 2.5, cls: type = Flux2Model) -> Flux2Model:
     trainer = cls.__new__(cls)
     trainer.cfg = type("Cfg", (), {})()
     trainer.cfg.cache = type("Cache", (), {"text_max_length": text_max_length})()
@@ -318,7 +318,7 @@ def test_reference_images_cache_train_and_generate(fx, tmp_path, capsys):
     dataset.write_text(dataset.read_text() + 'control_directory = "data/controls"\n')
     for step in ("latents", "text"):
         assert run(capsys, "cache", step, "--config", project)[0] == 0
-    trainer = Flux2Trainer(cfg(project))
+    trainer = Flux2Model(cfg(project))
     from project import contract_inputs
 
     noisy, t, cond = contract_inputs(trainer)
@@ -386,7 +386,7 @@ def test_klein_text_encoder_given_to_dev_names_flux2_klein(klein):
 def test_klein_prompt_embeddings_equal_pipeline(klein_pipe, klein):
     encoder = flux2_text.load_text_encoder(klein["diffusers"], None, torch.float32, flux2_text.QWEN3)
     theirs, _ = klein_pipe.encode_prompt(PROMPTS, device="cpu", max_sequence_length=48)
-    ours = trainer_for(48, cls=Flux2KleinTrainer).encode_text(encoder, PROMPTS)
+    ours = trainer_for(48, cls=Flux2KleinModel).encode_text(encoder, PROMPTS)
     torch.testing.assert_close(torch.stack([e["prompt_embeds"] for e in ours]), theirs, rtol=0, atol=0)
     # the template's tokens: user turn, then the assistant's turn with an empty think block
     text = encoder.tokenizer.apply_chat_template(
@@ -402,7 +402,7 @@ def test_klein_predict_equals_pipeline_transformer_call(klein_pipe):
     noisy, ref = torch.randn(1, 128, 2, 2, generator=gen), torch.randn(1, 128, 2, 2, generator=gen)
     embeds, t = torch.randn(1, 5, 96, generator=gen), torch.tensor([0.4])
     with torch.no_grad():
-        ours = trainer_for(cls=Flux2KleinTrainer).predict(
+        ours = trainer_for(cls=Flux2KleinModel).predict(
             pipe.transformer, noisy, t, {"prompt_embeds": embeds, "control_0": ref}
         )
         tokens = torch.cat([pipe._pack_latents(noisy), pipe._pack_latents(ref)], dim=1)

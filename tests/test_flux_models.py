@@ -17,7 +17,7 @@ from tuner.archs.flux.keys import (
     vae_to_diffusers,
     vae_to_original,
 )
-from tuner.archs.flux.trainer import FluxKontextTrainer, FluxTrainer
+from tuner.archs.flux.trainer import FluxKontextModel, FluxModel
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.fixtures.weights import fill_random_
@@ -282,7 +282,7 @@ def test_two_euler_steps_match_the_pipeline(paths, kontext):
     pipe = FluxPipeline.from_pretrained(paths["diffusers"], local_files_only=True)
     if kontext:
         pipe = FluxKontextPipeline.from_pipe(pipe)
-    trainer = _trainer(FluxKontextTrainer if kontext else FluxTrainer, guidance=3.5, text_length=24)
+    trainer = _trainer(FluxKontextModel if kontext else FluxModel, guidance=3.5, text_length=24)
     encoders = flux.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2)
     cond = trainer.collate_text(trainer.encode_text(encoders, ["a red circle on a black background"]))
     gen = torch.Generator().manual_seed(0)
@@ -302,13 +302,13 @@ def test_two_euler_steps_match_the_pipeline(paths, kontext):
 
 
 def test_kontext_needs_exactly_one_reference():
-    trainer = _trainer(FluxKontextTrainer, guidance=1.0, text_length=8)
+    trainer = _trainer(FluxKontextModel, guidance=1.0, text_length=8)
     reference = torch.zeros(1, 16, 4, 4)
     assert trainer.references({"t5": None, "control_0": reference})[0] is reference
     for cond in ({}, {"control_0": reference, "control_1": reference}):
         with pytest.raises(ConfigError, match="exactly one reference"):
             trainer.references(cond)
-    assert _trainer(FluxTrainer, guidance=1.0, text_length=8).references({"control_0": reference}) == ()
+    assert _trainer(FluxModel, guidance=1.0, text_length=8).references({"control_0": reference}) == ()
 
 
 def test_a_fused_layer_adapted_in_part_is_refused_before_training(paths):

@@ -10,7 +10,7 @@ from PIL import Image
 
 from tuner.archs.framepack import loaders as framepack
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
-from tuner.archs.framepack.trainer import FramePackTrainer
+from tuner.archs.framepack.trainer import FramePackModel
 from tuner.archs.hunyuan_video import loaders as hv
 from tuner.archs.wan.trainer_i2v import LatentEncoders
 from tuner.errors import CheckpointError
@@ -157,7 +157,7 @@ def test_one_section_of_the_pipeline_is_what_the_trainer_feeds(pipe):
     finally:
         hook.remove()
     assert len(calls) == 2
-    trainer = FramePackTrainer(SimpleNamespace(model=SimpleNamespace(guidance=6.0)))
+    trainer = FramePackModel(SimpleNamespace(model=SimpleNamespace(guidance=6.0)))
     pixels = pipe.video_processor.preprocess(image, 32, 48)
     encoders = LatentEncoders(pipe.vae, framepack.ImageEncoder(pipe.image_encoder, pipe.feature_extractor))
     given = trainer.encode_frame_images(encoders, [pixels], 5)
@@ -184,7 +184,7 @@ def test_one_section_of_the_pipeline_is_what_the_trainer_feeds(pipe):
 def test_latents_of_a_clip_are_image_then_section_then_history(paths, pipe):
     """A 45-frame clip (12 latent frames): the image's frame and a 9-frame section; the 2 frames after
     the section open the 19-frame history, the rest is zeros; the image's frame is not in the loss."""
-    trainer = FramePackTrainer(SimpleNamespace())
+    trainer = FramePackModel(SimpleNamespace())
     encoders = LatentEncoders(pipe.vae, framepack.ImageEncoder(pipe.image_encoder, pipe.feature_extractor))
     pixels = torch.rand(1, 3, 45, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
     entry = trainer.encode_latents(encoders, pixels, [])
@@ -217,7 +217,7 @@ def test_diffusers_layout_loads_in_the_framepack_pipeline(paths, pipe, tmp_path)
     with torch.no_grad():
         for p in network.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    trainer = FramePackTrainer(SimpleNamespace(model=SimpleNamespace(guidance=6.0)))
+    trainer = FramePackModel(SimpleNamespace(model=SimpleNamespace(guidance=6.0)))
     gen = torch.Generator().manual_seed(2)
     cond = {"text": torch.randn(1, 7, 64, generator=gen), "mask": torch.ones(1, 7, dtype=torch.long),
             "pooled": torch.randn(1, 32, generator=gen), "image_embeds": torch.randn(1, 16, 32, generator=gen),
@@ -257,9 +257,9 @@ def test_one_frame_indices_are_musubis_defaults():
 def test_one_frame_predict_and_text_entry(pipe):
     """The reference's SigLIP embedding rides in the text entry (the pipeline's `encode_image`), and
     `predict` is the transformer called with the reference and a zero post latent as clean latents."""
-    from tuner.archs.framepack.trainer import FramePackOneFrameTrainer, OneFrameEncoders
+    from tuner.archs.framepack.trainer import FramePackOneFrameModel, OneFrameEncoders
 
-    trainer = FramePackOneFrameTrainer(
+    trainer = FramePackOneFrameModel(
         SimpleNamespace(model=SimpleNamespace(guidance=10.0), cache=SimpleNamespace(text_max_length=256))
     )
     reference = torch.rand(3, 1, 32, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
@@ -302,7 +302,7 @@ def test_section_paddings_are_the_pipelines():
 def test_sections_are_generated_from_the_end_with_the_later_ones_as_history():
     """25 latent frames after the image: sections 18-24, 9-17, 0-8 in that order, at the pipeline's
     paddings, each given the frames generated after it (zeros past the end) as its 19-frame history."""
-    trainer = FramePackTrainer(SimpleNamespace())
+    trainer = FramePackModel(SimpleNamespace())
     calls = []
 
     def model_fn(x, t, c):  # a model that moves every frame towards its section's padding
@@ -323,10 +323,10 @@ def test_sections_are_generated_from_the_end_with_the_later_ones_as_history():
 def test_the_default_flow_sampler_is_eulers_with_the_models_guidance():
     """`NetworkTrainer.sample_flow` (the hook FramePack overrides) is `euler_sample` with the trainer's
     `combine_guidance`, so every other architecture generates as before."""
-    from tuner.archs.hunyuan_video.trainer import HunyuanVideoTrainer
+    from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
     from tuner.sampling import euler_sample
 
-    trainer = HunyuanVideoTrainer(SimpleNamespace())
+    trainer = HunyuanVideoModel(SimpleNamespace())
     noise = torch.randn(1, 2, 3, 2, 2, generator=torch.Generator().manual_seed(0))
     sigmas = torch.tensor([1.0, 0.6, 0.0])
 

@@ -312,10 +312,10 @@ def test_predict_matches_the_pipeline_transformer_call(paths, pipe):
 def test_two_euler_steps_of_the_trainer_match_the_pipeline(pipe):
     """The trainer's text encoding, collation, embedded guidance and timesteps, stepped with Euler, give
     the pipeline's latents (guidance 6, its own 256 text tokens and scheduler sigmas)."""
-    from tuner.archs.hunyuan_video.trainer import HunyuanVideoTrainer
+    from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
 
     cfg = SimpleNamespace(model=SimpleNamespace(guidance=6.0), cache=SimpleNamespace(text_max_length=256))
-    trainer = HunyuanVideoTrainer(cfg)
+    trainer = HunyuanVideoModel(cfg)
     encoders = hv.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2)
     cond = trainer.collate_text(trainer.encode_text(encoders, CAPTIONS[1:]))
     x = torch.randn(1, *trainer.latent_shape(48, 32, 5), generator=torch.Generator().manual_seed(0))

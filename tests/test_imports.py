@@ -40,7 +40,7 @@ def _heavy_after(code: str) -> list[str]:
 
 
 def test_command_paths_and_every_trainer_import_no_heavy_module():
-    trainers = [record.trainer.split(":")[0] for record in ARCHITECTURES.values()]
+    trainers = [record.family.split(":")[0] for record in ARCHITECTURES.values()]
     code = "\n".join(f"import {m}" for m in (*PATHS, *trainers))
     assert _heavy_after(code) == []
 
@@ -55,3 +55,15 @@ def test_a_cache_run_with_nothing_to_do_imports_no_heavy_module(tmp_path, wan_mo
         f"assert main(['cache', 'text', '--config', {str(config)!r}]) == 0"
     )
     assert _heavy_after(code) == []
+
+
+def test_caching_and_generation_import_no_trainer():
+    """Caching, generation and the distributed accounting read the record and the family's
+    `ArchitectureModel`; the training loop (`tuner.trainers`) is not theirs to import."""
+    probe = (
+        "import sys, json, tuner.cache.commands, tuner.cache.plan, tuner.generate, tuner.distributed.stages, "
+        "tuner.distributed.accounting, tuner.archs.model\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tuner.trainers'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.ltx2.fixture import write_ltx2_fixture
-from tuner.archs.ltx2.trainer import LTX2Trainer
+from tuner.archs.ltx2.trainer import LTX2Model
 from tuner.errors import CheckpointError
 from tuner.registry import ARCHITECTURES
 
@@ -32,9 +32,9 @@ def pipe(fx):
     return pipe
 
 
-def _bare_trainer() -> LTX2Trainer:
+def _bare_trainer() -> LTX2Model:
     """The trainer's model-input code, without a config (what these tests call needs none)."""
-    return LTX2Trainer.__new__(LTX2Trainer)
+    return LTX2Model.__new__(LTX2Model)
 
 
 @pytest.mark.parametrize("file", ["checkpoint_file", "transformer_file"])

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.ltx_video import loaders as ltx_video
 from tuner.archs.ltx_video.fixture import write_ltx_video_fixture
-from tuner.archs.ltx_video.trainer import LTXVideoTrainer
+from tuner.archs.ltx_video.trainer import LTXVideoModel
 from tuner.errors import CheckpointError
 from tuner.registry import ARCHITECTURES
 
@@ -79,7 +79,7 @@ def _inputs(seed: int = 0):
 def test_predict_matches_the_pipelines_transformer_call(pipe):
     noisy, cond = _inputs()
     t = torch.tensor([0.6])
-    trainer = LTXVideoTrainer.__new__(LTXVideoTrainer)
+    trainer = LTXVideoModel.__new__(LTXVideoModel)
     with torch.no_grad():
         ours = trainer.predict(pipe.transformer, noisy, t, cond)
         theirs = pipe.transformer(
@@ -112,7 +112,7 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     network.save(tmp_path / "lora.safetensors", format="diffusers")
     noisy, cond = _inputs(1)
     t = torch.tensor([0.5])
-    trainer = LTXVideoTrainer.__new__(LTXVideoTrainer)
+    trainer = LTXVideoModel.__new__(LTXVideoModel)
     with torch.no_grad():
         ours = trainer.predict(model, noisy, t, cond)
         pipe.load_lora_weights(tmp_path / "lora.safetensors", adapter_name="tuner")
@@ -132,7 +132,7 @@ def test_a_given_first_frame_matches_the_image_to_video_pipelines_call(pipe):
     noisy, cond = _inputs(2)
     first = torch.randn(1, 128, 1, 2, 3, generator=torch.Generator().manual_seed(3))
     t = torch.tensor([0.6])
-    trainer = LTXVideoTrainer.__new__(LTXVideoTrainer)
+    trainer = LTXVideoModel.__new__(LTXVideoModel)
     given = {**cond, "first_frame": first, "clean_first": torch.tensor([True])}
     mask = torch.zeros(1, 1, 2, 2, 3)
     mask[:, :, 0] = 1

@@ -14,7 +14,7 @@ from tuner.archs.flux import loaders as flux
 from tuner.archs.lumina2 import loaders as lumina2
 from tuner.archs.lumina2.fixture import write_lumina2_fixture
 from tuner.archs.lumina2.keys import transformer_to_original
-from tuner.archs.lumina2.trainer import Lumina2Trainer
+from tuner.archs.lumina2.trainer import Lumina2Model
 from tuner.errors import CheckpointError
 from tuner.models.identify import pick_variant
 from tuner.registry import ARCHITECTURES
@@ -40,11 +40,11 @@ def encoder(fx):
     return lumina2.load_text_encoder(fx["diffusers"], None, torch.float32)
 
 
-def trainer(text_max_length: int = 512) -> Lumina2Trainer:
+def trainer(text_max_length: int = 512) -> Lumina2Model:
     """A trainer without a config run: only `encode_text` reads `cfg.cache.text_max_length`."""
     from types import SimpleNamespace
 
-    t = Lumina2Trainer.__new__(Lumina2Trainer)
+    t = Lumina2Model.__new__(Lumina2Model)
     t.cfg = SimpleNamespace(cache=SimpleNamespace(text_max_length=text_max_length))
     return t
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.archs.qwen_image import text as qwen_image_text
 from tuner.archs.qwen_image.fixture import write_qwen_image_edit_fixture, write_qwen_image_fixture
-from tuner.archs.qwen_image.trainer import QwenImageEditTrainer, QwenImageTrainer
+from tuner.archs.qwen_image.trainer import QwenImageEditModel, QwenImageModel
 from tuner.archs.wan.keys import vae_key_to_original
 from tuner.errors import CheckpointError
 from tuner.models.identify import pick_variant
@@ -106,7 +106,7 @@ def test_edit_2511_marker_selects_zero_cond_t(fx, tmp_path):
     model = qwen_image.load_transformer(path, torch.float32)
     assert model.config.zero_cond_t and model.transformer_blocks[0].zero_cond_t
     assert_same_weights(model, qwen_image.load_transformer(fx["transformer_file"], torch.float32))
-    trainer = QwenImageEditTrainer.__new__(QwenImageEditTrainer)
+    trainer = QwenImageEditModel.__new__(QwenImageEditModel)
     cond = {"prompt_embeds": torch.randn(1, 5, 64), "control_0": torch.randn(1, 16, 1, 4, 6)}
     with torch.no_grad():
         assert trainer.predict(model, torch.randn(1, 16, 1, 4, 6), torch.tensor([0.5]), cond).shape == (
@@ -283,7 +283,7 @@ def test_latents_equal_pipeline(pipe, edit_pipe):
 
 
 def test_predict_equals_pipeline_transformer_call(pipe, encoder):
-    trainer = QwenImageTrainer.__new__(QwenImageTrainer)
+    trainer = QwenImageModel.__new__(QwenImageModel)
     cond = trainer.collate_text(
         [{"prompt_embeds": r} for r in qwen_image_text.encode_prompts(encoder, CAPTIONS)]
     )
@@ -301,7 +301,7 @@ def test_predict_equals_pipeline_transformer_call(pipe, encoder):
 
 
 def test_edit_predict_equals_pipeline_transformer_call(edit_pipe):
-    trainer = QwenImageEditTrainer.__new__(QwenImageEditTrainer)
+    trainer = QwenImageEditModel.__new__(QwenImageEditModel)
     gen = torch.Generator().manual_seed(2)
     noisy = torch.randn(1, 16, 1, 6, 8, generator=gen)
     controls = [torch.randn(1, 16, 1, 6, 8, generator=gen), torch.randn(1, 16, 1, 4, 10, generator=gen)]
@@ -358,7 +358,7 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
     network.save(tmp_path / "lora.safetensors", format=resolve_save_format("qwen_image", "auto"))
     assert "diffusion_model.transformer_blocks.0.attn.to_q.alpha" in load_file(tmp_path / "lora.safetensors")
-    trainer = QwenImageTrainer.__new__(QwenImageTrainer)
+    trainer = QwenImageModel.__new__(QwenImageModel)
     noisy, t = torch.randn(1, 16, 1, 6, 8, generator=gen), torch.tensor([0.5])
     cond = {"prompt_embeds": torch.randn(1, 7, 64, generator=gen)}
     with torch.no_grad():

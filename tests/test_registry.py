@@ -13,10 +13,12 @@ from pathlib import Path
 import diffusers
 import pytest
 
+from tuner.archs.model import ArchitectureModel
 from tuner.fixtures import Fixture
 from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys, architecture_keys
-from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS, Architecture, architecture
+from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS, Architecture, architecture, trainer_class
+from tuner.timesteps import MODES, RESOLUTION_SHIFTS
 from tuner.trainers.base import NetworkTrainer
 
 DOCS = Path(__file__).parents[1] / "docs" / "architectures.md"
@@ -26,11 +28,16 @@ DOCS = Path(__file__).parents[1] / "docs" / "architectures.md"
 def test_record_is_complete(name):
     record = ARCHITECTURES[name]
     assert record.name == name and record.title
-    trainer = record.trainer_class()
-    assert issubclass(trainer, NetworkTrainer) and trainer.architecture == name
+    family = record.family_class()
+    assert issubclass(family, ArchitectureModel) and family.architecture == name
+    assert not issubclass(family, NetworkTrainer)  # the loop is combined with it by trainer_class only
+    trainer = trainer_class(name)
+    assert (
+        issubclass(trainer, NetworkTrainer) and issubclass(trainer, family) and trainer is trainer_class(name)
+    )
     for method in ("load_transformer", "load_vae", "load_text_encoder", "encode_pixels", "encode_text",
                    "collate_text", "predict", "decode_latents", "latent_shape"):  # fmt: skip
-        assert getattr(trainer, method) is not getattr(NetworkTrainer, method), f"{name} lacks {method}"
+        assert getattr(family, method) is not getattr(ArchitectureModel, method), f"{name} lacks {method}"
     assert isinstance(record.checkpoint_layout(), CheckpointLayout)
     assert isinstance(record.key_table(), ArchitectureKeys)
     assert architecture_keys(name) is record.key_table()
@@ -46,6 +53,35 @@ def test_record_is_complete(name):
     }
     assert "tiny" in variants and len(variants) >= 2, f"{name}: ship the real variants' configs too"
     assert record.save_format in SAVE_LAYOUTS
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_record_describes_the_model(name):
+    """The per-architecture data caching, generation and the loop read off the record."""
+    r = ARCHITECTURES[name]
+    assert r.spatial_step in (16, 32, 64)
+    assert r.frame_multiple >= 1 and 0 <= r.frame_remainder < r.frame_multiple
+    assert r.model_fps > 0 and r.min_frames >= 1 and r.frame_images in (0, 1, 2)
+    assert r.supports_video or r.supports_images
+    assert r.latent_encoders and r.latent_encoders[0] == "vae"
+    low, high = r.control_images
+    assert 0 <= low <= high
+    assert not r.text_uses_controls or high > 0
+    assert r.timestep_mode in MODES
+    assert isinstance(r.sample_shift, float) or r.sample_shift in RESOLUTION_SHIFTS
+    assert len(r.latent_patch) in (2, 3) and all(p >= 1 for p in r.latent_patch)
+    assert r.audio_format is None or (r.audio_format[0] > 0 and r.audio_format[1] in (1, 2))
+    assert r.objective in ("flow", "ddpm") and r.cache_format_version >= 1
+    assert not r.first_frame_image or r.first_frame is not None
+    assert not r.zero_empty_negative or r.objective == "ddpm"
+
+
+def test_the_loop_and_the_model_share_no_method():
+    """`trainer_class` puts the loop first in the MRO: it must not shadow anything a family computes."""
+    loop = {n for n in vars(NetworkTrainer) if not n.startswith("__")}
+    assert not loop & {n for n in dir(ArchitectureModel) if not n.startswith("__")}
+    for record in ARCHITECTURES.values():
+        assert not loop & {n for n in dir(record.family_class()) if not n.startswith("__")}, record.name
 
 
 def test_architectures_sharing_a_model_share_its_tables():

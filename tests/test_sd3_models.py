@@ -20,7 +20,7 @@ from tuner.archs.flux.keys import vae_to_original
 from tuner.archs.sd3 import loaders as sd3
 from tuner.archs.sd3.fixture import build_sd3_components, write_bundled_file
 from tuner.archs.sd3.keys import SD3_KEYS, SD3_LAYOUT, transformer_to_diffusers, transformer_to_original
-from tuner.archs.sd3.trainer import SD3Trainer
+from tuner.archs.sd3.trainer import SD3Model
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.fixtures.weights import fill_random_
@@ -300,8 +300,8 @@ def test_full_model_save_gives_back_the_release_file_exactly(paths, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _trainer(text_length: int, t5: bool = True) -> SD3Trainer:
-    return SD3Trainer(SimpleNamespace(model=SimpleNamespace(text_encoder_3="t5" if t5 else ""),
+def _trainer(text_length: int, t5: bool = True) -> SD3Model:
+    return SD3Model(SimpleNamespace(model=SimpleNamespace(text_encoder_3="t5" if t5 else ""),
                                       cache=SimpleNamespace(text_max_length=text_length, text_encoder_blocks_to_swap=0)))  # fmt: skip
 
 
@@ -347,7 +347,7 @@ def test_two_euler_steps_match_the_pipeline(pipe):
 
 
 def test_training_without_t5_says_so_once(paths, caplog):
-    trainer = SD3Trainer(SimpleNamespace(path="x.toml", model=SimpleNamespace(
+    trainer = SD3Model(SimpleNamespace(path="x.toml", model=SimpleNamespace(
         text_encoder=str(paths["text_encoder_file"]), text_encoder_2=str(paths["text_encoder_2_file"]),
         text_encoder_3="", tokenizer=str(paths["tokenizer"]), tokenizer_2=str(paths["tokenizer_2"]), tokenizer_3=""),
         cache=SimpleNamespace(text_encoder_blocks_to_swap=0)))  # fmt: skip

@@ -15,7 +15,7 @@ from project import cfg, make_cached_project
 from tuner.archs.flux.keys import vae_to_original
 from tuner.archs.sdxl import loaders as sdxl
 from tuner.archs.sdxl.keys import SDXL_LAYOUT, clip_g_to_diffusers, clip_g_to_original, unet_key_to_original
-from tuner.archs.sdxl.trainer import SDXLTrainer
+from tuner.archs.sdxl.trainer import SDXLModel
 from tuner.config.schema import TimestepConfig
 from tuner.ddpm import DDPMObjective, objective_from_config, offset_noise, scheduler
 from tuner.errors import CheckpointError, ConfigError
@@ -26,6 +26,7 @@ from tuner.models.identify import diffusers_meta_keys
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
+from tuner.registry import trainer_class
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def pipe(paths):
 @pytest.fixture(scope="module")
 def trainer(paths, tmp_path_factory):
     config = make_cached_project(tmp_path_factory.mktemp("sdxl_project"), paths["root"], architecture="sdxl")
-    return SDXLTrainer(cfg(config))
+    return SDXLModel(cfg(config))
 
 
 def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -138,8 +139,8 @@ def test_v_prediction_marker_warns_when_trained_as_epsilon(paths, trainer, tmp_p
     path = tmp_path / "vpred.safetensors"
     save_safetensors({**load_tensors(paths["transformer_file"]), "v_pred": torch.zeros(0)}, path)
     with pytest.warns(UserWarning, match="v-prediction"):
-        SDXLTrainer(cfg(trainer.cfg.path, f"model.transformer='{path}'")).load_transformer(torch.float32)
-    vpred = SDXLTrainer(cfg(trainer.cfg.path, f"model.transformer='{path}'", "timesteps.prediction='v'"))
+        SDXLModel(cfg(trainer.cfg.path, f"model.transformer='{path}'")).load_transformer(torch.float32)
+    vpred = SDXLModel(cfg(trainer.cfg.path, f"model.transformer='{path}'", "timesteps.prediction='v'"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         vpred.load_transformer(torch.float32)
@@ -222,7 +223,7 @@ def test_no_negative_prompt_guides_against_zeros_as_the_pipeline_does(trainer, p
 def test_v_prediction_dpm_sampling_matches_the_pipeline(trainer, pipe):
     """DPM++ 2M on a v-prediction, zero-terminal-SNR schedule, against the pipeline given the same
     scheduler."""
-    vpred = SDXLTrainer(cfg(trainer.cfg.path, "timesteps.prediction='v'", "timesteps.zero_terminal_snr=true"))
+    vpred = SDXLModel(cfg(trainer.cfg.path, "timesteps.prediction='v'", "timesteps.zero_terminal_snr=true"))
     model = vpred.load_transformer(torch.float32)
     opts = GenerateOptions(prompt="a red circle", out="unused", width=64, height=64, frames=1, steps=5,
                            guidance_scale=1.0, seed=5, sampler="dpm++2m")  # fmt: skip
@@ -355,7 +356,7 @@ def test_full_fine_tune_saves_the_bundled_checkpoint_uis_load(trainer, paths, pi
     """One step of a full fine-tune writes the A1111 / ComfyUI checkpoint: the trained UNet beside the
     VAE and both text encoders (copied from the bundled file they came from), which diffusers'
     `from_single_file` and our loader both read."""
-    run = SDXLTrainer(cfg(trainer.cfg.path, "network.type='full'", "train.max_steps=1", "train.lr_warmup_steps=0", "save.save_state=false",
+    run = trainer_class("sdxl")(cfg(trainer.cfg.path, "network.type='full'", "train.max_steps=1", "train.lr_warmup_steps=0", "save.save_state=false",
                           f"save.output_dir='{tmp_path}'", "log.tensorboard=false", "train.learning_rate=1e-3"))  # fmt: skip
     saved = run.train(log=lambda s: None)
     written, fixture = load_tensors(saved), load_tensors(paths["bundled_file"])

@@ -14,12 +14,13 @@ from safetensors.torch import load_file
 
 from project import cfg, killed_at_first_save, make_cached_project, make_project, run
 from tuner.archs.sdxl import loaders as sdxl
-from tuner.archs.sdxl.trainer import TEXT_ENCODER_TARGETS, SDXLTrainer
+from tuner.archs.sdxl.trainer import TEXT_ENCODER_TARGETS, SDXLModel
 from tuner.cache.commands import cache_text
 from tuner.cli import main as tuner
 from tuner.fixtures import write_fixture
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
+from tuner.registry import trainer_class
 
 TEXT = ("network.train_text_encoder=true", "network.text_encoder_lr=5e-3")
 QUIET = ("log.tensorboard=false", "train.lr_warmup_steps=0")
@@ -49,7 +50,7 @@ def project(paths, tmp_path_factory):
 
 
 def _train(config, out, *overrides, resume=None, log=lambda s: None):
-    trainer = SDXLTrainer(cfg(config, f"save.output_dir='{out}'", *QUIET, *TEXT, *overrides))
+    trainer = trainer_class("sdxl")(cfg(config, f"save.output_dir='{out}'", *QUIET, *TEXT, *overrides))
     trainer.train(resume=resume, log=log)
     return trainer
 
@@ -99,7 +100,7 @@ def test_text_encoder_adapters_train_at_their_rate_and_resume_exactly(project, t
 
 
 def test_text_encoder_learning_rate_has_its_own_groups(project, paths):
-    trainer = SDXLTrainer(cfg(project, *TEXT))
+    trainer = SDXLModel(cfg(project, *TEXT))
     network = trainer.build_trained(trainer.load_transformer(torch.float32))
     rates = {group["name"]: group["lr"] for group in network.param_groups(1e-4)}
     assert rates == {"lora": 1e-4, "lora_te1": 5e-3, "lora_te2": 5e-3}
@@ -107,13 +108,13 @@ def test_text_encoder_learning_rate_has_its_own_groups(project, paths):
 
 
 def test_text_encoder_training_is_refused_for_a_full_fine_tune_and_other_models(project):
-    from tuner.archs.wan.trainer import WanTrainer
+    from tuner.archs.wan.trainer import WanModel
     from tuner.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train_text_encoder"):
         cache_text(cfg(project, "network.type='full'", *TEXT))
     with pytest.raises(ConfigError, match="wan trains no text encoder adapter"):
-        assert WanTrainer(cfg(project, *TEXT)).trains_text_encoder
+        assert WanModel(cfg(project, *TEXT)).trains_text_encoder
 
 
 def _random_network(trainer, model, pair) -> LoRANetwork:
@@ -130,7 +131,7 @@ def test_kohya_file_with_text_encoder_parts_loads_in_diffusers_with_equal_output
     """A file with UNet and both text encoders' parts (kohya layout) through
     `StableDiffusionXLPipeline.load_lora_weights`: diffusers' prompt embeddings and UNet output equal
     ours, the text parts attached the way `tuner generate` attaches them."""
-    trainer = SDXLTrainer(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
+    trainer = SDXLModel(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
     model = trainer.load_transformer(torch.float32)
     encoders = sdxl.load_text_encoders(paths["diffusers"], None, None, None, torch.float32)
     network = _random_network(trainer, model, sdxl.TextEncoderPair(encoders.clip_l, encoders.clip_g))
@@ -166,7 +167,7 @@ def test_kohya_file_with_text_encoder_parts_loads_in_diffusers_with_equal_output
 def test_diffusers_layout_uses_the_unet_and_text_encoder_prefixes(paths, pipe, tmp_path):
     """`save.format = "diffusers"` writes `unet.` / `text_encoder.` / `text_encoder_2.` (what diffusers'
     SDXL loader reads), which loads back into our network exactly."""
-    trainer = SDXLTrainer(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
+    trainer = SDXLModel(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
     model = trainer.load_transformer(torch.float32)
     encoders = sdxl.load_text_encoders(paths["diffusers"], None, None, None, torch.float32)
     network = _random_network(trainer, model, sdxl.TextEncoderPair(encoders.clip_l, encoders.clip_g))
@@ -198,7 +199,7 @@ def test_lora_merge_folds_the_text_encoder_parts_into_the_bundled_checkpoint(pat
     """`tuner lora merge` into the A1111 / ComfyUI file: CLIP-L's parts into `conditioner.embedders.0.*`,
     bigG's into OpenCLIP's `conditioner.embedders.1.*` (q / k / v into thirds of `in_proj_weight`), the
     UNet's into `model.diffusion_model.*`; the merged file computes what the adapters do."""
-    trainer = SDXLTrainer(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
+    trainer = SDXLModel(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
     model = trainer.load_transformer(torch.float32)
     bundled = paths["bundled_file"]
     encoders = sdxl.load_text_encoders(bundled, None, paths["tokenizer"], paths["tokenizer_2"], torch.float32)
@@ -222,7 +223,7 @@ def test_lora_merge_folds_the_text_encoder_parts_into_the_bundled_checkpoint(pat
 def test_lora_info_and_convert_read_the_text_encoder_parts(paths, tmp_path, capsys):
     """`tuner lora info` says kohya; `convert` to diffusers (`unet.` / `text_encoder.` / `text_encoder_2.`)
     and back to kohya gives the same tensors."""
-    trainer = SDXLTrainer(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
+    trainer = SDXLModel(cfg(make_project(tmp_path / "p", paths["root"], architecture="sdxl")))
     encoders = sdxl.load_text_encoders(paths["diffusers"], None, None, None, torch.float32)
     network = _random_network(trainer, trainer.load_transformer(torch.float32),
                               sdxl.TextEncoderPair(encoders.clip_l, encoders.clip_g))  # fmt: skip
@@ -248,6 +249,6 @@ def test_samples_drawn_while_training_use_the_text_encoders_as_trained(project, 
     assert list((tmp_path / "run" / "samples").glob("*step000001*.png"))
     trained = trainer.load_text_encoder(torch.device("cpu"), "fp32")
     assert trained.clip_l is trainer._trained_text.encoders[0]
-    fresh = SDXLTrainer(cfg(project)).load_text_encoder(torch.device("cpu"), "fp32")
+    fresh = SDXLModel(cfg(project)).load_text_encoder(torch.device("cpu"), "fp32")
     moved = trainer.encode_text(trained, ["a red circle"])[0]["hidden"]
     assert not torch.allclose(moved, trainer.encode_text(fresh, ["a red circle"])[0]["hidden"])

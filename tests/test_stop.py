@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from project import cfg, make_cached_project, run, train_wan
 from test_ddp import _free_port
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.errors import TrainingStopped
+from tuner.registry import trainer_class
 from tuner.trainers import state
 from tuner.trainers.checkpoints import Checkpoints
 from tuner.trainers.metrics import MetricsFile
@@ -184,7 +184,7 @@ def test_a_signal_in_process_stops_after_the_step_and_saves_once(project, tmp_pa
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     lines = []
     with pytest.raises(TrainingStopped) as stopped:
-        WanTrainer(
+        trainer_class("wan")(
             cfg(project, f"save.output_dir='{tmp_path / 'out'}'", *RUN, f"save.every_n_steps={every}")
         ).train(log=lines.append)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

@@ -9,9 +9,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from project import cfg, make_project, run
-from tuner.archs.wan.trainer import WanTrainer
 from tuner.models.loading import read_tensor_shapes
+from tuner.registry import trainer_class
 from tuner.trainers.checkpoints import Checkpoints
+
+WanTrainer = trainer_class("wan")
 
 
 @pytest.fixture(scope="module")

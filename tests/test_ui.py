@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from tuner.config import load_config  # noqa: E402
 from tuner.data.check import check_datasets  # noqa: E402
-from tuner.registry import trainer_class  # noqa: E402
+from tuner.registry import ARCHITECTURES  # noqa: E402
 from tuner.ui import folders, form  # noqa: E402
 from tuner.ui.app import create_app  # noqa: E402
 from tuner.ui.paths import OutsideRoots, Roots  # noqa: E402
@@ -142,7 +142,7 @@ def test_dataset_page_lists_items_thumbnails_and_buckets(project):
     params = {"path": str(images), "check": True, "architecture": "wan", "width": 64, "height": 48}
     page = c.get("/datasets", params=params).text
     spec = folders.folder_specs(images, (64, 48))
-    (report,) = check_datasets(trainer_class("wan"), spec, log=lambda s: None)
+    (report,) = check_datasets(ARCHITECTURES["wan"], spec, log=lambda s: None)
     assert {j.bucket_key for j in report.jobs} == {"64x48x1"}
     assert page.count('<span class="bucket">64x48x1</span>') == 4
     assert '<span class="problem">undecodable</span>' in page

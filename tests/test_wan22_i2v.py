@@ -18,11 +18,12 @@ from project import cfg, make_cached_project, run
 from test_wan22 import BOTH, QUIET, check_both_experts_resume_exactly
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.trainer_i2v import LatentEncoders, frame_mask
-from tuner.archs.wan.trainer_wan22 import Wan22I2VTrainer
+from tuner.archs.wan.trainer_wan22 import Wan22I2VModel
 from tuner.cache.plan import latent_encoder, open_training_data
 from tuner.data.media import to_tensor
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
+from tuner.registry import ARCHITECTURES
 from tuner.trainers import trainer_class
 
 
@@ -45,7 +46,7 @@ def test_inputs_experts_and_boundary_match_the_diffusers_pipeline(project):
     """Condition latents + mask and each expert's call equal WanImageToVideoPipeline's without an image
     encoder (`prepare_latents`; no `encoder_hidden_states_image`), and the boundary is its `boundary_ratio`."""
     config, paths = project
-    trainer = Wan22I2VTrainer(cfg(config, "model.expert='both'"))
+    trainer = Wan22I2VModel(cfg(config, "model.expert='both'"))
     pipe = WanImageToVideoPipeline.from_pretrained(paths["diffusers"], local_files_only=True)
     assert pipe.image_encoder is None and pipe.transformer.config.image_dim is None
     assert trainer.boundary == pipe.config.boundary_ratio == 0.9
@@ -80,7 +81,7 @@ def test_inputs_experts_and_boundary_match_the_diffusers_pipeline(project):
 
 def test_cached_entries_hold_the_condition_latents_and_no_clip(project):
     config, _ = project
-    trainer = Wan22I2VTrainer(cfg(config))
+    trainer = Wan22I2VModel(cfg(config))
     batch = next(iter(open_training_data(trainer, trainer.cfg, log=lambda s: None).epoch(0)))
     assert set(batch["extra"]) == {"cond_latents"}
     assert batch["extra"]["cond_latents"].shape == batch["latents"].shape
@@ -89,11 +90,11 @@ def test_cached_entries_hold_the_condition_latents_and_no_clip(project):
 def test_the_latent_key_depends_on_the_vae_only(project, tmp_path):
     """No image encoder shapes a latent entry: setting model.image_encoder changes nothing."""
     config, paths = project
-    assert Wan22I2VTrainer.latent_encoders == ("vae",)
-    before = latent_encoder(Wan22I2VTrainer(cfg(config)))
+    assert ARCHITECTURES["wan22_i2v"].latent_encoders == ("vae",)
+    before = latent_encoder(Wan22I2VModel(cfg(config)))
     elsewhere = tmp_path / "clip.safetensors"
     elsewhere.write_bytes(b"not read")
-    after = latent_encoder(Wan22I2VTrainer(cfg(config, f"model.image_encoder='{elsewhere}'")))
+    after = latent_encoder(Wan22I2VModel(cfg(config, f"model.image_encoder='{elsewhere}'")))
     assert before == after
 
 
@@ -107,7 +108,7 @@ def test_both_experts_resume_exactly_after_the_switch(project, tmp_path, monkeyp
 def test_generate_from_a_first_frame_with_each_experts_lora(project, tmp_path, capsys):
     config, _ = project
     c = cfg(config, f"save.output_dir='{tmp_path}'", *QUIET, *BOTH, "train.max_steps=2")
-    Wan22I2VTrainer(c).train(log=lambda s: None)
+    Wan22I2VModel(c).train(log=lambda s: None)
     for expert in ("high", "low"):
         with safe_open(str(tmp_path / f"demo_lora_{expert}_noise.safetensors"), "pt") as f:
             keys = list(f.keys())
@@ -130,7 +131,7 @@ def test_generate_from_a_first_frame_with_each_experts_lora(project, tmp_path, c
 
 def test_the_low_noise_expert_given_as_transformer_names_transformer_2(project):
     config, paths = project
-    trainer = Wan22I2VTrainer(cfg(config, f"model.transformer='{paths['transformer_2_file']}'"))
+    trainer = Wan22I2VModel(cfg(config, f"model.transformer='{paths['transformer_2_file']}'"))
     with pytest.raises(CheckpointError, match="low-noise expert.*model.transformer_2"):
         trainer.load_transformer(torch.float32)
 
@@ -153,10 +154,10 @@ def test_a_wan21_i2v_file_names_wan_i2v_and_back(project, tmp_path):
 def test_experts_of_different_variants_are_refused(project, wan_model):
     config, _ = project
     t2v = wan_model / "single" / "wan2.1_t2v_tiny.safetensors"
-    trainer = Wan22I2VTrainer(cfg(config, "model.expert='both'", f"model.transformer_2='{t2v}'"))
+    trainer = Wan22I2VModel(cfg(config, "model.expert='both'", f"model.transformer_2='{t2v}'"))
     with pytest.raises(CheckpointError, match="not a pair.*tiny-i2v-A14B.*tiny"):
         trainer.load_experts(torch.float32)
 
 
 def test_trainer_is_registered():
-    assert trainer_class("wan22_i2v") is Wan22I2VTrainer
+    assert issubclass(trainer_class("wan22_i2v"), Wan22I2VModel)

@@ -14,7 +14,7 @@ from project import cfg, make_cached_project, make_project, run
 from test_first_frame_conditioning import sample_from_first_frame
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.keys import vae22_key_to_original
-from tuner.archs.wan.trainer_ti2v import Wan22TI2VTrainer
+from tuner.archs.wan.trainer_ti2v import Wan22TI2VModel
 from tuner.archs.wan.wan22_vae import VAE22_VARIANTS, vae_generation
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
@@ -33,7 +33,7 @@ def project(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainer(project):
-    return Wan22TI2VTrainer(cfg(project[0]))
+    return Wan22TI2VModel(cfg(project[0]))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_a_vae_of_the_wrong_generation_is_refused_by_name(project, wan_model):
     _, paths = project
     wan21_vae = wan_model / "single" / "wan_2.1_vae.safetensors"
     assert vae_generation(wan21_vae) == "2.1" and vae_generation(paths["vae_file"]) == "2.2"
-    trainer = Wan22TI2VTrainer(cfg(project[0], f"model.vae='{wan21_vae}'"))
+    trainer = Wan22TI2VModel(cfg(project[0], f"model.vae='{wan21_vae}'"))
     with pytest.raises(CheckpointError, match=r"wan_2\.1_vae\.safetensors: this is the Wan 2\.1 VAE.*wan22_ti2v.*"
                        r"needs the Wan 2\.2 VAE \(Wan2\.2_VAE\.pth / ComfyUI's wan2\.2_vae\.safetensors\)"):  # fmt: skip
         trainer.load_vae(torch.device("cpu"), torch.float32)
@@ -187,13 +187,13 @@ def test_videos_train_image_to_video_with_the_configured_probability(project):
     config, _ = project
     video, image = torch.zeros(64, 48, 3, 2, 2), torch.zeros(64, 48, 1, 2, 2)
     for p, want in ((0.0, 0), (1.0, 64)):
-        trainer = Wan22TI2VTrainer(cfg(config, f"train.first_frame_conditioning_p={p}"))
+        trainer = Wan22TI2VModel(cfg(config, f"train.first_frame_conditioning_p={p}"))
         assert (
             int(trainer.draw_conditions(video, {}, torch.Generator().manual_seed(0))["clean_first"].sum())
             == want
         )
         assert not trainer.draw_conditions(image, {}, torch.Generator().manual_seed(0))["clean_first"].any()
-    trainer = Wan22TI2VTrainer(cfg(config))  # the default, 0.5
+    trainer = Wan22TI2VModel(cfg(config))  # the default, 0.5
     drawn = [
         trainer.draw_conditions(video, {}, torch.Generator().manual_seed(s))["clean_first"] for s in (3, 3)
     ]
@@ -235,7 +235,7 @@ def test_image_option_is_checked(project, wan_model, tmp_path, capsys):
             wan_trainer, GenerateOptions(prompt="x", out="", images=(str(image),), width=64, height=48)
         )
     with pytest.raises(ConfigError, match="ask for more"):
-        check_options(Wan22TI2VTrainer(cfg(config)), GenerateOptions(prompt="x", out="", images=(str(image),),
+        check_options(Wan22TI2VModel(cfg(config)), GenerateOptions(prompt="x", out="", images=(str(image),),
                                                                      width=64, height=64, frames=1))  # fmt: skip
     code, log = run(capsys, "generate", "--config", config, "--prompt", "x", "--image", image, "--size", "64x48",
                     "--frames", "5", "--steps", "1", "--device", "cpu", "--out", tmp_path / "x.mp4")  # fmt: skip

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from project import cfg, make_project, run
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.keys import original_module_name
-from tuner.archs.wan.trainer_i2v import LatentEncoders, WanFLF2VTrainer, frame_mask
+from tuner.archs.wan.trainer_i2v import LatentEncoders, WanFLF2VModel, frame_mask
 from tuner.cache.plan import latent_encoder
 from tuner.data.media import to_tensor
 from tuner.errors import CheckpointError
@@ -28,6 +28,7 @@ from tuner.models import clip_vision
 from tuner.models.identify import diffusers_meta_keys, pick_variant
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
+from tuner.registry import ARCHITECTURES
 from tuner.trainers import trainer_class
 
 ARCHS = ("wan_i2v", "wan_flf2v")
@@ -63,7 +64,7 @@ def test_inputs_and_prediction_match_the_diffusers_pipeline(project):
     pipe = WanImageToVideoPipeline.from_pretrained(paths["diffusers"], local_files_only=True)
     for part in (pipe.transformer, pipe.vae, pipe.text_encoder, pipe.image_encoder):
         part.eval()
-    flf = trainer.frame_images == 2
+    flf = trainer.record.frame_images == 2
     images = [_frame(1)] + ([_frame(2)] if flf else [])
     pixels = [to_tensor(np.asarray(img))[:, 0].unsqueeze(0) for img in images]  # [1, 3, H, W]
     frames = 9
@@ -319,5 +320,5 @@ def test_exported_keys_are_the_release_image_layers(project, tmp_path):
 
 
 def test_trainers_are_registered():
-    assert trainer_class("wan_flf2v") is WanFLF2VTrainer
-    assert trainer_class("wan_i2v").frame_images == 1 and WanFLF2VTrainer.frame_images == 2
+    assert issubclass(trainer_class("wan_flf2v"), WanFLF2VModel)
+    assert ARCHITECTURES["wan_i2v"].frame_images == 1 and ARCHITECTURES["wan_flf2v"].frame_images == 2

@@ -134,7 +134,7 @@ def test_prompts_encode_as_the_pipeline_does(pipeline):
 def test_predict_matches_the_pipelines_transformer_call(pipeline, fixture):
     """Every transformer call of a 3-step pipeline run, redone by the trainer's `predict` from the
     noisy latents and the pipeline's t: the model's output is minus the velocity at t = 1 - timestep."""
-    from tuner.archs.z_image.trainer import ZImageTrainer
+    from tuner.archs.z_image.trainer import ZImageModel
 
     pipe, parts = pipeline
     calls = []
@@ -147,7 +147,7 @@ def test_predict_matches_the_pipelines_transformer_call(pipeline, fixture):
     finally:
         hook.remove()
     assert len(calls) == 3
-    trainer = ZImageTrainer.__new__(ZImageTrainer)  # predict reads nothing from the config
+    trainer = ZImageModel.__new__(ZImageModel)  # predict reads nothing from the config
     for latents, timestep, captions, out in calls:
         noisy = torch.stack(latents).squeeze(2)
         cond = trainer.collate_text([{"prompt_embeds": c} for c in captions])

@@ -17,12 +17,13 @@ from safetensors.torch import load_file, save_file
 
 from project import cfg, make_cached_project
 from tuner.archs.z_image.loaders import load_transformer
-from tuner.archs.z_image.trainer import ZImageTrainer
+from tuner.archs.z_image.trainer import ZImageModel
 from tuner.config import load_config
 from tuner.errors import ConfigError
 from tuner.fixtures import write_fixture
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
+from tuner.registry import trainer_class
 from tuner.tools.merge import merge_adapters
 
 
@@ -34,7 +35,7 @@ def project(tmp_path_factory):
     return root, config, paths
 
 
-def _adapter(trainer: ZImageTrainer, path, layout: str) -> None:
+def _adapter(trainer: ZImageModel, path, layout: str) -> None:
     """A trained-looking LoRA on the default targets, saved in `layout`; "ai-toolkit" is how ai-toolkit
     writes Z-Image adapters (the de-distillation adapter among them): diffusers' module names and
     lora_A / lora_B under `diffusion_model.`, no alpha, no metadata."""
@@ -53,7 +54,7 @@ def _adapter(trainer: ZImageTrainer, path, layout: str) -> None:
 
 
 def _train(config, out, *overrides) -> tuple[list[float], dict[str, torch.Tensor], dict[str, str]]:
-    trainer = ZImageTrainer(cfg(config, f"save.output_dir='{out}'", "log.tensorboard=false",
+    trainer = trainer_class("z_image")(cfg(config, f"save.output_dir='{out}'", "log.tensorboard=false",
                                 "train.max_steps=3", *overrides))  # fmt: skip
     final = trainer.train(log=lambda s: None)
     with safe_open(str(final), "pt") as f:
@@ -63,7 +64,7 @@ def _train(config, out, *overrides) -> tuple[list[float], dict[str, torch.Tensor
 @pytest.mark.parametrize("layout", ["kohya", "diffusers", "ai-toolkit"])
 def test_training_on_merged_adapters_equals_training_on_a_merged_file(project, tmp_path, layout):
     root, config, paths = project
-    trainer = ZImageTrainer(cfg(config))
+    trainer = ZImageModel(cfg(config))
     first, second = tmp_path / f"dedistill_{layout}.safetensors", tmp_path / "style.safetensors"
     _adapter(trainer, first, layout)
     _adapter(trainer, second, "comfy")
@@ -75,7 +76,7 @@ def test_training_on_merged_adapters_equals_training_on_a_merged_file(project, t
     option = f"model.merge_adapters=['{first}:0.8', '{second}:-0.5']"
 
     # the base weights: equal to fp32 rounding (the file tool sums the deltas, the option adds each)
-    in_memory = ZImageTrainer(cfg(config, option))
+    in_memory = ZImageModel(cfg(config, option))
     model = in_memory.load_transformer(torch.float32)
     in_memory.merge_base_adapters(model)
     expected = load_transformer(merged, torch.float32).state_dict()
@@ -108,7 +109,7 @@ def test_turbo_without_a_merged_adapter_warns_naming_the_option(project, tmp_pat
     turbo = tmp_path / "z_image_turbo_tiny.safetensors"
     shutil.copy(paths["transformer_file"], turbo)
     adapter = tmp_path / "dedistill.safetensors"
-    _adapter(ZImageTrainer(cfg(config)), adapter, "kohya")
+    _adapter(ZImageModel(cfg(config)), adapter, "kohya")
     with pytest.warns(UserWarning, match=r"Turbo.*model\.merge_adapters") as caught:
         _train(config, tmp_path / "turbo", f"model.transformer='{turbo}'")
     assert len([w for w in caught if "merge_adapters" in str(w.message)]) == 1  # once per run
@@ -129,7 +130,7 @@ def test_generation_sees_the_merged_adapters(project, tmp_path):
 
     _, config, paths = project
     adapter = tmp_path / "dedistill.safetensors"
-    _adapter(ZImageTrainer(cfg(config)), adapter, "kohya")
+    _adapter(ZImageModel(cfg(config)), adapter, "kohya")
     merged = tmp_path / "merged.safetensors"
     merge_adapters(paths["transformer_file"], [(str(adapter), 1.0)], merged, arch="z_image")
 
@@ -151,12 +152,12 @@ def test_two_expert_models_refuse_merge_adapters():
     """Which expert would an adapter go into? Two-expert models are told to merge into each file."""
     from types import SimpleNamespace
 
-    from tuner.archs.wan.trainer_wan22 import Wan22T2VTrainer
+    from tuner.archs.wan.trainer_wan22 import Wan22T2VModel
     from tuner.config.schema import ModelConfig
     from tuner.errors import TrainingError
     from tuner.registry import architecture
 
-    trainer = Wan22T2VTrainer.__new__(Wan22T2VTrainer)
+    trainer = Wan22T2VModel.__new__(Wan22T2VModel)
     model = ModelConfig(
         architecture="wan22_t2v", transformer="high.safetensors", merge_adapters=("a.safetensors",)
     )

@@ -128,10 +128,10 @@ def _config_check(args) -> None:
 
 
 def _data_check(args) -> None:
+    from tuner import registry
     from tuner.config import load_datasets
     from tuner.data.check import check_datasets
     from tuner.errors import DataError
-    from tuner.trainers import trainer_class
 
     if args.config:
         cfg = _load(args)
@@ -142,7 +142,7 @@ def _data_check(args) -> None:
         raise SystemExit(
             "tuner data check: give --config TRAIN.toml, or --dataset DATASET.toml and --architecture"
         )
-    reports = check_datasets(trainer_class(architecture), specs)
+    reports = check_datasets(registry.architecture(architecture), specs)
     unusable = [r for r in reports if r.error]
     if unusable:
         raise DataError(f"{len(unusable)} of {len(reports)} datasets cannot be used (see above).")

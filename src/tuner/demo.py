@@ -15,7 +15,7 @@ from pathlib import Path
 from tuner.cli import main as tuner
 from tuner.fixtures import fixture, write_fixture
 from tuner.fixtures.dataset import write_demo_dataset
-from tuner.registry import ARCHITECTURES, trainer_class
+from tuner.registry import ARCHITECTURES
 
 GENERAL_TOML = """\
 [general]
@@ -78,21 +78,21 @@ keep_last = 2
 
 def data_kinds(architecture: str) -> tuple[bool, int]:
     """(whether the architecture trains on video, control images per item) for its demo data."""
-    trainer = trainer_class(architecture)
-    return trainer.supports_video, trainer.control_images[0]
+    record = ARCHITECTURES[architecture]
+    return record.supports_video, record.control_images[0]
 
 
 def demo_size(architecture: str) -> tuple[int, int]:
     """The demo's (width, height): 64×48, with the height rounded up to the model's spatial step
     (64×64 for Wan 2.2 TI2V-5B, whose tokens cover 32 pixels)."""
-    step = trainer_class(architecture).spatial_step
+    step = ARCHITECTURES[architecture].spatial_step
     return 64, -(-48 // step) * step
 
 
 def frame_image_args(architecture: str, data: Path) -> list[str]:
     """`tuner generate`'s frame images for image-to-video architectures (`--image` once or twice), from
     the demo dataset's images; none for the others."""
-    count = trainer_class(architecture).frame_images
+    count = ARCHITECTURES[architecture].frame_images
     return [arg for i in range(count) for arg in ("--image", str(data / "images" / f"image_{i:03d}.png"))]
 
 
@@ -107,8 +107,8 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
         print(f"== fixture: tiny {architecture} in its checkpoint layouts → {model}")
         write_fixture(architecture, model)
     print(f"== dataset: generated images{' and videos' if video else ''} → {out / 'data'}")
-    images = trainer_class(architecture).supports_images
-    sound = trainer_class(architecture).audio_format is not None  # audio-video models: videos with a tone
+    images = ARCHITECTURES[architecture].supports_images
+    sound = ARCHITECTURES[architecture].audio_format is not None  # audio-video models: videos with a tone
     write_demo_dataset(out / "data", videos=2 if video else 0, controls=controls, tone=sound)
     width, height = demo_size(architecture)
     dataset = GENERAL_TOML.format(width=width, height=height)

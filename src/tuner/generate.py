@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tuner import registry
 from tuner.cache.plan import torch_device
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError
 from tuner.networks.keys import nonfinite_keys, read_safetensors
 from tuner.sampling import flow_sigmas
-from tuner.trainers import trainer_class
 
 
 @dataclass(frozen=True)
@@ -58,16 +58,16 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def check_options(trainer, opts: GenerateOptions) -> None:
+def check_options(family, opts: GenerateOptions) -> None:
     """Size, frame count, control images and numbers the architecture accepts (before anything is
     loaded)."""
-    arch, step = trainer.architecture, trainer.spatial_step
+    arch, step = family.architecture, family.record.spatial_step
     for flag, value in (("--guidance", opts.guidance_scale), ("--shift", opts.shift)):
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{flag} {value}: must be a finite number.")
-    if trainer.objective == "ddpm" and opts.shift is not None:
+    if family.record.objective == "ddpm" and opts.shift is not None:
         raise ConfigError(f"--shift {opts.shift}: a flow-matching option; {arch} samples its DDPM schedule.")
-    if trainer.objective == "flow" and opts.sampler != "euler":
+    if family.record.objective == "flow" and opts.sampler != "euler":
         raise ConfigError(
             f"--sampler {opts.sampler}: {arch} is a flow-matching model, sampled with Euler steps."
         )
@@ -77,83 +77,83 @@ def check_options(trainer, opts: GenerateOptions) -> None:
         raise ConfigError(
             f"size {opts.width}x{opts.height}: both sides must be multiples of {step} for {arch}."
         )
-    if not trainer.valid_frame_count(opts.frames):
+    if not family.valid_frame_count(opts.frames):
         raise ConfigError(
-            f"frames {opts.frames}: {arch} takes {trainer.frame_multiple}N+{trainer.frame_remainder} frames."
+            f"frames {opts.frames}: {arch} takes {family.record.frame_multiple}N+{family.record.frame_remainder} frames."
         )
-    low, high = trainer.control_images
+    low, high = family.record.control_images
     if not low <= len(opts.controls) <= high:
         raise ConfigError(f"control images: {arch} takes {low} to {high}, got {len(opts.controls)}.")
-    if trainer.first_frame_image:  # text-and-image-to-video: the first frame may be given
+    if family.record.first_frame_image:  # text-and-image-to-video: the first frame may be given
         if len(opts.images) > 1:
             raise ConfigError(f"frame images: {arch} takes at most one --image (the first frame).")
         if opts.images and opts.frames == 1:
             raise ConfigError(
                 f"--image {opts.images[0]}: the given image is the first frame; ask for more (--frames 5+)."
             )
-    elif len(opts.images) != trainer.frame_images:
+    elif len(opts.images) != family.record.frame_images:
         wanted = {0: "no frame image; leave --image out", 1: "the first frame (--image FIRST)",
-                  2: "the first and last frame (--image FIRST --image LAST)"}[trainer.frame_images]  # fmt: skip
+                  2: "the first and last frame (--image FIRST --image LAST)"}[family.record.frame_images]  # fmt: skip
         raise ConfigError(f"frame images: {arch} takes {wanted}, got {len(opts.images)}.")
-    if opts.frames < trainer.min_frames:
-        raise ConfigError(f"frames {opts.frames}: {arch} needs at least {trainer.min_frames}.")
+    if opts.frames < family.record.min_frames:
+        raise ConfigError(f"frames {opts.frames}: {arch} needs at least {family.record.min_frames}.")
 
 
-def encode_conditions(trainer, cfg, opts: GenerateOptions, device) -> tuple[dict, dict]:
+def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict, dict]:
     """(cond, uncond) for one prompt: text embeddings, plus the encoded control images of edit models
     and the first frame of text-and-image-to-video models (`first_frame`, with `clean_first` True: the
     frame is given, not generated). Loads the text encoder and, for images, the VAE, and drops each
     before returning."""
     control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
-    encoder = trainer.load_text_encoder(device, cfg.cache.text_encoder_dtype)
-    trainer.attach_text_adapters(encoder, opts.loras)  # SDXL files may hold its text encoders' parts
+    encoder = family.load_text_encoder(device, cfg.cache.text_encoder_dtype)
+    family.attach_text_adapters(encoder, opts.loras)  # SDXL files may hold its text encoders' parts
     # edit models whose text encoder sees the control images get them for both prompts, as in training
-    seen = [control_pixels] if trainer.text_uses_controls else None
+    seen = [control_pixels] if family.record.text_uses_controls else None
     with torch.no_grad():
-        cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p], seen))
+        cond, uncond = (family.collate_text(family.encode_text(encoder, [p], seen))
                         for p in (opts.prompt, opts.negative_prompt))  # fmt: skip
     del encoder
     _release_memory()
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
-    if trainer.zero_empty_negative and not opts.negative_prompt:
+    if family.record.zero_empty_negative and not opts.negative_prompt:
         uncond = {k: torch.zeros_like(v) for k, v in uncond.items()}
-    first_frame = opts.images[0] if trainer.first_frame_image and opts.images else ""
+    first_frame = opts.images[0] if family.record.first_frame_image and opts.images else ""
     if control_pixels or first_frame:
-        vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
+        vae = family.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
         vae_dtype = next(vae.parameters()).dtype
         with torch.no_grad():
-            controls = {f"control_{i}": trainer.encode_pixels(vae, px.unsqueeze(0).to(device, vae_dtype))
+            controls = {f"control_{i}": family.encode_pixels(vae, px.unsqueeze(0).to(device, vae_dtype))
                         for i, px in enumerate(control_pixels)}  # fmt: skip
             if first_frame:
                 first = load_control_image(first_frame, opts.width, opts.height).unsqueeze(0)
-                controls["first_frame"] = trainer.encode_pixels(vae, first.to(device, vae_dtype))
+                controls["first_frame"] = family.encode_pixels(vae, first.to(device, vae_dtype))
                 controls["clean_first"] = torch.ones(1, dtype=torch.bool, device=device)
         del vae
         _release_memory()
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
-    if trainer.frame_images:  # image-to-video: the frames are conditions of both passes, as in training
+    if family.record.frame_images:  # image-to-video: the frames are conditions of both passes, as in training
         frames = [load_control_image(p, opts.width, opts.height)[:, 0].unsqueeze(0) for p in opts.images]
-        encoder = trainer.load_latent_encoder(device, DTYPES[cfg.model.vae_dtype]).eval()
+        encoder = family.load_latent_encoder(device, DTYPES[cfg.model.vae_dtype]).eval()
         with torch.no_grad():
-            given = trainer.encode_frame_images(encoder, [f.to(device) for f in frames], opts.frames)
+            given = family.encode_frame_images(encoder, [f.to(device) for f in frames], opts.frames)
         del encoder
         _release_memory()
         cond, uncond = {**cond, **given}, {**uncond, **given}
     return cond, uncond
 
 
-def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: dict, device, dtype,
+def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dict, device, dtype,
                    progress: bool = True) -> torch.Tensor:  # fmt: skip
     """Denoise from the seed's noise to latents [1, ...] with the model as it is (adapters attached)."""
-    shape = trainer.latent_shape(opts.width, opts.height, opts.frames)
+    shape = family.latent_shape(opts.width, opts.height, opts.frames)
     generator = torch.Generator().manual_seed(opts.seed)
     noise = torch.randn((1, *shape), generator=generator)
 
     def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
-        return trainer.predict(model, x.to(dtype), t / 1000, c).float()
+        return family.predict(model, x.to(dtype), t / 1000, c).float()
 
-    sound_shape = trainer.sound_latent_shape(opts.frames) if trainer.audio_format else None
+    sound_shape = family.sound_latent_shape(opts.frames) if family.record.audio_format else None
     if sound_shape is not None:  # audio-video models: both streams denoised together, as one tensor
         sound = torch.randn((1, *sound_shape), generator=generator)  # drawn after the video's noise
         size = noise[0].numel()
@@ -161,17 +161,17 @@ def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: di
 
         def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:  # noqa: F811
             video, audio = x[:, :size].reshape(-1, *shape), x[:, size:].reshape(-1, *sound_shape)
-            v, a = trainer.predict_streams(model, video.to(dtype), audio.to(dtype), t / 1000, c)
+            v, a = family.predict_streams(model, video.to(dtype), audio.to(dtype), t / 1000, c)
             return torch.cat([v.float().flatten(1), a.float().flatten(1)], 1)
 
-    if trainer.objective == "ddpm":  # SDXL: diffusers' Euler / DPM++ 2M on the trained schedule
+    if family.record.objective == "ddpm":  # SDXL: diffusers' Euler / DPM++ 2M on the trained schedule
         from tuner.ddpm import ddpm_sample
 
-        return ddpm_sample(model_fn, noise.to(device), trainer.training_objective(), opts.steps, cond, uncond,
-                           opts.guidance_scale, opts.sampler, progress, trainer.combine_guidance)  # fmt: skip
-    shift = opts.shift if opts.shift is not None else trainer.default_sample_shift(shape)
+        return ddpm_sample(model_fn, noise.to(device), family.training_objective(), opts.steps, cond, uncond,
+                           opts.guidance_scale, opts.sampler, progress, family.combine_guidance)  # fmt: skip
+    shift = opts.shift if opts.shift is not None else family.default_sample_shift(shape)
     with torch.no_grad():
-        latents = trainer.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
+        latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
                                       opts.guidance_scale, progress)  # fmt: skip
     if sound_shape is None:
         return latents
@@ -179,31 +179,29 @@ def sample_latents(trainer, model, opts: GenerateOptions, cond: dict, uncond: di
     return latents[:, :size].reshape(-1, *shape), latents[:, size:].reshape(-1, *sound_shape)
 
 
-def decode_and_write(trainer, cfg, latents, out: str | Path, device) -> Path:
+def decode_and_write(family, cfg, latents, out: str | Path, device) -> Path:
     """Load the VAE, decode, write the PNG or mp4, drop the VAE. `latents` is the video's, or for
     audio-video models (video, sound), whose sound is muxed into the mp4."""
     latents, sound = latents if isinstance(latents, tuple) else (latents, None)
-    vae = trainer.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
+    vae = family.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
     with torch.no_grad():
-        pixels = trainer.decode_latents(vae, latents)[0]
+        pixels = family.decode_latents(vae, latents)[0]
     del vae
     _release_memory()
     audio = None
     if sound is not None:
         with torch.no_grad():
-            audio = trainer.decode_sound(sound, device, DTYPES[cfg.model.vae_dtype])
+            audio = family.decode_sound(sound, device, DTYPES[cfg.model.vae_dtype])
         _release_memory()
-    return write_media(pixels, out, trainer.model_fps, audio)
+    return write_media(pixels, out, family.record.model_fps, audio)
 
 
 def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
-    trainer = trainer_class(cfg.model.architecture)(cfg)
-    check_options(trainer, opts)
-    two_experts = trainer.record.boundary is not None
+    family = registry.architecture(cfg.model.architecture).family_model(cfg)
+    check_options(family, opts)
+    two_experts = family.record.boundary is not None
     if opts.loras_2 and not two_experts:
-        raise ConfigError(
-            f"--lora-2: {trainer.architecture} has one transformer; give its LoRAs with --lora."
-        )
+        raise ConfigError(f"--lora-2: {family.architecture} has one transformer; give its LoRAs with --lora.")
     for path, _ in (*opts.loras, *opts.loras_2):
         if not Path(path).is_file():
             raise ConfigError(f"--lora {path}: file not found.")
@@ -215,20 +213,20 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
     device = torch_device(opts.device)
     dtype = DTYPES[cfg.model.dtype]
 
-    cond, uncond = encode_conditions(trainer, cfg, opts, device)
-    model = trainer.load_experts(dtype) if two_experts else trainer.load_transformer(dtype)
-    trainer.merge_base_adapters(model)
+    cond, uncond = encode_conditions(family, cfg, opts, device)
+    model = family.load_experts(dtype) if two_experts else family.load_transformer(dtype)
+    family.merge_base_adapters(model)
     model.eval().requires_grad_(False)
     # the same memory switches as training (block swap, fp8, attention); activations need no offload
-    trainer.apply_memory(model, replace(cfg.memory, activation_offload=False), device)
+    family.apply_memory(model, replace(cfg.memory, activation_offload=False), device)
     targets = [(model, opts.loras)] if not two_experts else [(model.transformer, opts.loras),
                                                             (model.transformer_2, opts.loras_2)]  # fmt: skip
     for target, loras in targets:
         for path, strength in loras:
-            network = trainer.attach_adapter_file(target, path, strength)
+            network = family.attach_adapter_file(target, path, strength)
             network.to(device)
             log(f"lora {path} × {strength}: {len(network)} modules")
-    latents = sample_latents(trainer, model, opts, cond, uncond, device, dtype)
+    latents = sample_latents(family, model, opts, cond, uncond, device, dtype)
     if not all(torch.isfinite(x).all() for x in (latents if isinstance(latents, tuple) else (latents,))):
         raise CheckpointError(
             "the model produced NaN or infinite values; nothing written. Likely a damaged checkpoint or "
@@ -236,7 +234,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         )
     del model
     _release_memory()
-    out = decode_and_write(trainer, cfg, latents, opts.out, device)
+    out = decode_and_write(family, cfg, latents, opts.out, device)
     log(f"wrote {out}")
     return out
 

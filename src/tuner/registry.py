@@ -10,6 +10,7 @@ missing, and the contract suite then runs every user path on its fixture.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from tuner.archs.record import Architecture
@@ -58,9 +59,16 @@ def architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
+@functools.cache
 def trainer_class(name: str) -> type:
-    """Import and return the trainer class of architecture `name`."""
-    return architecture(name).trainer_class()
+    """The class that trains architecture `name`: the loop (`NetworkTrainer`) over the family's
+    `ArchitectureModel`, e.g. `WanTrainer(NetworkTrainer, WanModel)`. One class per architecture and
+    process (cached), so patching it patches every trainer of that architecture."""
+    from tuner.trainers.base import NetworkTrainer
+
+    family = architecture(name).family_class()
+    trainer = family.__name__.removesuffix("Model") + "Trainer"
+    return type(trainer, (NetworkTrainer, family), {"__module__": family.__module__})
 
 
 def resolve_save_format(name: str, format: str) -> str:

@@ -2,7 +2,7 @@
 
 Each family folder (`tuner/archs/<family>/record.py`) declares its records as `RECORDS`; `tuner.registry`
 lists the families and is the one view of all records. The record is plain data. Code it points to (the
-trainer class, the key table, the fixture) is named as `"module:attribute"` and imported only when asked
+model class, the key table, the fixture) is named as `"module:attribute"` and imported only when asked
 for, so reading a config or printing `--help` loads no model code.
 """
 
@@ -24,8 +24,9 @@ class Architecture:
     """The config name, e.g. `wan`."""
     title: str
     """What it trains, in a few words (shown by `tuner --help` and `tuner fixtures --help`)."""
-    trainer: str
-    """`module:Class` of its `NetworkTrainer` subclass."""
+    family: str
+    """`module:Class` of its `ArchitectureModel` subclass (`tuner.archs.model`): what it computes. Training
+    runs the loop over it (`tuner.registry.trainer_class`)."""
     layout: str
     """`module:attribute` of its `CheckpointLayout`: the release's single-file layout relative to
     diffusers'. Its `keys` (`ArchitectureKeys`: module renames and fused layers) name adapters in saved
@@ -51,6 +52,8 @@ class Architecture:
     config each; the `tiny*` fixtures' are not listed)."""
     checkpoints: str
     """The files each `model.*` component loads, in the layouts users have (the docs' variants table)."""
+    spatial_step: int
+    """Pixels per latent token side (the VAE's factor times the patch size); sizes are multiples of it."""
     boundary: float | None = None
     """Two-expert models (Wan 2.2 A14B): the release's t in [0, 1] where denoising switches from the
     high-noise expert (`model.transformer`) to the low-noise one (`model.transformer_2`); None for models
@@ -74,9 +77,52 @@ class Architecture:
     """Why such a model cannot train without its frame, where it cannot (its image condition has no absent
     form in any of its pipelines): it then accepts only p = 1. What the others are fed without the frame is
     their trainer's `draw_conditions` / `predict`."""
+    frame_multiple: int = 1
+    """Valid frame counts are `frame_multiple`·N + `frame_remainder` (the VAE's temporal factor)."""
+    frame_remainder: int = 0
+    """See `frame_multiple`."""
+    model_fps: float = 16.0
+    """The frame rate the model was trained at (videos are resampled to it; generation writes it)."""
+    supports_video: bool = False
+    """Whether it trains on video (image-only models refuse video datasets when loading)."""
+    supports_images: bool = True
+    """Whether it trains on images (image-to-video models refuse image datasets when loading)."""
+    min_frames: int = 1
+    """Fewest frames per clip (first-last-frame models need two)."""
+    frame_images: int = 0
+    """Frame images generation is given (image-to-video: the first[, and the last])."""
+    latent_encoders: tuple[str, ...] = ("vae",)
+    """Config fields (`model.<name>`) whose weights shape latent entries (part of their cache key)."""
+    control_images: tuple[int, int] = (0, 0)
+    """(Fewest, most) control images per item (edit models)."""
+    text_uses_controls: bool = False
+    """Whether the text encoder also sees the control images (Qwen-Image-Edit)."""
+    timestep_mode: str = "shift"
+    """What `timesteps.mode = "auto"` means for this model."""
+    sample_shift: float | str = 3.0
+    """Generation's default flow shift, or a `tuner.timesteps.RESOLUTION_SHIFTS` name."""
+    latent_patch: tuple[int, ...] = (1, 2, 2)
+    """Latent elements per token along (F, H, W), or (H, W) for image latents."""
+    audio_format: tuple[int, int] | None = None
+    """(Sample rate, channels) of models that also learn sound; None for the others."""
+    first_frame_image: bool = False
+    """Whether generation takes an optional first-frame image (`--image`; TI2V, LTX)."""
+    objective: str = "flow"
+    """"flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)."""
+    cache_format_version: int = 1
+    """Version of its cache entries' format (part of their cache key)."""
+    text_encoder_trainable: bool = False
+    """Whether `network.train_text_encoder` is offered (SDXL)."""
+    zero_empty_negative: bool = False
+    """Generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as diffusers' `force_zeros_for_empty_prompt`)."""
 
-    def trainer_class(self) -> type:
-        return _resolve(self.trainer)
+    def family_class(self) -> type:
+        """Its `ArchitectureModel` subclass."""
+        return _resolve(self.family)
+
+    def family_model(self, cfg: Any) -> Any:
+        """Its `ArchitectureModel` for `cfg` (caching, generation: no training loop)."""
+        return self.family_class()(cfg)
 
     def checkpoint_layout(self) -> Any:
         """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the

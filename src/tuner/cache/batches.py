@@ -165,7 +165,7 @@ class TrainingData:
             # Every entry of a batch shares one bucket, so each of its tensors (latents, control_0...) stacks.
             latents = entries[0::2]
             stacked = {name: _stack([e[name] for e in latents], self.pin_memory) for name in latents[0]}
-            if isinstance(batch, WeightedBatch):  # `NetworkTrainer.loss` multiplies the batch's loss by it
+            if isinstance(batch, WeightedBatch):  # `ArchitectureModel.loss` multiplies the batch's loss by it
                 stacked["loss_weight"] = torch.full((len(latents),), batch.loss_weight)
             yield {"latents": stacked.pop("latents"), "extra": stacked, "text": entries[1::2]}
 

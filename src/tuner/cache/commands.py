@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 from tqdm.auto import tqdm
 
+from tuner import registry
 from tuner.cache.plan import (
     FAILED,
     LATENT,
@@ -55,7 +56,6 @@ from tuner.data.jobs import load_control_pixels, load_job_audio, load_job_pixels
 from tuner.data.masks import load_job_mask, to_latent_grid
 from tuner.dtypes import DTYPES
 from tuner.errors import CacheError, DataError
-from tuner.trainers import trainer_class
 
 
 def _silent(_: str) -> None:
@@ -160,10 +160,10 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
     as a failed entry (`"skip"`), which training then leaves out; fixing the file changes its key, so
     the next run encodes it."""
     procs = CachingProcesses()
-    trainer = trainer_class(cfg.model.architecture)(cfg)
-    plans = plan_datasets(trainer, cfg, log if procs.main else _silent)
+    model = registry.architecture(cfg.model.architecture).family_model(cfg)
+    plans = plan_datasets(model, cfg, log if procs.main else _silent)
     specs = {plan.spec.index: plan.spec for plan in plans}
-    encoder = latent_encoder(trainer)
+    encoder = latent_encoder(model)
     batch_size = batch_size or cfg.cache.batch_size
     dev = torch_device(procs.device(device or cfg.cache.device))
     vae_dtype = DTYPES[cfg.model.vae_dtype]
@@ -190,7 +190,7 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
             batches = procs.mine([chunk for bucket in sorted(by_bucket) for chunk in
                                   _chunks(sorted(by_bucket[bucket], key=lambda kj: kj[1].source), batch_size)])  # fmt: skip
             if batches and vae is None:
-                vae = trainer.load_latent_encoder(dev, vae_dtype).eval()
+                vae = model.load_latent_encoder(dev, vae_dtype).eval()
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
                 tqdm(
@@ -225,17 +225,17 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     # jobs of one bucket key have the same number of controls, so they stack too
                     controls = [torch.stack(c).to(dev, vae_dtype) for c in zip(*(item[3] for item in loaded))]
                     with torch.no_grad():
-                        latents = trainer.encode_latents(vae, pixels, controls)
+                        latents = model.encode_latents(vae, pixels, controls)
                     for i, (key, job, _, _, mask, audio) in enumerate(loaded):
                         tensors = {
                             name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
-                        } | trainer.latent_conditions(job)
+                        } | model.latent_conditions(job)
                         if mask is not None:  # the loss mask on the latents' grid (`tuner.data.masks`)
                             grid = tuple(tensors["latents"].shape[1:])
                             tensors["loss_mask"] = to_latent_grid(mask, grid, job.mask_min_weight)
                         if audio is not None:  # the clip's sound (audio-video models)
                             with torch.no_grad():
-                                sound = trainer.encode_audio(vae, audio.to(dev, vae_dtype))
+                                sound = model.encode_audio(vae, audio.to(dev, vae_dtype))
                             tensors |= {name: t.detach().to("cpu").contiguous() for name, t in sound.items()}
                         meta = {
                             "bucket": job.bucket_key,
@@ -263,22 +263,22 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
     """Encode every distinct caption (and the empty one) not cached yet, or whose entry is damaged;
     return (encoded, reused, pruned)."""
     procs = CachingProcesses()
-    trainer = trainer_class(cfg.model.architecture)(cfg)
-    plans = plan_datasets(trainer, cfg, log if procs.main else _silent)
-    encoder = text_encoder(trainer)
+    model = registry.architecture(cfg.model.architecture).family_model(cfg)
+    plans = plan_datasets(model, cfg, log if procs.main else _silent)
+    encoder = text_encoder(model)
     max_len = cfg.cache.text_max_length
     batch_size = batch_size or cfg.cache.batch_size
     dev = torch_device(procs.device(device or cfg.cache.device))
     encoded = reused = pruned = repaired = 0
     te = None
-    if trainer.trains_text_encoder and procs.main:
+    if model.trains_text_encoder and procs.main:
         log("network.train_text_encoder: the text encoders train, so their outputs are computed at every "
             "training step and not cached; caching the captions' token ids only.")  # fmt: skip
     for cache_dir, store in procs.first(lambda: stores_of(plans, readonly=False)).items():
         wanted: dict[str, TextRequest] = {}
         for plan in plans:
             if plan.spec.cache_directory == cache_dir:
-                wanted.update(text_requests(trainer, store, plan, encoder, max_len)[1])
+                wanted.update(text_requests(model, store, plan, encoder, max_len)[1])
         with (
             _one_run_at_a_time(store, TEXT, "tuner cache text", log, procs),
             _stop_on_signals(f"tuner cache text --config {cfg.path}"),
@@ -290,7 +290,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
             todo = sorted(missing, key=lambda k: (wanted[k].caption, k))
             batches = procs.mine(list(_chunks(todo, batch_size)))  # every N-th of a one-process run's
             if batches and te is None:
-                te = trainer.load_text_cache_encoder(dev, cfg.cache.text_encoder_dtype)
+                te = model.load_text_cache_encoder(dev, cfg.cache.text_encoder_dtype)
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
                 tqdm(
@@ -305,9 +305,9 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                     captions = [r.caption for r in requests]
                     with torch.no_grad():
                         controls = None
-                        if trainer.text_uses_controls:
+                        if model.record.text_uses_controls:
                             controls = [load_control_pixels(r.job) for r in requests]
-                        outputs = trainer.encode_text_cache(te, captions, controls)
+                        outputs = model.encode_text_cache(te, captions, controls)
                     for key, request, out in zip(chunk, requests, outputs):
                         tensors = {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
                         meta = {"encoder": encoder.label(), "caption": request.caption}

@@ -39,7 +39,7 @@ class DatasetPlan:
 
 
 def plan_datasets(
-    trainer, cfg, log: Callable[[str], None] = print, readonly: bool = False
+    model, cfg, log: Callable[[str], None] = print, readonly: bool = False
 ) -> list[DatasetPlan]:
     """Discover and probe every dataset; report problems (missing captions, skipped files) by name.
 
@@ -47,17 +47,17 @@ def plan_datasets(
     (training) the stores are only read, and a dataset whose store does not exist yet is probed
     without memo."""
     plans = []
-    rule = FrameRule(trainer.frame_multiple, trainer.frame_remainder)
+    rule = FrameRule(model.record.frame_multiple, model.record.frame_remainder)
     for spec in cfg.datasets:
-        if spec.kind == "video" and not trainer.supports_video:
+        if spec.kind == "video" and not model.record.supports_video:
             raise ConfigError(
                 f"{cfg.data.dataset_config}: datasets[{spec.index}] is a video dataset, but "
-                f"{trainer.architecture} is an image model. Use image_directory or image_jsonl_file."
+                f"{model.architecture} is an image model. Use image_directory or image_jsonl_file."
             )
-        if spec.kind == "image" and not trainer.supports_images:
+        if spec.kind == "image" and not model.record.supports_images:
             raise ConfigError(
                 f"{cfg.data.dataset_config}: datasets[{spec.index}] is an image dataset, but "
-                f"{trainer.architecture} is an image-to-video model: it learns a clip from its first frame, "
+                f"{model.architecture} is an image-to-video model: it learns a clip from its first frame, "
                 "so a single image has nothing to learn. Use video_directory or video_jsonl_file."
             )
         items, problems = discover_items(spec)
@@ -68,15 +68,15 @@ def plan_datasets(
         jobs, more = plan_latent_jobs(
             spec,
             items,
-            trainer.spatial_step,
+            model.record.spatial_step,
             rule,
-            trainer.model_fps,
+            model.record.model_fps,
             probe=probe,
-            audio_format=trainer.audio_format,
+            audio_format=model.record.audio_format,
         )
         probe.save()
-        _check_controls(trainer, spec, jobs, cfg)
-        _check_frames(trainer, spec, jobs, cfg)
+        _check_controls(model, spec, jobs, cfg)
+        _check_frames(model, spec, jobs, cfg)
         plans.append(DatasetPlan(spec, jobs, problems + more))
         # a table's further resolutions (`part` > 0) found the same items: say their problems once
         for problem in (problems if spec.part == 0 else []) + more:
@@ -109,32 +109,30 @@ class MemoizedProbe:
             self._memo.save()
 
 
-def _check_controls(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
+def _check_controls(model, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
     """Edit models need their control images; the others must not be given any."""
-    low, high = trainer.control_images
+    low, high = model.record.control_images
     for job in jobs:
         n = len(job.control_paths)
         if not low <= n <= high:
             if high == 0:
-                fix = f"{trainer.architecture} takes no control images: remove control_directory"
+                fix = f"{model.architecture} takes no control images: remove control_directory"
             else:
                 fix = (
-                    f"{trainer.architecture} needs {low}"
-                    + (f" to {high}" if high > low else "")
-                    + " per item"
+                    f"{model.architecture} needs {low}" + (f" to {high}" if high > low else "") + " per item"
                 )
             raise ConfigError(
                 f"{cfg.data.dataset_config}: datasets[{spec.index}]: {job.source} has {n} control image(s); {fix}."
             )
 
 
-def _check_frames(trainer, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
-    """Clips shorter than the model's `min_frames` (first-last-frame models need two frames)."""
+def _check_frames(model, spec: DatasetSpec, jobs: list[LatentJob], cfg) -> None:
+    """Clips shorter than the record's `min_frames` (first-last-frame models need two frames)."""
     for job in jobs:
-        if job.bucket[2] < trainer.min_frames:
+        if job.bucket[2] < model.record.min_frames:
             raise ConfigError(
                 f"{cfg.data.dataset_config}: datasets[{spec.index}]: {job.source} gives a clip of "
-                f"{job.bucket[2]} frame(s); {trainer.architecture} needs at least {trainer.min_frames} (its "
+                f"{job.bucket[2]} frame(s); {model.architecture} needs at least {model.record.min_frames} (its "
                 "first and last frame are the conditions). Set target_frames to 5 or more."
             )
 
@@ -161,28 +159,28 @@ def _fingerprint(path: str, components: tuple[str, ...]) -> str:
 _LATENT_FOLDERS = {"vae": ("vae", "audio_vae"), "image_encoder": ("image_encoder", "image_processor")}
 
 
-def latent_encoder(trainer) -> EncoderIdentity:
-    """The identity of every model that shapes a latent entry (the trainer's `latent_encoders`: the VAE,
+def latent_encoder(model) -> EncoderIdentity:
+    """The identity of every model that shapes a latent entry (the record's `latent_encoders`: the VAE,
     plus e.g. the CLIP image encoder of image-to-video models); all run in `model.vae_dtype`."""
-    cfg = trainer.cfg
+    cfg = model.cfg
     fingerprints = [
-        _fingerprint(trainer.weights_path(name), _LATENT_FOLDERS.get(name, (name,)))
-        for name in trainer.latent_encoders
+        _fingerprint(model.weights_path(name), _LATENT_FOLDERS.get(name, (name,)))
+        for name in model.record.latent_encoders
     ]
     return EncoderIdentity(
-        architecture=f"{trainer.architecture}-vae",
+        architecture=f"{model.architecture}-vae",
         weights_fingerprint="+".join(fingerprints),
         dtype=cfg.model.vae_dtype,
-        format_version=trainer.cache_format_version,
+        format_version=model.record.cache_format_version,
     )
 
 
-def text_encoder(trainer) -> EncoderIdentity:
-    cfg = trainer.cfg
+def text_encoder(model) -> EncoderIdentity:
+    cfg = model.cfg
     # every file that shapes the text embeddings: every encoder (FLUX.1 has CLIP-L and T5, SD 3.5 three,
     # HiDream four) and tokenizer
     m = cfg.model
-    parts = [trainer.weights_path("text_encoder")]
+    parts = [model.weights_path("text_encoder")]
     parts += [
         p
         for p in (m.text_encoder_2, m.text_encoder_3, m.text_encoder_4, m.tokenizer, m.tokenizer_2, m.tokenizer_3,
@@ -190,10 +188,10 @@ def text_encoder(trainer) -> EncoderIdentity:
         if p
     ]  # fmt: skip
     return EncoderIdentity(  # while the text encoders train, entries hold their inputs (token ids)
-        architecture=f"{trainer.architecture}-{'tokens' if trainer.trains_text_encoder else 'text'}",
+        architecture=f"{model.architecture}-{'tokens' if model.trains_text_encoder else 'text'}",
         weights_fingerprint="+".join(_fingerprint(p, _TEXT_FOLDERS) for p in parts),
         dtype=cfg.cache.text_encoder_dtype,
-        format_version=trainer.cache_format_version,
+        format_version=model.record.cache_format_version,
     )
 
 
@@ -221,7 +219,7 @@ class TextRequest:
 
 
 def text_requests(
-    trainer, store: CacheStore, plan: DatasetPlan, encoder: EncoderIdentity, max_length: int
+    model, store: CacheStore, plan: DatasetPlan, encoder: EncoderIdentity, max_length: int
 ) -> tuple[list[tuple[tuple[str, ...], str]], dict[str, TextRequest]]:
     """(text keys, empty-caption key) for each job of `plan`, and what each key encodes. A job has one
     text key per caption variant (`tuner.data.captions`; usually one), the first being its plain caption.
@@ -231,12 +229,12 @@ def text_requests(
     contents and crops too, and the empty caption (for caption dropout) is encoded with them as well."""
     per_job, requests = [], {}
     hashes = {}
-    if trainer.text_uses_controls:
+    if model.record.text_uses_controls:
         hashes = store.hash_sources(p for job in plan.jobs for p in job.control_paths)
     plain: dict[str, str] = {}  # caption -> key when there are no controls: one digest per caption
     for job in plan.jobs:
         controls = None
-        if trainer.text_uses_controls:
+        if model.record.text_uses_controls:
             controls = {
                 "sources": [hashes[p] for p in job.control_paths],
                 "crops": job.params()["controls"],
@@ -271,7 +269,7 @@ def require_cached(store: CacheStore, keys: list[str], what: str, command: str, 
 
 
 def open_training_data(
-    trainer,
+    model,
     cfg,
     log: Callable[[str], None] = print,
     rank: int = 0,
@@ -284,7 +282,7 @@ def open_training_data(
     `pin_memory` (training on CUDA) batches are stacked into pinned memory."""
     from tuner.cache.batches import TrainingData, TrainingSample
 
-    plans = plan_datasets(trainer, cfg, log, readonly=True)
+    plans = plan_datasets(model, cfg, log, readonly=True)
     for plan in plans:
         if not (Path(plan.spec.cache_directory) / INDEX_NAME).exists():
             raise CacheError(
@@ -299,7 +297,7 @@ def open_training_data(
                 f"note: {unverified} entries in {store.root} were cached by an older tuner and carry no "
                 f"checksum; they are read unverified (re-cache into a new directory to have them checked)."
             )
-    lat_enc, txt_enc = latent_encoder(trainer), text_encoder(trainer)
+    lat_enc, txt_enc = latent_encoder(model), text_encoder(model)
     max_len = cfg.cache.text_max_length
     samples: list[TrainingSample] = []
     for plan in plans:
@@ -307,10 +305,10 @@ def open_training_data(
             continue
         store = stores[plan.spec.cache_directory]
         lat_keys = latent_keys(store, plan.jobs, lat_enc)
-        txt_keys, requests = text_requests(trainer, store, plan, txt_enc, max_len)
+        txt_keys, requests = text_requests(model, store, plan, txt_enc, max_len)
         require_cached(store, lat_keys, "latent", "cache latents", cfg)
         what = "text (token ids: the text encoders train, their outputs are not cached)" if (
-            trainer.trains_text_encoder) else "text"  # fmt: skip
+            model.trains_text_encoder) else "text"  # fmt: skip
         require_cached(store, list(requests), what, "cache text", cfg)
         failed = set(store.keys(FAILED))
         for job, key, (texts, empty) in zip(plan.jobs, lat_keys, txt_keys):

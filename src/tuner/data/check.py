@@ -109,12 +109,12 @@ def check_dataset(
     return report
 
 
-def check_datasets(trainer_cls, specs, log: Callable[[str], None] = print) -> list[DatasetCheck]:
-    """`check_dataset` for each spec with the architecture's step, frame rule and fps; logs the report."""
-    rule = FrameRule(trainer_cls.frame_multiple, trainer_cls.frame_remainder)
+def check_datasets(record, specs, log: Callable[[str], None] = print) -> list[DatasetCheck]:
+    """`check_dataset` for each spec with the architecture record's step, frame rule and fps; logs the report."""
+    rule = FrameRule(record.frame_multiple, record.frame_remainder)
     reports = []
     for spec in specs:
-        report = check_dataset(spec, trainer_cls.spatial_step, rule, trainer_cls.model_fps)
+        report = check_dataset(spec, record.spatial_step, rule, record.model_fps)
         for line in report.lines():
             log(line)
         reports.append(report)

@@ -11,7 +11,7 @@ The mask goes through the item's own plan: resized and cropped with its bucket's
 to the latent grid the VAE produced by averaging (each latent element covers spatial_step/patch
 pixels a side, and for video VAEs like Wan's the first frame alone, then groups of frames). It is
 cached beside the latents as `loss_mask` (so it enters the latent key: the mask file's contents and
-`mask_min_weight`), and `NetworkTrainer.loss` multiplies the squared error by it, each sample's error
+`mask_min_weight`), and `ArchitectureModel.loss` multiplies the squared error by it, each sample's error
 being its weighted mean (`tuner.timesteps.weighted_mse`).
 """
 

@@ -79,7 +79,7 @@ class Strategy:
         yield
 
     def loss(self, trainer, run, x0, noise, t, cond):
-        """One training batch's loss: the trainer's own (`NetworkTrainer.loss` or an architecture's
+        """One training batch's loss: the trainer's own (`ArchitectureModel.loss` or an architecture's
         override) on the model. A strategy that must see the forward (DDP) runs the same call inside its
         wrapper."""
         return trainer.loss(run.model, x0, noise, t, cond, run.accelerator)
@@ -137,7 +137,7 @@ class Strategy:
 
 class PredictModule(nn.Module):
     """The model and what trains on it as one module whose forward is the trainer's `predict`. An engine
-    that must own a module and see each forward (DeepSpeed's) wraps this; `NetworkTrainer.loss` calls a
+    that must own a module and see each forward (DeepSpeed's) wraps this; `ArchitectureModel.loss` calls a
     model marked `runs_predict` with (noisy, t, cond) instead of calling `predict` on it."""
 
     runs_predict = True

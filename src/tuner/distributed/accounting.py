@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-
-from tuner.trainers.state import tree_bytes
 
 _PROBE_SIDE = 1024  # the longest probe dimension
 
@@ -145,3 +144,14 @@ def _probe(chain: list, dtype: torch.dtype, shape: tuple, device: torch.device) 
 
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a tree (to estimate what a save needs)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tree_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(tree_bytes(v) for v in tree)
+    return 0

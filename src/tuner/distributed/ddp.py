@@ -9,7 +9,7 @@ backward) waits for all of it at the end.
 
 What DDP wraps. Not the model: an architecture's `predict` reads attributes of the model it is given
 (`model.config`, a two-expert model's `activate`), which a DDP wrapper would hide. DDP wraps `_Loss`, a
-small module whose forward is the trainer's own loss of one batch (`NetworkTrainer.loss`, or an
+small module whose forward is the trainer's own loss of one batch (`ArchitectureModel.loss`, or an
 architecture's override) and whose only registered child is what trains: the adapter network, or for a
 full fine-tune `FullNetwork` (the model itself). The frozen base model is held outside the module tree,
 so its weights are none of DDP's parameters or buffers: never broadcast at start, never reduced, and

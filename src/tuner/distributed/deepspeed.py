@@ -15,7 +15,7 @@ optimizer's moments. ZeRO ("zero redundancy") gives each of N processes 1/N of t
 DeepSpeed's engine must own one module and see each forward. The architecture code calls
 `trainer.predict(model, ...)`, which reads attributes of the diffusers model, and the adapters run from
 inside the frozen model's layers, so the engine owns a `PredictModule` (the model and the adapter together,
-whose forward is `predict`), and `NetworkTrainer.loss` calls that instead of `predict` directly.
+whose forward is `predict`), and `ArchitectureModel.loss` calls that instead of `predict` directly.
 
 The engine is made through accelerate's DeepSpeed plugin (`accelerator_kwargs`): tuner writes the DeepSpeed
 config from [train] and the `deepspeed_*` keys, merged over a user's own JSON (`deepspeed_config`), and

@@ -7,7 +7,7 @@ process r places only its run on its device. The embeddings before the blocks ar
 the small output layers after them stay on every process.
 
 A diffusers transformer's forward is one function, so each architecture says how it comes apart
-(`NetworkTrainer.pipeline_parts` → `PipelineParts`): a prologue (x_t, t, cond → the tensors the blocks
+(`ArchitectureModel.pipeline_parts` → `PipelineParts`): a prologue (x_t, t, cond → the tensors the blocks
 take), the blocks in order, how one block is called, and an epilogue (the last block's tensors → the
 prediction `predict` returns). Only tensors pass from stage to stage.
 
@@ -144,9 +144,9 @@ class PipelineStrategy(Strategy):
         return {"step_scheduler_with_optimizer": False}
 
     def check(self, trainer, world_size: int) -> None:
-        from tuner.trainers.base import NetworkTrainer
+        from tuner.archs.model import ArchitectureModel
 
-        if type(trainer).pipeline_parts is NetworkTrainer.pipeline_parts:
+        if type(trainer).pipeline_parts is ArchitectureModel.pipeline_parts:
             raise ConfigError(pipeline_unavailable(trainer.architecture))
         if refused := _refusals(trainer, self.cfg):
             key, why = refused[0]

@@ -1,6 +1,6 @@
 """What an architecture declares for pipeline stages, and how blocks are cut into stages.
 
-`NetworkTrainer.pipeline_parts` returns a `PipelineParts`: its forward as a prologue, its blocks, how one
+`ArchitectureModel.pipeline_parts` returns a `PipelineParts`: its forward as a prologue, its blocks, how one
 block is called and an epilogue, with only tensors between them (`tuner.distributed.pipeline` runs them
 on several processes). `balanced_stages` cuts the blocks into stages of about equal parameter count.
 """
@@ -49,12 +49,12 @@ def call_block(model: nn.Module, block: nn.Module, *args):
 
 
 def pipeline_architectures() -> list[str]:
-    """The architectures whose trainer cuts its forward into `PipelineParts`."""
+    """The architectures whose model cuts its forward into `PipelineParts`."""
     from tuner import registry
-    from tuner.trainers.base import NetworkTrainer
+    from tuner.archs.model import ArchitectureModel
 
     return [name for name, record in registry.ARCHITECTURES.items()
-            if record.trainer_class().pipeline_parts is not NetworkTrainer.pipeline_parts]  # fmt: skip
+            if record.family_class().pipeline_parts is not ArchitectureModel.pipeline_parts]  # fmt: skip
 
 
 def pipeline_unavailable(architecture: str) -> str:

@@ -1,7 +1,7 @@
-"""The trainers: one `NetworkTrainer` subclass per architecture family (`base.py` holds the loop).
+"""The training loop (`base.py`: `NetworkTrainer`, set up by `setup.py`) and what it saves and reports.
 
-Which class trains an architecture is part of its record (`tuner.registry`); `trainer_class(name)`
-imports it.
+An architecture's trainer is the loop over its family's `ArchitectureModel` (`tuner.archs.model`);
+`trainer_class(name)` builds it from the record.
 """
 
 from tuner.registry import trainer_class

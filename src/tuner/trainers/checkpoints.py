@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from tuner.distributed.accounting import tree_bytes
 from tuner.errors import CheckpointError
 from tuner.io import write_text
 from tuner.optim import averaged_weights
@@ -173,9 +174,9 @@ class Checkpoints:
 
     def _save_bytes(self, network) -> int:
         """About what one save writes: the adapter plus the state's tensors (network, optimizer, ...)."""
-        total = state.tree_bytes(network.state_dict())
+        total = tree_bytes(network.state_dict())
         if self.cfg.save_state:
-            total += sum(state.tree_bytes(part.state_dict()) for part in self.parts.values())
+            total += sum(tree_bytes(part.state_dict()) for part in self.parts.values())
         return total
 
     def space_note(self, network, free_bytes: int | None = None) -> str | None:

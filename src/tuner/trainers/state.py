@@ -192,14 +192,3 @@ def verify(folder: Path) -> None:
 def is_complete(folder: Path) -> bool:
     """Cheap test used to list states: the manifest, written last, is there."""
     return (folder / MANIFEST).is_file()
-
-
-def tree_bytes(tree: Any) -> int:
-    """Bytes of the tensors in a tree (to estimate what a save needs)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(tree_bytes(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return sum(tree_bytes(v) for v in tree)
-    return 0

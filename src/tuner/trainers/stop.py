@@ -76,9 +76,9 @@ class StopRequest:
         else:
             adapter = trainer._save(run)  # gathered first where a strategy shards the weights
         run.progress.close()
-        from tuner.trainers.base import _end
+        from tuner.trainers.setup import end_run
 
-        _end(run)
+        end_run(run)
         why = f"on {self.signal_name}" if self.signal_name else "on another process's request"
         if trainer.cfg.save.save_state:
             state = checkpoints.out / STATE_DIR / f"step{pos.step:06d}"

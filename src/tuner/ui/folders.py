@@ -133,11 +133,11 @@ def check_folder(
 ) -> tuple[dict[str, ItemCheck], list[str]]:
     """Per item path: the buckets it lands in or why it is dropped, as `tuner data check` plans them for
     `architecture` at `resolution`; and the report's lines."""
-    from tuner.registry import trainer_class
+    from tuner.registry import ARCHITECTURES
 
     lines: list[str] = []
     reports = check_datasets(
-        trainer_class(architecture), folder_specs(folder, resolution, frames), lines.append
+        ARCHITECTURES[architecture], folder_specs(folder, resolution, frames), lines.append
     )
     result: dict[str, ItemCheck] = {}
     for report in reports:

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from tuner.archs.chroma import loaders as chroma
-from tuner.archs.flux.trainer import FluxTrainer
+from tuner.archs.flux.trainer import FluxModel
+from tuner.archs.model import ArchitectureModel
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class ChromaTrainer(FluxTrainer):
+class ChromaModel(FluxModel):
     architecture = "chroma"
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -40,7 +40,7 @@ class ChromaTrainer(FluxTrainer):
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return chroma.collate(entries)
 
-    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return chroma.predict_velocity(model, noisy, t, cond["t5"], cond["t5_mask"])

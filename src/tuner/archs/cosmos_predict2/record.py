@@ -21,7 +21,7 @@ COSMOS_PREDICT2 = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers has no LoRA loader for the Predict2 pipelines",
     title="Cosmos-Predict2 text-to-image (2B, 14B)",
-    trainer="tuner.archs.cosmos_predict2.trainer:CosmosPredict2Trainer",
+    family="tuner.archs.cosmos_predict2.trainer:CosmosPredict2Model",
     layout="tuner.archs.cosmos_predict2.keys:COSMOS_PREDICT2_LAYOUT",
     fixture="tuner.archs.cosmos_predict2.fixture:FIXTURE",
     model_class="CosmosTransformer3DModel",
@@ -38,6 +38,8 @@ COSMOS_PREDICT2 = Architecture(
     # release names (`diffusion_model.blocks.0.self_attn.q_proj`): ComfyUI's key map; diffusers has no
     # LoRA loader for the Predict2 pipelines
     save_format="comfy",
+    spatial_step=16,
+    timestep_mode="logit_normal",
 )
 
 
@@ -59,9 +61,15 @@ RECORDS = (
             "`text_encoder` as `cosmos_predict2`. Video datasets only (4N+1 frames, ≥ 5)"
         ),
         title="Cosmos-Predict2 Video2World 2B, 14B (480p, 720p; video from its first frames)",
-        trainer="tuner.archs.cosmos_predict2.trainer_v2w:CosmosPredict2V2WTrainer",
+        family="tuner.archs.cosmos_predict2.trainer_v2w:CosmosPredict2V2WModel",
         fixture="tuner.archs.cosmos_predict2.fixture:V2W_FIXTURE",
         first_frame=1.0,  # without it: no given latent frame, a zero condition mask (its own "none given")
         hub_repos=tuple((v, f"nvidia/Cosmos-Predict2-{v}-Video2World") for v in ("2B", "14B")),
+        frame_multiple=4,
+        frame_remainder=1,
+        supports_video=True,
+        supports_images=False,
+        min_frames=5,
+        frame_images=1,
     ),
 )

@@ -21,16 +21,13 @@ import torch
 from torch import nn
 
 from tuner.archs.cosmos_predict2 import loaders as cosmos
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan import loaders as wan
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class CosmosPredict2Trainer(NetworkTrainer):
+class CosmosPredict2Model(ArchitectureModel):
     architecture = "cosmos_predict2"
-    spatial_step = 16
-    latent_patch = (1, 2, 2)
-    timestep_mode = "logit_normal"
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return cosmos.load_transformer(self.weights_path("transformer"), dtype)

@@ -36,20 +36,15 @@ import torch
 from torch import nn
 
 from tuner.archs.cosmos_predict2 import loaders as cosmos
-from tuner.archs.cosmos_predict2.trainer import CosmosPredict2Trainer
+from tuner.archs.cosmos_predict2.trainer import CosmosPredict2Model
 
 SIGMA_CONDITIONING = 1e-4  # Cosmos2VideoToWorldPipeline's `sigma_conditioning` (NVIDIA's sigma_conditional)
 T_CONDITIONING = SIGMA_CONDITIONING / (1 + SIGMA_CONDITIONING)
 GIVEN_FRAMES = (1, 2)  # the fewest and most latent frames training gives (the releases' training config)
 
 
-class CosmosPredict2V2WTrainer(CosmosPredict2Trainer):
+class CosmosPredict2V2WModel(CosmosPredict2Model):
     architecture = "cosmos_predict2_v2w"
-    supports_video = True
-    supports_images = False
-    frame_multiple, frame_remainder = 4, 1  # the Wan 2.1 VAE's 4× temporal compression
-    min_frames = 5  # two latent frames: one given, one to predict
-    frame_images = 1  # `tuner generate --image FIRST`
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return cosmos.load_transformer(self.weights_path("transformer"), dtype, video2world=True)

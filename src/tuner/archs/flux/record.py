@@ -18,7 +18,7 @@ FLUX = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its FLUX.1 converter)",
     title="FLUX.1 dev text-to-image",
-    trainer="tuner.archs.flux.trainer:FluxTrainer",
+    family="tuner.archs.flux.trainer:FluxModel",
     layout="tuner.archs.flux.keys:FLUX_LAYOUT",
     fixture="tuner.archs.flux.fixture:FIXTURE",
     model_class="FluxTransformer2DModel",
@@ -41,6 +41,10 @@ FLUX = Architecture(
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)
     save_format="kohya",
+    spatial_step=16,
+    timestep_mode="flux_shift",
+    sample_shift="flux_shift",
+    latent_patch=(2, 2),
 )
 
 
@@ -58,7 +62,8 @@ RECORDS = (
         ),
         hub_repos=(("dev", "black-forest-labs/FLUX.1-Kontext-dev"),),
         title="FLUX.1 Kontext dev image editing (one reference image)",
-        trainer="tuner.archs.flux.trainer:FluxKontextTrainer",
+        family="tuner.archs.flux.trainer:FluxKontextModel",
         fixture="tuner.archs.flux.fixture:KONTEXT_FIXTURE",
+        control_images=(1, 1),
     ),
 )

@@ -16,22 +16,16 @@ import torch
 from torch import nn
 
 from tuner.archs.flux import loaders as flux
+from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class FluxTrainer(NetworkTrainer):
+class FluxModel(FluxVAEImageModel):
     architecture = "flux"
-    sample_shift = timestep_mode = "flux_shift"
-    spatial_step = 16
-    latent_patch = (2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return flux.load_transformer(self.weights_path("transformer"), dtype)
-
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return flux.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> flux.TextEncoders:
         m = self.cfg.model
@@ -45,14 +39,6 @@ class FluxTrainer(NetworkTrainer):
         for model in (encoders.clip, encoders.t5):
             place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoders
-
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return flux.encode_images(vae, pixels[:, :, 0])
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return flux.decode_latents(vae, latents).unsqueeze(2)
 
     def encode_text(
         self, encoder: flux.TextEncoders, captions: list[str], controls=None
@@ -88,15 +74,11 @@ class FluxTrainer(NetworkTrainer):
             prologue_modules=(model.x_embedder, model.time_text_embed, model.context_embedder),
         )
 
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        return (16, height // 8, width // 8)
 
-
-class FluxKontextTrainer(FluxTrainer):
+class FluxKontextModel(FluxModel):
     """FLUX.1 Kontext: the dev network, given the reference image (`control_0`) after the target."""
 
     architecture = "flux_kontext"
-    control_images = (1, 1)
 
     def references(self, cond: dict) -> tuple[torch.Tensor, ...]:
         controls = sorted(k for k in cond if k.startswith("control_"))

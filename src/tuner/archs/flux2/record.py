@@ -21,7 +21,7 @@ FLUX2 = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its FLUX.2 converter)",
     title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
-    trainer="tuner.archs.flux2.trainer:Flux2Trainer",
+    family="tuner.archs.flux2.trainer:Flux2Model",
     layout="tuner.archs.flux2.keys:FLUX2_LAYOUT",
     fixture="tuner.archs.flux2.fixture:FIXTURE",
     model_class="Flux2Transformer2DModel",
@@ -41,6 +41,11 @@ FLUX2 = Architecture(
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
+    spatial_step=16,
+    control_images=(0, 10),
+    timestep_mode="flux_shift",
+    sample_shift="flux_shift",
+    latent_patch=(1, 1),
 )
 
 
@@ -59,7 +64,7 @@ RECORDS = (
             "states after layers 9, 18, 27"
         ),
         title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
-        trainer="tuner.archs.flux2.trainer:Flux2KleinTrainer",
+        family="tuner.archs.flux2.trainer:Flux2KleinModel",
         fixture="tuner.archs.flux2.fixture:KLEIN_FIXTURE",
         tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-klein-4B:tokenizer"),),  # Qwen3
         hub_repos=(

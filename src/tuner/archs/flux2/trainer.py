@@ -24,19 +24,15 @@ from torch import nn
 
 from tuner.archs.flux2 import loaders as flux2
 from tuner.archs.flux2 import text as flux2_text
+from tuner.archs.model import ArchitectureModel
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 LATENT_CHANNELS = 128  # 32 VAE channels × the 2×2 patch
 
 
-class Flux2Trainer(NetworkTrainer):
+class Flux2Model(ArchitectureModel):
     architecture = "flux2"
-    sample_shift = timestep_mode = "flux_shift"
-    spatial_step = 16
-    latent_patch = (1, 1)
-    control_images = (0, 10)  # text to image, or editing with up to ten reference images
     klein = False  # which family's transformer files it takes
     text_encoder_kind = flux2_text.MISTRAL
 
@@ -82,7 +78,7 @@ class Flux2Trainer(NetworkTrainer):
         return (LATENT_CHANNELS, height // 16, width // 16)
 
 
-class Flux2KleinTrainer(Flux2Trainer):
+class Flux2KleinModel(Flux2Model):
     """FLUX.2 klein 4B / 9B: the FLUX.2 network conditioned on Qwen3 (4B / 8B), no guidance embedding."""
 
     architecture = "flux2_klein"

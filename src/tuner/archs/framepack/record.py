@@ -31,7 +31,7 @@ FRAMEPACK = replace(
     ),
     save_format_loads="ComfyUI (HunyuanVideo's names); diffusers' FramePack pipeline needs `save.format = \"diffusers\"`",
     title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
-    trainer="tuner.archs.framepack.trainer:FramePackTrainer",
+    family="tuner.archs.framepack.trainer:FramePackModel",
     layout="tuner.archs.framepack.keys:FRAMEPACK_LAYOUT",
     fixture="tuner.archs.framepack.fixture:FIXTURE",
     model_class="HunyuanVideoFramepackTransformer3DModel",
@@ -44,6 +44,11 @@ FRAMEPACK = replace(
     # every section is anchored on the image: its latent is the clean prefix and its SigLIP tokens the image
     # context, and the release's sampler (and diffusers') cannot run without one
     first_frame_required="every section's clean prefix and SigLIP tokens are the image's; its sampler needs one",
+    supports_images=False,
+    min_frames=5,
+    frame_images=1,
+    latent_encoders=("vae", "image_encoder"),
+    sample_shift=3.0,
 )
 
 
@@ -59,8 +64,15 @@ RECORDS = (
             "generate --control REF --frames 1`"
         ),
         title="FramePack single-frame image editing (one target frame from one reference image)",
-        trainer="tuner.archs.framepack.trainer:FramePackOneFrameTrainer",
+        family="tuner.archs.framepack.trainer:FramePackOneFrameModel",
         fixture="tuner.archs.framepack.fixture:ONE_FRAME_FIXTURE",
         first_frame_required="the reference image is the edit's input; without it there is nothing to edit",
+        supports_video=False,
+        supports_images=True,
+        min_frames=1,
+        frame_images=0,
+        latent_encoders=("vae",),
+        control_images=(1, 1),
+        text_uses_controls=True,
     ),
 )

@@ -2,7 +2,7 @@
 
 FramePack predicts a video one section of latent frames at a time, each given the image's latent frame,
 clean history latents at 1×/2×/4× compression and the image's SigLIP embedding (`tuner.archs.framepack.loaders`
-explains the inputs). Text, VAE and guidance are HunyuanVideo's, so this is `HunyuanVideoTrainer` with
+explains the inputs). Text, VAE and guidance are HunyuanVideo's, so this is `HunyuanVideoModel` with
 the section's inputs added.
 
 Training on a clip (section training): the clip's first frame is the given image; the next
@@ -30,18 +30,13 @@ from torch import nn
 
 from tuner.archs.framepack import loaders as framepack
 from tuner.archs.hunyuan_video import loaders as hunyuan_video
-from tuner.archs.hunyuan_video.trainer import HunyuanVideoTrainer
+from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
 from tuner.archs.wan.trainer_i2v import LatentEncoders
 from tuner.memory import text_encoder_dtype
 
 
-class FramePackTrainer(HunyuanVideoTrainer):
+class FramePackModel(HunyuanVideoModel):
     architecture = "framepack"
-    supports_images = False  # a clip needs frames after the given image
-    min_frames = 5  # two latent frames: the image's and one to predict
-    frame_images = 1  # the given image (the video's first frame)
-    latent_encoders = ("vae", "image_encoder")
-    sample_shift = 3.0  # FramePack's demo samples at shift 3
 
     # ---- loading ----
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -118,7 +113,7 @@ class OneFrameEncoders(NamedTuple):
     image_encoder: framepack.ImageEncoder
 
 
-class FramePackOneFrameTrainer(HunyuanVideoTrainer):
+class FramePackOneFrameModel(HunyuanVideoModel):
     """FramePack's single-frame mode (musubi-tuner's "one frame" training, used for image editing): one
     target image generated from one reference image, as a one-frame section.
 
@@ -130,10 +125,6 @@ class FramePackOneFrameTrainer(HunyuanVideoTrainer):
     gets it as training does; the latent entry holds `latents` and `control_0`."""
 
     architecture = "framepack_1f"
-    supports_video = False
-    control_images = (1, 1)  # the reference image
-    text_uses_controls = True  # SigLIP sees the reference with the caption
-    sample_shift = 3.0
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return framepack.load_transformer(self.weights_path("transformer"), dtype)

@@ -23,7 +23,7 @@ HIDREAM = Architecture(
     ),
     save_format_loads="ComfyUI (`transformer.<name>`); diffusers (`load_lora_weights`)",
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
-    trainer="tuner.archs.hidream.trainer:HiDreamTrainer",
+    family="tuner.archs.hidream.trainer:HiDreamModel",
     layout="tuner.archs.hidream.loaders:HIDREAM_LAYOUT",
     fixture="tuner.archs.hidream.fixture:FIXTURE",
     model_class="HiDreamImageTransformer2DModel",
@@ -46,6 +46,8 @@ HIDREAM = Architecture(
     # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
     # format); the release's names are diffusers' own
     save_format="diffusers",
+    spatial_step=16,
+    latent_patch=(2, 2),
 )
 
 

@@ -19,24 +19,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.flux import loaders as flux
+from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.archs.hidream import loaders as hidream
 from tuner.archs.hidream import text as hidream_text
-from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class HiDreamTrainer(NetworkTrainer):
+class HiDreamModel(FluxVAEImageModel):
     architecture = "hidream"
-    spatial_step = 16
-    latent_patch = (2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return hidream.load_transformer(self.weights_path("transformer"), dtype)
-
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return flux.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> hidream_text.TextEncoders:
         m = self.cfg.model
@@ -49,14 +42,6 @@ class HiDreamTrainer(NetworkTrainer):
             place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoders
 
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return flux.encode_images(vae, pixels[:, :, 0])
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return flux.decode_latents(vae, latents).unsqueeze(2)
-
     def encode_text(
         self, encoder: hidream_text.TextEncoders, captions: list[str], controls=None
     ) -> list[dict[str, torch.Tensor]]:
@@ -68,9 +53,6 @@ class HiDreamTrainer(NetworkTrainer):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hidream.predict_velocity(model, noisy, t, cond["t5"], cond["llama"], cond["pooled"])
-
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        return (16, height // 8, width // 8)
 
     def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
         """HiDream's sampling shift for the configured release: 6 for Dev, 3 for Full and Fast (and for a

@@ -24,7 +24,7 @@ HUNYUAN_VIDEO = Architecture(
         "layers' `.alpha`)"
     ),
     title="HunyuanVideo text-to-video (13B, cfg-distilled 720p T2V)",
-    trainer="tuner.archs.hunyuan_video.trainer:HunyuanVideoTrainer",
+    family="tuner.archs.hunyuan_video.trainer:HunyuanVideoModel",
     layout="tuner.archs.hunyuan_video.keys:HUNYUAN_VIDEO_LAYOUT",
     fixture="tuner.archs.hunyuan_video.fixture:FIXTURE",
     model_class="HunyuanVideoTransformer3DModel",
@@ -58,6 +58,12 @@ HUNYUAN_VIDEO = Architecture(
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
+    spatial_step=16,
+    frame_multiple=4,
+    frame_remainder=1,
+    model_fps=24.0,
+    supports_video=True,
+    sample_shift=7.0,
 )
 
 

@@ -16,18 +16,12 @@ import torch
 from torch import nn
 
 from tuner.archs.hunyuan_video import loaders as hunyuan_video
+from tuner.archs.model import ArchitectureModel
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class HunyuanVideoTrainer(NetworkTrainer):
+class HunyuanVideoModel(ArchitectureModel):
     architecture = "hunyuan_video"
-    spatial_step = 16
-    frame_multiple, frame_remainder = 4, 1
-    model_fps = 24.0
-    supports_video = True
-    latent_patch = (1, 2, 2)
-    sample_shift = 7.0  # the release's flow shift (its scheduler's `shift`)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return hunyuan_video.load_transformer(self.weights_path("transformer"), dtype)

@@ -36,7 +36,7 @@ HUNYUAN_VIDEO15 = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
     title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
-    trainer="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15Trainer",
+    family="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15Model",
     layout="tuner.archs.hunyuan_video15.keys:HUNYUAN_VIDEO15_LAYOUT",
     fixture="tuner.archs.hunyuan_video15.fixture:FIXTURE",
     model_class="HunyuanVideo15Transformer3DModel",
@@ -68,6 +68,13 @@ HUNYUAN_VIDEO15 = Architecture(
         ),
     ),  # fmt: skip
     save_format="comfy",
+    spatial_step=16,
+    frame_multiple=4,
+    frame_remainder=1,
+    model_fps=24.0,
+    supports_video=True,
+    sample_shift=5.0,
+    latent_patch=(1, 1, 1),
 )
 
 
@@ -94,7 +101,7 @@ RECORDS = (
             "datasets only"
         ),
         title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
-        trainer="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15I2VTrainer",
+        family="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15I2VModel",
         fixture="tuner.archs.hunyuan_video15.fixture:I2V_FIXTURE",
         first_frame=1.0,  # without it: the text-to-video pipeline's zero condition and image tokens
         hub_repos=tuple(
@@ -116,5 +123,8 @@ RECORDS = (
                 ),
             ),
         ),  # fmt: skip
+        supports_images=False,
+        frame_images=1,
+        latent_encoders=("vae", "image_encoder"),
     ),
 )

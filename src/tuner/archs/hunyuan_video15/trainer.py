@@ -18,19 +18,13 @@ from torch import nn
 
 from tuner.archs.hunyuan_video15 import loaders as hunyuan_video15
 from tuner.archs.hunyuan_video15 import siglip as hunyuan_video15_siglip
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan.trainer_i2v import LatentEncoders
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class HunyuanVideo15Trainer(NetworkTrainer):
+class HunyuanVideo15Model(ArchitectureModel):
     architecture = "hunyuan_video15"
-    spatial_step = 16
-    frame_multiple, frame_remainder = 4, 1
-    model_fps = 24.0
-    supports_video = True
-    latent_patch = (1, 1, 1)
-    sample_shift = 5.0  # the 480p releases' flow shift
     task = "t2v"
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -73,7 +67,7 @@ class HunyuanVideo15Trainer(NetworkTrainer):
         return (32, (frames - 1) // 4 + 1, height // 16, width // 16)
 
 
-class HunyuanVideo15I2VTrainer(HunyuanVideo15Trainer):
+class HunyuanVideo15I2VModel(HunyuanVideo15Model):
     """Image-to-video (480p / 720p I2V): the same network given the first frame twice, as
     HunyuanVideo15ImageToVideoPipeline gives it: its VAE latent (the frame encoded alone) in the
     condition channels of latent frame 0 with the mask channel 1 there, and SigLIP's 729 tokens as image
@@ -82,9 +76,6 @@ class HunyuanVideo15I2VTrainer(HunyuanVideo15Trainer):
 
     architecture = "hunyuan_video15_i2v"
     task = "i2v"
-    supports_images = False
-    frame_images = 1
-    latent_encoders = ("vae", "image_encoder")
 
     def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
         image_encoder = hunyuan_video15_siglip.load_image_encoder(self.weights_path("image_encoder"), dtype)

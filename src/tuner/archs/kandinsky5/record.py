@@ -26,7 +26,7 @@ KANDINSKY5 = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its loader takes `transformer.` keys only)',
     title="Kandinsky 5.0 Video Lite text-to-video (2B; sft, pretrain, nocfg, distilled, 5 s / 10 s)",
-    trainer="tuner.archs.kandinsky5.trainer:Kandinsky5Trainer",
+    family="tuner.archs.kandinsky5.trainer:Kandinsky5Model",
     layout="tuner.archs.kandinsky5.loaders:KANDINSKY5_LAYOUT",
     fixture="tuner.archs.kandinsky5.fixture:FIXTURE",
     model_class="Kandinsky5Transformer3DModel",
@@ -49,6 +49,12 @@ KANDINSKY5 = Architecture(
         (f"lite-{d}", f"ai-forever/Kandinsky-5.0-T2V-Lite-sft-{d}-Diffusers") for d in ("5s", "10s")
     ),
     save_format="comfy",
+    spatial_step=16,
+    frame_multiple=4,
+    frame_remainder=1,
+    model_fps=24.0,
+    supports_video=True,
+    sample_shift=10.0,
 )
 
 

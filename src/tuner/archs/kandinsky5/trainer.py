@@ -2,7 +2,7 @@
 
 Latents are HunyuanVideo's (the release ships its VAE): 4× temporal, 8× spatial, 16 channels,
 × 0.476986, patchified 1×2×2 by the model, so pixel sides are multiples of 16 and frame counts 4N+1 at
-24 fps — hence a `HunyuanVideoTrainer` subclass that keeps the VAE side and replaces the rest. Text:
+24 fps — hence a `HunyuanVideoModel` subclass that keeps the VAE side and replaces the rest. Text:
 Qwen2.5-VL's last hidden states of the prompt in the video template, cropped after the template and
 stored at their true length (`cache.text_max_length` is the pipeline's `max_sequence_length`), and
 CLIP-L's pooled output. The T2V model's visual condition (an image-to-video input) is zeros.
@@ -20,14 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.hunyuan_video.trainer import HunyuanVideoTrainer
+from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
 from tuner.archs.kandinsky5 import loaders as kandinsky5
 from tuner.memory import place_text_encoder, text_encoder_dtype
 
 
-class Kandinsky5Trainer(HunyuanVideoTrainer):
+class Kandinsky5Model(HunyuanVideoModel):
     architecture = "kandinsky5"
-    sample_shift = kandinsky5.SAMPLE_SHIFT
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return kandinsky5.load_transformer(self.weights_path("transformer"), dtype)

@@ -23,7 +23,7 @@ LTX2 = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
-    trainer="tuner.archs.ltx2.trainer:LTX2Trainer",
+    family="tuner.archs.ltx2.trainer:LTX2Model",
     layout="tuner.archs.ltx2.keys:LTX2_LAYOUT",
     fixture="tuner.archs.ltx2.fixture:FIXTURE",
     model_class="LTX2VideoTransformer3DModel",
@@ -39,6 +39,13 @@ LTX2 = Architecture(
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
     tokenizers=(("tokenizer", "Lightricks/LTX-2:tokenizer"),),  # Gemma 3
     hub_repos=(("19b", "Lightricks/LTX-2"),),
+    spatial_step=32,
+    frame_multiple=8,
+    frame_remainder=1,
+    model_fps=24.0,
+    supports_video=True,
+    latent_patch=(1, 1, 1),
+    audio_format=(16000, 2),
 )
 
 

@@ -18,21 +18,13 @@ import torch
 from torch import nn
 
 from tuner.archs.ltx2 import loaders as ltx2
+from tuner.archs.model import ArchitectureModel
 from tuner.dtypes import DTYPES
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class LTX2Trainer(NetworkTrainer):
+class LTX2Model(ArchitectureModel):
     architecture = "ltx2"
-    spatial_step = 32
-    frame_multiple, frame_remainder = 8, 1
-    model_fps = 24.0
-    supports_video = True
-    latent_patch = (1, 1, 1)
-    audio_format = (16000, 2)  # the audio VAE's rate; stereo
-    timestep_mode = "shift"
-    sample_shift = 3.0
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return ltx2.load_transformer(self.weights_path("transformer"), dtype)
@@ -103,7 +95,7 @@ class LTX2Trainer(NetworkTrainer):
             num_frames=frames,
             height=height,
             width=width,
-            fps=self.model_fps,
+            fps=self.record.model_fps,
             audio_num_frames=noisy_audio.shape[2],
             return_dict=False,
         )
@@ -115,7 +107,9 @@ class LTX2Trainer(NetworkTrainer):
         the clip's own latents so that validation repeats it)."""
         cfg = model.config
         per_second = cfg.audio_sampling_rate / cfg.audio_hop_length / cfg.audio_scale_factor
-        frames = max(round((noisy.shape[2] - 1) * self.frame_multiple / self.model_fps * per_second), 1)
+        frames = max(
+            round((noisy.shape[2] - 1) * self.record.frame_multiple / self.record.model_fps * per_second), 1
+        )
         mel_bins = cfg.audio_in_channels // 8  # the audio VAE's 8 latent channels share the token
         seed = int(noisy.shape.numel())
         gen = torch.Generator().manual_seed(seed)
@@ -158,7 +152,7 @@ class LTX2Trainer(NetworkTrainer):
     def sound_latent_shape(self, frames: int) -> tuple[int, ...]:
         """As LTX2Pipeline: the clip's duration at 24 fps × 25 latent audio frames per second (16 kHz,
         hop 160, 4× compression); 8 channels × 16 mel bins."""
-        return (8, round(frames / self.model_fps * 16000 / 160 / 4), 16)
+        return (8, round(frames / self.record.model_fps * 16000 / 160 / 4), 16)
 
     def predict_streams(self, model, noisy, noisy_sound, t, cond):
         return self.forward_streams(model, noisy, t, noisy_sound, t, cond)

@@ -18,7 +18,7 @@ LTX_VIDEO = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-Video 0.9 text-to-video (2B)",
-    trainer="tuner.archs.ltx_video.trainer:LTXVideoTrainer",
+    family="tuner.archs.ltx_video.trainer:LTXVideoModel",
     layout="tuner.archs.ltx_video.keys:LTX_VIDEO_LAYOUT",
     fixture="tuner.archs.ltx_video.fixture:FIXTURE",
     model_class="LTXVideoTransformer3DModel",
@@ -33,6 +33,13 @@ LTX_VIDEO = Architecture(
     tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
     first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)
+    spatial_step=32,
+    frame_multiple=8,
+    frame_remainder=1,
+    model_fps=25.0,
+    supports_video=True,
+    latent_patch=(1, 1, 1),
+    first_frame_image=True,
 )
 
 

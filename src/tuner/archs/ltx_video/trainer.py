@@ -5,7 +5,7 @@ temporal, frame counts 8N+1, sides multiples of 32) and latent normalization, T5
 `cache.text_max_length` with its mask, and the pipeline's RoPE scale (8 / fps, 32, 32) at 25 fps.
 
 One network does text-to-video and image-to-video, as `LTXImageToVideoPipeline` runs it: the image's
-latent frame replaces the first latent frame and its tokens get timestep 0 (`trainers/first_frame.py`).
+latent frame replaces the first latent frame and its tokens get timestep 0 (`archs/first_frame.py`).
 Training gives a video item its first frame with probability `train.first_frame_conditioning_p` (unset:
 0, text-to-video only, as before the key), the way LTX-Video-Trainer users train image-to-video from plain
 videos; `tuner generate --image FIRST` gives it at generation.
@@ -16,27 +16,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.ltx2 import loaders as ltx2
-from tuner.archs.ltx_video import loaders as ltx_video
-from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
-from tuner.trainers.first_frame import (
-    FirstFrameTrainer,
+from tuner.archs.first_frame import (
+    FirstFrameModel,
     first_frame_rows,
     given_first_frame,
     straight_to_given,
 )
+from tuner.archs.ltx2 import loaders as ltx2
+from tuner.archs.ltx_video import loaders as ltx_video
+from tuner.archs.model import ArchitectureModel
+from tuner.memory import place_text_encoder, text_encoder_dtype
 
 FPS = 25.0  # LTXPipeline's default frame rate (it scales the temporal RoPE)
 
 
-class LTXVideoTrainer(FirstFrameTrainer, NetworkTrainer):
+class LTXVideoModel(FirstFrameModel, ArchitectureModel):
     architecture = "ltx_video"
-    spatial_step = 32
-    frame_multiple, frame_remainder = 8, 1
-    model_fps = FPS
-    supports_video = True
-    latent_patch = (1, 1, 1)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return ltx_video.load_transformer(self.weights_path("transformer"), dtype)
@@ -92,7 +87,7 @@ class LTXVideoTrainer(FirstFrameTrainer, NetworkTrainer):
             num_frames=frames,
             height=height,
             width=width,
-            rope_interpolation_scale=(8 / self.model_fps, 32, 32),
+            rope_interpolation_scale=(8 / self.record.model_fps, 32, 32),
             return_dict=False,
         )[0]
         out = out.transpose(1, 2).reshape(b, -1, frames, height, width)

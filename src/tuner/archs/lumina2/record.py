@@ -20,7 +20,7 @@ LUMINA2 = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its converter fixes the 2.6B sizes)',
     title="Lumina Image 2.0 text-to-image (Gemma 2 text encoder)",
-    trainer="tuner.archs.lumina2.trainer:Lumina2Trainer",
+    family="tuner.archs.lumina2.trainer:Lumina2Model",
     layout="tuner.archs.lumina2.keys:LUMINA2_LAYOUT",
     fixture="tuner.archs.lumina2.fixture:FIXTURE",
     model_class="Lumina2Transformer2DModel",
@@ -35,6 +35,9 @@ LUMINA2 = Architecture(
     tokenizers=(("tokenizer", "Alpha-VLLM/Lumina-Image-2.0:tokenizer"),),  # Gemma 2
     hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
+    spatial_step=16,
+    sample_shift=6.0,
+    latent_patch=(2, 2),
 )
 
 

@@ -13,25 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.flux import loaders as flux
+from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.archs.lumina2 import loaders as lumina2
-from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class Lumina2Trainer(NetworkTrainer):
+class Lumina2Model(FluxVAEImageModel):
     architecture = "lumina2"
-    timestep_mode = "shift"
-    sample_shift = 6.0  # the release's scheduler: static shift 6
-    spatial_step = 16
-    latent_patch = (2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return lumina2.load_transformer(self.weights_path("transformer"), dtype)
-
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return flux.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> lumina2.TextEncoder:
         encoder = lumina2.load_text_encoder(
@@ -39,14 +30,6 @@ class Lumina2Trainer(NetworkTrainer):
         )
         place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoder
-
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return flux.encode_images(vae, pixels[:, :, 0])
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return flux.decode_latents(vae, latents).unsqueeze(2)
 
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         # the model's rotary table holds 300 caption positions; the pipeline allows 256 tokens
@@ -60,9 +43,6 @@ class Lumina2Trainer(NetworkTrainer):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return lumina2.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
-
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        return (16, height // 8, width // 8)
 
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Lumina2Pipeline's guidance: plain CFG rescaled to the conditional velocity's norm, taken over

@@ -17,7 +17,7 @@ QWEN_IMAGE = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Qwen-Image text-to-image",
-    trainer="tuner.archs.qwen_image.trainer:QwenImageTrainer",
+    family="tuner.archs.qwen_image.trainer:QwenImageModel",
     layout="tuner.archs.qwen_image.loaders:QWEN_IMAGE_LAYOUT",
     fixture="tuner.archs.qwen_image.fixture:FIXTURE",
     model_class="QwenImageTransformer2DModel",
@@ -43,6 +43,9 @@ QWEN_IMAGE = Architecture(
         ),
     ),  # fmt: skip
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
+    spatial_step=16,
+    timestep_mode="qwen_shift",
+    sample_shift="qwen_shift",
 )
 
 
@@ -61,7 +64,9 @@ RECORDS = (
         hub_repos=(("2509", "Qwen/Qwen-Image-Edit-2509"), ("2511", "Qwen/Qwen-Image-Edit-2511")),
         comfy_files=(),
         title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",
-        trainer="tuner.archs.qwen_image.trainer:QwenImageEditTrainer",
+        family="tuner.archs.qwen_image.trainer:QwenImageEditModel",
         fixture="tuner.archs.qwen_image.fixture:EDIT_FIXTURE",
+        control_images=(1, 3),
+        text_uses_controls=True,
     ),
 )

@@ -14,17 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.archs.qwen_image import text as qwen_image_text
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class QwenImageTrainer(NetworkTrainer):
+class QwenImageModel(ArchitectureModel):
     architecture = "qwen_image"
-    sample_shift = timestep_mode = "qwen_shift"
-    spatial_step = 16
-    latent_patch = (1, 2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return qwen_image.load_transformer(self.weights_path("transformer"), dtype)
@@ -83,13 +80,11 @@ class QwenImageTrainer(NetworkTrainer):
         return qwen_image.unpack_latents(guided_tokens * ratio, height, width)
 
 
-class QwenImageEditTrainer(QwenImageTrainer):
+class QwenImageEditModel(QwenImageModel):
     """Qwen-Image-Edit-2509 / 2511. The control latents come with the batch (`control_<i>`); the prompt is
     encoded with the edit template, and with the control images when they are given."""
 
     architecture = "qwen_image_edit"
-    control_images = (1, 3)  # Edit-2509/2511 take up to three "Picture N" inputs
-    text_uses_controls = True  # the Qwen2.5-VL prompt encoder looks at the control images too
 
     def encode_text(
         self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None = None

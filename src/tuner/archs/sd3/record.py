@@ -23,7 +23,7 @@ SD3 = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its SD3 loader has no converter)',
     title="Stable Diffusion 3.5 text-to-image (Medium, Large, Large Turbo)",
-    trainer="tuner.archs.sd3.trainer:SD3Trainer",
+    family="tuner.archs.sd3.trainer:SD3Model",
     layout="tuner.archs.sd3.keys:SD3_LAYOUT",
     fixture="tuner.archs.sd3.fixture:FIXTURE",
     model_class="SD3Transformer2DModel",
@@ -46,6 +46,8 @@ SD3 = Architecture(
     # layout. diffusers' SD3 loader reads only its own names (it has no converter): save.format =
     # "diffusers" (or `tuner lora convert --to diffusers`) writes those, which ComfyUI maps as well
     save_format="comfy",
+    spatial_step=16,
+    latent_patch=(2, 2),
 )
 
 

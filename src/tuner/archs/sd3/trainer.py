@@ -15,18 +15,16 @@ import logging
 import torch
 from torch import nn
 
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.sd3 import loaders as sd3
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 logger = logging.getLogger(__name__)
 
 
-class SD3Trainer(NetworkTrainer):
+class SD3Model(ArchitectureModel):
     architecture = "sd3"
-    spatial_step = 16
-    latent_patch = (2, 2)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return sd3.load_transformer(self.weights_path("transformer"), dtype)

@@ -19,7 +19,7 @@ SDXL = Architecture(
     ),
     save_format_loads="ComfyUI, A1111 / Forge; diffusers (`load_lora_weights`)",
     title="SDXL text-to-image (base 1.0 and fine-tunes: Pony, Illustrious, NoobAI; epsilon or v-pred)",
-    trainer="tuner.archs.sdxl.trainer:SDXLTrainer",
+    family="tuner.archs.sdxl.trainer:SDXLModel",
     layout="tuner.archs.sdxl.keys:SDXL_LAYOUT",
     fixture="tuner.archs.sdxl.fixture:FIXTURE",
     model_class="UNet2DConditionModel",
@@ -40,6 +40,12 @@ SDXL = Architecture(
     hub_repos=(("base", "stabilityai/stable-diffusion-xl-base-1.0"),),
     # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
     save_format="kohya",
+    spatial_step=64,
+    timestep_mode="uniform",
+    latent_patch=(1, 1),
+    objective="ddpm",
+    text_encoder_trainable=True,
+    zero_empty_negative=True,
 )
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.sdxl import loaders as sdxl
 from tuner.archs.sdxl.keys import TEXT_ENCODER_STEMS, is_text_encoder_stem
 from tuner.dtypes import DTYPES
 from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 # the text encoders' adapter targets (`network.train_text_encoder`): kohya's, every linear layer of the
 # CLIP attention and MLP blocks, in both encoders
@@ -35,14 +35,8 @@ TEXT_ENCODER_TARGETS = (
 )
 
 
-class SDXLTrainer(NetworkTrainer):
+class SDXLModel(ArchitectureModel):
     architecture = "sdxl"
-    objective = "ddpm"
-    timestep_mode = "uniform"
-    spatial_step = 64  # 8× VAE, then the UNet halves the latent twice
-    latent_patch = (1, 1)
-    text_encoder_trainable = True
-    zero_empty_negative = True
     _trained_text: sdxl.TextEncoderPair | None = None  # the text encoders training adapts, once built
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:

@@ -44,7 +44,7 @@ WAN = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Wan 2.1 text-to-video (1.3B, 14B)",
-    trainer="tuner.archs.wan.trainer:WanTrainer",
+    family="tuner.archs.wan.trainer:WanModel",
     layout="tuner.archs.wan.keys:WAN_LAYOUT",
     fixture="tuner.archs.wan.fixture:FIXTURE",
     model_class="WanTransformer3DModel",
@@ -71,6 +71,10 @@ WAN = Architecture(
         )
         for v in ("1.3B", "14B")
     ),  # fmt: skip
+    spatial_step=16,
+    frame_multiple=4,
+    frame_remainder=1,
+    supports_video=True,
 )
 
 
@@ -90,9 +94,10 @@ RECORDS = (
         hub_repos=(("A14B", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),),
         comfy_files=(("A14B", _wan22_experts("t2v")),),
         title="Wan 2.2 text-to-video A14B (high- and low-noise 14B experts)",
-        trainer="tuner.archs.wan.trainer_wan22:Wan22T2VTrainer",
+        family="tuner.archs.wan.trainer_wan22:Wan22T2VModel",
         fixture="tuner.archs.wan.fixture_wan22:T2V_FIXTURE",
         boundary=0.875,
+        sample_shift=12.0,
     ),
     # Wan 2.2 I2V A14B: two experts taking Wan 2.1 I2V's 36-channel input without its CLIP image
     # layers, switched at t = 0.9 (the release's boundary)
@@ -109,10 +114,13 @@ RECORDS = (
         hub_repos=(("A14B", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),),
         comfy_files=(("A14B", _wan22_experts("i2v")),),
         title="Wan 2.2 image-to-video A14B (high- and low-noise 14B experts; first frame, no CLIP)",
-        trainer="tuner.archs.wan.trainer_wan22:Wan22I2VTrainer",
+        family="tuner.archs.wan.trainer_wan22:Wan22I2VModel",
         fixture="tuner.archs.wan.fixture_wan22:I2V_FIXTURE",
         boundary=0.9,
-        first_frame=1.0,  # without it: zero condition latents and mask (`WanFrameConditionedTrainer`)
+        first_frame=1.0,  # without it: zero condition latents and mask (`WanFrameConditionedModel`)
+        supports_images=False,
+        frame_images=1,
+        sample_shift=5.0,
     ),
     # Wan 2.2 TI2V-5B: one 5B Wan network on the Wan 2.2 VAE's 48 channels, text- and image-to-video
     replace(
@@ -138,9 +146,13 @@ RECORDS = (
             ),
         ),  # fmt: skip
         title="Wan 2.2 TI2V-5B text/image-to-video (48-channel Wan 2.2 VAE)",
-        trainer="tuner.archs.wan.trainer_ti2v:Wan22TI2VTrainer",
+        family="tuner.archs.wan.trainer_ti2v:Wan22TI2VModel",
         fixture="tuner.archs.wan.fixture_ti2v:FIXTURE",
         first_frame=0.5,  # one model for both tasks: half the video samples train text-to-video
+        spatial_step=32,
+        model_fps=24.0,
+        sample_shift=5.0,
+        first_frame_image=True,
     ),
     # Wan 2.1 I2V / FLF2V 14B: the 14B network with 36 input channels and CLIP image cross-attention;
     # the default targets already hold its image projections (add_k_proj / add_v_proj = k_img / v_img)
@@ -161,10 +173,14 @@ RECORDS = (
         ),
         comfy_files=(("480p", _wan21_i2v("i2v_480p")), ("720p", _wan21_i2v("i2v_720p"))),
         title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
-        trainer="tuner.archs.wan.trainer_i2v:WanI2VTrainer",
+        family="tuner.archs.wan.trainer_i2v:WanI2VModel",
         fixture="tuner.archs.wan.fixture_i2v:I2V_FIXTURE",
         first_frame=1.0,
         first_frame_required=_WAN_CLIP_REQUIRED,
+        supports_images=False,
+        frame_images=1,
+        latent_encoders=("vae", "image_encoder"),
+        sample_shift=5.0,
     ),
     replace(
         WAN,
@@ -177,9 +193,14 @@ RECORDS = (
         hub_repos=(("720p", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"),),
         comfy_files=(("720p", _wan21_i2v("flf2v_720p")),),
         title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",
-        trainer="tuner.archs.wan.trainer_i2v:WanFLF2VTrainer",
+        family="tuner.archs.wan.trainer_i2v:WanFLF2VModel",
         fixture="tuner.archs.wan.fixture_i2v:FLF2V_FIXTURE",
         first_frame=1.0,
         first_frame_required=_WAN_CLIP_REQUIRED,
+        supports_images=False,
+        min_frames=2,
+        frame_images=2,
+        latent_encoders=("vae", "image_encoder"),
+        sample_shift=16.0,
     ),
 )

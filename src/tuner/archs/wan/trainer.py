@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan import loaders as wan
 from tuner.errors import CheckpointError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 # What a Wan transformer's input channel count says it is
 _INPUT_CHANNELS = {
@@ -24,13 +24,8 @@ _INPUT_CHANNELS = {
 }
 
 
-class WanTrainer(NetworkTrainer):
+class WanModel(ArchitectureModel):
     architecture = "wan"
-    spatial_step = 16
-    frame_multiple, frame_remainder = 4, 1
-    model_fps = 16.0
-    supports_video = True
-    latent_patch = (1, 2, 2)
     in_channels = 16  # the transformer's input: the VAE's latent channels (TI2V-5B: 48)
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:

@@ -18,7 +18,7 @@ has nothing left to predict. diffusers' Wan attention takes the last 512 tokens 
 so text is zero-padded to 512 whatever `cache.text_max_length` is.
 
 Wan 2.2 I2V A14B (`trainers/wan22.py`) takes the same 36-channel input without the CLIP layers, so the
-input is built by `WanFrameConditionedTrainer` and `WanI2VTrainer` adds CLIP to it (the cached `clip`,
+input is built by `WanFrameConditionedModel` and `WanI2VModel` adds CLIP to it (the cached `clip`,
 the image encoder in the cache key, the `encoder_hidden_states_image` argument, text padded to 512).
 """
 
@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.wan.trainer import WanTrainer
+from tuner.archs.model import ArchitectureModel
+from tuner.archs.wan.trainer import WanModel
 from tuner.models import clip_vision
-from tuner.trainers.base import NetworkTrainer
 
 TEXT_TOKENS = 512  # the text length diffusers' WanAttnProcessor assumes when it splits off image tokens
 
@@ -46,14 +46,11 @@ class LatentEncoders:
         return self
 
 
-class WanFrameConditionedTrainer(WanTrainer):
+class WanFrameConditionedModel(WanModel):
     """Wan's 36-channel image-to-video input (noise, frame mask, condition latents) without CLIP: what
-    the Wan 2.2 I2V A14B experts take. `WanI2VTrainer` adds the CLIP image cross-attention of Wan 2.1."""
+    the Wan 2.2 I2V A14B experts take. `WanI2VModel` adds the CLIP image cross-attention of Wan 2.1."""
 
-    supports_images = False
     in_channels = 36
-    frame_images = 1  # the first frame
-    sample_shift = 5.0  # the releases' default (Wan 2.1 I2V suggests 3.0 at 480p)
 
     def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
         return LatentEncoders(self.load_vae(device, dtype))
@@ -62,7 +59,7 @@ class WanFrameConditionedTrainer(WanTrainer):
     def encode_latents(
         self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        frames = [pixels[:, :, 0]] + ([pixels[:, :, -1]] if self.frame_images == 2 else [])
+        frames = [pixels[:, :, 0]] + ([pixels[:, :, -1]] if self.record.frame_images == 2 else [])
         return {
             "latents": self.encode_pixels(encoders.vae, pixels),
             **self.encode_frame_images(encoders, frames, pixels.shape[2]),
@@ -76,7 +73,7 @@ class WanFrameConditionedTrainer(WanTrainer):
         first = images[0]
         video = first.new_zeros(first.shape[0], 3, frames, *first.shape[2:])
         video[:, :, 0] = first
-        if self.frame_images == 2:
+        if self.record.frame_images == 2:
             video[:, :, -1] = images[1]
         return {"cond_latents": self.encode_pixels(encoders.vae, video)}
 
@@ -86,7 +83,7 @@ class WanFrameConditionedTrainer(WanTrainer):
         return {**cond, "first_given": self.first_frame_given(x0, generator)}
 
     # ---- the model's inputs ----
-    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity at x_t given the frame(s); a sample not given its frame (`first_given` False) gets
@@ -94,9 +91,9 @@ class WanFrameConditionedTrainer(WanTrainer):
         image (zeros in the normalized latent space, as its `concat_cond` fills an absent image); only Wan
         2.2 I2V A14B trains so (`Architecture.first_frame_required` keeps Wan 2.1's CLIP models at p = 1)."""
         cond_latents = cond["cond_latents"].to(noisy)
-        mask = frame_mask(noisy.shape[0], noisy.shape[2], noisy.shape[3:], last=self.frame_images == 2).to(
-            noisy
-        )
+        mask = frame_mask(
+            noisy.shape[0], noisy.shape[2], noisy.shape[3:], last=self.record.frame_images == 2
+        ).to(noisy)
         given = cond.get("first_given")
         if given is not None and not given.all():
             keep = given.view(-1, 1, 1, 1, 1).to(noisy)
@@ -114,9 +111,8 @@ class WanFrameConditionedTrainer(WanTrainer):
         return {}
 
 
-class WanI2VTrainer(WanFrameConditionedTrainer):
+class WanI2VModel(WanFrameConditionedModel):
     architecture = "wan_i2v"
-    latent_encoders = ("vae", "image_encoder")
 
     # ---- loading ----
     def load_latent_encoder(self, device: torch.device, dtype: torch.dtype) -> LatentEncoders:
@@ -133,7 +129,7 @@ class WanI2VTrainer(WanFrameConditionedTrainer):
         clip = torch.stack([encoders.image_encoder.encode(image) for image in images], dim=1)
         return {
             **super().encode_frame_images(encoders, images, frames),
-            "clip": clip[:, 0] if self.frame_images == 1 else clip,
+            "clip": clip[:, 0] if self.record.frame_images == 1 else clip,
         }
 
     # ---- the model's inputs ----
@@ -152,11 +148,8 @@ class WanI2VTrainer(WanFrameConditionedTrainer):
         return {"encoder_hidden_states_image": clip}
 
 
-class WanFLF2VTrainer(WanI2VTrainer):
+class WanFLF2VModel(WanI2VModel):
     architecture = "wan_flf2v"
-    frame_images = 2  # the first and the last frame
-    min_frames = 2
-    sample_shift = 16.0  # the release's default for FLF2V
 
 
 def frame_mask(batch: int, latent_frames: int, size: tuple[int, int], last: bool = False) -> torch.Tensor:

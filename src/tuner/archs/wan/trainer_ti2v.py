@@ -26,22 +26,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.wan import loaders as wan
-from tuner.archs.wan.trainer import WanTrainer
-from tuner.trainers.base import NetworkTrainer
-from tuner.trainers.first_frame import (
-    FirstFrameTrainer,
+from tuner.archs.first_frame import (
+    FirstFrameModel,
     first_frame_rows,
     given_first_frame,
     straight_to_given,
 )
+from tuner.archs.model import ArchitectureModel
+from tuner.archs.wan import loaders as wan
+from tuner.archs.wan.trainer import WanModel
 
 
-class Wan22TI2VTrainer(FirstFrameTrainer, WanTrainer):
+class Wan22TI2VModel(FirstFrameModel, WanModel):
     architecture = "wan22_ti2v"
-    spatial_step = 32  # 16× VAE × 2×2 patches
-    model_fps = 24.0
-    sample_shift = 5.0
     in_channels = 48
 
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -50,7 +47,7 @@ class Wan22TI2VTrainer(FirstFrameTrainer, WanTrainer):
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (48, (frames - 1) // 4 + 1, height // 16, width // 16)
 
-    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity at x_t; rows with `cond["clean_first"]` get `cond["first_frame"]` as their first

@@ -1,10 +1,10 @@
 """Wan 2.2 A14B: a Wan network twice, as a high-noise and a low-noise expert (T2V and I2V).
 
 Everything but the transformers is Wan 2.1's (the 16-channel Wan 2.1 VAE, UMT5-XXL, 1×2×2 patches,
-4N+1 frames at 16 fps). `WanExpertsTrainer` adds two experts (`tuner.archs.wan.experts`) to the Wan trainer that
-follows it in a subclass's bases: T2V A14B is Wan 2.1 T2V 14B's network (`WanTrainer`); I2V A14B takes
+4N+1 frames at 16 fps). `WanExpertsModel` adds two experts (`tuner.archs.wan.experts`) to the Wan trainer that
+follows it in a subclass's bases: T2V A14B is Wan 2.1 T2V 14B's network (`WanModel`); I2V A14B takes
 Wan 2.1 I2V's 36-channel input (noise, frame mask, first-frame condition latents) without its CLIP
-image layers (`WanFrameConditionedTrainer`: no CLIP encoder, and the cache's latent entries are keyed by
+image layers (`WanFrameConditionedModel`: no CLIP encoder, and the cache's latent entries are keyed by
 the VAE alone).
 
 * `model.expert = "high"` trains `model.transformer` on t in [boundary, 1]; `"low"` trains
@@ -29,18 +29,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.experts import ExpertAdapters, TimestepExperts, expert_range
-from tuner.archs.wan.trainer import WanTrainer
-from tuner.archs.wan.trainer_i2v import WanFrameConditionedTrainer
+from tuner.archs.wan.trainer import WanModel
+from tuner.archs.wan.trainer_i2v import WanFrameConditionedModel
 from tuner.errors import CheckpointError
-from tuner.trainers.base import NetworkTrainer
 
 # The config field that holds each expert, and the name its release files carry
 _FIELDS = {"high": "transformer", "low": "transformer_2"}
 
 
-class WanExpertsTrainer(WanTrainer):
+class WanExpertsModel(WanModel):
     """Two experts of the network the next Wan trainer in the bases feeds (its `predict` builds the
     inputs, this class picks the expert per sample)."""
 
@@ -86,7 +86,7 @@ class WanExpertsTrainer(WanTrainer):
             )
 
     # ---- the model's inputs ----
-    pipeline_parts = NetworkTrainer.pipeline_parts  # predicts otherwise than the parent's parts cut
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         if not isinstance(model, TimestepExperts):
@@ -137,19 +137,15 @@ class WanExpertsTrainer(WanTrainer):
     def build_trained(self, model: nn.Module):
         if not isinstance(model, TimestepExperts):
             return super().build_trained(model)
-        return ExpertAdapters(
-            *(super(WanExpertsTrainer, self).build_trained(model.expert(n)) for n in _FIELDS)
-        )
+        return ExpertAdapters(*(super(WanExpertsModel, self).build_trained(model.expert(n)) for n in _FIELDS))
 
 
-class Wan22T2VTrainer(WanExpertsTrainer):
+class Wan22T2VModel(WanExpertsModel):
     architecture = "wan22_t2v"
-    sample_shift = 12.0
 
 
-class Wan22I2VTrainer(WanExpertsTrainer, WanFrameConditionedTrainer):
+class Wan22I2VModel(WanExpertsModel, WanFrameConditionedModel):
     architecture = "wan22_i2v"
-    sample_shift = 5.0
 
 
 class _ExpertHandles:

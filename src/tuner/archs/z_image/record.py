@@ -21,7 +21,7 @@ Z_IMAGE = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its Z-Image converter splits the fused qkv)",
     title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
-    trainer="tuner.archs.z_image.trainer:ZImageTrainer",
+    family="tuner.archs.z_image.trainer:ZImageModel",
     layout="tuner.archs.z_image.loaders:Z_IMAGE_LAYOUT",
     fixture="tuner.archs.z_image.fixture:FIXTURE",
     model_class="ZImageTransformer2DModel",
@@ -50,6 +50,8 @@ Z_IMAGE = Architecture(
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
     save_format="kohya",
+    spatial_step=16,
+    latent_patch=(2, 2),
 )
 
 

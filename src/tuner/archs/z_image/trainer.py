@@ -16,25 +16,17 @@ import warnings
 import torch
 from torch import nn
 
-from tuner.archs.flux import loaders as flux
+from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.archs.z_image import loaders as z_image
 from tuner.archs.z_image import text as z_image_text
-from tuner.errors import ConfigError
 from tuner.memory import place_text_encoder, text_encoder_dtype
-from tuner.trainers.base import NetworkTrainer
 
 
-class ZImageTrainer(NetworkTrainer):
+class ZImageModel(FluxVAEImageModel):
     architecture = "z_image"
-    spatial_step = 16
-    latent_patch = (2, 2)
-    sample_shift = 3.0  # Z-Image-Turbo's scheduler_config.json
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return z_image.load_transformer(self.weights_path("transformer"), dtype)
-
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return flux.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> z_image_text.TextEncoder:
         encoder = z_image_text.load_text_encoder(
@@ -42,14 +34,6 @@ class ZImageTrainer(NetworkTrainer):
         )
         place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
         return encoder
-
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return flux.encode_images(vae, pixels[:, :, 0])
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return flux.decode_latents(vae, latents).unsqueeze(2)
 
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         embeds = z_image_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
@@ -65,10 +49,6 @@ class ZImageTrainer(NetworkTrainer):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return z_image.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
-
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        factor = z_image.VAE_FACTOR
-        return (z_image.LATENT_CHANNELS, height // factor, width // factor)
 
     def build_trained(self, model: nn.Module):
         """The adapter, after warning (once per file) when it would train Turbo's distilled weights as

@@ -6,7 +6,7 @@ the others get t, and the model's output there is never used (the pipelines keep
 causal video VAE encodes a clip's first picture alone as its first latent frame, so training takes the
 given frame from the clip's own latents and the cache holds nothing more.
 
-`FirstFrameTrainer` mixes this into a trainer: `draw_conditions` picks the samples given their frame
+`FirstFrameModel` mixes this into a trainer: `draw_conditions` picks the samples given their frame
 (`train.first_frame_conditioning_p`; the others train text-to-video, every frame noised and in the loss),
 `loss_mask` leaves a given frame out. The trainer's `predict` builds the input with `given_first_frame`
 and the per-token timestep from `first_frame_rows`, and returns `straight_to_given` of its output: on a
@@ -18,10 +18,8 @@ from __future__ import annotations
 import torch
 
 
-class FirstFrameTrainer:
-    """Mixed in before a `NetworkTrainer` subclass (see the module docstring)."""
-
-    first_frame_image = True  # `tuner generate --image` gives the first frame (optional)
+class FirstFrameModel:
+    """Mixed in before an `ArchitectureModel` subclass (see the module docstring)."""
 
     def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
         """Which video samples are given their first latent frame (`clean_first`), and that frame."""

@@ -1,0 +1,336 @@
+"""`ArchitectureModel`: what an architecture computes, apart from any training loop.
+
+A family folder (`tuner/archs/<family>/`) subclasses it: how to load its checkpoints, encode a batch for
+the cache, build the model's inputs and call it, decode, and shape generation's noise. Everything else
+about the architecture is data on its record (`tuner.archs.record.Architecture`: spatial step, frame
+rule, timestep mode, objective, ...), which the helpers here read. Caching (`tuner.cache`) and
+generation (`tuner.generate`) build one with `record.family_model(cfg)`; training combines it with the
+loop (`tuner.registry.trainer_class`: `NetworkTrainer` over the family's class). Nothing here imports
+`tuner.trainers`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tuner import registry
+from tuner.config import Config
+from tuner.dtypes import DTYPES
+from tuner.errors import CheckpointError, ConfigError, TrainingError
+
+# entries of a batch's cond that the loss reads and the model is not given
+_LOSS_ENTRIES = ("loss_mask", "loss_weight")
+
+
+class ArchitectureModel:
+    """What one architecture computes; family classes implement the methods without a default."""
+
+    architecture: ClassVar[str]  # the name of its record in tuner.registry
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.record = registry.architecture(self.architecture)
+        # diffusers module name -> the release's (a name map carrying the fused layers); `.inverse` goes
+        # back. Saved adapters and full fine-tunes use the release's names, so they load in ComfyUI.
+        self.layout = self.record.checkpoint_layout()
+        self._objective = None  # `training_objective()`, built on first use
+
+    @property
+    def default_targets(self) -> tuple[str, ...]:
+        return self.record.default_targets
+
+    # --- what an architecture implements -------------------------------------------------------
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        raise NotImplementedError
+
+    def load_text_encoder(self, device: torch.device, dtype: str):
+        """Return whatever `encode_text` needs (e.g. a (model, tokenizer) pair)."""
+        raise NotImplementedError
+
+    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W] in [-1, 1] → normalized latents [B, ...]."""
+        raise NotImplementedError
+
+    def load_latent_encoder(self, device: torch.device, dtype: torch.dtype):
+        """What `encode_latents` takes: the VAE, or the VAE with the models named in `latent_encoders`."""
+        return self.load_vae(device, dtype)
+
+    def encode_latents(
+        self, vae: nn.Module, pixels: torch.Tensor, controls: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """One latent cache entry per item, batched: the target `latents` plus one `control_<i>` per
+        control/reference image (edit models). Each value is [B, ...]. `vae` is `load_latent_encoder`'s."""
+        out = {"latents": self.encode_pixels(vae, pixels)}
+        for i, control in enumerate(controls):
+            out[f"control_{i}"] = self.encode_pixels(vae, control)
+        return out
+
+    def latent_conditions(self, job) -> dict[str, torch.Tensor]:
+        """Tensors an item's latent entry holds beside what `encode_latents` made, from how the item was
+        sized (its `tuner.data.jobs.LatentJob`: source and crop); none by default. SDXL's size
+        conditioning comes from here."""
+        return {}
+
+    def encode_audio(self, encoder, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Audio-video models (`audio_format` set): the latent entry's tensors for a clip's sound, float
+        [channels, samples] at `audio_format`'s rate; `encoder` is what `load_latent_encoder` returned."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def sound_latent_shape(self, frames: int) -> tuple[int, ...]:
+        """Audio-video models: the shape (without batch) of the sound latents of a clip of `frames`
+        frames, which generation denoises beside the video's."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def predict_streams(self, model: nn.Module, noisy: torch.Tensor, noisy_sound: torch.Tensor, t: torch.Tensor,
+                        cond: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Audio-video models: the velocities of both streams at the same t (generation)."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def decode_sound(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
+        """Audio-video models: sound latents [1, ...] → (waveform [channels, samples] in [-1, 1], rate)."""
+        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+
+    def encode_frame_images(
+        self, encoder, images: list[torch.Tensor], frames: int
+    ) -> dict[str, torch.Tensor]:
+        """Image-to-video models (`frame_images` > 0): the latent-entry tensors other than `latents` that the
+        given frame images ([B, 3, H, W] in [-1, 1]) of a `frames`-frame video make; generation uses it."""
+        raise NotImplementedError
+
+    def encode_text(
+        self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None
+    ) -> list[dict[str, torch.Tensor]]:
+        """Captions → one dict of tensors per caption, as stored in the cache. `controls` holds each
+        caption's control images ([3, 1, H, W] in [-1, 1]) for an architecture whose text encoder sees
+        them (`text_uses_controls`), else None; other architectures ignore it."""
+        raise NotImplementedError
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Stack a batch of cached text entries into model inputs."""
+        raise NotImplementedError
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """Model output for x_t at t ∈ [0, 1] (shape of `noisy`). `cond` holds what `collate_text`
+        returned plus the batch's other latent tensors (e.g. `control_0`), all on the model's device."""
+        raise NotImplementedError
+
+    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
+        """Normalized latents → pixels [B, C, F, H, W] in [-1, 1]."""
+        raise NotImplementedError
+
+    def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
+        """`cond` plus what a training batch draws beyond noise and t, from the step's seeded generator
+        (nothing by default). Text-and-image-to-video models pick here which samples get a clean first
+        frame."""
+        return cond
+
+    def first_frame_given(self, x0: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Image-to-video models' `draw_conditions`: which samples [B] (bool) are given their first frame,
+        each with probability `train.first_frame_conditioning_p` (unset: the record's `first_frame`), drawn
+        from the step's generator after everything the model drew before, so resumed runs draw the same."""
+        p = self.cfg.train.first_frame_conditioning_p
+        p = self.record.first_frame if p is None else p
+        return (torch.rand(x0.shape[0], generator=generator) < p).to(x0.device)
+
+    def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor | None:
+        """0/1 weights broadcastable to `x0` for the elements the loss counts, or None for all of them:
+        what the model is given rather than asked to predict (a clean first frame) is left out."""
+        return None
+
+    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
+        """Latent shape (without batch) of a sample of this size."""
+        raise NotImplementedError
+
+    def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """Classifier-free guidance as the model's own pipeline applies it (plain by default)."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
+                    guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
+        """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas` (one pass over the
+        whole latent). Models that generate in parts (FramePack's sections) override it."""
+        from tuner.sampling import euler_sample
+
+        return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
+                            combine=self.combine_guidance)  # fmt: skip
+
+    def pipeline_parts(self, model: nn.Module):
+        """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
+        a `tuner.distributed.stages.PipelineParts` whose prologue, blocks and epilogue compute exactly
+        what `predict` does, passing only tensors between blocks. Architectures that have one override this;
+        a subclass whose `predict` differs sets it back to `ArchitectureModel.pipeline_parts`."""
+        from tuner.distributed.stages import pipeline_unavailable
+
+        raise ConfigError(pipeline_unavailable(self.architecture))
+
+    # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
+    @property
+    def trains_text_encoder(self) -> bool:
+        """Whether the text encoders train: their outputs are then computed at every step, not cached.
+        Every command that caches or trains asks, so a model that cannot is refused before any work."""
+        nc = self.cfg.network
+        if nc.train_text_encoder and (not self.record.text_encoder_trainable or nc.type == "full"):
+            raise ConfigError(
+                f"{self.cfg.path}: network.train_text_encoder: "
+                + (f"{self.architecture} trains no text encoder adapter" if not self.record.text_encoder_trainable
+                   else "a full fine-tune trains the denoiser only; use an adapter type")
+            )  # fmt: skip
+        return nc.train_text_encoder
+
+    def load_text_cache_encoder(self, device: torch.device, dtype: str):
+        """What `tuner cache text` encodes with: `load_text_encoder`'s, unless the text encoders train
+        (then what makes their inputs, e.g. the tokenizers)."""
+        return self.load_text_encoder(device, dtype)
+
+    def encode_text_cache(self, encoder, captions: list[str], controls) -> list[dict[str, torch.Tensor]]:
+        """The text cache entries of `captions`: `encode_text`'s, unless the text encoders train (then their
+        inputs, e.g. token ids, which `collate_text` and `predict` take)."""
+        return self.encode_text(encoder, captions, controls)
+
+    def attach_adapter_file(self, model: nn.Module, path: str, strength: float):
+        """generate: attach an adapter file to the denoiser (`tuner.networks.apply_adapter_file`)."""
+        from tuner.networks.factory import apply_adapter_file
+
+        return apply_adapter_file(model, path, strength, name_map=self.layout)
+
+    def attach_text_adapters(self, encoder, loras: list[tuple[str, float]]) -> None:
+        """generate: attach the text-encoder parts of adapter files to what `load_text_encoder` returned;
+        an architecture whose files hold none does nothing."""
+
+    # --- for the subclasses ----------------------------------------------------------------------
+    def weights_path(self, component: str) -> str:
+        """Path of a model component from the config, with a clear error if it is not set."""
+        path = getattr(self.cfg.model, component)
+        if not path:
+            raise CheckpointError(
+                f"{self.cfg.path}: key 'model.{component}' is not set; this command needs it."
+            )
+        return path
+
+    # --- placing and adapting the loaded model (overridden by two-expert models: one call per expert) --
+    def merge_base_adapters(self, model: nn.Module) -> None:
+        """Fold `model.merge_adapters` (file, strength) into the freshly loaded base weights, in order,
+        as `tuner lora merge` would into its file; fp8 storage, block swap and the trained adapter all
+        come after and see the merged weights."""
+        merges = self.cfg.model.adapter_merges()
+        if merges and self.record.boundary is not None:
+            raise TrainingError("model.merge_adapters is for one-transformer models; merge into each expert's "
+                                "file with `tuner lora merge` instead.")  # fmt: skip
+        from tuner.networks.factory import apply_adapter_file
+
+        # building the adapters draws initial weights (then replaced) from the global generator, which
+        # the trained adapter's initialization reads next: leave it as loading a merged file would
+        with torch.random.fork_rng(devices=[]):
+            for path, strength in merges:
+                network = apply_adapter_file(
+                    model, path, strength, self.layout, name_map_inverse=self.layout.inverse
+                )
+                network.merge_into_base()
+
+    def apply_memory(self, model: nn.Module, settings, device, probe_forwards: int = 1):
+        """`tuner.memory.apply_memory_settings` on what `load_transformer` returned; returns its handle."""
+        from tuner.memory import apply_memory_settings
+
+        return apply_memory_settings(
+            model, settings, device, block_lists=self.record.block_lists, fp8_source=self.cfg.model.transformer,
+            name_map=self.layout.inverse, probe_forwards=probe_forwards, compile=self.cfg.train.compile,
+        )  # fmt: skip
+
+    def export_layout(self):
+        """The layout saved files are written through: the architecture's. SDXL's full fine-tunes write
+        the bundled checkpoint UIs load (the UNet beside the VAE and both text encoders)."""
+        return self.layout
+
+    def build_trained(self, model: nn.Module):
+        """What trains (`tuner.networks.build_network` from the `[network]` section) on that model."""
+        from tuner.networks.factory import build_network
+
+        cfg = self.cfg
+        return build_network(
+            model,
+            self.default_targets,
+            cfg.network,
+            self.layout,
+            seed=cfg.train.seed,
+            save_format=cfg.save.format,
+        )
+
+    # --- the one loss ------------------------------------------------------------------------------
+    def training_objective(self):
+        """What the model is trained on: flow matching (`tuner.timesteps.FlowObjective`), or for
+        `objective = "ddpm"` architectures the DDPM schedule with the configured prediction type and
+        weights (`tuner.ddpm.DDPMObjective`)."""
+        if self._objective is None:
+            from tuner.ddpm import objective_from_config
+
+            self._objective = objective_from_config(
+                self.record.objective, self.cfg.timesteps, self.architecture
+            )
+        return self._objective
+
+    def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
+             accelerator) -> torch.Tensor:  # fmt: skip
+        """The loss of one batch at timesteps `t` with `noise` (the objective's: flow matching unless the
+        architecture says otherwise): training and validation both call this."""
+        noisy, t, inputs = self.noised_inputs(x0, noise, t, cond)
+        with accelerator.autocast():
+            # an engine that owns the model (tuner.distributed.PredictModule) runs `predict` inside itself
+            runs_predict = getattr(model, "runs_predict", False)
+            pred = model(noisy, t, inputs) if runs_predict else self.predict(model, noisy, t, inputs)
+        return self.prediction_loss(pred, x0, noise, t, cond)
+
+    def noised_inputs(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+                      cond: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:  # fmt: skip
+        """`loss`'s first half: what `predict` is given (x_t, the objective's t, cond without the loss's
+        own entries). Pipeline stages run it on every process and `prediction_loss` on the last."""
+        objective = self.training_objective()
+        t = objective.discretize(t)  # DDPM: the noise level the model is told is the one it gets
+        noisy = objective.add_noise(x0, noise, t).to(DTYPES[self.cfg.model.dtype])
+        return noisy, t, {k: v for k, v in cond.items() if k not in _LOSS_ENTRIES}
+
+    def prediction_loss(self, pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+                        cond: dict) -> torch.Tensor:  # fmt: skip
+        """`loss`'s second half: the objective's loss of `pred` (t as `noised_inputs` returned it)."""
+        weights = cond.get("loss_mask")  # a dataset's cached loss mask (`tuner.data.masks`)
+        factor = cond.get("loss_weight")  # a dataset's loss_weight (regularization sets), per sample
+        mask = self.loss_mask(x0, {k: v for k, v in cond.items() if k not in _LOSS_ENTRIES})
+        if weights is not None:  # [B, 1, *latent grid]: broadcasts over channels
+            mask = weights if mask is None else mask * weights
+        loss = self.training_objective().loss(pred.float(), x0, noise, t, mask=mask)
+        return loss if factor is None else loss * factor.mean()  # a batch holds one dataset: one factor
+
+    # --- derived from the record ----------------------------------------------------------------
+    def valid_frame_count(self, n: int) -> bool:
+        return n >= 1 and (n - self.record.frame_remainder) % self.record.frame_multiple == 0
+
+    def timestep_sampler(self):
+        """The configured training-timestep sampler, with mode "auto" resolved to this model's usual one."""
+        from dataclasses import replace
+
+        from tuner.timesteps import sampler_from_config
+
+        section = self.cfg.timesteps
+        if section.mode == "auto":
+            section = replace(section, mode=self.record.timestep_mode)
+        return sampler_from_config(section)
+
+    def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
+        """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
+        resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count."""
+        from tuner.timesteps import RESOLUTION_SHIFTS
+
+        if isinstance(self.record.sample_shift, str):
+            tokens = math.prod(latent_shape[1:]) // math.prod(self.record.latent_patch)
+            return math.exp(RESOLUTION_SHIFTS[self.record.sample_shift].mu(tokens))
+        return float(self.record.sample_shift)
+
+    def seq_len(self, latents: torch.Tensor) -> int:
+        """Tokens per sample (for resolution-dependent timestep shifts)."""
+        return math.prod(latents.shape[2:]) // math.prod(self.record.latent_patch)
