@@ -154,3 +154,34 @@ def test_encoder_identity_is_frozen_and_labelled():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ENCODER.dtype = "float16"
     assert ENCODER.label() == "wan2.1-vae/bfloat16/v1/abababab"
+
+
+@pytest.mark.parametrize("name, keyed", [("framepack_1f", True), ("framepack", False)])
+def test_text_key_covers_what_the_text_encoding_reads_besides_its_encoders(name, keyed, tmp_path):
+    """FramePack one-frame's text entries hold the reference image's SigLIP tokens: another image encoder
+    must re-encode them (the record's `text_extra_encoders`); for FramePack it shapes latents only."""
+    from types import SimpleNamespace
+
+    from tuner.cache.plan import text_encoder
+    from tuner.registry import architecture
+
+    def identity(image_encoder: torch.Tensor):
+        save_file({"w": image_encoder}, tmp_path / "siglip.safetensors")
+        save_file({"w": torch.ones(2)}, tmp_path / "text.safetensors")
+        paths = {
+            "text_encoder": tmp_path / "text.safetensors",
+            "image_encoder": tmp_path / "siglip.safetensors",
+        }
+        model_fields = dict.fromkeys(
+            ("text_encoder_2", "text_encoder_3", "text_encoder_4", "tokenizer", "tokenizer_2", "tokenizer_3",
+             "tokenizer_4"),
+            None,
+        )  # fmt: skip
+        model = SimpleNamespace(
+            cfg=SimpleNamespace(model=SimpleNamespace(**model_fields), cache=SimpleNamespace(text_encoder_dtype="bf16")),
+            record=architecture(name), architecture=name, trains_text_encoder=False,
+            weights_path=lambda field: str(paths[field]),
+        )  # fmt: skip
+        return text_encoder(model).weights_fingerprint
+
+    assert (identity(torch.zeros(2)) != identity(torch.ones(2))) is keyed

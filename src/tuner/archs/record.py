@@ -93,6 +93,9 @@ class Architecture:
     """Frame images generation is given (image-to-video: the first[, and the last])."""
     latent_encoders: tuple[str, ...] = ("vae",)
     """Config fields (`model.<name>`) whose weights shape latent entries (part of their cache key)."""
+    text_extra_encoders: tuple[str, ...] = ()
+    """Config fields beyond the text encoders and tokenizers whose weights shape text entries (part of their
+    cache key): FramePack one-frame conditions its prompt on the reference image's `image_encoder` tokens."""
     control_images: tuple[int, int] = (0, 0)
     """(Fewest, most) control images per item (edit models)."""
     text_uses_controls: bool = False
@@ -136,6 +139,19 @@ class Architecture:
     def load_fixture(self) -> Any:
         """The `Fixture` of this architecture."""
         return _resolve(self.fixture)
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The `model.*` fields whose files it loads: the transformer(s), the latent encoders, each text
+        encoder with its tokenizer, and what its text encoding reads besides."""
+        text = [
+            f
+            for tokenizer, _ in self.tokenizers
+            for f in (tokenizer.replace("tokenizer", "text_encoder"), tokenizer)
+        ]
+        experts = ("transformer_2",) if self.boundary is not None else ()
+        names = ("transformer", *experts, *self.latent_encoders, *text, *self.text_extra_encoders)
+        return tuple(dict.fromkeys(names))
 
     @property
     def variant_dir(self) -> Path:

@@ -187,9 +187,14 @@ def text_encoder(model) -> EncoderIdentity:
                   m.tokenizer_4)
         if p
     ]  # fmt: skip
+    # and what the text encoding reads besides (FramePack one-frame: SigLIP tokens of the reference image)
+    extra = [
+        _fingerprint(model.weights_path(name), _LATENT_FOLDERS.get(name, (name,)))
+        for name in model.record.text_extra_encoders
+    ]
     return EncoderIdentity(  # while the text encoders train, entries hold their inputs (token ids)
         architecture=f"{model.architecture}-{'tokens' if model.trains_text_encoder else 'text'}",
-        weights_fingerprint="+".join(_fingerprint(p, _TEXT_FOLDERS) for p in parts),
+        weights_fingerprint="+".join([*(_fingerprint(p, _TEXT_FOLDERS) for p in parts), *extra]),
         dtype=cfg.cache.text_encoder_dtype,
         format_version=model.record.cache_format_version,
     )

@@ -6,8 +6,7 @@ Read from the architecture's record (`tuner.registry.Architecture`):
 - every architecture: `transformer`, `vae`, and the keys that are not components (dtype, guidance, ...);
 - `boundary` set (two experts): `transformer_2`, `expert`, `boundary`;
 - each tokenizer key of `tokenizers` and its text encoder (`tokenizer_2` → `text_encoder_2`);
-- `image_encoder` where the trainer encodes images with it (its `latent_encoders`), and for
-  `IMAGE_ENCODER_TEXT` where the text encoding does (the record does not say so yet).
+- `image_encoder` where the latents or the text encoding read it (`latent_encoders`, `text_extra_encoders`).
 
 `downloads(name)` lists what `tuner download` fetches for it: the hub pipelines (`hub_repos`) and, with
 `--comfy`, ComfyUI's repackaged single files (`comfy_files`).
@@ -26,22 +25,15 @@ COMPONENTS = (
     "tokenizer_2", "text_encoder_3", "tokenizer_3", "text_encoder_4", "tokenizer_4", "image_encoder",
 )  # fmt: skip
 """The `model.*` keys that only some architectures use."""
-IMAGE_ENCODER_TEXT = ("framepack_1f",)
-"""Architectures whose text encoding (not their latents) reads `model.image_encoder`: FramePack one-frame
-conditions its prompt on the reference image's embedding (`FramePackOneFrameTrainer.load_text_encoder`)."""
 
 
 @cache
 def model_keys(name: str) -> tuple[str, ...]:
     """The `model.*` keys (dotted) the architecture `name` uses, in the schema's order."""
     record = architecture(name)
-    used = {"transformer", "vae"}
+    used = set(record.components)
     if record.boundary is not None:
-        used |= {"transformer_2", "expert", "boundary"}
-    for tokenizer, _ in record.tokenizers:
-        used |= {tokenizer, tokenizer.replace("tokenizer", "text_encoder")}
-    if "image_encoder" in record.trainer_class().latent_encoders or name in IMAGE_ENCODER_TEXT:
-        used.add("image_encoder")
+        used |= {"expert", "boundary"}
     return tuple(
         f"model.{f.name}"
         for f in dataclasses.fields(ModelConfig)

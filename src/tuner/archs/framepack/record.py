@@ -72,6 +72,7 @@ RECORDS = (
         min_frames=1,
         frame_images=0,
         latent_encoders=("vae",),
+        text_extra_encoders=("image_encoder",),
         control_images=(1, 1),
         text_uses_controls=True,
     ),
