@@ -39,7 +39,7 @@ RECOMMENDED = {
 
 
 def state_bytes_per_parameter(name: str) -> float:
-    from tuner.optim import build_optimizer
+    from tuner.optimizers.build import build_optimizer
 
     lr, kwargs = RECOMMENDED[name]
     weight = torch.nn.Parameter(torch.randn(1024, 1024))
@@ -59,7 +59,7 @@ def state_bytes_per_parameter(name: str) -> float:
 
 def demo_loss(name: str, project: Path, out: Path, steps: int, tail: int) -> float:
     from tuner.config import load_config
-    from tuner.registry import trainer_class
+    from tuner.trainers import trainer_class
 
     lr, kwargs = RECOMMENDED[name]
     args = ", ".join(f"{k} = {json.dumps(v)}" for k, v in kwargs.items())  # JSON scalars are TOML

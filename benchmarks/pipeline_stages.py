@@ -20,8 +20,8 @@ import argparse
 import torch
 from torch import nn
 
-from tuner.distributed.stages import cut_stages
-from tuner.registry import ARCHITECTURES, CONFIGS
+from tuner.archs.stages import cut_stages
+from tuner.registry import ARCHITECTURES
 
 MODELS = (("wan", "t2v-14B", "Wan 2.1 T2V 14B"), ("flux", "dev", "FLUX.1 dev"))
 
@@ -31,7 +31,9 @@ def meta_model(architecture: str, variant: str) -> nn.Module:
 
     cls = {"wan": WanTransformer3DModel, "flux": FluxTransformer2DModel}[architecture]
     with torch.device("meta"):
-        return cls.from_config(cls.load_config(CONFIGS / architecture / "transformer" / variant))
+        return cls.from_config(
+            cls.load_config(ARCHITECTURES[architecture].variant_dir / "transformer" / variant)
+        )
 
 
 def stage_bytes(architecture: str, variant: str, rank: int, stages: int) -> dict[str, float]:

@@ -43,7 +43,7 @@ TRAINING_PATH = (
     "tuner.cache.batches",
     "tuner.memory",
     "tuner.networks.factory",
-    "tuner.optim",
+    "tuner.optimizers.build",
     "tuner.trainers.checkpoints",
 )
 HEAVY = ("bitsandbytes", "torch._dynamo", "diffusers", "transformers")

@@ -44,12 +44,13 @@ from tuner.cache.plan import open_training_data
 from tuner.cli import main as tuner
 from tuner.config import Config, load_config
 from tuner.demo import prepare
+from tuner.diffusion.timesteps import add_noise, flow_loss, flow_target
 from tuner.dtypes import DTYPES
 from tuner.fixtures import write_fixture
 from tuner.networks.factory import build_network
-from tuner.optim import build_optimizer
-from tuner.registry import ARCHITECTURES, trainer_class
-from tuner.timesteps import add_noise, flow_loss, flow_target
+from tuner.optimizers.build import build_optimizer
+from tuner.registry import ARCHITECTURES
+from tuner.trainers import trainer_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, also when loaded by path (tests)
 from report import table  # noqa: E402

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from tuner.config import load_config
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 
 WanTrainer = trainer_class("wan")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tuner.config import load_config
 from tuner.distributed import fsdp
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 
 WanTrainer = trainer_class("wan")
 

@@ -12,8 +12,7 @@ import torch
 
 from tuner.config import load_config
 from tuner.distributed import pipeline
-from tuner.registry import trainer_class
-from tuner.trainers import base
+from tuner.trainers import base, trainer_class
 
 config, out, steps, resume, *overrides = sys.argv[1:]
 save = base.NetworkTrainer._save

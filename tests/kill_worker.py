@@ -8,7 +8,7 @@ import sys
 
 import tuner.io
 from tuner.config import load_config
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 
 WanTrainer = trainer_class("wan")
 

@@ -50,7 +50,7 @@ def cfg(config: Path, *overrides: str):
 
 def train_wan(config: Path, out: Path, *overrides: str, resume: str | None = None):
     """Train the Wan project `config` into `out` with `overrides`, quietly; return the trainer."""
-    from tuner.registry import trainer_class
+    from tuner.trainers import trainer_class
 
     WanTrainer = trainer_class("wan")
 

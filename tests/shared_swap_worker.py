@@ -14,8 +14,7 @@ from tuner import memory
 from tuner.config import load_config
 from tuner.offload import FakeTransfer
 from tuner.offload.shared import mapped_segments, proportional_set_size
-from tuner.registry import trainer_class
-from tuner.trainers import checkpoints
+from tuner.trainers import checkpoints, trainer_class
 
 config, out, share, *extra = sys.argv[1:]
 rank = os.environ["RANK"]

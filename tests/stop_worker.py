@@ -7,7 +7,7 @@ import sys
 
 from tuner.config import load_config
 from tuner.errors import TrainingStopped
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 
 WanTrainer = trainer_class("wan")
 

@@ -27,9 +27,9 @@ from test_full_finetune import network_config
 from tuner import fp8
 from tuner.fixtures import write_fixture
 from tuner.memory import apply_memory_settings
-from tuner.models.layouts import diffusers_tensors, original_state_dict
 from tuner.models.loading import load_tensors, normalize_state_dict, read_tensor_shapes
 from tuner.networks import FullNetwork, build_network
+from tuner.networks.layouts import diffusers_tensors, original_state_dict
 from tuner.trainers import trainer_class
 
 COMFY_PREFIX = "model.diffusion_model."

@@ -20,7 +20,7 @@ from tuner import compile as compile_module
 from tuner import memory
 from tuner.memory import MemorySettings, apply_memory_settings
 from tuner.offload import FakeTransfer
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 from tuner.trainers.base import NetworkTrainer
 
 WanTrainer = trainer_class("wan")

@@ -10,7 +10,7 @@ from torch import nn
 
 from tuner.distributed.accounting import memory_plan, optimizer_state_bytes, size
 from tuner.networks.full import StochasticRounding
-from tuner.optim import build_optimizer
+from tuner.optimizers.build import build_optimizer
 
 
 def _model(dtype=torch.float32) -> tuple[nn.Module, nn.Module]:

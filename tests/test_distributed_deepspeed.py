@@ -125,7 +125,7 @@ def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_
     _assert_same_files(resumed / "demo_lora.safetensors", reference / "demo_lora.safetensors")
 
     # one process cannot continue it (a position counts each process's batches): refused by name
-    from tuner.registry import trainer_class
+    from tuner.trainers import trainer_class
 
     WanTrainer = trainer_class("wan")
 
@@ -205,7 +205,7 @@ def test_told_to_use_the_cpu_accelerate_starts_no_deepspeed_and_says_so(project,
 
 
 def _check(config: Path, *overrides: str, world: int = 2) -> None:
-    from tuner.registry import trainer_class
+    from tuner.trainers import trainer_class
 
     WanTrainer = trainer_class("wan")
     from tuner.distributed.deepspeed import DeepSpeedStrategy

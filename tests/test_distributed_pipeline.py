@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from project import cfg, make_cached_project, make_project, train_wan
-from tuner.archs.model import ArchitectureModel
+from tuner.archs.model import ArchitectureModel, pipeline_architectures
+from tuner.archs.stages import balanced_stages
 from tuner.distributed.pipeline import PipelineStrategy
-from tuner.distributed.stages import balanced_stages, pipeline_architectures
 from tuner.errors import ConfigError
-from tuner.registry import ARCHITECTURES, trainer_class
+from tuner.registry import ARCHITECTURES
+from tuner.trainers import trainer_class
 
 
 def test_stages_are_contiguous_and_balanced_by_parameter_count():

@@ -1,4 +1,4 @@
-"""EMA of the trained weights while training (`train.ema_decay`, `tuner.ema`)."""
+"""EMA of the trained weights while training (`train.ema_decay`, `tuner.trainers.ema`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from project import cfg, make_cached_project, train_wan
-from tuner.ema import WeightEMA
 from tuner.errors import CheckpointError, ConfigError
+from tuner.trainers.ema import WeightEMA
 
 
 def test_the_average_follows_its_formula_with_warmup():

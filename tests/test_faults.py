@@ -20,8 +20,7 @@ from safetensors.torch import load_file
 import tuner.io
 from project import cfg, make_cached_project, run
 from tuner.errors import CheckpointError, ConfigError, TrainingError
-from tuner.registry import trainer_class
-from tuner.trainers import state
+from tuner.trainers import state, trainer_class
 from tuner.trainers.checkpoints import Checkpoints
 
 WanTrainer = trainer_class("wan")

@@ -15,7 +15,7 @@ from project import cfg, make_cached_project
 from test_datasets import make_spec
 from tuner.cache import CacheStore
 from tuner.cache.batches import TrainingData, TrainingSample
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 
 WanTrainer = trainer_class("wan")
 

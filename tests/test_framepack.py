@@ -324,7 +324,7 @@ def test_the_default_flow_sampler_is_eulers_with_the_models_guidance():
     """`NetworkTrainer.sample_flow` (the hook FramePack overrides) is `euler_sample` with the trainer's
     `combine_guidance`, so every other architecture generates as before."""
     from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
-    from tuner.sampling import euler_sample
+    from tuner.diffusion.sampling import euler_sample
 
     trainer = HunyuanVideoModel(SimpleNamespace())
     noise = torch.randn(1, 2, 3, 2, 2, generator=torch.Generator().manual_seed(0))

@@ -25,7 +25,7 @@ from tuner.networks import (
     build_network,
 )
 from tuner.networks.full import stochastic_round_
-from tuner.optim import build_optimizer
+from tuner.optimizers.build import build_optimizer
 from tuner.registry import ARCHITECTURES
 
 WAN_TARGETS = ARCHITECTURES["wan"].default_targets

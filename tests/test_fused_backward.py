@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from project import cfg, make_cached_project, train_wan
 from tuner.errors import ConfigError
-from tuner.fused_backward import FusedBackward
-from tuner.optim import build_optimizer
+from tuner.optimizers.build import build_optimizer
+from tuner.optimizers.fused_backward import FusedBackward
 
 
 def _model() -> torch.nn.Module:

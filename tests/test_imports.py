@@ -25,7 +25,7 @@ PATHS = (
     "tuner.memory",
     "tuner.compile",
     "tuner.networks.factory",
-    "tuner.optim",
+    "tuner.optimizers.build",
     "tuner.trainers.checkpoints",
     "tuner.trainers.samples",
     "tuner.generate",
@@ -61,7 +61,7 @@ def test_caching_and_generation_import_no_trainer():
     """Caching, generation and the distributed accounting read the record and the family's
     `ArchitectureModel`; the training loop (`tuner.trainers`) is not theirs to import."""
     probe = (
-        "import sys, json, tuner.cache.commands, tuner.cache.plan, tuner.generate, tuner.distributed.stages, "
+        "import sys, json, tuner.cache.commands, tuner.cache.plan, tuner.generate, tuner.archs.stages, "
         "tuner.distributed.accounting, tuner.archs.model\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tuner.trainers'))))"
     )

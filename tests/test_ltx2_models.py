@@ -142,7 +142,7 @@ class _Accelerator:
 def test_loss_covers_both_streams(pipe, tmp_path):
     """With sound the loss is the video stream's plus the audio stream's flow-matching loss, and the
     audio output head gets gradients; without sound only the video stream counts."""
-    from tuner.timesteps import FlowObjective, flow_loss, flow_target
+    from tuner.diffusion.timesteps import FlowObjective, flow_loss, flow_target
 
     trainer = _bare_trainer()
     trainer._objective = FlowObjective()

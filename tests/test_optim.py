@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule builders (tuner.optim)."""
+"""Optimizer and learning-rate schedule builders (tuner.optimizers.build)."""
 
 import io
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tuner.errors import ConfigError
-from tuner.optim import build_optimizer, build_scheduler, lr_factor
+from tuner.optimizers.build import build_optimizer, build_scheduler, lr_factor
 
 
 def tiny_model() -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""The named optimizers (`tuner.optim.NAMED`): each trains, each resumes exactly through the trainer, and
+"""The named optimizers (`tuner.optimizers.build.NAMED`): each trains, each resumes exactly through the trainer, and
 our own two (Automagic, AdamW8bitKahan) follow their update rules."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from project import cfg, make_cached_project, train_wan
 from test_optim import tiny_model, train_steps
 from tuner.errors import ConfigError
-from tuner.optim import NAMED, averaged_weights, build_optimizer
 from tuner.optimizers.automagic import Automagic
+from tuner.optimizers.build import NAMED, averaged_weights, build_optimizer
 from tuner.optimizers.kahan import AdamW8bitKahan
 
 # (lr, extra arguments) each is tried at: the package's recommendation where it has one

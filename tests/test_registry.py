@@ -14,11 +14,12 @@ import diffusers
 import pytest
 
 from tuner.archs.model import ArchitectureModel
+from tuner.diffusion.timesteps import MODES, RESOLUTION_SHIFTS
 from tuner.fixtures import Fixture
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys, architecture_keys
-from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS, Architecture, architecture, trainer_class
-from tuner.timesteps import MODES, RESOLUTION_SHIFTS
+from tuner.networks.layouts import CheckpointLayout
+from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS, Architecture, architecture
+from tuner.trainers import trainer_class
 from tuner.trainers.base import NetworkTrainer
 
 DOCS = Path(__file__).parents[1] / "docs" / "architectures.md"

@@ -1,11 +1,11 @@
-"""Euler sampling and classifier-free guidance for flow-matching models (tuner.sampling)."""
+"""Euler sampling and classifier-free guidance for flow-matching models (tuner.diffusion.sampling)."""
 
 import pytest
 import torch
 
+from tuner.diffusion.sampling import euler_sample, flow_sigmas
+from tuner.diffusion.timesteps import add_noise
 from tuner.errors import ConfigError
-from tuner.sampling import euler_sample, flow_sigmas
-from tuner.timesteps import add_noise
 
 
 def latents(shape=(2, 4, 3, 8, 8), seed=0):

@@ -17,7 +17,7 @@ from tuner.archs.sdxl import loaders as sdxl
 from tuner.archs.sdxl.keys import SDXL_LAYOUT, clip_g_to_diffusers, clip_g_to_original, unet_key_to_original
 from tuner.archs.sdxl.trainer import SDXLModel
 from tuner.config.schema import TimestepConfig
-from tuner.ddpm import DDPMObjective, objective_from_config, offset_noise, scheduler
+from tuner.diffusion.ddpm import DDPMObjective, objective_from_config, offset_noise, scheduler
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, encode_conditions, sample_latents
@@ -26,7 +26,7 @@ from tuner.models.identify import diffusers_meta_keys
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from tuner.cli import main as tuner
 from tuner.fixtures import write_fixture
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 
 TEXT = ("network.train_text_encoder=true", "network.text_encoder_lr=5e-3")
 QUIET = ("log.tensorboard=false", "train.lr_warmup_steps=0")

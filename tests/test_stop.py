@@ -23,8 +23,7 @@ from safetensors.torch import load_file
 from project import cfg, make_cached_project, run, train_wan
 from test_ddp import _free_port
 from tuner.errors import TrainingStopped
-from tuner.registry import trainer_class
-from tuner.trainers import state
+from tuner.trainers import state, trainer_class
 from tuner.trainers.checkpoints import Checkpoints
 from tuner.trainers.metrics import MetricsFile
 

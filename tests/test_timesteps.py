@@ -1,4 +1,4 @@
-"""Timestep sampling, noising and loss for flow matching (tuner.timesteps).
+"""Timestep sampling, noising and loss for flow matching (tuner.diffusion.timesteps).
 
 Expected quantiles are written out from each mode's formula here, independently of the module's
 own `quantile`, and compared with 200k draws (a quantile's sampling error is then about 0.003).
@@ -11,8 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tuner.errors import ConfigError
-from tuner.timesteps import (
+from tuner.diffusion.timesteps import (
     RESOLUTION_SHIFTS,
     TimestepSampler,
     add_noise,
@@ -22,6 +21,7 @@ from tuner.timesteps import (
     plot_histogram,
     sampler_from_config,
 )
+from tuner.errors import ConfigError
 
 N = 200_000
 QS = (0.1, 0.25, 0.5, 0.75, 0.9)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from project import cfg, make_project, run
 from tuner.models.loading import read_tensor_shapes
-from tuner.registry import trainer_class
+from tuner.trainers import trainer_class
 from tuner.trainers.checkpoints import Checkpoints
 
 WanTrainer = trainer_class("wan")

@@ -16,11 +16,11 @@ from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.keys import vae22_key_to_original
 from tuner.archs.wan.trainer_ti2v import Wan22TI2VModel
 from tuner.archs.wan.wan22_vae import VAE22_VARIANTS, vae_generation
+from tuner.diffusion.timesteps import flow_loss
 from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, check_options
 from tuner.models.identify import diffusers_meta_keys
-from tuner.timesteps import flow_loss
 from tuner.trainers import trainer_class
 
 

@@ -23,8 +23,8 @@ from tuner.errors import ConfigError
 from tuner.fixtures import write_fixture
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
-from tuner.registry import trainer_class
 from tuner.tools.merge import merge_adapters
+from tuner.trainers import trainer_class
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def _fixtures(args) -> None:
 
 
 def _download(args) -> None:
-    from tuner.download import download
+    from tuner.hub.download import download
 
     print(download(args.architecture, args.variant, args.to, comfy=args.comfy), end="")
     print(f"(written to {args.to}/model.toml; paste it into your training TOML)")
@@ -95,7 +95,7 @@ def _cache_verify(args) -> None:
 
 
 def _timesteps(args) -> None:
-    from tuner.timesteps import plot_histogram
+    from tuner.diffusion.timesteps import plot_histogram
     from tuner.trainers import trainer_class
 
     cfg = _load(args)

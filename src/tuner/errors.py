@@ -2,8 +2,19 @@
 
 Every failure caused by the user's input (a config key, a file, a cache, a checkpoint) raises a
 subclass of `TunerError`. The CLI prints its message without a traceback, so the message must name
-the file or key and say what to do about it.
+the file or key and say what to do about it; `did_you_mean` adds the nearest known name to one.
 """
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """ " Did you mean 'x'?" for the candidate closest to a mistyped `name`, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 class TunerError(Exception):

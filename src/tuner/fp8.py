@@ -345,13 +345,13 @@ def load_comfy_fp8_weights(
     """Store the linear layers of `model` that a ComfyUI fp8 file holds in fp8 with the file's exact
     values and scales (no dequantize / requantize round trip). `name_map` turns the file's layer names
     (original release layout, e.g. `blocks.0.self_attn.q`) into `model`'s (`blocks.0.attn1.to_q`); when
-    it is an architecture layout's `inverse` (`tuner.models.layouts`), a fused layer (FLUX's
+    it is an architecture layout's `inverse` (`tuner.networks.layouts`), a fused layer (FLUX's
     `img_attn.qkv`) is split into its parts: each gets its rows of the stored fp8 weight and the layer's
     per-tensor scale, which is exact. Only fp8 layers are touched; load the rest as usual. Returns the
     model names of the layers."""
     from safetensors import safe_open
 
-    from tuner.models.layouts import diffusers_tensors
+    from tuner.networks.layouts import diffusers_tensors
 
     if Path(path).suffix != ".safetensors":
         return []

@@ -25,10 +25,10 @@ from PIL import Image
 
 from tuner import registry
 from tuner.cache.plan import torch_device
+from tuner.diffusion.sampling import flow_sigmas
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError
 from tuner.networks.keys import nonfinite_keys, read_safetensors
-from tuner.sampling import flow_sigmas
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dic
             return torch.cat([v.float().flatten(1), a.float().flatten(1)], 1)
 
     if family.record.objective == "ddpm":  # SDXL: diffusers' Euler / DPM++ 2M on the trained schedule
-        from tuner.ddpm import ddpm_sample
+        from tuner.diffusion.ddpm import ddpm_sample
 
         return ddpm_sample(model_fn, noise.to(device), family.training_objective(), opts.steps, cond, uncond,
                            opts.guidance_scale, opts.sampler, progress, family.combine_guidance)  # fmt: skip

@@ -10,7 +10,6 @@ missing, and the contract suite then runs every user path on its fixture.
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 from tuner.archs.record import Architecture
@@ -51,24 +50,12 @@ ARCHITECTURES: dict[str, Architecture] = {
 def architecture(name: str) -> Architecture:
     """The record of `name`, or a `ConfigError` listing the known ones."""
     if name not in ARCHITECTURES:
-        from tuner.config.fields import did_you_mean
+        from tuner.errors import did_you_mean
 
         raise ConfigError(
             f"unknown architecture {name!r}.{did_you_mean(name, ARCHITECTURES)} Known: {', '.join(ARCHITECTURES)}."
         )
     return ARCHITECTURES[name]
-
-
-@functools.cache
-def trainer_class(name: str) -> type:
-    """The class that trains architecture `name`: the loop (`NetworkTrainer`) over the family's
-    `ArchitectureModel`, e.g. `WanTrainer(NetworkTrainer, WanModel)`. One class per architecture and
-    process (cached), so patching it patches every trainer of that architecture."""
-    from tuner.trainers.base import NetworkTrainer
-
-    family = architecture(name).family_class()
-    trainer = family.__name__.removesuffix("Model") + "Trainer"
-    return type(trainer, (NetworkTrainer, family), {"__module__": family.__module__})
 
 
 def resolve_save_format(name: str, format: str) -> str:

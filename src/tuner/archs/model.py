@@ -5,7 +5,7 @@ the cache, build the model's inputs and call it, decode, and shape generation's 
 about the architecture is data on its record (`tuner.archs.record.Architecture`: spatial step, frame
 rule, timestep mode, objective, ...), which the helpers here read. Caching (`tuner.cache`) and
 generation (`tuner.generate`) build one with `record.family_model(cfg)`; training combines it with the
-loop (`tuner.registry.trainer_class`: `NetworkTrainer` over the family's class). Nothing here imports
+loop (`tuner.trainers.trainer_class`: `NetworkTrainer` over the family's class). Nothing here imports
 `tuner.trainers`.
 """
 
@@ -156,18 +156,16 @@ class ArchitectureModel:
                     guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
         """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas` (one pass over the
         whole latent). Models that generate in parts (FramePack's sections) override it."""
-        from tuner.sampling import euler_sample
+        from tuner.diffusion.sampling import euler_sample
 
         return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
                             combine=self.combine_guidance)  # fmt: skip
 
     def pipeline_parts(self, model: nn.Module):
         """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
-        a `tuner.distributed.stages.PipelineParts` whose prologue, blocks and epilogue compute exactly
+        a `tuner.archs.stages.PipelineParts` whose prologue, blocks and epilogue compute exactly
         what `predict` does, passing only tensors between blocks. Architectures that have one override this;
         a subclass whose `predict` differs sets it back to `ArchitectureModel.pipeline_parts`."""
-        from tuner.distributed.stages import pipeline_unavailable
-
         raise ConfigError(pipeline_unavailable(self.architecture))
 
     # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
@@ -264,11 +262,11 @@ class ArchitectureModel:
 
     # --- the one loss ------------------------------------------------------------------------------
     def training_objective(self):
-        """What the model is trained on: flow matching (`tuner.timesteps.FlowObjective`), or for
+        """What the model is trained on: flow matching (`tuner.diffusion.timesteps.FlowObjective`), or for
         `objective = "ddpm"` architectures the DDPM schedule with the configured prediction type and
-        weights (`tuner.ddpm.DDPMObjective`)."""
+        weights (`tuner.diffusion.ddpm.DDPMObjective`)."""
         if self._objective is None:
-            from tuner.ddpm import objective_from_config
+            from tuner.diffusion.ddpm import objective_from_config
 
             self._objective = objective_from_config(
                 self.record.objective, self.cfg.timesteps, self.architecture
@@ -314,7 +312,7 @@ class ArchitectureModel:
         """The configured training-timestep sampler, with mode "auto" resolved to this model's usual one."""
         from dataclasses import replace
 
-        from tuner.timesteps import sampler_from_config
+        from tuner.diffusion.timesteps import sampler_from_config
 
         section = self.cfg.timesteps
         if section.mode == "auto":
@@ -324,7 +322,7 @@ class ArchitectureModel:
     def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
         """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
         resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count."""
-        from tuner.timesteps import RESOLUTION_SHIFTS
+        from tuner.diffusion.timesteps import RESOLUTION_SHIFTS
 
         if isinstance(self.record.sample_shift, str):
             tokens = math.prod(latent_shape[1:]) // math.prod(self.record.latent_patch)
@@ -334,3 +332,19 @@ class ArchitectureModel:
     def seq_len(self, latents: torch.Tensor) -> int:
         """Tokens per sample (for resolution-dependent timestep shifts)."""
         return math.prod(latents.shape[2:]) // math.prod(self.record.latent_patch)
+
+
+def pipeline_architectures() -> list[str]:
+    """The architectures whose model cuts its forward into `PipelineParts`."""
+    from tuner import registry
+
+    return [name for name, record in registry.ARCHITECTURES.items()
+            if record.family_class().pipeline_parts is not ArchitectureModel.pipeline_parts]  # fmt: skip
+
+
+def pipeline_unavailable(architecture: str) -> str:
+    return (
+        f"key 'distributed.strategy': pipeline stages are not available for {architecture} (its forward has "
+        f"not been cut into stages); available for {', '.join(pipeline_architectures())}. Use strategy = "
+        '"fsdp" or "deepspeed" to split this model across processes.'
+    )

@@ -26,7 +26,7 @@ class Architecture:
     """What it trains, in a few words (shown by `tuner --help` and `tuner fixtures --help`)."""
     family: str
     """`module:Class` of its `ArchitectureModel` subclass (`tuner.archs.model`): what it computes. Training
-    runs the loop over it (`tuner.registry.trainer_class`)."""
+    runs the loop over it (`tuner.trainers.trainer_class`)."""
     layout: str
     """`module:attribute` of its `CheckpointLayout`: the release's single-file layout relative to
     diffusers'. Its `keys` (`ArchitectureKeys`: module renames and fused layers) name adapters in saved
@@ -103,7 +103,7 @@ class Architecture:
     timestep_mode: str = "shift"
     """What `timesteps.mode = "auto"` means for this model."""
     sample_shift: float | str = 3.0
-    """Generation's default flow shift, or a `tuner.timesteps.RESOLUTION_SHIFTS` name."""
+    """Generation's default flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None

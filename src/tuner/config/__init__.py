@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuner.config.dataset import DatasetSpec, parse_dataset_table
-from tuner.config.fields import did_you_mean, parse_section
+from tuner.config.fields import parse_section
 from tuner.config.schema import TrainingFile
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -95,7 +95,7 @@ def load_config(
         architecture(file.model.architecture)
     except ConfigError as e:
         raise ConfigError(f"{path}: key 'model.architecture': {e}") from None
-    from tuner.hub import resolve_hub_paths, resolve_model_paths  # hub ids, default tokenizers (tuner/hub.py)
+    from tuner.hub import resolve_hub_paths, resolve_model_paths  # hub ids, default tokenizers
 
     model = resolve_model_paths(file.model, data.get("model", {}), path.parent)
     network = resolve_hub_paths(file.network, data.get("network", {}), path.parent)  # network_weights

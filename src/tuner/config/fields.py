@@ -15,14 +15,13 @@ Validation happens here, at load time, so the training loop never meets a bad va
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, did_you_mean
 
 MISSING = dataclasses.MISSING
 
@@ -45,11 +44,6 @@ def option(
     if factory is not MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
-
-
-def did_you_mean(name: str, candidates: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 def _describe(tp: Any) -> str:

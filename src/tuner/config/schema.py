@@ -536,7 +536,7 @@ def _check_fused_backward(train: TrainConfig) -> None:
     """train.fused_backward steps each parameter as its gradient completes: refuse what needs them all."""
     if not train.fused_backward:
         return
-    from tuner.fused_backward import NOT_PER_PARAMETER
+    from tuner.optimizers.fused_backward import NOT_PER_PARAMETER
 
     conflicts = [
         (train.max_grad_norm > 0, "train.max_grad_norm = 0 (clipping by the total norm needs every gradient)"),

@@ -19,8 +19,9 @@ from tuner.data.buckets import (
     resize_and_crop,
     short_batch_warnings,
 )
-from tuner.data.datasets import Item, discover_items
+from tuner.data.datasets import discover_items
 from tuner.data.frames import FrameRule, frame_windows, resample_indices, video_windows
+from tuner.data.items import Item
 from tuner.data.jobs import (
     LatentJob,
     load_control_pixels,

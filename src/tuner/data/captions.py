@@ -27,7 +27,7 @@ import random
 from pathlib import Path
 
 from tuner.config.dataset import DatasetSpec
-from tuner.data.datasets import Item
+from tuner.data.items import Item
 from tuner.errors import DataError
 
 

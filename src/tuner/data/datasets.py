@@ -22,32 +22,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from tuner.config.dataset import DatasetSpec, OnError
-from tuner.data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, frame_files
+from tuner.data.items import Item, describe, is_frame_folder, media_stem
+from tuner.data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from tuner.errors import DataError
-
-
-@dataclass(frozen=True)
-class Item:
-    """One source file (or frame folder) of a dataset, before any decoding."""
-
-    path: str
-    caption: str
-    kind: Literal["image", "video"]
-    control_paths: tuple[str, ...] = ()
-    dataset_index: int = 0
-    mask_path: str | None = None  # loss mask paired from mask_directory (`tuner.data.masks`)
-    captions: tuple[str, ...] = ()  # caption variants, one drawn per epoch (`tuner.data.captions`)
-
-
-def describe(spec: DatasetSpec) -> str:
-    """How messages name a dataset: its table and source."""
-    at = f" at {spec.resolution[0]}x{spec.resolution[1]}" if spec.part else ""
-    return f"datasets[{spec.index}]{at} ({spec.source})"
 
 
 def _read_caption(path: Path) -> str | None:
@@ -66,14 +46,6 @@ def _media_extensions(kind: str) -> tuple[str, ...]:
     return IMAGE_EXTENSIONS if kind == "image" else VIDEO_EXTENSIONS
 
 
-def _is_frame_folder(path: Path) -> bool:
-    return path.is_dir() and bool(frame_files(path))
-
-
-def _stem(path: Path) -> str:
-    return path.name if path.is_dir() else path.stem
-
-
 def _scan_directory(spec: DatasetSpec, problems: list[str]) -> list[Item]:
     folder = Path(spec.source)
     exts = _media_extensions(spec.kind)
@@ -85,11 +57,11 @@ def _scan_directory(spec: DatasetSpec, problems: list[str]) -> list[Item]:
         if path.name.startswith("."):
             continue
         is_media = path.is_file() and path.suffix.lower() in exts
-        if not is_media and not (spec.kind == "video" and _is_frame_folder(path)):
+        if not is_media and not (spec.kind == "video" and is_frame_folder(path)):
             if path.suffix.lower() != caption_ext:
                 others.append(path)
             continue
-        caption_path = path.parent / (_stem(path) + caption_ext)
+        caption_path = path.parent / (media_stem(path) + caption_ext)
         caption = _read_caption(caption_path)
         if caption is None:
             problems.append(
@@ -206,14 +178,14 @@ def _pair_controls(
     exts = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if spec.kind == "video" else ())
     by_stem: dict[str, list[Path]] = {}
     for path in sorted(folder.iterdir()):
-        if path.suffix.lower() in exts or (spec.kind == "video" and _is_frame_folder(path)):
-            by_stem.setdefault(_stem(path), []).append(path)
+        if path.suffix.lower() in exts or (spec.kind == "video" and is_frame_folder(path)):
+            by_stem.setdefault(media_stem(path), []).append(path)
     for stem, paths in by_stem.items():
         if len(paths) > 1:
             problems.append(
                 f"{folder}: several controls named {stem!r} ({', '.join(p.name for p in paths)}); using {paths[0].name}."
             )
-    item_stems = {_stem(Path(it.path)) for it in items}
+    item_stems = {media_stem(Path(it.path)) for it in items}
     numbered: dict[str, list[tuple[int, Path]]] = {}
     for stem, paths in by_stem.items():
         m = _NUMBERED.fullmatch(stem)
@@ -224,7 +196,7 @@ def _pair_controls(
         if item.control_paths:  # a manifest's explicit control_path wins
             paired.append(item)
             continue
-        stem = _stem(Path(item.path))
+        stem = media_stem(Path(item.path))
         controls = [by_stem[stem][0]] if stem in by_stem else [p for _, p in sorted(numbered.get(stem, []))]
         if not controls:
             msg = f"{item.path}: no control image {stem}.* or {stem}_0.* in {folder}"

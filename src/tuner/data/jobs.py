@@ -38,8 +38,8 @@ from tuner.data.buckets import (
     plan_crop,
     upscale_note,
 )
-from tuner.data.datasets import Item, describe
 from tuner.data.frames import ANY_COUNT, largest_valid, video_windows
+from tuner.data.items import Item, describe
 from tuner.data.media import (
     VIDEO_EXTENSIONS,
     VideoInfo,

@@ -12,7 +12,7 @@ to the latent grid the VAE produced by averaging (each latent element covers spa
 pixels a side, and for video VAEs like Wan's the first frame alone, then groups of frames). It is
 cached beside the latents as `loss_mask` (so it enters the latent key: the mask file's contents and
 `mask_min_weight`), and `ArchitectureModel.loss` multiplies the squared error by it, each sample's error
-being its weighted mean (`tuner.timesteps.weighted_mse`).
+being its weighted mean (`tuner.diffusion.timesteps.weighted_mse`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from PIL import Image, ImageOps
 
 from tuner.config.dataset import DatasetSpec
 from tuner.data.buckets import Crop
-from tuner.data.datasets import Item, _is_frame_folder, _stem, describe
-from tuner.data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, _open_image, read_video_frames
+from tuner.data.items import Item, describe, is_frame_folder, media_stem
+from tuner.data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, open_image, read_video_frames
 from tuner.errors import DataError
 
 ALPHA = "alpha"  # `LatentJob.mask` of an item whose mask is its own alpha channel
@@ -42,11 +42,11 @@ def pair_masks(spec: DatasetSpec, items: list[Item], problems: list[str]) -> lis
     folder = Path(spec.mask_directory)
     exts = IMAGE_EXTENSIONS + (VIDEO_EXTENSIONS if spec.kind == "video" else ())
     masks = {
-        _stem(p): p
+        media_stem(p): p
         for p in sorted(folder.iterdir())
-        if (p.is_file() and p.suffix.lower() in exts) or (spec.kind == "video" and _is_frame_folder(p))
+        if (p.is_file() and p.suffix.lower() in exts) or (spec.kind == "video" and is_frame_folder(p))
     }
-    stems = {_stem(Path(item.path)) for item in items}
+    stems = {media_stem(Path(item.path)) for item in items}
     orphans = sorted(stem for stem in masks if stem not in stems)
     if orphans:
         raise DataError(
@@ -57,7 +57,7 @@ def pair_masks(spec: DatasetSpec, items: list[Item], problems: list[str]) -> lis
         )
     out = []
     for item in items:
-        mask = masks.get(_stem(Path(item.path)))
+        mask = masks.get(media_stem(Path(item.path)))
         if mask is None:
             problems.append(f"{item.path}: no mask in {folder}; it trains with weight 1 everywhere.")
         out.append(dataclasses.replace(item, mask_path=str(mask) if mask else None))
@@ -86,7 +86,7 @@ def _crop_grey(img: Image.Image, crop: Crop) -> np.ndarray:
 
 
 def _alpha(path: str) -> Image.Image:
-    img = ImageOps.exif_transpose(_open_image(path))
+    img = ImageOps.exif_transpose(open_image(path))
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         return img.convert("RGBA").getchannel("A")
     return Image.new("L", img.size, 255)  # no alpha channel: everything counts
@@ -102,7 +102,7 @@ def load_job_mask(job) -> torch.Tensor:
         frames = read_video_frames(path, job.frame_indices)
         grey = [_crop_grey(Image.fromarray(f).convert("L"), job.crop) for f in frames]
         return torch.from_numpy(np.stack(grey))[None]
-    img = ImageOps.exif_transpose(_open_image(path)).convert("L")
+    img = ImageOps.exif_transpose(open_image(path)).convert("L")
     return torch.from_numpy(_crop_grey(img, job.crop))[None, None]
 
 

@@ -41,7 +41,8 @@ class VideoInfo(NamedTuple):
 # ---------------------------------------------------------------- images
 
 
-def _open_image(path: str | os.PathLike) -> Image.Image:
+def open_image(path: str | os.PathLike) -> Image.Image:
+    """The image file decoded as it is stored (a truncated file fails here), or `DataError` naming it."""
     try:
         img = Image.open(path)
         img.load()  # open() reads only the header; load() decodes, so a truncated file fails here
@@ -56,7 +57,7 @@ def _open_image(path: str | os.PathLike) -> Image.Image:
 
 def read_image(path: str | os.PathLike) -> Image.Image:
     """An RGB image, upright per EXIF, transparency composited on white."""
-    img = ImageOps.exif_transpose(_open_image(path))
+    img = ImageOps.exif_transpose(open_image(path))
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

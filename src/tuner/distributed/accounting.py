@@ -118,7 +118,7 @@ def _probe(chain: list, dtype: torch.dtype, shape: tuple, device: torch.device) 
     on a probe: a new optimizer of the innermost class with its settings, wrapped as the real one is
     (stochastic rounding keeps bf16 parameters' state in fp32), not in accelerate's wrapper."""
     from tuner.networks.full import StochasticRounding
-    from tuner.optim import schedule_free
+    from tuner.optimizers.build import schedule_free
 
     inner = chain[-1]
     accepted = inspect.signature(type(inner)).parameters

@@ -196,7 +196,7 @@ class DeepSpeedStrategy(Strategy):
         stage = config["zero_optimization"]["stage"]
         tc, mem, sc = cfg.train, cfg.memory, cfg.sample
         both = "distributed.strategy = 'deepspeed'"
-        from tuner.optim import resolve_optimizer
+        from tuner.optimizers.build import resolve_optimizer
 
         if resolve_optimizer(tc.optimizer) not in ELEMENTWISE_OPTIMIZERS:
             names = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))

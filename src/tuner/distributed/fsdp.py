@@ -80,7 +80,7 @@ class FSDPStrategy(Strategy):
         for refused, key, why in refusals:
             if refused:
                 raise ConfigError(f"key '{key}' cannot be combined with {both}: {why}.")
-        from tuner.optim import resolve_optimizer
+        from tuner.optimizers.build import resolve_optimizer
 
         cls = resolve_optimizer(cfg.train.optimizer)
         if not cls.__module__.startswith("torch.optim"):

@@ -2,7 +2,7 @@
 through them in micro-batches (`distributed.strategy = "pipeline"`).
 
 For models whose frozen weights do not fit one card even in fp8. The blocks are cut into as many
-contiguous runs as there are processes, of about equal parameter count (`tuner.distributed.stages`);
+contiguous runs as there are processes, of about equal parameter count (`tuner.archs.stages`);
 process r places only its run on its device. The embeddings before the blocks are the first stage's;
 the small output layers after them stay on every process.
 
@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tuner.archs.model import pipeline_unavailable
+from tuner.archs.stages import Carried, PipelineParts, balanced_stages
 from tuner.distributed import Strategy
-from tuner.distributed.stages import Carried, PipelineParts, balanced_stages, pipeline_unavailable
 from tuner.errors import ConfigError
 
 

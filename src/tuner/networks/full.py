@@ -3,7 +3,7 @@
 There is no adapter: `FullNetwork` is the model itself behind the interface the trainer uses for adapter
 networks (parameter groups, save, load, `len`). It saves the whole transformer in the original
 release's single-file layout (`blocks.0.self_attn.q.weight`, ..., what ComfyUI and the official code
-load), converted by the architecture's `tuner.models.layouts.CheckpointLayout` (FLUX's q, k and v are
+load), converted by the architecture's `tuner.networks.layouts.CheckpointLayout` (FLUX's q, k and v are
 joined into one `qkv` tensor, as the release has them), or in diffusers' key names with
 `format = "diffusers"`.
 
@@ -39,8 +39,8 @@ from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
 from tuner.io import save_safetensors
-from tuner.models.layouts import diffusers_state_dict, original_state_dict
 from tuner.networks.keys import NameMap, describe_source, read_safetensors
+from tuner.networks.layouts import diffusers_state_dict, original_state_dict
 
 _LOW_BITS = 1 << 16
 
@@ -200,7 +200,7 @@ class FullNetwork(nn.Module):
     ) -> dict[str, str]:
         """Continue from a saved model file (original layout or diffusers names, ComfyUI prefixes and
         scaled fp8 allowed; `name_map_inverse` converts the original layout, see
-        `tuner.models.layouts.diffusers_state_dict`); every weight must be present. Returns the file's
+        `tuner.networks.layouts.diffusers_state_dict`); every weight must be present. Returns the file's
         metadata."""
         from tuner.models.loading import normalize_state_dict
 

@@ -1,5 +1,5 @@
 """Optimizers written here because no maintained package has them: Automagic and AdamW8bitKahan.
-`tuner.optim` names them, with the ones that come from packages."""
+`tuner.optimizers.build` names them, with the ones that come from packages."""
 
 from __future__ import annotations
 

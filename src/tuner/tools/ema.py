@@ -52,7 +52,7 @@ def ema_checkpoints(
     state = {k: v.to(first[k].dtype) for k, v in ema.items()}
     newest_metadata = files[-1][2]
     record = {"beta": beta, "files": [p.name for p, _, _ in files]}
-    save_safetensors(state, out, metadata={**newest_metadata, "tuner.ema": json.dumps(record)})
+    save_safetensors(state, out, metadata={**newest_metadata, "tuner.trainers.ema": json.dumps(record)})
     return [str(p) for p, _, _ in files]
 
 

@@ -2,7 +2,7 @@
 
 An architecture is a record in `tuner.registry` plus an `ArchitectureModel` subclass (`tuner.archs.model`)
 that says what it computes (which checkpoints to load, how to encode a batch for the cache, how to call
-its model) and never touches the loop; `registry.trainer_class` combines the two. The loop reads top to
+its model) and never touches the loop; `tuner.trainers.trainer_class` combines the two. The loop reads top to
 bottom:
 
     setup      (trainers/setup.py) accelerator, seed, cached batches (checked for staleness), model,
@@ -32,14 +32,14 @@ from torch import nn
 
 from tuner.config import Config
 from tuner.errors import TrainingError
-from tuner.optim import averaged_weights
+from tuner.optimizers.build import averaged_weights
 from tuner.trainers import board
 from tuner.trainers.setup import Run, end_run, setup
 from tuner.trainers.stop import StopRequest
 
 
 class NetworkTrainer:
-    """The training loop, over a family's `ArchitectureModel` (`registry.trainer_class` combines the two:
+    """The training loop, over a family's `ArchitectureModel` (`tuner.trainers.trainer_class` combines the two:
     `class WanModel(NetworkTrainer, WanModel)`); everything it computes per architecture is the model's."""
 
     def __init__(self, cfg: Config):
@@ -89,7 +89,7 @@ class NetworkTrainer:
         if self.cfg.log.tensorboard and pos.step == 0 and pos.batch == 0:
             board.log_timesteps(run.accelerator, run.sampler, self.seq_len(x0))
         if self.cfg.timesteps.noise_offset:  # drawn after t, so runs without it draw what they always did
-            from tuner.ddpm import offset_noise
+            from tuner.diffusion.ddpm import offset_noise
 
             noise = offset_noise(noise, self.cfg.timesteps.noise_offset, gen)
         cond = self.draw_conditions(x0, cond, gen)

@@ -42,7 +42,7 @@ import torch
 from tuner.distributed.accounting import tree_bytes
 from tuner.errors import CheckpointError
 from tuner.io import write_text
-from tuner.optim import averaged_weights
+from tuner.optimizers.build import averaged_weights
 from tuner.trainers import state
 
 STATE_DIR = "state"

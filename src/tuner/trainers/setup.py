@@ -27,7 +27,7 @@ from torch import nn
 
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, TrainingError
-from tuner.optim import schedule_free
+from tuner.optimizers.build import schedule_free
 from tuner.trainers import board, report
 from tuner.trainers.metrics import MetricsFile
 
@@ -64,8 +64,8 @@ class Run:
     recent: list[float] = field(default_factory=list)  # loss of every batch so far
     skipped: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     last_step_end: float = field(default_factory=time.perf_counter)
-    ema: Any = None  # `tuner.ema.WeightEMA` with train.ema_decay
-    fused: Any = None  # `tuner.fused_backward.FusedBackward` with train.fused_backward
+    ema: Any = None  # `tuner.trainers.ema.WeightEMA` with train.ema_decay
+    fused: Any = None  # `tuner.optimizers.fused_backward.FusedBackward` with train.fused_backward
     strategy: Any = None  # `tuner.distributed.Strategy`: how processes share the work
     metrics: Any = None  # `tuner.trainers.metrics.MetricsFile`: logs/metrics.jsonl
 
@@ -199,7 +199,7 @@ def _load_model(trainer, strategy, accelerator):
 def _build_trained(trainer, model, accelerator, data) -> _Trained:
     """The adapter (LoRA / LoHa / LoKr, optionally DoRA) or, for a full fine-tune, the weights themselves;
     its optimizer and learning-rate schedule."""
-    from tuner.optim import build_optimizer, build_scheduler
+    from tuner.optimizers.build import build_optimizer, build_scheduler
 
     tc, nc = trainer.cfg.train, trainer.cfg.network
     trained = trainer.build_trained(model)
@@ -219,13 +219,13 @@ def _build_trained(trainer, model, accelerator, data) -> _Trained:
         tc.lr_scheduler, optimizer, tc.lr_warmup_steps, total_steps, num_cycles=tc.lr_num_cycles
     )
     fused = None
-    if tc.fused_backward:  # each parameter steps inside backward (tuner.fused_backward)
+    if tc.fused_backward:  # each parameter steps inside backward (tuner.optimizers.fused_backward)
         if accelerator.num_processes > 1:
             raise TrainingError(
                 "train.fused_backward runs in one process: gradients are not averaged "
                 "across processes before each parameter steps. Turn it off or use one GPU."
             )
-        from tuner.fused_backward import FusedBackward
+        from tuner.optimizers.fused_backward import FusedBackward
 
         fused = FusedBackward(optimizer, trained.parameters())
     return _Trained(trained, optimizer, scheduler, fused, total_steps, steps_per_epoch, batches_per_epoch)
@@ -243,7 +243,7 @@ def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, schedu
                 "train.lr_num_cycles": tc.lr_num_cycles}  # fmt: skip
     parts = {"network": trained, "optimizer": optimizer, "scheduler": scheduler}
     if tc.ema_decay:  # part of the state, exported beside each adapter, and in the run's identity
-        from tuner.ema import WeightEMA
+        from tuner.trainers.ema import WeightEMA
 
         parts["ema"] = WeightEMA(trained.parameters(), tc.ema_decay, tc.ema_warmup, tc.ema_on_host)
         identity["train.ema_decay"] = tc.ema_decay

@@ -2,15 +2,14 @@
 
 Every route reads its state from `request.app.state.ui` (`UIState`); nothing is global, so tests build
 as many apps as they like. Routes live in `routes_data.py` (datasets, files), `routes_runs.py` (the
-new-run form) and `routes_jobs.py` (jobs, samples, adapters).
+new-run form) and `routes_jobs.py` (jobs, samples, adapters); what they share (the state, rendering) in
+`pages.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,31 +21,12 @@ from fastapi.templating import Jinja2Templates
 from starlette.exceptions import HTTPException
 
 from tuner.errors import ConfigError, TunerError
-from tuner.ui.auth import CSRF_FIELD, Guard
+from tuner.ui.auth import Guard
+from tuner.ui.pages import UIState, when
 from tuner.ui.paths import OutsideRoots, Roots
 from tuner.ui.responses import error_response
 
 HERE = Path(__file__).parent
-
-
-@dataclass
-class UIState:
-    roots: Roots
-    runs_dir: Path
-    queue: Any  # tuner.ui.jobs.JobQueue
-    templates: Jinja2Templates
-
-
-def state(request: Request) -> UIState:
-    return request.app.state.ui
-
-
-def render(request: Request, template: str, status_code: int = 200, **context) -> Any:
-    ui = state(request)
-    csrf = {"csrf": request.state.csrf, "csrf_field": CSRF_FIELD}  # set by `Guard` for every request
-    return ui.templates.TemplateResponse(
-        request, template, {"roots": ui.roots.folders, **csrf, **context}, status_code=status_code
-    )
 
 
 def create_app(
@@ -118,8 +98,3 @@ def create_app(
     app.include_router(routes_runs.router)
     app.include_router(routes_jobs.router)
     return app
-
-
-def when(seconds: float | None) -> str:
-    """A job's time (seconds since the epoch) as the page shows it."""
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds)) if seconds else ""

@@ -49,7 +49,7 @@ class JobCheck:
 
 def refuse_code_references(cfg: Config) -> None:
     """`ConfigError` for a config that names code to import (a dotted optimizer path)."""
-    from tuner.optim import optimizer_choices
+    from tuner.optimizers.build import optimizer_choices
 
     name = cfg.train.optimizer
     if name.lower() not in {c.lower() for c in optimizer_choices()}:

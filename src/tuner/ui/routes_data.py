@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from tuner.errors import DataError
 from tuner.registry import ARCHITECTURES
 from tuner.ui import folders, toml_text
-from tuner.ui.app import render, state
+from tuner.ui.pages import render, state
 from tuner.ui.responses import file_headers
 
 router = APIRouter()

@@ -16,8 +16,8 @@ from pydantic import BaseModel
 
 from tuner.errors import ConfigError
 from tuner.registry import SAVE_LAYOUTS
-from tuner.ui.app import render, state
 from tuner.ui.jobs import Job, UnknownJob
+from tuner.ui.pages import render, state
 
 router = APIRouter()
 ACTIONS = ("start", "stop", "resume", "delete")

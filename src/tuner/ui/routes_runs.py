@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from tuner.errors import ConfigError, TunerError
 from tuner.registry import ARCHITECTURES
 from tuner.ui import components, form
-from tuner.ui.app import render, state
+from tuner.ui.pages import render, state
 from tuner.ui.paths import OutsideRoots
 from tuner.ui.responses import attachment, one_line
 from tuner.ui.routes_data import Frames, Side, dataset_text_for

@@ -17,8 +17,8 @@ The fused `qkv` / `linear1` layers are FLUX.1's, so adapters export exactly as F
 from __future__ import annotations
 
 from tuner.archs.flux.keys import FUSED_LAYERS, NORM_RULES, TRANSFORMER_RULES
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 # FLUX.1 modules Chroma does not have: the per-block modulations and the embedders of time, pooled
 # CLIP text and guidance (the approximator replaces them all).

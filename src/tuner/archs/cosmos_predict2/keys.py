@@ -14,8 +14,8 @@ Nothing is fused and no tensor changes its leaf name: the layout is one table of
 
 from __future__ import annotations
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 # (diffusers module, release module); `{i}` is a block index
 TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (

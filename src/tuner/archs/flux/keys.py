@@ -16,7 +16,7 @@ The transformer tables are data, read in both directions. `FLUX_KEYS` is the ada
 (`tuner.networks.architectures.ArchitectureKeys`): one-to-one renames plus the fused layers, whose
 adapters the exporter fuses exactly (see `tuner.networks.fused`). `FLUX_LAYOUT` adds the tensors only a
 whole checkpoint has (norm scales, the final modulation) and converts whole state dicts both ways (see
-`tuner.models.layouts`): loading BFL's single file, saving a full fine-tune in it. The VAE is the LDM autoencoder layout
+`tuner.networks.layouts`): loading BFL's single file, saving a full fine-tune in it. The VAE is the LDM autoencoder layout
 (`ae.safetensors`), mapped by index arithmetic: the original decoder lists its levels bottom-up.
 """
 
@@ -27,9 +27,9 @@ from collections.abc import Mapping
 
 import torch
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.layouts import CheckpointLayout
 
 # ---------------------------------------------------------------------------------------------------
 # Transformer

@@ -501,7 +501,7 @@ def run_block(
     model: FluxTransformer2DModel, block: torch.nn.Module, carried: tuple
 ) -> tuple[torch.Tensor, ...]:
     """One dual- or single-stream block (both take and return the text and image streams)."""
-    from tuner.distributed.stages import call_block
+    from tuner.archs.stages import call_block
 
     hidden, text, temb, cos, sin = carried
     text, hidden = call_block(model, block, hidden, text, temb, (cos, sin))

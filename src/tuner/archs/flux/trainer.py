@@ -59,7 +59,7 @@ class FluxModel(FluxVAEImageModel):
         return ()
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.distributed.stages import PipelineParts
+        from tuner.archs.stages import PipelineParts
 
         def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
             g = self.cfg.model.guidance

@@ -13,7 +13,7 @@ from diffusers' as follows, the same for dev and klein:
 * the final modulation `final_layer.adaLN_modulation.1` emits (shift, scale) where diffusers'
   `norm_out.linear` emits (scale, shift): the two row halves are swapped, as in FLUX.1.
 
-`FLUX2_LAYOUT` is the adapter name map and the whole-checkpoint converter (see `tuner.models.layouts`).
+`FLUX2_LAYOUT` is the adapter name map and the whole-checkpoint converter (see `tuner.networks.layouts`).
 The VAE is FLUX.1's LDM autoencoder layout (`tuner.archs.flux.keys`) plus the quant convolutions, which
 the original keeps inside the encoder and decoder, and the latent BatchNorm statistics (`bn.*`, alike).
 """
@@ -27,9 +27,9 @@ import torch
 from tuner.archs.flux.keys import vae_key_to_original as _ldm_vae_key_to_original
 from tuner.archs.flux.keys import vae_to_diffusers as _ldm_vae_to_diffusers
 from tuner.archs.flux.keys import vae_to_original as _ldm_vae_to_original
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.layouts import CheckpointLayout
 
 # ---------------------------------------------------------------------------------------------------
 # Transformer

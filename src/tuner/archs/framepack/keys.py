@@ -18,8 +18,8 @@ FramePack file, which the loader reads as well as the release's diffusers-named 
 from __future__ import annotations
 
 from tuner.archs.hunyuan_video.keys import FINAL_MODULATION, FUSED_LAYERS, TRANSFORMER_RULES
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 # FramePack's own modules keep their names in both layouts
 FRAMEPACK_MODULES = (

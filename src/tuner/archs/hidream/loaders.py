@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
-from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     as_file_list,
     load_diffusers_folder,
@@ -59,6 +58,7 @@ from tuner.models.loading import (
     resolve_folder,
 )
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 if TYPE_CHECKING:
     from diffusers import HiDreamImageTransformer2DModel

@@ -22,9 +22,9 @@ transformers' names (see `tuner.archs.hunyuan_video.loaders`). `HUNYUAN_VIDEO_KE
 
 from __future__ import annotations
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.layouts import CheckpointLayout
 
 _REFINER = "context_embedder.token_refiner.refiner_blocks.{i}"
 _ORIGINAL_REFINER = "txt_in.individual_token_refiner.blocks.{i}"

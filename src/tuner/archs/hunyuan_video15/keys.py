@@ -12,9 +12,9 @@ blocks and no guidance embedder. The final modulation's two row halves are swapp
 
 from __future__ import annotations
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.layouts import CheckpointLayout
 
 _BLOCK = "transformer_blocks.{i}"
 _ORIGINAL_BLOCK = "double_blocks.{i}"

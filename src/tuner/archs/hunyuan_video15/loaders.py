@@ -366,7 +366,7 @@ def _load_qwen(path: str | Path, dtype: torch.dtype) -> tuple[Qwen2_5_VLTextMode
     if folder is not None:  # a whole Qwen2.5-VL folder
         encoder = qwen_image_text.load_text_encoder(folder, sibling(folder, "tokenizer") or folder, dtype)
         return encoder.model.language_model, sibling(folder, "tokenizer")
-    return qwen_image_text._load_single_file(Path(path), dtype).language_model.eval(), None
+    return qwen_image_text.load_single_file(Path(path), dtype).language_model.eval(), None
 
 
 def _load_byt5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:

@@ -60,7 +60,6 @@ from tuner.archs.qwen_image.text import QwenTextEncoder
 from tuner.archs.qwen_image.text import load_text_encoder as load_qwen
 from tuner.errors import CheckpointError
 from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
-from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     from_state_dict,
     load_diffusers_folder,
@@ -73,6 +72,7 @@ from tuner.models.loading import (
     sibling,
 )
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 if TYPE_CHECKING:
     from diffusers import Kandinsky5Transformer3DModel

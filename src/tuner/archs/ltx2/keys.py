@@ -12,8 +12,8 @@ are not the transformer's.
 
 from __future__ import annotations
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 ATTENTIONS = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 BLOCK_LINEARS = (

@@ -7,8 +7,8 @@ every linear layer of the blocks keeps diffusers' name. No layer is fused.
 
 from __future__ import annotations
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 BLOCK_LINEARS = (
     *(f"{attn}.{proj}" for attn in ("attn1", "attn2") for proj in ("to_q", "to_k", "to_v", "to_out.0")),

@@ -19,7 +19,7 @@ NextDiT code's state dict. Facts of that layout (diffusers' single-file converte
   whole checkpoint written in this layout holds it at its initial value (`Lumina2Layout`).
 
 `LUMINA2_KEYS` is the adapter name map (renames plus the fused `qkv`); `LUMINA2_LAYOUT` converts whole
-state dicts both ways (see `tuner.models.layouts`).
+state dicts both ways (see `tuner.networks.layouts`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.layouts import CheckpointLayout
 
 MODULATED_BLOCKS = ("noise_refiner", "layers")
 BLOCK_LISTS = ("noise_refiner", "context_refiner", "layers")

@@ -44,7 +44,6 @@ from tuner.models.identify import (
     pick_variant,
     wrong_architecture,
 )
-from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     as_file_list,
     load_diffusers_folder,
@@ -56,6 +55,7 @@ from tuner.models.loading import (
     resolve_folder,
 )
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 # diffusers is imported where a model is built: importing it costs seconds (every diffusers model class,
 # torch._dynamo), which a command that loads no model should not pay.

@@ -185,14 +185,14 @@ def load_text_encoder(
         if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
             tokenizer_path = folder.parent / "tokenizer"
     else:
-        model = _load_single_file(Path(path), dtype)
+        model = load_single_file(Path(path), dtype)
     tokenizer = load_tokenizer(
         tokenizer_path, path, "Qwen2.5-VL tokenizer (the tokenizer/ folder of Qwen-Image)"
     )
     return QwenTextEncoder(model.eval(), tokenizer, _load_image_processor(Path(tokenizer_path)))
 
 
-def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
+def load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
     from accelerate import init_empty_weights
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.layouts import CheckpointLayout
 
 # (diffusers, original) for modules renamed one to one; `{i}` is a block index.
 TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (

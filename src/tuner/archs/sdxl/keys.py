@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 # ---------------------------------------------------------------------------------------------------
 # UNet

@@ -11,7 +11,7 @@ their attention and MLPs, kohya's set), at `network.text_encoder_lr`: the text c
 ids, and `predict` runs the encoders at every step. The adapters are saved in the same file as kohya's
 `lora_te1_*` / `lora_te2_*` parts (see `tuner.archs.sdxl.keys`).
 
-The objective is DDPM's (`tuner.ddpm`): t ∈ [0, 1] from the timestep sampler (uniform by default, within
+The objective is DDPM's (`tuner.diffusion.ddpm`): t ∈ [0, 1] from the timestep sampler (uniform by default, within
 `min_timestep` / `max_timestep`) picks one of the 1000 noise levels, and the model predicts the noise or,
 with `timesteps.prediction = "v"`, the velocity.
 """

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 
 import torch
 
-from tuner.models.layouts import CheckpointLayout
 from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.layouts import CheckpointLayout
 
 # ---------------------------------------------------------------------------------------------------
 # Transformer: (diffusers name, original name); `{i}` is a block index. A rule matches a whole dotted
@@ -74,7 +74,7 @@ TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
 
 # The rule engine is the one every architecture uses (`tuner.networks.architectures`).
 WAN_KEYS = ArchitectureKeys("wan", TRANSFORMER_RULES)
-# Whole checkpoints (`tuner.models.layouts`): Wan's release only renames, so the table is all it needs.
+# Whole checkpoints (`tuner.networks.layouts`): Wan's release only renames, so the table is all it needs.
 WAN_LAYOUT = CheckpointLayout(WAN_KEYS)
 
 

@@ -518,7 +518,7 @@ def run_block(
     model: WanTransformer3DModel, block: torch.nn.Module, carried: tuple
 ) -> tuple[torch.Tensor, ...]:
     """One transformer block on the carried tensors."""
-    from tuner.distributed.stages import call_block
+    from tuner.archs.stages import call_block
 
     hidden, text, projection, cos, sin, temb = carried
     return call_block(model, block, hidden, text, projection, (cos, sin)), text, projection, cos, sin, temb

@@ -79,7 +79,7 @@ class WanModel(ArchitectureModel):
                 "encoder_hidden_states": cond["context"].to(noisy.dtype)}  # fmt: skip
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.distributed.stages import PipelineParts
+        from tuner.archs.stages import PipelineParts
 
         return PipelineParts(
             prologue=lambda noisy, t, cond: wan.embed(model, self.model_inputs(noisy, t, cond)),

@@ -33,7 +33,6 @@ import torch
 
 from tuner.errors import CheckpointError
 from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
-from tuner.models.layouts import CheckpointLayout
 from tuner.models.loading import (
     as_file_list,
     from_state_dict,
@@ -46,6 +45,7 @@ from tuner.models.loading import (
 )
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.layouts import CheckpointLayout
 
 # diffusers is imported where a model is built: importing it costs seconds.
 if TYPE_CHECKING:

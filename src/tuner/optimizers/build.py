@@ -44,8 +44,7 @@ from typing import Any
 
 import torch
 
-from tuner.config.fields import did_you_mean
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, did_you_mean
 
 # name -> ("module:Class", the pip extra that installs the module, or "" when it is a dependency)
 NAMED = {

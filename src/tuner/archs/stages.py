@@ -3,6 +3,7 @@
 `ArchitectureModel.pipeline_parts` returns a `PipelineParts`: its forward as a prologue, its blocks, how one
 block is called and an epilogue, with only tensors between them (`tuner.distributed.pipeline` runs them
 on several processes). `balanced_stages` cuts the blocks into stages of about equal parameter count.
+Plain data and arithmetic: the family folders build on it, the pipeline strategy runs it.
 """
 
 from __future__ import annotations
@@ -46,23 +47,6 @@ def call_block(model: nn.Module, block: nn.Module, *args):
     if torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False):
         return model._gradient_checkpointing_func(block, *args)
     return block(*args)
-
-
-def pipeline_architectures() -> list[str]:
-    """The architectures whose model cuts its forward into `PipelineParts`."""
-    from tuner import registry
-    from tuner.archs.model import ArchitectureModel
-
-    return [name for name, record in registry.ARCHITECTURES.items()
-            if record.family_class().pipeline_parts is not ArchitectureModel.pipeline_parts]  # fmt: skip
-
-
-def pipeline_unavailable(architecture: str) -> str:
-    return (
-        f"key 'distributed.strategy': pipeline stages are not available for {architecture} (its forward has "
-        f"not been cut into stages); available for {', '.join(pipeline_architectures())}. Use strategy = "
-        '"fsdp" or "deepspeed" to split this model across processes.'
-    )
 
 
 def balanced_stages(sizes: list[int], stages: int) -> list[range]:

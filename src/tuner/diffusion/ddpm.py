@@ -1,6 +1,6 @@
 """The DDPM objective (Stable Diffusion 1.x / 2.x / SDXL): noise schedule, targets, loss weights, sampler.
 
-Where flow matching walks a straight line from data to noise (`tuner.timesteps`), a DDPM model sees
+Where flow matching walks a straight line from data to noise (`tuner.diffusion.timesteps`), a DDPM model sees
 a latent at one of N = 1000 discrete noise levels k:
 
     x_k = √ᾱ_k · x0 + √(1 − ᾱ_k) · ε,      ᾱ_k = Π_{j ≤ k} (1 − β_j),
@@ -123,8 +123,8 @@ class DDPMObjective:
         self, pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Weighted MSE to the target (see `tuner.timesteps.weighted_mse`)."""
-        from tuner.timesteps import weighted_mse
+        """Weighted MSE to the target (see `tuner.diffusion.timesteps.weighted_mse`)."""
+        from tuner.diffusion.timesteps import weighted_mse
 
         return weighted_mse(pred, self.target(x0, noise, t), self.weights(t), mask)
 
@@ -132,7 +132,7 @@ class DDPMObjective:
 def objective_from_config(kind: str, section: Any, architecture: str):
     """The training objective of an architecture whose `objective` is `kind` ("flow" or "ddpm") from the
     `[timesteps]` section; a `ConfigError` names options set for the other kind of model."""
-    from tuner.timesteps import FlowObjective
+    from tuner.diffusion.timesteps import FlowObjective
 
     ddpm_only = {"prediction": section.prediction != "auto", "zero_terminal_snr": section.zero_terminal_snr,
                  "min_snr_gamma": section.min_snr_gamma > 0, "debiased_estimation": section.debiased_estimation}  # fmt: skip
@@ -198,10 +198,10 @@ def ddpm_sample(
     combine: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Denoise `noise` (unit variance) in `steps` steps; `model_fn(x, k, cond)` gets k in 0..N as float32
-    [B]. Classifier-free guidance as in `tuner.sampling.guided`."""
+    [B]. Classifier-free guidance as in `tuner.diffusion.sampling.guided`."""
     from tqdm.auto import tqdm
 
-    from tuner.sampling import guided
+    from tuner.diffusion.sampling import guided
 
     sched = scheduler(objective, sampler)
     sched.set_timesteps(steps, device=noise.device)

@@ -41,8 +41,7 @@ from typing import Any
 
 import torch
 
-from tuner.config.fields import did_you_mean
-from tuner.errors import ConfigError
+from tuner.errors import ConfigError, did_you_mean
 from tuner.io import atomic_path
 
 MODES = ("uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift")
@@ -304,7 +303,7 @@ def weighted_mse(
 
 @dataclass(frozen=True)
 class FlowObjective:
-    """Flow matching as a training objective (the default); `tuner.ddpm.DDPMObjective` is the other.
+    """Flow matching as a training objective (the default); `tuner.diffusion.ddpm.DDPMObjective` is the other.
     Both answer `discretize`, `add_noise` and `loss`, which is all the training loop asks."""
 
     weighting: str = "none"

@@ -1,7 +1,7 @@
 """Generating latents from a flow-matching model with Euler steps and classifier-free guidance.
 
 A flow-matching model predicts the velocity v(x_t, t) = d x_t / d t of the straight path
-x_t = (1 − t)·x0 + t·ε (see `tuner.timesteps`). Sampling integrates that ODE backwards, from pure
+x_t = (1 − t)·x0 + t·ε (see `tuner.diffusion.timesteps`). Sampling integrates that ODE backwards, from pure
 noise at t = 1 to a clean latent at t = 0, on a decreasing grid of times σ_0 = 1 > σ_1 > ... > σ_N = 0:
 
     x_{i+1} = x_i + (σ_{i+1} − σ_i) · v(x_i, σ_i)
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from tuner.diffusion.timesteps import shift_timesteps
 from tuner.errors import ConfigError
-from tuner.timesteps import shift_timesteps
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 """model_fn(x, t, cond) -> velocity, with t a float32 tensor [B] in 0..1000 (t · 1000)."""
