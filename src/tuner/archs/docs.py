@@ -97,6 +97,28 @@ def record_fields() -> str:
     return "\n".join(lines)
 
 
+def model_data() -> str:
+    """What each architecture's record says of its model (the fields caching, generation and the loop read)."""
+    lines = [
+        "| `model.architecture` | spatial step | frames | video / images | control images | timesteps (auto) "
+        "| sample shift | objective | sound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in ARCHITECTURES.items():
+        frames = f"{r.frame_multiple}N+{r.frame_remainder}" if r.frame_multiple > 1 else "any"
+        frames += f", ≥ {r.min_frames}" if r.min_frames > 1 else ""
+        media = "/".join(
+            kind for kind, ok in (("video", r.supports_video), ("images", r.supports_images)) if ok
+        )
+        controls = "–".join(dict.fromkeys(map(str, r.control_images))) if r.control_images[1] else "—"
+        sound = f"{r.audio_format[0]} Hz × {r.audio_format[1]}" if r.audio_format else "—"
+        lines.append(
+            f"| `{name}` | {r.spatial_step} | {frames} | {media} | {controls} | {r.timestep_mode} | {r.sample_shift} "
+            f"| {r.objective} | {sound} |"
+        )
+    return "\n".join(lines)
+
+
 def variants_table() -> str:
     lines = ["| `model.architecture` | transformer variants | files |", "|---|---|---|"]
     for name, record in ARCHITECTURES.items():
@@ -117,6 +139,7 @@ FRAGMENTS: dict[str, tuple[str, Callable[[], str]]] = {
     "architectures": ("README.md", architecture_table),
     "examples": ("README.md", example_list),
     "auto-layouts": ("README.md", auto_layouts),
+    "model-data": ("docs/architectures.md", model_data),
     "variants": ("docs/architectures.md", variants_table),
     "adapter-layouts": ("docs/architectures.md", adapter_layouts),
 }
