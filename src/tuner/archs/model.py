@@ -154,12 +154,16 @@ class ArchitectureModel:
 
     def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
                     guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
-        """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas` (one pass over the
-        whole latent). Models that generate in parts (FramePack's sections) override it."""
+        """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas`, in one pass over
+        the whole latent or in the parts the record's `flow_sampler` cuts it into (FramePack's sections)."""
         from tuner.diffusion.sampling import euler_sample
 
-        return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
-                            combine=self.combine_guidance)  # fmt: skip
+        def denoise(noise: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
+            return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
+                                combine=self.combine_guidance)  # fmt: skip
+
+        in_parts = self.record.flow_sampler_function()
+        return denoise(noise, cond, uncond) if in_parts is None else in_parts(denoise, noise, cond, uncond)
 
     def pipeline_parts(self, model: nn.Module):
         """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
@@ -321,9 +325,15 @@ class ArchitectureModel:
 
     def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
         """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
-        resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count."""
+        resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count, unless the
+        transformer's name matches one of the record's `sample_shift_by_name` (HiDream Dev)."""
+        import re
+
         from tuner.diffusion.timesteps import RESOLUTION_SHIFTS
 
+        for pattern, shift in self.record.sample_shift_by_name:
+            if re.search(pattern, str(self.cfg.model.transformer), re.IGNORECASE):
+                return shift
         if isinstance(self.record.sample_shift, str):
             tokens = math.prod(latent_shape[1:]) // math.prod(self.record.latent_patch)
             return math.exp(RESOLUTION_SHIFTS[self.record.sample_shift].mu(tokens))

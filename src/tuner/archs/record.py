@@ -104,6 +104,13 @@ class Architecture:
     """What `timesteps.mode = "auto"` means for this model."""
     sample_shift: float | str = 3.0
     """Generation's default flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name."""
+    sample_shift_by_name: tuple[tuple[str, float], ...] = ()
+    """(regex, shift): generation's default shift instead of `sample_shift` when the regex is found in
+    `model.transformer`'s file or folder name (releases with one shape told apart by name only)."""
+    flow_sampler: str = ""
+    """`module:function` of a generation that denoises the latent in parts (FramePack's sections), called
+    as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler pass; empty:
+    one pass over the whole latent."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None
@@ -126,6 +133,10 @@ class Architecture:
     def family_model(self, cfg: Any) -> Any:
         """Its `ArchitectureModel` for `cfg` (caching, generation: no training loop)."""
         return self.family_class()(cfg)
+
+    def flow_sampler_function(self) -> Any:
+        """The `flow_sampler` function, or None for one pass."""
+        return _resolve(self.flow_sampler) if self.flow_sampler else None
 
     def checkpoint_layout(self) -> Any:
         """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the
