@@ -141,8 +141,6 @@ def _overriding_families() -> dict[str, set[str]]:
 
 # Hooks still overridden by one family, not yet turned into parts its record declares (shrink, never grow).
 _NOT_YET_PARTS = {
-    # Wan 2.2's two experts
-    "apply_memory", "timestep_sampler",
     # LTX-2's audio stream
     "encode_audio", "sound_latent_shape", "predict_streams", "decode_sound", "loss",
     # SDXL's text-encoder training and size conditioning

@@ -5,7 +5,7 @@ before the next, so inference needs no more memory than the largest of them. The
 the samples `tuner train` makes along the way (`[sample]`). LoRAs attach as forward
 patches with a strength each; any of the layouts tuner reads (comfy, kohya, diffusers) works.
 
-Two-expert models (Wan 2.2 A14B, `tuner.archs.wan.experts`) load both experts and switch at the boundary; they
+Two-expert models (Wan 2.2 A14B, `tuner.archs.parts.experts`) load both experts and switch at the boundary; they
 take two LoRA lists, `loras` for the high-noise expert (`model.transformer`) and `loras_2` for the
 low-noise one (`model.transformer_2`), as ComfyUI loads them separately.
 """

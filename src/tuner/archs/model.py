@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tuner import registry
+from tuner.archs.parts import experts
 from tuner.config import Config
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError, TrainingError
@@ -42,6 +43,14 @@ class ArchitectureModel:
     @property
     def default_targets(self) -> tuple[str, ...]:
         return self.record.default_targets
+
+    @property
+    def boundary(self) -> float | None:
+        """Two-expert models (`tuner.archs.parts.experts`): the t where denoising switches experts
+        (`model.boundary`, else the record's); None for models with one transformer."""
+        if self.record.boundary is None:
+            return None
+        return self.cfg.model.boundary or self.record.boundary
 
     # --- what an architecture implements -------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -216,7 +225,7 @@ class ArchitectureModel:
             )
         return path
 
-    # --- placing and adapting the loaded model (overridden by two-expert models: one call per expert) --
+    # --- placing and adapting the loaded model (two experts: once per expert) -------------------------
     def merge_base_adapters(self, model: nn.Module) -> None:
         """Fold `model.merge_adapters` (file, strength) into the freshly loaded base weights, in order,
         as `tuner lora merge` would into its file; fp8 storage, block swap and the trained adapter all
@@ -237,13 +246,20 @@ class ArchitectureModel:
                 network.merge_into_base()
 
     def apply_memory(self, model: nn.Module, settings, device, probe_forwards: int = 1):
-        """`tuner.memory.apply_memory_settings` on what `load_transformer` returned; returns its handle."""
+        """`tuner.memory.apply_memory_settings` on what `load_transformer` returned (on each of two
+        experts); returns its handle."""
         from tuner.memory import apply_memory_settings
 
-        return apply_memory_settings(
-            model, settings, device, block_lists=self.record.block_lists, fp8_source=self.cfg.model.transformer,
-            name_map=self.layout.inverse, probe_forwards=probe_forwards, compile=self.cfg.train.compile,
-        )  # fmt: skip
+        def apply(module: nn.Module, field: str = "transformer"):
+            return apply_memory_settings(
+                module, settings, device, block_lists=self.record.block_lists,
+                fp8_source=getattr(self.cfg.model, field), name_map=self.layout.inverse,
+                probe_forwards=probe_forwards, compile=self.cfg.train.compile,
+            )  # fmt: skip
+
+        if isinstance(model, experts.TimestepExperts):
+            return experts.apply_memory_per_expert(model, apply, settings.blocks_to_swap, device)
+        return apply(model)
 
     def export_layout(self):
         """The layout saved files are written through: the architecture's. SDXL's full fine-tunes write
@@ -251,9 +267,12 @@ class ArchitectureModel:
         return self.layout
 
     def build_trained(self, model: nn.Module):
-        """What trains (`tuner.networks.build_network` from the `[network]` section) on that model."""
+        """What trains (`tuner.networks.build_network` from the `[network]` section) on that model: one
+        adapter per expert on two experts (`model.expert = "both"`)."""
         from tuner.networks.factory import build_network
 
+        if isinstance(model, experts.TimestepExperts):
+            return experts.ExpertAdapters(*(self.build_trained(model.expert(n)) for n in experts.EXPERTS))
         cfg = self.cfg
         return build_network(
             model,
@@ -313,7 +332,8 @@ class ArchitectureModel:
         return n >= 1 and (n - self.record.frame_remainder) % self.record.frame_multiple == 0
 
     def timestep_sampler(self):
-        """The configured training-timestep sampler, with mode "auto" resolved to this model's usual one."""
+        """The configured training-timestep sampler, with mode "auto" resolved to this model's usual one
+        (and narrowed to the trained expert's range on two experts)."""
         from dataclasses import replace
 
         from tuner.diffusion.timesteps import sampler_from_config
@@ -321,7 +341,10 @@ class ArchitectureModel:
         section = self.cfg.timesteps
         if section.mode == "auto":
             section = replace(section, mode=self.record.timestep_mode)
-        return sampler_from_config(section)
+        sampler = sampler_from_config(section)
+        if self.boundary is None:
+            return sampler
+        return experts.expert_sampler(sampler, self.cfg.model.expert, self.boundary)
 
     def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
         """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
