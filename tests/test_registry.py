@@ -141,8 +141,6 @@ def _overriding_families() -> dict[str, set[str]]:
 
 # Hooks still overridden by one family, not yet turned into parts its record declares (shrink, never grow).
 _NOT_YET_PARTS = {
-    # LTX-2's audio stream
-    "encode_audio", "sound_latent_shape", "predict_streams", "decode_sound", "loss",
     # SDXL's text-encoder training and size conditioning
     "latent_conditions", "load_text_cache_encoder", "encode_text_cache", "attach_adapter_file",
     "attach_text_adapters", "export_layout",

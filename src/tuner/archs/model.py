@@ -87,24 +87,13 @@ class ArchitectureModel:
         conditioning comes from here."""
         return {}
 
-    def encode_audio(self, encoder, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Audio-video models (`audio_format` set): the latent entry's tensors for a clip's sound, float
-        [channels, samples] at `audio_format`'s rate; `encoder` is what `load_latent_encoder` returned."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
-
-    def sound_latent_shape(self, frames: int) -> tuple[int, ...]:
-        """Audio-video models: the shape (without batch) of the sound latents of a clip of `frames`
-        frames, which generation denoises beside the video's."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
-
-    def predict_streams(self, model: nn.Module, noisy: torch.Tensor, noisy_sound: torch.Tensor, t: torch.Tensor,
-                        cond: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Audio-video models: the velocities of both streams at the same t (generation)."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
-
-    def decode_sound(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
-        """Audio-video models: sound latents [1, ...] → (waveform [channels, samples] in [-1, 1], rate)."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+    def sound_stream(self):
+        """Audio-video models (`audio_format` set): the record's `sound_stream` (`tuner.archs.parts.audio`)
+        for this model."""
+        stream = self.record.sound_stream_class()
+        if stream is None:
+            raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+        return stream(self)
 
     def encode_frame_images(
         self, encoder, images: list[torch.Tensor], frames: int
@@ -299,7 +288,12 @@ class ArchitectureModel:
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
              accelerator) -> torch.Tensor:  # fmt: skip
         """The loss of one batch at timesteps `t` with `noise` (the objective's: flow matching unless the
-        architecture says otherwise): training and validation both call this."""
+        architecture says otherwise; both streams' for audio-video models): training and validation both
+        call this."""
+        if self.record.sound_stream:
+            from tuner.archs.parts.audio import two_stream_loss
+
+            return two_stream_loss(self, self.sound_stream(), model, x0, noise, t, cond, accelerator)
         noisy, t, inputs = self.noised_inputs(x0, noise, t, cond)
         with accelerator.autocast():
             # an engine that owns the model (tuner.distributed.PredictModule) runs `predict` inside itself

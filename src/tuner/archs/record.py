@@ -115,6 +115,9 @@ class Architecture:
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None
     """(Sample rate, channels) of models that also learn sound; None for the others."""
+    sound_stream: str = ""
+    """Models that also learn sound: `module:Class` of their `tuner.archs.parts.audio.SoundStream` (how sound
+    is encoded, predicted beside the video and decoded)."""
     first_frame_image: bool = False
     """Whether generation takes an optional first-frame image (`--image`; TI2V, LTX)."""
     objective: str = "flow"
@@ -137,6 +140,10 @@ class Architecture:
     def flow_sampler_function(self) -> Any:
         """The `flow_sampler` function, or None for one pass."""
         return _resolve(self.flow_sampler) if self.flow_sampler else None
+
+    def sound_stream_class(self) -> Any:
+        """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""
+        return _resolve(self.sound_stream) if self.sound_stream else None
 
     def checkpoint_layout(self) -> Any:
         """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the
