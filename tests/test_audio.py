@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from project import make_project, run, summary
+from tuner.archs.parts.audio import SoundStream
 from tuner.archs.wan.trainer import WanModel
 from tuner.cache.store import CacheStore
 from tuner.data.audio import audio_window, has_audio, log_mel, plan_audio, read_audio, read_audio_window
@@ -80,7 +81,12 @@ class _SoundModel(WanModel):
         super().__init__(cfg)
         self.record = replace(self.record, audio_format=(TONE_RATE, 2))
 
-    def encode_audio(self, encoder, waveform):
+    def sound_stream(self):
+        return _LogMelSound(self)
+
+
+class _LogMelSound(SoundStream):
+    def encode(self, encoder, waveform):
         return {"audio_latents": log_mel(waveform.float(), TONE_RATE, 1024, 160, 64)}
 
 
@@ -116,7 +122,7 @@ def test_audio_and_video_round_trip_the_cache_and_one_new_track_re_encodes_one_e
     for source in videos:
         job = jobs[source]
         assert job.audio is not None and job.audio.params()["sample_rate"] == TONE_RATE
-        expected = trainer.encode_audio(None, read_audio_window(source, job.audio))["audio_latents"]
+        expected = trainer.sound_stream().encode(None, read_audio_window(source, job.audio))["audio_latents"]
         assert torch.equal(store.get(by_source[source])["audio_latents"], expected)  # bit-exact
     images = [s for s in by_source if s.endswith(".png")]
     assert all("audio_latents" not in store.get(by_source[s]) for s in images)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from project import cfg, make_cached_project, run
 from test_ddp import launch, rank_weights
 from tuner import memory
-from tuner.archs.wan.experts import expert_file
+from tuner.archs.parts.experts import expert_file
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.offload import FakeTransfer

@@ -321,8 +321,8 @@ def test_sections_are_generated_from_the_end_with_the_later_ones_as_history():
 
 
 def test_the_default_flow_sampler_is_eulers_with_the_models_guidance():
-    """`NetworkTrainer.sample_flow` (the hook FramePack overrides) is `euler_sample` with the trainer's
-    `combine_guidance`, so every other architecture generates as before."""
+    """`ArchitectureModel.sample_flow` without a record's `flow_sampler` (FramePack's sections) is one
+    `euler_sample` with the model's `combine_guidance`, so every other architecture generates as before."""
     from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
     from tuner.diffusion.sampling import euler_sample
 

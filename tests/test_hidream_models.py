@@ -131,7 +131,7 @@ def test_prompt_encoding_matches_the_pipeline(fx, pipe):
 
 @pytest.mark.parametrize(("h", "w"), [(8, 8), (8, 6)])  # square, and non-square (padded with a mask)
 def test_predict_matches_the_pipelines_transformer_call(fx, pipe, h, w):
-    trainer = HiDreamModel.__new__(HiDreamModel)
+    trainer = HiDreamModel(None)
     noisy, t, cond = _inputs(1, h, w, batch=2)
     with torch.no_grad():
         ours = trainer.predict(pipe.transformer, noisy, t, cond)
@@ -205,7 +205,7 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     saved = load_file(tmp_path / "lora.safetensors")
     assert "transformer.double_stream_blocks.0.block.ff_i.experts.3.w2.lora_A.weight" in saved
     assert "transformer.single_stream_blocks.0.block.attn1.to_out.lora_B.weight" in saved
-    trainer = HiDreamModel.__new__(HiDreamModel)
+    trainer = HiDreamModel(None)
     noisy, t, cond = _inputs(4, 8, 8)
     with torch.no_grad():
         ours = trainer.predict(model, noisy, t, cond)
@@ -270,7 +270,7 @@ def test_shipped_configs_have_the_shapes_their_signatures_name():
 def test_generation_shift_follows_the_release_named_by_the_file():
     from types import SimpleNamespace
 
-    trainer = HiDreamModel.__new__(HiDreamModel)
+    trainer = HiDreamModel(None)
     for name, shift in (
         ("hidream_i1_dev_bf16.safetensors", 6.0),
         ("HiDream-I1-Full", 3.0),

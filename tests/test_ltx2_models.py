@@ -34,7 +34,7 @@ def pipe(fx):
 
 def _bare_trainer() -> LTX2Model:
     """The trainer's model-input code, without a config (what these tests call needs none)."""
-    return LTX2Model.__new__(LTX2Model)
+    return LTX2Model(None)
 
 
 @pytest.mark.parametrize("file", ["checkpoint_file", "transformer_file"])
@@ -111,12 +111,14 @@ def _inputs(seed: int = 0):
 
 
 def test_both_streams_match_the_pipelines_transformer_call(pipe):
-    """`forward_streams` feeds the transformer exactly as LTX2Pipeline's denoising loop does (its own
+    """`LTX2Sound.predict_streams` feeds the transformer exactly as LTX2Pipeline's denoising loop does (its own
     packing of both streams, timestep t·1000 as `timestep` and `sigma`), and unpacks both outputs."""
     noisy, audio, cond = _inputs()
     t = torch.tensor([0.7])
     with torch.no_grad():
-        video_v, audio_v = _bare_trainer().forward_streams(pipe.transformer, noisy, t, audio, t, cond)
+        video_v, audio_v = (
+            _bare_trainer().sound_stream().predict_streams(pipe.transformer, noisy, t, audio, t, cond)
+        )
         packed = pipe._pack_latents(noisy, 1, 1)
         packed_audio = pipe._pack_audio_latents(audio)
         coords = pipe.transformer.rope.prepare_video_coords(1, 2, 2, 3, noisy.device, fps=24.0)
@@ -159,7 +161,7 @@ def test_loss_covers_both_streams(pipe, tmp_path):
     assert model.audio_proj_out.weight.grad.abs().sum() > 0
     with torch.no_grad():
         xt, at = (1 - t) * x0 + t * noise, (1 - t) * audio + t * audio_noise
-        v, a = trainer.forward_streams(model, xt, t, at, t, cond)
+        v, a = trainer.sound_stream().predict_streams(model, xt, t, at, t, cond)
         expected = flow_loss(v, flow_target(x0, noise), t, "none") + flow_loss(
             a, flow_target(audio, audio_noise), t, "none"
         )
@@ -215,10 +217,10 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     t = torch.tensor([0.5])
     trainer = _bare_trainer()
     with torch.no_grad():
-        ours = trainer.forward_streams(model, noisy, t, audio, t, cond)
+        ours = trainer.sound_stream().predict_streams(model, noisy, t, audio, t, cond)
         pipe.load_lora_weights(tmp_path / "lora.safetensors", adapter_name="tuner")
         try:
-            theirs = trainer.forward_streams(pipe.transformer, noisy, t, audio, t, cond)
+            theirs = trainer.sound_stream().predict_streams(pipe.transformer, noisy, t, audio, t, cond)
         finally:
             pipe.delete_adapters("tuner")
     for a, b in zip(theirs, ours):

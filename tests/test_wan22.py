@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from project import cfg, contract_inputs, killed_at_first_save, make_cached_project, make_project, run
+from tuner.archs.parts.experts import TimestepExperts, expert_file
 from tuner.archs.wan import loaders as wan
-from tuner.archs.wan.experts import TimestepExperts, expert_file
 from tuner.archs.wan.trainer_wan22 import Wan22T2VModel, WanExpertsModel
 from tuner.cli import main
 from tuner.errors import CheckpointError, ConfigError

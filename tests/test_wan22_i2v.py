@@ -108,7 +108,7 @@ def test_both_experts_resume_exactly_after_the_switch(project, tmp_path, monkeyp
 def test_generate_from_a_first_frame_with_each_experts_lora(project, tmp_path, capsys):
     config, _ = project
     c = cfg(config, f"save.output_dir='{tmp_path}'", *QUIET, *BOTH, "train.max_steps=2")
-    Wan22I2VModel(c).train(log=lambda s: None)
+    trainer_class("wan22_i2v")(c).train(log=lambda s: None)
     for expert in ("high", "low"):
         with safe_open(str(tmp_path / f"demo_lora_{expert}_noise.safetensors"), "pt") as f:
             keys = list(f.keys())

@@ -5,7 +5,7 @@ before the next, so inference needs no more memory than the largest of them. The
 the samples `tuner train` makes along the way (`[sample]`). LoRAs attach as forward
 patches with a strength each; any of the layouts tuner reads (comfy, kohya, diffusers) works.
 
-Two-expert models (Wan 2.2 A14B, `tuner.archs.wan.experts`) load both experts and switch at the boundary; they
+Two-expert models (Wan 2.2 A14B, `tuner.archs.parts.experts`) load both experts and switch at the boundary; they
 take two LoRA lists, `loras` for the high-noise expert (`model.transformer`) and `loras_2` for the
 low-noise one (`model.transformer_2`), as ComfyUI loads them separately.
 """
@@ -153,7 +153,8 @@ def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dic
     def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
         return family.predict(model, x.to(dtype), t / 1000, c).float()
 
-    sound_shape = family.sound_latent_shape(opts.frames) if family.record.audio_format else None
+    stream = family.sound_stream() if family.record.sound_stream else None
+    sound_shape = stream.latent_shape(opts.frames) if stream is not None else None
     if sound_shape is not None:  # audio-video models: both streams denoised together, as one tensor
         sound = torch.randn((1, *sound_shape), generator=generator)  # drawn after the video's noise
         size = noise[0].numel()
@@ -161,7 +162,8 @@ def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dic
 
         def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:  # noqa: F811
             video, audio = x[:, :size].reshape(-1, *shape), x[:, size:].reshape(-1, *sound_shape)
-            v, a = family.predict_streams(model, video.to(dtype), audio.to(dtype), t / 1000, c)
+            t = t / 1000
+            v, a = stream.predict_streams(model, video.to(dtype), t, audio.to(dtype), t, c)
             return torch.cat([v.float().flatten(1), a.float().flatten(1)], 1)
 
     if family.record.objective == "ddpm":  # SDXL: diffusers' Euler / DPM++ 2M on the trained schedule
@@ -191,7 +193,7 @@ def decode_and_write(family, cfg, latents, out: str | Path, device) -> Path:
     audio = None
     if sound is not None:
         with torch.no_grad():
-            audio = family.decode_sound(sound, device, DTYPES[cfg.model.vae_dtype])
+            audio = family.sound_stream().decode(sound, device, DTYPES[cfg.model.vae_dtype])
         _release_memory()
     return write_media(pixels, out, family.record.model_fps, audio)
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tuner import registry
+from tuner.archs.parts import experts
 from tuner.config import Config
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError, TrainingError
@@ -42,6 +43,14 @@ class ArchitectureModel:
     @property
     def default_targets(self) -> tuple[str, ...]:
         return self.record.default_targets
+
+    @property
+    def boundary(self) -> float | None:
+        """Two-expert models (`tuner.archs.parts.experts`): the t where denoising switches experts
+        (`model.boundary`, else the record's); None for models with one transformer."""
+        if self.record.boundary is None:
+            return None
+        return self.cfg.model.boundary or self.record.boundary
 
     # --- what an architecture implements -------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -78,24 +87,13 @@ class ArchitectureModel:
         conditioning comes from here."""
         return {}
 
-    def encode_audio(self, encoder, waveform: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Audio-video models (`audio_format` set): the latent entry's tensors for a clip's sound, float
-        [channels, samples] at `audio_format`'s rate; `encoder` is what `load_latent_encoder` returned."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
-
-    def sound_latent_shape(self, frames: int) -> tuple[int, ...]:
-        """Audio-video models: the shape (without batch) of the sound latents of a clip of `frames`
-        frames, which generation denoises beside the video's."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
-
-    def predict_streams(self, model: nn.Module, noisy: torch.Tensor, noisy_sound: torch.Tensor, t: torch.Tensor,
-                        cond: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Audio-video models: the velocities of both streams at the same t (generation)."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
-
-    def decode_sound(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
-        """Audio-video models: sound latents [1, ...] → (waveform [channels, samples] in [-1, 1], rate)."""
-        raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+    def sound_stream(self):
+        """Audio-video models (`audio_format` set): the record's `sound_stream` (`tuner.archs.parts.audio`)
+        for this model."""
+        stream = self.record.sound_stream_class()
+        if stream is None:
+            raise NotImplementedError(f"{self.architecture} learns no sound (audio_format is None)")
+        return stream(self)
 
     def encode_frame_images(
         self, encoder, images: list[torch.Tensor], frames: int
@@ -154,12 +152,16 @@ class ArchitectureModel:
 
     def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
                     guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
-        """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas` (one pass over the
-        whole latent). Models that generate in parts (FramePack's sections) override it."""
+        """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas`, in one pass over
+        the whole latent or in the parts the record's `flow_sampler` cuts it into (FramePack's sections)."""
         from tuner.diffusion.sampling import euler_sample
 
-        return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
-                            combine=self.combine_guidance)  # fmt: skip
+        def denoise(noise: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
+            return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
+                                combine=self.combine_guidance)  # fmt: skip
+
+        in_parts = self.record.flow_sampler_function()
+        return denoise(noise, cond, uncond) if in_parts is None else in_parts(denoise, noise, cond, uncond)
 
     def pipeline_parts(self, model: nn.Module):
         """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
@@ -212,7 +214,7 @@ class ArchitectureModel:
             )
         return path
 
-    # --- placing and adapting the loaded model (overridden by two-expert models: one call per expert) --
+    # --- placing and adapting the loaded model (two experts: once per expert) -------------------------
     def merge_base_adapters(self, model: nn.Module) -> None:
         """Fold `model.merge_adapters` (file, strength) into the freshly loaded base weights, in order,
         as `tuner lora merge` would into its file; fp8 storage, block swap and the trained adapter all
@@ -233,13 +235,20 @@ class ArchitectureModel:
                 network.merge_into_base()
 
     def apply_memory(self, model: nn.Module, settings, device, probe_forwards: int = 1):
-        """`tuner.memory.apply_memory_settings` on what `load_transformer` returned; returns its handle."""
+        """`tuner.memory.apply_memory_settings` on what `load_transformer` returned (on each of two
+        experts); returns its handle."""
         from tuner.memory import apply_memory_settings
 
-        return apply_memory_settings(
-            model, settings, device, block_lists=self.record.block_lists, fp8_source=self.cfg.model.transformer,
-            name_map=self.layout.inverse, probe_forwards=probe_forwards, compile=self.cfg.train.compile,
-        )  # fmt: skip
+        def apply(module: nn.Module, field: str = "transformer"):
+            return apply_memory_settings(
+                module, settings, device, block_lists=self.record.block_lists,
+                fp8_source=getattr(self.cfg.model, field), name_map=self.layout.inverse,
+                probe_forwards=probe_forwards, compile=self.cfg.train.compile,
+            )  # fmt: skip
+
+        if isinstance(model, experts.TimestepExperts):
+            return experts.apply_memory_per_expert(model, apply, settings.blocks_to_swap, device)
+        return apply(model)
 
     def export_layout(self):
         """The layout saved files are written through: the architecture's. SDXL's full fine-tunes write
@@ -247,9 +256,12 @@ class ArchitectureModel:
         return self.layout
 
     def build_trained(self, model: nn.Module):
-        """What trains (`tuner.networks.build_network` from the `[network]` section) on that model."""
+        """What trains (`tuner.networks.build_network` from the `[network]` section) on that model: one
+        adapter per expert on two experts (`model.expert = "both"`)."""
         from tuner.networks.factory import build_network
 
+        if isinstance(model, experts.TimestepExperts):
+            return experts.ExpertAdapters(*(self.build_trained(model.expert(n)) for n in experts.EXPERTS))
         cfg = self.cfg
         return build_network(
             model,
@@ -276,7 +288,12 @@ class ArchitectureModel:
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
              accelerator) -> torch.Tensor:  # fmt: skip
         """The loss of one batch at timesteps `t` with `noise` (the objective's: flow matching unless the
-        architecture says otherwise): training and validation both call this."""
+        architecture says otherwise; both streams' for audio-video models): training and validation both
+        call this."""
+        if self.record.sound_stream:
+            from tuner.archs.parts.audio import two_stream_loss
+
+            return two_stream_loss(self, self.sound_stream(), model, x0, noise, t, cond, accelerator)
         noisy, t, inputs = self.noised_inputs(x0, noise, t, cond)
         with accelerator.autocast():
             # an engine that owns the model (tuner.distributed.PredictModule) runs `predict` inside itself
@@ -309,7 +326,8 @@ class ArchitectureModel:
         return n >= 1 and (n - self.record.frame_remainder) % self.record.frame_multiple == 0
 
     def timestep_sampler(self):
-        """The configured training-timestep sampler, with mode "auto" resolved to this model's usual one."""
+        """The configured training-timestep sampler, with mode "auto" resolved to this model's usual one
+        (and narrowed to the trained expert's range on two experts)."""
         from dataclasses import replace
 
         from tuner.diffusion.timesteps import sampler_from_config
@@ -317,13 +335,22 @@ class ArchitectureModel:
         section = self.cfg.timesteps
         if section.mode == "auto":
             section = replace(section, mode=self.record.timestep_mode)
-        return sampler_from_config(section)
+        sampler = sampler_from_config(section)
+        if self.boundary is None:
+            return sampler
+        return experts.expert_sampler(sampler, self.cfg.model.expert, self.boundary)
 
     def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
         """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
-        resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count."""
+        resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count, unless the
+        transformer's name matches one of the record's `sample_shift_by_name` (HiDream Dev)."""
+        import re
+
         from tuner.diffusion.timesteps import RESOLUTION_SHIFTS
 
+        for pattern, shift in self.record.sample_shift_by_name:
+            if re.search(pattern, str(self.cfg.model.transformer), re.IGNORECASE):
+                return shift
         if isinstance(self.record.sample_shift, str):
             tokens = math.prod(latent_shape[1:]) // math.prod(self.record.latent_patch)
             return math.exp(RESOLUTION_SHIFTS[self.record.sample_shift].mu(tokens))

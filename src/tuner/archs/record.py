@@ -104,10 +104,20 @@ class Architecture:
     """What `timesteps.mode = "auto"` means for this model."""
     sample_shift: float | str = 3.0
     """Generation's default flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name."""
+    sample_shift_by_name: tuple[tuple[str, float], ...] = ()
+    """(regex, shift): generation's default shift instead of `sample_shift` when the regex is found in
+    `model.transformer`'s file or folder name (releases with one shape told apart by name only)."""
+    flow_sampler: str = ""
+    """`module:function` of a generation that denoises the latent in parts (FramePack's sections), called
+    as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler pass; empty:
+    one pass over the whole latent."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None
     """(Sample rate, channels) of models that also learn sound; None for the others."""
+    sound_stream: str = ""
+    """Models that also learn sound: `module:Class` of their `tuner.archs.parts.audio.SoundStream` (how sound
+    is encoded, predicted beside the video and decoded)."""
     first_frame_image: bool = False
     """Whether generation takes an optional first-frame image (`--image`; TI2V, LTX)."""
     objective: str = "flow"
@@ -126,6 +136,14 @@ class Architecture:
     def family_model(self, cfg: Any) -> Any:
         """Its `ArchitectureModel` for `cfg` (caching, generation: no training loop)."""
         return self.family_class()(cfg)
+
+    def flow_sampler_function(self) -> Any:
+        """The `flow_sampler` function, or None for one pass."""
+        return _resolve(self.flow_sampler) if self.flow_sampler else None
+
+    def sound_stream_class(self) -> Any:
+        """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""
+        return _resolve(self.sound_stream) if self.sound_stream else None
 
     def checkpoint_layout(self) -> Any:
         """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the

@@ -235,7 +235,7 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                             tensors["loss_mask"] = to_latent_grid(mask, grid, job.mask_min_weight)
                         if audio is not None:  # the clip's sound (audio-video models)
                             with torch.no_grad():
-                                sound = model.encode_audio(vae, audio.to(dev, vae_dtype))
+                                sound = model.sound_stream().encode(vae, audio.to(dev, vae_dtype))
                             tensors |= {name: t.detach().to("cpu").contiguous() for name, t in sound.items()}
                         meta = {
                             "bucket": job.bucket_key,

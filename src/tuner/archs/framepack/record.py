@@ -49,6 +49,7 @@ FRAMEPACK = replace(
     frame_images=1,
     latent_encoders=("vae", "image_encoder"),
     sample_shift=3.0,
+    flow_sampler="tuner.archs.framepack.sections:sample_sections",
 )
 
 
@@ -75,5 +76,6 @@ RECORDS = (
         text_extra_encoders=("image_encoder",),
         control_images=(1, 1),
         text_uses_controls=True,
+        flow_sampler="",  # one section: one pass
     ),
 )

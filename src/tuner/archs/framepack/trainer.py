@@ -18,7 +18,7 @@ uses. The cache holds per clip:
 * `history` [16, 19, H, W] and `image_embeds` [tokens, 1152] (SigLIP's last hidden state).
 
 The latent key covers `model.vae` and `model.image_encoder`. `tuner generate --image` makes the video
-section by section (`sample_flow`), as the release's sampler.
+section by section (`tuner.archs.framepack.sections`), as the release's sampler.
 """
 
 from __future__ import annotations
@@ -83,27 +83,6 @@ class FramePackModel(HunyuanVideoModel):
         mask = torch.ones(1, 1, x0.shape[2], 1, 1, device=x0.device)
         mask[:, :, 0] = 0
         return mask
-
-    # ---- generation: section by section ----
-    def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
-                    guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
-        """The release's sampler (inverted anti-drifting): sections of up to 9 latent frames are generated
-        from the video's end backwards, each denoised on its own (its slice of `noise`) with the sections
-        already made after it as clean history and the pipeline's padding. Frame 0 is the image."""
-        frames = noise.shape[2] - 1
-        window = framepack.LATENT_WINDOW
-        starts = list(range(0, frames, window))
-        paddings = framepack.section_paddings(len(starts), window)
-        video = noise.new_zeros(*noise.shape[:2], frames + sum(framepack.HISTORY_SIZES), *noise.shape[3:])
-        for start, padding in zip(reversed(starts), paddings):
-            stop = min(start + window, frames)
-            history = video[:, :, stop : stop + sum(framepack.HISTORY_SIZES)]
-            part = {"history": history, "padding": padding}
-            section = torch.cat([noise[:, :, :1], noise[:, :, 1 + start : 1 + stop]], dim=2)
-            out = super().sample_flow(model_fn, section, sigmas, {**cond, **part}, {**uncond, **part},
-                                      guidance_scale, progress)  # fmt: skip
-            video[:, :, start:stop] = out[:, :, 1:].to(video)
-        return torch.cat([out[:, :, :1].to(video), video[:, :, :frames]], dim=2)
 
 
 class OneFrameEncoders(NamedTuple):

@@ -48,6 +48,8 @@ HIDREAM = Architecture(
     save_format="diffusers",
     spatial_step=16,
     latent_patch=(2, 2),
+    # Full and Fast sample at 3 (`sample_shift`'s default), Dev at 6; only the file name tells them apart
+    sample_shift_by_name=((r"i1[-_]dev", 6.0),),
 )
 
 

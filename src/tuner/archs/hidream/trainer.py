@@ -53,8 +53,3 @@ class HiDreamModel(FluxVAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hidream.predict_velocity(model, noisy, t, cond["t5"], cond["llama"], cond["pooled"])
-
-    def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
-        """HiDream's sampling shift for the configured release: 6 for Dev, 3 for Full and Fast (and for a
-        file whose name does not say)."""
-        return hidream.RELEASES.get(hidream.release_name(self.cfg.model.transformer), 3.0)

@@ -46,6 +46,7 @@ LTX2 = Architecture(
     supports_video=True,
     latent_patch=(1, 1, 1),
     audio_format=(16000, 2),
+    sound_stream="tuner.archs.ltx2.sound:LTX2Sound",
 )
 
 

@@ -1,7 +1,7 @@
 """Wan 2.2 A14B: a Wan network twice, as a high-noise and a low-noise expert (T2V and I2V).
 
 Everything but the transformers is Wan 2.1's (the 16-channel Wan 2.1 VAE, UMT5-XXL, 1×2×2 patches,
-4N+1 frames at 16 fps). `WanExpertsModel` adds two experts (`tuner.archs.wan.experts`) to the Wan trainer that
+4N+1 frames at 16 fps). `WanExpertsModel` adds two experts (`tuner.archs.parts.experts`) to the Wan trainer that
 follows it in a subclass's bases: T2V A14B is Wan 2.1 T2V 14B's network (`WanModel`); I2V A14B takes
 Wan 2.1 I2V's 36-channel input (noise, frame mask, first-frame condition latents) without its CLIP
 image layers (`WanFrameConditionedModel`: no CLIP encoder, and the cache's latent entries are keyed by
@@ -23,30 +23,22 @@ otherwise. Sampling uses the releases' default shift: 12 (T2V), 5 (I2V).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tuner.archs.model import ArchitectureModel
+from tuner.archs.parts.experts import EXPERT_FIELDS, TimestepExperts
 from tuner.archs.wan import loaders as wan
-from tuner.archs.wan.experts import ExpertAdapters, TimestepExperts, expert_range
 from tuner.archs.wan.trainer import WanModel
 from tuner.archs.wan.trainer_i2v import WanFrameConditionedModel
 from tuner.errors import CheckpointError
-
-# The config field that holds each expert, and the name its release files carry
-_FIELDS = {"high": "transformer", "low": "transformer_2"}
 
 
 class WanExpertsModel(WanModel):
     """Two experts of the network the next Wan trainer in the bases feeds (its `predict` builds the
     inputs, this class picks the expert per sample)."""
-
-    @property
-    def boundary(self) -> float:
-        return self.cfg.model.boundary or self.record.boundary
 
     # ---- loading ----
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
@@ -64,7 +56,7 @@ class WanExpertsModel(WanModel):
         )
 
     def _load_expert(self, expert: str, dtype: torch.dtype) -> nn.Module:
-        field = _FIELDS[expert]
+        field = EXPERT_FIELDS[expert]
         path = self.weights_path(field)
         _check_named_for(path, expert, field)
         return wan.load_transformer(path, dtype, self.architecture, subfolder=field)
@@ -77,7 +69,7 @@ class WanExpertsModel(WanModel):
                 f"{self.cfg.path}: model.transformer and model.transformer_2 are the same checkpoint ({high}); "
                 "give the high-noise expert as transformer and the low-noise one as transformer_2."
             )
-        variants = {f: wan.transformer_variant(getattr(m, f), f) for f in _FIELDS.values()}
+        variants = {f: wan.transformer_variant(getattr(m, f), f) for f in EXPERT_FIELDS.values()}
         if variants["transformer"] != variants["transformer_2"]:
             raise CheckpointError(
                 f"{self.cfg.path}: the experts are not a pair: model.transformer ({high}) is variant "
@@ -100,45 +92,6 @@ class WanExpertsModel(WanModel):
             out[rows] = super().predict(model.activate(name), noisy[rows], t[rows], part)
         return out
 
-    def timestep_sampler(self):
-        """The configured sampler, truncated to the trained expert's range (the whole range for both)."""
-        sampler = super().timestep_sampler()
-        if self.cfg.model.expert == "both":
-            return sampler
-        lo, hi = expert_range(self.cfg.model.expert, self.boundary)
-        return replace(
-            sampler, min_timestep=max(sampler.min_timestep, lo), max_timestep=min(sampler.max_timestep, hi)
-        )
-
-    # ---- memory and adapters, per expert ----
-    def apply_memory(self, model: nn.Module, settings, device, probe_forwards: int = 1):
-        if not isinstance(model, TimestepExperts):
-            return super().apply_memory(model, settings, device, probe_forwards)
-        from tuner.memory import apply_memory_settings
-
-        handles = {}
-        # the low-noise expert first: without block swap it is parked in host memory before the
-        # high-noise one (which runs first when sampling) comes to the device, so one expert is there
-        for name in ("low", "high"):
-            handles[name] = apply_memory_settings(
-                model.expert(name),
-                settings,
-                device,
-                block_lists=self.record.block_lists,
-                fp8_source=getattr(self.cfg.model, _FIELDS[name]),
-                name_map=self.layout.inverse,
-                probe_forwards=probe_forwards,
-                compile=self.cfg.train.compile,
-            )
-            if name == "low" and settings.blocks_to_swap == 0:
-                model.take_turns(torch.device(device))
-        return _ExpertHandles(handles)
-
-    def build_trained(self, model: nn.Module):
-        if not isinstance(model, TimestepExperts):
-            return super().build_trained(model)
-        return ExpertAdapters(*(super(WanExpertsModel, self).build_trained(model.expert(n)) for n in _FIELDS))
-
 
 class Wan22T2VModel(WanExpertsModel):
     architecture = "wan22_t2v"
@@ -148,27 +101,13 @@ class Wan22I2VModel(WanExpertsModel, WanFrameConditionedModel):
     architecture = "wan22_i2v"
 
 
-class _ExpertHandles:
-    """The memory handles of both experts, summarized as one."""
-
-    def __init__(self, handles: dict):
-        self.handles = handles
-
-    def summary(self) -> str:
-        return "; ".join(f"{name} expert: {h.summary()}" for name, h in self.handles.items())
-
-    def remove(self) -> None:
-        for handle in self.handles.values():
-            handle.remove()
-
-
 def _check_named_for(path: str, expert: str, field: str) -> None:
     """A release file named for the other expert (`..._low_noise_...` given as the high-noise one) is a
     swapped pair: their shapes are identical, so the name is all there is to go by."""
     other = "low" if expert == "high" else "high"
     name = str(path).replace("\\", "/").lower()
     if f"{other}_noise" in name and f"{expert}_noise" not in name:
-        right = _FIELDS[other]
+        right = EXPERT_FIELDS[other]
         raise CheckpointError(
             f"{path}: this is the Wan 2.2 {other}-noise expert (by its name), given as model.{field}, the "
             f"{expert}-noise expert's slot. Give it as model.{right} (model.transformer holds the high-noise "

@@ -7,7 +7,10 @@ there to the clean video (t < boundary, the detail). Only one runs for any t, so
 noise) and `transformer_2` (low noise), and so does the config (`model.transformer`,
 `model.transformer_2`).
 
-`TimestepExperts` holds both and says which one a timestep belongs to; the trainer's `predict` sends
+A record declares two experts by its `boundary`; `tuner.archs.model.ArchitectureModel` then narrows the
+timestep sampler to the trained expert (`expert_sampler`), applies memory settings to each expert
+(`apply_memory_per_expert`) and builds one adapter per expert (`ExpertAdapters`).
+`TimestepExperts` holds both and says which one a timestep belongs to; the family's `predict` sends
 each sample of a batch to its expert, so training both, sampling and generation switch at the
 boundary without the loop knowing. When experts take turns on a device, the idle one is parked in host
 memory (unless block swap already streams its blocks). `ExpertAdapters` is the pair of adapter
@@ -19,6 +22,8 @@ into: `<name>_high_noise.safetensors` and `<name>_low_noise.safetensors`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,8 @@ from torch import nn
 
 EXPERTS = ("high", "low")
 """The experts by config name: `high` is `model.transformer`, `low` is `model.transformer_2`."""
+EXPERT_FIELDS = {"high": "transformer", "low": "transformer_2"}
+"""The config field that holds each expert."""
 
 
 def expert_file(path: str | os.PathLike, expert: str) -> Path:
@@ -38,6 +45,44 @@ def expert_file(path: str | os.PathLike, expert: str) -> Path:
 def expert_range(expert: str, boundary: float) -> tuple[float, float]:
     """The timesteps [lo, hi] one expert is trained on (the high-noise expert owns t >= boundary)."""
     return (boundary, 1.0) if expert == "high" else (0.0, boundary)
+
+
+def expert_sampler(sampler, expert: str, boundary: float):
+    """The timestep sampler `sampler` truncated to the range of the trained `expert` (shape kept; the
+    configured min/max narrow it further); unchanged when both train."""
+    if expert == "both":
+        return sampler
+    lo, hi = expert_range(expert, boundary)
+    return replace(
+        sampler, min_timestep=max(sampler.min_timestep, lo), max_timestep=min(sampler.max_timestep, hi)
+    )
+
+
+def apply_memory_per_expert(experts: TimestepExperts, apply: Callable[[nn.Module, str], Any], blocks_to_swap: int,
+                            device) -> ExpertHandles:  # fmt: skip
+    """Memory settings on each expert: `apply(expert, config_field)` returns its handle. The low-noise
+    expert goes first: without block swap it is parked in host memory before the high-noise one (which
+    runs first when sampling) comes to the device, so one expert is there."""
+    handles = {}
+    for name in ("low", "high"):
+        handles[name] = apply(experts.expert(name), EXPERT_FIELDS[name])
+        if name == "low" and blocks_to_swap == 0:
+            experts.take_turns(torch.device(device))
+    return ExpertHandles(handles)
+
+
+class ExpertHandles:
+    """The memory handles of both experts, summarized as one."""
+
+    def __init__(self, handles: dict):
+        self.handles = handles
+
+    def summary(self) -> str:
+        return "; ".join(f"{name} expert: {h.summary()}" for name, h in self.handles.items())
+
+    def remove(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
 
 
 class TimestepExperts(nn.Module):
