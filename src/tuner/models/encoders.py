@@ -6,25 +6,43 @@ turn captions and images into conditioning: a pipeline's `text_encoder*/` folder
 identified by its `SingleFileSpec` (headers only), normalized (prefixes, fp8, tied-weight aliases),
 renamed to the model's keys where the release names them otherwise, and built from the variant's shipped
 config. A single file carries no tokenizer, so only the folder layout finds one (beside the encoder).
+
+CLIP text encoders (`load_clip`) are the same loader with one more step: a file holds a whole CLIP
+model's text side (a `logit_scale`, a projection a text-only model lacks, transformers 4's `text_model.`
+level), or sits in a checkpoint that bundles every component under a prefix, so its entries are picked
+and renamed (`entries`) before it is identified, and the number of positions is read from the file
+(Long-CLIP has 248).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from tuner.models.identify import SingleFileSpec, apply_aliases, identify_single_file
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    apply_aliases,
+    identify_shapes,
+    identify_single_file,
+)
 from tuner.models.loading import (
+    component_entries,
+    load_component_tensors,
     load_tensors_of,
     load_transformers_folder,
+    normalize_shapes,
     normalize_state_dict,
+    read_tensor_shapes,
     resolve_folder,
     sibling,
 )
 
 StateDict = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 
 def load_encoder(
@@ -60,6 +78,10 @@ def load_encoder_file(
     if rename is not None:
         state_dict = rename(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
+    return _from_state_dict(model_cls, config, state_dict, dtype)
+
+
+def _from_state_dict(model_cls: type, config, state_dict: StateDict, dtype: torch.dtype) -> torch.nn.Module:
     return model_cls.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype).eval()
 
 
@@ -67,3 +89,76 @@ def base_model_keys(state_dict: StateDict) -> StateDict:
     """A causal language model's tensors under its base model's keys (`model.layers.0.*` -> `layers.0.*`):
     the released files are saved from the `...ForCausalLM`, the text encoders are its base model."""
     return {k.removeprefix("model."): v for k, v in state_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLIP text encoders
+# ---------------------------------------------------------------------------------------------------
+
+# Entries of a CLIP file that no text model holds: the contrastive temperature, the position-id buffer.
+CLIP_EXTRAS = ("logit_scale", "text_model.embeddings.position_ids")
+_TEXT_MODEL = "text_model."
+_POSITIONS = "embeddings.position_embedding.weight"
+
+
+def clip_with_projection_entries(entries: dict[str, T]) -> dict[str, T]:
+    """A CLIP file's entries under `CLIPTextModelWithProjection`'s names (the file's own, the extras left
+    out)."""
+    return {k: v for k, v in entries.items() if k not in CLIP_EXTRAS}
+
+
+def clip_text_entries(entries: dict[str, T]) -> dict[str, T]:
+    """A CLIP file's entries under `CLIPTextModel`'s names: the extras and the projection left out,
+    transformers 4's `text_model.` level dropped (transformers 5's `CLIPTextModel` has none)."""
+    named = clip_with_projection_entries(entries)
+    return {k.removeprefix(_TEXT_MODEL): v for k, v in named.items() if k != "text_projection.weight"}
+
+
+def clip_keys(class_name: str, leave_out: tuple[str, ...] = ()) -> Callable[[Variant], list[str]]:
+    """A `SingleFileSpec.expected_keys`: the state-dict keys of the transformers model `class_name` (imported
+    when called: it costs seconds) of a variant's config, less `leave_out`."""
+
+    def expected_keys(variant: Variant) -> list[str]:
+        import transformers
+
+        model_cls = getattr(transformers, class_name)
+        with torch.device("meta"):
+            model = model_cls(model_cls.config_class.from_pretrained(variant.config_dir))
+        return [k for k in model.state_dict() if k not in leave_out]
+
+    return expected_keys
+
+
+def load_clip_encoder(
+    path: str | Path,
+    dtype: torch.dtype,
+    model_cls: type,
+    folders: tuple[str, str],
+    spec: SingleFileSpec,
+    entries: Callable[[StateDict], StateDict],
+    bundled: tuple[str, ...] = (),
+    complete: Callable[[StateDict], StateDict] | None = None,
+) -> tuple[torch.nn.Module, Path | None]:
+    """A CLIP text model (`CLIPTextModel` or `...WithProjection`) from a pipeline's (or its own) folder or
+    a single file, in eval mode, and the tokenizer folder beside it in a diffusers layout (else None).
+
+    A single file is the encoder alone or a checkpoint holding it under the first of `bundled` it uses;
+    its (normalized) entries are put under `model_cls`' names by `entries`, identified by `spec` in those
+    names, and `complete`d (e.g. with a projection the release leaves out) before the model is built."""
+    subfolder, tokenizer = folders
+    folder = resolve_folder(path, subfolder)
+    if folder is not None:
+        model = load_transformers_folder(model_cls, folder, dtype, "clip_text_model")
+        return model, sibling(folder, tokenizer)
+    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), bundled))
+    # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
+    meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
+    shapes = {k: tuple(v.shape) for k, v in meta.items()}
+    variant = identify_shapes(shapes, spec, path)
+    state_dict = entries(normalize_state_dict(load_component_tensors(path, bundled), dtype))
+    if complete is not None:
+        state_dict = complete(state_dict)
+    config = model_cls.config_class.from_pretrained(variant.config_dir)
+    # the file's own number of positions (Long-CLIP's 248; 77 everywhere else), not the shipped config's
+    config.max_position_embeddings = shapes.get(_POSITIONS, shapes.get(_TEXT_MODEL + _POSITIONS))[0]
+    return _from_state_dict(model_cls, config, state_dict, dtype), None
