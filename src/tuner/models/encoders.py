@@ -7,11 +7,13 @@ identified by its `SingleFileSpec` (headers only), normalized (prefixes, fp8, ti
 renamed to the model's keys where the release names them otherwise, and built from the variant's shipped
 config. A single file carries no tokenizer, so only the folder layout finds one (beside the encoder).
 
-CLIP text encoders (`load_clip`) are the same loader with one more step: a file holds a whole CLIP
-model's text side (a `logit_scale`, a projection a text-only model lacks, transformers 4's `text_model.`
-level), or sits in a checkpoint that bundles every component under a prefix, so its entries are picked
-and renamed (`entries`) before it is identified, and the number of positions is read from the file
-(Long-CLIP has 248).
+CLIP text encoders (`load_clip_encoder`) and image encoders (`load_image_encoder`: CLIP vision, SigLIP)
+are the same loader with one more step: a file holds more than the model (a CLIP model's `logit_scale`, a
+projection or pooling head the model lacks or does not need, transformers 4's `text_model.` /
+`vision_model.` level), or sits in a checkpoint that bundles every component under a prefix, so its
+entries are picked and renamed (`entries`) before it is identified. A CLIP text model's number of
+positions is read from the file (Long-CLIP has 248); an image encoder's processor config is the folder
+beside it, or the one shipped with its variant.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TypeVar
 
 import torch
 
+from tuner.errors import CheckpointError
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -36,6 +39,7 @@ from tuner.models.loading import (
     load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
+    read_folder_config,
     read_tensor_shapes,
     resolve_folder,
     sibling,
@@ -114,9 +118,12 @@ def clip_text_entries(entries: dict[str, T]) -> dict[str, T]:
     return {k.removeprefix(_TEXT_MODEL): v for k, v in named.items() if k != "text_projection.weight"}
 
 
-def clip_keys(class_name: str, leave_out: tuple[str, ...] = ()) -> Callable[[Variant], list[str]]:
+def model_keys(
+    class_name: str, leave_out: tuple[str, ...] = (), prefix: str = ""
+) -> Callable[[Variant], list[str]]:
     """A `SingleFileSpec.expected_keys`: the state-dict keys of the transformers model `class_name` (imported
-    when called: it costs seconds) of a variant's config, less `leave_out`."""
+    when called: it costs seconds) of a variant's config, less those starting with one of `leave_out`,
+    each behind `prefix`."""
 
     def expected_keys(variant: Variant) -> list[str]:
         import transformers
@@ -124,7 +131,7 @@ def clip_keys(class_name: str, leave_out: tuple[str, ...] = ()) -> Callable[[Var
         model_cls = getattr(transformers, class_name)
         with torch.device("meta"):
             model = model_cls(model_cls.config_class.from_pretrained(variant.config_dir))
-        return [k for k in model.state_dict() if k not in leave_out]
+        return [prefix + k for k in model.state_dict() if not k.startswith(leave_out)]
 
     return expected_keys
 
@@ -150,15 +157,85 @@ def load_clip_encoder(
     if folder is not None:
         model = load_transformers_folder(model_cls, folder, dtype, "clip_text_model")
         return model, sibling(folder, tokenizer)
-    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), bundled))
-    # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
-    meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
-    shapes = {k: tuple(v.shape) for k, v in meta.items()}
-    variant = identify_shapes(shapes, spec, path)
-    state_dict = entries(normalize_state_dict(load_component_tensors(path, bundled), dtype))
+    variant, shapes, state_dict = _read_file(path, dtype, spec, entries, bundled)
     if complete is not None:
         state_dict = complete(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     # the file's own number of positions (Long-CLIP's 248; 77 everywhere else), not the shipped config's
     config.max_position_embeddings = shapes.get(_POSITIONS, shapes.get(_TEXT_MODEL + _POSITIONS))[0]
     return _from_state_dict(model_cls, config, state_dict, dtype), None
+
+
+def load_image_encoder(
+    path: str | Path,
+    dtype: torch.dtype,
+    model_cls: type,
+    folders: tuple[str, str],
+    spec: SingleFileSpec,
+    entries: Callable[[StateDict], StateDict],
+    optional: tuple[str, ...] = (),
+) -> tuple[torch.nn.Module, Path]:
+    """An image encoder (`CLIPVisionModel`, `SiglipVisionModel`) from a pipeline's (or its own) folder or a
+    single file, in eval mode, and the folder of its processor config. `folders` = (the encoder's
+    pipeline subfolder, its processor's), e.g. ("image_encoder", "feature_extractor").
+
+    A file's entries are put under `spec`'s names by `entries`; those starting with one of `optional`
+    (SigLIP's pooling head, which the pipelines do not use) are left out of identification and loaded
+    as zeros when the file lacks them."""
+    subfolder, processor = folders
+    what = model_cls.__name__
+    folder = resolve_folder(path, subfolder)
+    if folder is not None:
+        model_type = model_cls.config_class.model_type
+        found = read_folder_config(folder).get("model_type")
+        if found not in (model_type, model_type.removesuffix("_vision_model")):  # the vision or whole model
+            raise CheckpointError(f"{folder}: config.json describes a {found!r} model, not a {what}.")
+        try:
+            model = model_cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: cannot be loaded as a {what}: {e}") from None
+        if (folder.parent / processor / "preprocessor_config.json").is_file():
+            return model.eval(), folder.parent / processor
+        return model.eval(), _shipped_processor(model_cls, model.config, spec, folder.parent / processor)
+    variant, _, state_dict = _read_file(path, dtype, spec, entries, optional=optional)
+    config = model_cls.config_class.from_pretrained(variant.config_dir)
+    if optional:
+        with torch.device("meta"):
+            full = model_cls(config).state_dict()
+        zeros = {k: torch.zeros(v.shape, dtype=dtype) for k, v in full.items() if k.startswith(optional)}
+        state_dict = zeros | state_dict
+    return _from_state_dict(model_cls, config, state_dict, dtype), variant.config_dir
+
+
+def _shipped_processor(model_cls: type, config, spec: SingleFileSpec, missing: Path) -> Path:
+    """The shipped variant's folder (config and processor config) of an encoder folder's sizes, for a
+    pipeline without its `missing` processor folder."""
+    sizes = ("hidden_size", "image_size", "num_hidden_layers")
+    for variant in spec.variants:
+        shipped = model_cls.config_class.from_pretrained(variant.config_dir)
+        if all(getattr(shipped, k) == getattr(config, k) for k in sizes):
+            return variant.config_dir
+    raise CheckpointError(
+        f"{missing.parent}: no {missing.name}/ folder beside the {spec.what} (width {config.hidden_size}, "
+        f"{config.image_size} px), and no shipped variant of its sizes: add the folder (its "
+        "preprocessor_config.json)."
+    )
+
+
+def _read_file(
+    path: str | Path,
+    dtype: torch.dtype,
+    spec: SingleFileSpec,
+    entries: Callable[[StateDict], StateDict],
+    bundled: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
+) -> tuple[Variant, dict[str, tuple[int, ...]], StateDict]:
+    """(variant, shapes, tensors) of an encoder's single file: its entries (under the first of `bundled`
+    it uses) normalized and put under `spec`'s names by `entries`, identified by `spec` without the
+    `optional` ones (headers only), then read."""
+    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), bundled))
+    # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
+    meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
+    shapes = {k: tuple(v.shape) for k, v in meta.items() if not k.startswith(optional)}
+    variant = identify_shapes(shapes, spec, path)
+    return variant, shapes, entries(normalize_state_dict(load_component_tensors(path, bundled), dtype))

@@ -36,7 +36,7 @@ from tuner.archs.flux.keys import (
 )
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys, load_component, vae_levels
-from tuner.models.encoders import clip_keys, clip_text_entries, load_clip_encoder, load_encoder
+from tuner.models.encoders import clip_text_entries, load_clip_encoder, load_encoder, model_keys
 from tuner.models.identify import (
     CHROMA_MARKER,
     FLUX2_MARKERS,
@@ -221,7 +221,7 @@ T5_SPEC = SingleFileSpec(
 CLIP_SPEC = SingleFileSpec(
     what="CLIP text encoder",
     variants=CLIP_VARIANTS,
-    expected_keys=clip_keys("CLIPTextModel"),
+    expected_keys=model_keys("CLIPTextModel"),
     original_markers=("embeddings.token_embedding.weight", "encoder.layers.0.self_attn.q_proj.weight"),
 )
 

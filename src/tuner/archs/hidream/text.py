@@ -32,11 +32,11 @@ from tuner.archs.flux.loaders import T5_SPEC
 from tuner.errors import CheckpointError
 from tuner.models.encoders import (
     base_model_keys,
-    clip_keys,
     clip_with_projection_entries,
     load_clip_encoder,
     load_encoder,
     load_encoder_file,
+    model_keys,
 )
 from tuner.models.identify import (
     SingleFileSpec,
@@ -72,9 +72,9 @@ CLIP_G_VARIANTS = (
 _CLIP_MARKERS = ("text_model.embeddings.token_embedding.weight", "text_projection.weight",
                  _POSITIONS)  # fmt: skip
 CLIP_L_SPEC = SingleFileSpec("HiDream CLIP-L text encoder", CLIP_L_VARIANTS,
-                             clip_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS)  # fmt: skip
+                             model_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS)  # fmt: skip
 CLIP_G_SPEC = SingleFileSpec("HiDream CLIP-G text encoder", CLIP_G_VARIANTS,
-                             clip_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS)  # fmt: skip
+                             model_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS)  # fmt: skip
 LLAMA_VARIANTS = (
     Variant("llama-3.1-8b", CONFIGS / "llama" / "llama-3.1-8b", {"model.embed_tokens.weight": (128256, 4096),
             "model.layers.31.mlp.gate_proj.weight": (14336, 4096), "model.layers.32.mlp.gate_proj.weight": None}),

@@ -40,7 +40,7 @@ from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
-from tuner.models.encoders import clip_keys, clip_with_projection_entries, load_clip_encoder
+from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, model_keys
 from tuner.models.identify import SingleFileSpec, Variant, identify_shapes
 from tuner.models.loading import (
     component_entries,
@@ -170,11 +170,11 @@ _PROJECTION = "text_projection.weight"
 CLIP_L_SPEC = SingleFileSpec(
     "CLIP-L text encoder",
     CLIP_L_VARIANTS,
-    clip_keys("CLIPTextModelWithProjection", (_PROJECTION,)),
+    model_keys("CLIPTextModelWithProjection", (_PROJECTION,)),
     _CLIP_MARKERS,
 )
 CLIP_G_SPEC = SingleFileSpec(
-    "OpenCLIP bigG text encoder", CLIP_G_VARIANTS, clip_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS
+    "OpenCLIP bigG text encoder", CLIP_G_VARIANTS, model_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS
 )
 T5_SPEC = replace(flux.T5_SPEC, variants=T5_VARIANTS)
 

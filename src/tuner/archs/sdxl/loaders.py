@@ -48,10 +48,10 @@ from tuner.archs.sdxl.keys import (
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
 from tuner.models.encoders import (
-    clip_keys,
     clip_text_entries,
     clip_with_projection_entries,
     load_clip_encoder,
+    model_keys,
 )
 from tuner.models.identify import (
     SingleFileSpec,
@@ -174,10 +174,10 @@ UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS
 VAE_SPEC = SingleFileSpec("SDXL VAE", VAE_VARIANTS, _vae_keys, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS,
                           vae_key_to_original)  # fmt: skip
 # CLIP files are identified in transformers' names (`_clip_g_entries` converts OpenCLIP's)
-CLIP_L_SPEC = SingleFileSpec("CLIP ViT-L text encoder", CLIP_L_VARIANTS, clip_keys("CLIPTextModel"),
+CLIP_L_SPEC = SingleFileSpec("CLIP ViT-L text encoder", CLIP_L_VARIANTS, model_keys("CLIPTextModel"),
                              (next(iter(CLIP_L_VARIANTS[0].signature)),))  # fmt: skip
 CLIP_G_SPEC = SingleFileSpec("OpenCLIP ViT-bigG text encoder", CLIP_G_VARIANTS,
-                             clip_keys("CLIPTextModelWithProjection"), (next(iter(CLIP_G_VARIANTS[0].signature)),))  # fmt: skip
+                             model_keys("CLIPTextModelWithProjection"), (next(iter(CLIP_G_VARIANTS[0].signature)),))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
