@@ -33,6 +33,8 @@ from tuner.models.identify import (
     identify_single_file,
 )
 from tuner.models.loading import (
+    assert_materialized,
+    cast_like_from_pretrained_,
     component_entries,
     load_component_tensors,
     load_tensors_of,
@@ -83,6 +85,35 @@ def load_encoder_file(
         state_dict = rename(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     return _from_state_dict(model_cls, config, state_dict, dtype)
+
+
+def load_encoder_file_on_meta(
+    path: str | Path,
+    dtype: torch.dtype,
+    model_cls: type,
+    spec: SingleFileSpec,
+    rename: Callable[[StateDict], StateDict],
+    what: str,
+) -> torch.nn.Module:
+    """`load_encoder_file` for models `from_pretrained` cannot be handed a state dict of (Qwen2.5-VL, Qwen3):
+    built on the meta device (rotary tables are real buffers) with SDPA attention (what `from_pretrained`
+    picks, so both layouts compute alike), given exactly the file's tensors `rename`d to its keys, and
+    cast the way `from_pretrained` casts. Not in eval mode."""
+    from accelerate import init_empty_weights
+
+    variant = identify_single_file(path, spec)
+    stored = normalize_state_dict(load_tensors_of(path), dtype)
+    config = model_cls.config_class.from_pretrained(variant.config_dir)
+    config._attn_implementation = "sdpa"
+    with init_empty_weights():
+        model = model_cls(config)
+    try:
+        model.load_state_dict(rename(stored), strict=True, assign=True)
+    except (KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: cannot be loaded as {what}: {e}") from None
+    assert_materialized(model, path)
+    cast_like_from_pretrained_(model, dtype)
+    return model
 
 
 def _from_state_dict(model_cls: type, config, state_dict: StateDict, dtype: torch.dtype) -> torch.nn.Module:
