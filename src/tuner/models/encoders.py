@@ -30,9 +30,9 @@ from tuner.models.identify import (
     Variant,
     apply_aliases,
     identify_shapes,
-    identify_single_file,
 )
 from tuner.models.loading import (
+    as_file_list,
     assert_materialized,
     cast_like_from_pretrained_,
     component_entries,
@@ -42,7 +42,7 @@ from tuner.models.loading import (
     normalize_shapes,
     normalize_state_dict,
     read_folder_config,
-    read_tensor_shapes,
+    read_shapes_of,
     resolve_folder,
     sibling,
 )
@@ -59,6 +59,7 @@ def load_encoder(
     folders: tuple[str, str],
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
+    entries: Callable[[StateDict], StateDict] = dict,
 ) -> tuple[torch.nn.Module, Path | None]:
     """A `model_cls` from a pipeline's (or its own) folder or a single file, in eval mode, and the tokenizer
     folder beside it in a diffusers layout (else None). `folders` = (the encoder's pipeline subfolder, its
@@ -67,7 +68,7 @@ def load_encoder(
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_transformers_folder(model_cls, folder, dtype, model_type), sibling(folder, tokenizer)
-    return load_encoder_file(path, dtype, model_cls, spec, rename), None
+    return load_encoder_file(path, dtype, model_cls, spec, rename, entries), None
 
 
 def load_encoder_file(
@@ -76,15 +77,15 @@ def load_encoder_file(
     model_cls: type,
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
+    entries: Callable[[StateDict], StateDict] = dict,
 ) -> torch.nn.Module:
-    """`load_encoder` for a single file (or the shards of one): identified by `spec`, its tied-weight
-    aliases resolved, `rename`d to `model_cls`' keys, built from the variant's config, in eval mode."""
-    variant = identify_single_file(files, spec)
-    state_dict = apply_aliases(normalize_state_dict(load_tensors_of(files), dtype), spec.aliases)
+    """`load_encoder` for a single file (or the shards of one): read by `read_encoder_file`, `rename`d to
+    `model_cls`' keys, built from the variant's config, in eval mode."""
+    variant, _, state_dict = read_encoder_file(files, dtype, spec, entries)
     if rename is not None:
         state_dict = rename(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
-    return _from_state_dict(model_cls, config, state_dict, dtype)
+    return encoder_from_state_dict(model_cls, config, state_dict, dtype)
 
 
 def load_encoder_file_on_meta(
@@ -101,8 +102,7 @@ def load_encoder_file_on_meta(
     cast the way `from_pretrained` casts. Not in eval mode."""
     from accelerate import init_empty_weights
 
-    variant = identify_single_file(path, spec)
-    stored = normalize_state_dict(load_tensors_of(path), dtype)
+    variant, _, stored = read_encoder_file(path, dtype, spec)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     config._attn_implementation = "sdpa"
     with init_empty_weights():
@@ -116,7 +116,10 @@ def load_encoder_file_on_meta(
     return model
 
 
-def _from_state_dict(model_cls: type, config, state_dict: StateDict, dtype: torch.dtype) -> torch.nn.Module:
+def encoder_from_state_dict(
+    model_cls: type, config, state_dict: StateDict, dtype: torch.dtype
+) -> torch.nn.Module:
+    """A transformers `model_cls` of `config` holding `state_dict` (its keys), in `dtype`, in eval mode."""
     return model_cls.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype).eval()
 
 
@@ -188,13 +191,13 @@ def load_clip_encoder(
     if folder is not None:
         model = load_transformers_folder(model_cls, folder, dtype, "clip_text_model")
         return model, sibling(folder, tokenizer)
-    variant, shapes, state_dict = _read_file(path, dtype, spec, entries, bundled)
+    variant, shapes, state_dict = read_encoder_file(path, dtype, spec, entries, bundled)
     if complete is not None:
         state_dict = complete(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     # the file's own number of positions (Long-CLIP's 248; 77 everywhere else), not the shipped config's
     config.max_position_embeddings = shapes.get(_POSITIONS, shapes.get(_TEXT_MODEL + _POSITIONS))[0]
-    return _from_state_dict(model_cls, config, state_dict, dtype), None
+    return encoder_from_state_dict(model_cls, config, state_dict, dtype), None
 
 
 def load_image_encoder(
@@ -228,14 +231,14 @@ def load_image_encoder(
         if (folder.parent / processor / "preprocessor_config.json").is_file():
             return model.eval(), folder.parent / processor
         return model.eval(), _shipped_processor(model_cls, model.config, spec, folder.parent / processor)
-    variant, _, state_dict = _read_file(path, dtype, spec, entries, optional=optional)
+    variant, _, state_dict = read_encoder_file(path, dtype, spec, entries, optional=optional)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     if optional:
         with torch.device("meta"):
             full = model_cls(config).state_dict()
         zeros = {k: torch.zeros(v.shape, dtype=dtype) for k, v in full.items() if k.startswith(optional)}
         state_dict = zeros | state_dict
-    return _from_state_dict(model_cls, config, state_dict, dtype), variant.config_dir
+    return encoder_from_state_dict(model_cls, config, state_dict, dtype), variant.config_dir
 
 
 def _shipped_processor(model_cls: type, config, spec: SingleFileSpec, missing: Path) -> Path:
@@ -253,20 +256,27 @@ def _shipped_processor(model_cls: type, config, spec: SingleFileSpec, missing: P
     )
 
 
-def _read_file(
-    path: str | Path,
+def read_encoder_file(
+    files: str | Path | Sequence[Path],
     dtype: torch.dtype,
     spec: SingleFileSpec,
-    entries: Callable[[StateDict], StateDict],
+    entries: Callable[[StateDict], StateDict] = dict,
     bundled: tuple[str, ...] = (),
     optional: tuple[str, ...] = (),
 ) -> tuple[Variant, dict[str, tuple[int, ...]], StateDict]:
-    """(variant, shapes, tensors) of an encoder's single file: its entries (under the first of `bundled`
-    it uses) normalized and put under `spec`'s names by `entries`, identified by `spec` without the
-    `optional` ones (headers only), then read."""
-    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), bundled))
+    """(variant, shapes, tensors) of an encoder's single file (or the shards of one): its entries (under
+    the first of `bundled` it uses) normalized and put under `spec`'s names by `entries`, identified by
+    `spec` without the `optional` ones (headers only), then read with `spec`'s tied-weight aliases
+    resolved."""
+    files = as_file_list(files)
+    path = files[0] if len(files) == 1 else files[0].parent
+    shapes = normalize_shapes(component_entries(read_shapes_of(files), bundled))
     # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
     meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
     shapes = {k: tuple(v.shape) for k, v in meta.items() if not k.startswith(optional)}
     variant = identify_shapes(shapes, spec, path)
-    return variant, shapes, entries(normalize_state_dict(load_component_tensors(path, bundled), dtype))
+    if len(files) == 1:
+        tensors = load_component_tensors(path, bundled)
+    else:
+        tensors = component_entries(load_tensors_of(files), bundled)
+    return variant, shapes, apply_aliases(entries(normalize_state_dict(tensors, dtype)), spec.aliases)
