@@ -25,3 +25,20 @@ def test_comfy_fp8_weights_are_dequantized_in_both_layouts(extra):
     assert set(out) == {"blocks.0.q.weight", "blocks.0.q.bias"}
     torch.testing.assert_close(out["blocks.0.q.weight"], weight * 0.5)
     assert set(normalize_shapes({k: tuple(v.shape) for k, v in stored.items()})) == set(out)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_one_component_of_a_bundling_file_is_read_alone(tmp_path, suffix):
+    from tuner.io import save_safetensors
+    from tuner.models.loading import component_entries, load_component_tensors
+
+    bundled = {"first_stage_model.conv.weight": torch.ones(2), "text.clip.embed.weight": torch.arange(3.0)}
+    path = tmp_path / f"bundle{suffix}"
+    save_safetensors(bundled, path) if suffix == ".safetensors" else torch.save(bundled, path)
+    assert component_entries(bundled, ("other.", "text.clip.")) == {
+        "embed.weight": bundled["text.clip.embed.weight"]
+    }
+    assert component_entries(bundled, ("other.",)) == bundled  # a file of that component alone
+    loaded = load_component_tensors(path, ("text.clip.",))
+    assert loaded.keys() == {"embed.weight"} and torch.equal(loaded["embed.weight"], torch.arange(3.0))
+    assert load_component_tensors(path, ()).keys() == bundled.keys()

@@ -1,6 +1,7 @@
 """LTX-2: loading (both layouts), model inputs equal to diffusers' LTX2Pipeline, both streams in the loss."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before diffusers / transformers read it
 
@@ -261,3 +262,10 @@ def test_another_audio_vae_in_the_pipeline_folder_re_encodes_the_latents(fx, tmp
     weights = next((folder / "audio_vae").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)  # another audio VAE
     assert summary(run(capsys, "cache", "latents", "--config", config)[1])[0] == 6
+
+
+def test_the_audio_vae_is_found_beside_the_given_vae_folder(fx):
+    """The trainer hands `model.vae` to both VAE loaders: given the `vae/` folder, `audio_vae/` beside it."""
+    beside = ltx2.load_audio_vae(Path(fx["diffusers"]) / "vae", torch.float32).state_dict()
+    root = ltx2.load_audio_vae(fx["diffusers"], torch.float32).state_dict()
+    assert beside.keys() == root.keys() and all(torch.equal(beside[k], root[k]) for k in root)

@@ -152,7 +152,7 @@ def test_the_releases_shapes_name_their_variant(variant):
 
 def test_clip_vit_h_config_matches_its_signature():
     variant = next(v for v in clip_vision.VARIANTS if v.name == "vit-h-14")
-    keys = clip_vision._expected_keys(variant)
+    keys = clip_vision.SPEC.expected_keys(variant)
     assert "vision_model.encoder.layers.31.layer_norm1.weight" in keys
     assert "vision_model.encoder.layers.32.layer_norm1.weight" not in keys
 

@@ -21,29 +21,24 @@ shipped for its variant (`configs/clip_vision/<variant>/preprocessor_config.json
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
-from tuner.errors import CheckpointError
-from tuner.models.identify import Variant, check_keys, pick_variant, wrong_architecture
-from tuner.models.loading import (
-    load_tensors,
-    normalize_shapes,
-    normalize_state_dict,
-    read_folder_config,
-    read_shapes_of,
-    resolve_folder,
-)
+from tuner.models import encoders
+from tuner.models.encoders import model_keys
+from tuner.models.identify import SingleFileSpec, Variant
 
 # transformers is imported where a model is built: importing it costs seconds (see tuner.archs.wan.loaders)
 if TYPE_CHECKING:
-    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+    from transformers import CLIPImageProcessorPil, CLIPVisionModel
 
 CONFIGS = Path(__file__).parent / "configs" / "clip_vision"
+T = TypeVar("T")
 WHAT = "CLIP vision encoder"
 _PREFIX = "vision_model."
+_MARKER = "embeddings.patch_embedding.weight"
 # ComfyUI's files are CLIPVisionModelWithProjection's; the projection is not used by Wan
 _UNUSED = ("visual_projection.weight",)
 
@@ -86,63 +81,20 @@ class ImageEncoder:
         return out.hidden_states[-2]
 
 
-def _expected_keys(variant: Variant) -> list[str]:
-    from transformers import CLIPVisionConfig, CLIPVisionModel
-
-    with torch.device("meta"):
-        model = CLIPVisionModel(CLIPVisionConfig.from_pretrained(variant.config_dir))
-    return [_PREFIX + k.removeprefix(_PREFIX) for k in model.state_dict()]
+def _without_projection(entries: dict[str, T]) -> dict[str, T]:
+    return {k: v for k, v in entries.items() if k not in _UNUSED}
 
 
-def identify(path: str | Path) -> Variant:
-    """The variant of a single CLIP vision file (headers only), after checking it holds every weight."""
-    shapes = {k: v for k, v in normalize_shapes(read_shapes_of(path)).items() if k not in _UNUSED}
-    if "vision_model.embeddings.patch_embedding.weight" not in shapes:
-        raise wrong_architecture(path, shapes, WHAT, ("vision_model.embeddings.patch_embedding.weight",))
-    variant = pick_variant(shapes, VARIANTS, path, WHAT)
-    check_keys(_expected_keys(variant), shapes, path, f"{WHAT} {variant.name}")
-    return variant
+SPEC = SingleFileSpec(WHAT, VARIANTS, model_keys("CLIPVisionModel", prefix=_PREFIX), (_PREFIX + _MARKER,))
 
 
 def load_image_encoder(path: str | Path, dtype: torch.dtype) -> ImageEncoder:
-    """Load the CLIP vision tower and its processor from a diffusers folder or a single file."""
-    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+    """Load the CLIP vision tower and its processor from a diffusers folder (`image_processor/` beside it)
+    or a single file."""
+    from transformers import CLIPImageProcessorPil, CLIPVisionModel
 
-    folder = resolve_folder(path, "image_encoder")
-    if folder is not None:
-        if read_folder_config(folder).get("model_type") not in ("clip_vision_model", "clip"):
-            raise CheckpointError(f"{folder}: config.json does not describe a CLIP vision model.")
-        try:
-            model = CLIPVisionModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: cannot be loaded as a CLIP vision model: {e}") from None
-        processor_dir = folder.parent / "image_processor"
-        if not (processor_dir / "preprocessor_config.json").is_file():
-            processor_dir = _shipped_variant_of(model.config).config_dir
-    else:
-        variant = identify(path)
-        state_dict = normalize_state_dict(load_tensors(path), dtype)
-        state_dict = {k: v for k, v in state_dict.items() if k not in _UNUSED}
-        config = CLIPVisionConfig.from_pretrained(variant.config_dir)
-        model = CLIPVisionModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-        processor_dir = variant.config_dir
-    processor = CLIPImageProcessorPil.from_pretrained(processor_dir, local_files_only=True)
-    return ImageEncoder(model.eval(), processor)
-
-
-def _shipped_variant_of(config: CLIPVisionConfig) -> Variant:
-    """The shipped variant with this config's sizes (for a folder that lacks its processor)."""
-    from transformers import CLIPVisionConfig
-
-    for variant in VARIANTS:
-        shipped = CLIPVisionConfig.from_pretrained(variant.config_dir)
-        if (shipped.hidden_size, shipped.image_size, shipped.num_hidden_layers) == (
-            config.hidden_size,
-            config.image_size,
-            config.num_hidden_layers,
-        ):
-            return variant
-    raise CheckpointError(
-        f"a CLIP vision model of width {config.hidden_size} and image size {config.image_size} without an "
-        "image_processor/ folder beside it; give the diffusers pipeline root (with image_processor/)."
+    folders = ("image_encoder", "image_processor")
+    model, processor_dir = encoders.load_image_encoder(
+        path, dtype, CLIPVisionModel, folders, SPEC, _without_projection
     )
+    return ImageEncoder(model, CLIPImageProcessorPil.from_pretrained(processor_dir, local_files_only=True))

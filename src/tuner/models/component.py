@@ -62,13 +62,14 @@ def load_component(
     subfolder: str,
     spec: SingleFileSpec,
     to_diffusers: ToDiffusers | None = None,
+    config: Callable[[Variant], Path] | None = None,
 ) -> torch.nn.Module:
     """A `class_name` from a diffusers folder (a pipeline root's `subfolder`, or the component folder) or
     a single file of a known variant in either layout, in eval mode."""
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_diffusers_folder(diffusers_class(class_name), folder, dtype, class_name)
-    return load_single_file(path, dtype, class_name, spec, to_diffusers)
+    return load_single_file(path, dtype, class_name, spec, to_diffusers, config)
 
 
 def load_single_file(
@@ -77,14 +78,17 @@ def load_single_file(
     class_name: str,
     spec: SingleFileSpec,
     to_diffusers: ToDiffusers | None = None,
+    config: Callable[[Variant], Path] | None = None,
 ) -> torch.nn.Module:
     """`load_component` for a single file: identified by `spec` (headers only), prefixes stripped and fp8
-    dequantized, converted by `to_diffusers` when it holds `spec.original_markers`."""
+    dequantized, converted by `to_diffusers` when it holds `spec.original_markers`, built from the config
+    folder `config` gives for the variant (default: the variant's own)."""
     variant = identify_single_file(path, spec)
     state_dict = normalize_state_dict(load_tensors(path), dtype)
     if to_diffusers is not None and all(k in state_dict for k in spec.original_markers):
         state_dict = to_diffusers(state_dict, variant)
-    return from_state_dict(diffusers_class(class_name), state_dict, variant.config_dir, dtype, Path(path))
+    config_dir = config(variant) if config is not None else variant.config_dir
+    return from_state_dict(diffusers_class(class_name), state_dict, config_dir, dtype, Path(path))
 
 
 def vae_levels(class_name: str, variant: Variant) -> int:

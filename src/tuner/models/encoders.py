@@ -6,25 +6,49 @@ turn captions and images into conditioning: a pipeline's `text_encoder*/` folder
 identified by its `SingleFileSpec` (headers only), normalized (prefixes, fp8, tied-weight aliases),
 renamed to the model's keys where the release names them otherwise, and built from the variant's shipped
 config. A single file carries no tokenizer, so only the folder layout finds one (beside the encoder).
+
+CLIP text encoders (`load_clip_encoder`) and image encoders (`load_image_encoder`: CLIP vision, SigLIP)
+are the same loader with one more step: a file holds more than the model (a CLIP model's `logit_scale`, a
+projection or pooling head the model lacks or does not need, transformers 4's `text_model.` /
+`vision_model.` level), or sits in a checkpoint that bundles every component under a prefix, so its
+entries are picked and renamed (`entries`) before it is identified. A CLIP text model's number of
+positions is read from the file (Long-CLIP has 248); an image encoder's processor config is the folder
+beside it, or the one shipped with its variant.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from tuner.models.identify import SingleFileSpec, apply_aliases, identify_single_file
+from tuner.errors import CheckpointError
+from tuner.models.identify import (
+    SingleFileSpec,
+    Variant,
+    apply_aliases,
+    identify_shapes,
+)
 from tuner.models.loading import (
+    as_file_list,
+    assert_materialized,
+    cast_like_from_pretrained_,
+    component_entries,
+    load_component_tensors,
     load_tensors_of,
     load_transformers_folder,
+    normalize_shapes,
     normalize_state_dict,
+    read_folder_config,
+    read_shapes_of,
     resolve_folder,
     sibling,
 )
 
 StateDict = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 
 def load_encoder(
@@ -35,6 +59,7 @@ def load_encoder(
     folders: tuple[str, str],
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
+    entries: Callable[[StateDict], StateDict] = dict,
 ) -> tuple[torch.nn.Module, Path | None]:
     """A `model_cls` from a pipeline's (or its own) folder or a single file, in eval mode, and the tokenizer
     folder beside it in a diffusers layout (else None). `folders` = (the encoder's pipeline subfolder, its
@@ -43,7 +68,7 @@ def load_encoder(
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_transformers_folder(model_cls, folder, dtype, model_type), sibling(folder, tokenizer)
-    return load_encoder_file(path, dtype, model_cls, spec, rename), None
+    return load_encoder_file(path, dtype, model_cls, spec, rename, entries), None
 
 
 def load_encoder_file(
@@ -52,14 +77,49 @@ def load_encoder_file(
     model_cls: type,
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
+    entries: Callable[[StateDict], StateDict] = dict,
 ) -> torch.nn.Module:
-    """`load_encoder` for a single file (or the shards of one): identified by `spec`, its tied-weight
-    aliases resolved, `rename`d to `model_cls`' keys, built from the variant's config, in eval mode."""
-    variant = identify_single_file(files, spec)
-    state_dict = apply_aliases(normalize_state_dict(load_tensors_of(files), dtype), spec.aliases)
+    """`load_encoder` for a single file (or the shards of one): read by `read_encoder_file`, `rename`d to
+    `model_cls`' keys, built from the variant's config, in eval mode."""
+    variant, _, state_dict = read_encoder_file(files, dtype, spec, entries)
     if rename is not None:
         state_dict = rename(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
+    return encoder_from_state_dict(model_cls, config, state_dict, dtype)
+
+
+def load_encoder_file_on_meta(
+    path: str | Path,
+    dtype: torch.dtype,
+    model_cls: type,
+    spec: SingleFileSpec,
+    rename: Callable[[StateDict], StateDict],
+    what: str,
+) -> torch.nn.Module:
+    """`load_encoder_file` for models `from_pretrained` cannot be handed a state dict of (Qwen2.5-VL, Qwen3):
+    built on the meta device (rotary tables are real buffers) with SDPA attention (what `from_pretrained`
+    picks, so both layouts compute alike), given exactly the file's tensors `rename`d to its keys, and
+    cast the way `from_pretrained` casts. Not in eval mode."""
+    from accelerate import init_empty_weights
+
+    variant, _, stored = read_encoder_file(path, dtype, spec)
+    config = model_cls.config_class.from_pretrained(variant.config_dir)
+    config._attn_implementation = "sdpa"
+    with init_empty_weights():
+        model = model_cls(config)
+    try:
+        model.load_state_dict(rename(stored), strict=True, assign=True)
+    except (KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: cannot be loaded as {what}: {e}") from None
+    assert_materialized(model, path)
+    cast_like_from_pretrained_(model, dtype)
+    return model
+
+
+def encoder_from_state_dict(
+    model_cls: type, config, state_dict: StateDict, dtype: torch.dtype
+) -> torch.nn.Module:
+    """A transformers `model_cls` of `config` holding `state_dict` (its keys), in `dtype`, in eval mode."""
     return model_cls.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype).eval()
 
 
@@ -67,3 +127,156 @@ def base_model_keys(state_dict: StateDict) -> StateDict:
     """A causal language model's tensors under its base model's keys (`model.layers.0.*` -> `layers.0.*`):
     the released files are saved from the `...ForCausalLM`, the text encoders are its base model."""
     return {k.removeprefix("model."): v for k, v in state_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLIP text encoders
+# ---------------------------------------------------------------------------------------------------
+
+# Entries of a CLIP file that no text model holds: the contrastive temperature, the position-id buffer.
+CLIP_EXTRAS = ("logit_scale", "text_model.embeddings.position_ids")
+_TEXT_MODEL = "text_model."
+_POSITIONS = "embeddings.position_embedding.weight"
+
+
+def clip_with_projection_entries(entries: dict[str, T]) -> dict[str, T]:
+    """A CLIP file's entries under `CLIPTextModelWithProjection`'s names (the file's own, the extras left
+    out)."""
+    return {k: v for k, v in entries.items() if k not in CLIP_EXTRAS}
+
+
+def clip_text_entries(entries: dict[str, T]) -> dict[str, T]:
+    """A CLIP file's entries under `CLIPTextModel`'s names: the extras and the projection left out,
+    transformers 4's `text_model.` level dropped (transformers 5's `CLIPTextModel` has none)."""
+    named = clip_with_projection_entries(entries)
+    return {k.removeprefix(_TEXT_MODEL): v for k, v in named.items() if k != "text_projection.weight"}
+
+
+def model_keys(
+    class_name: str, leave_out: tuple[str, ...] = (), prefix: str = ""
+) -> Callable[[Variant], list[str]]:
+    """A `SingleFileSpec.expected_keys`: the state-dict keys of the transformers model `class_name` (imported
+    when called: it costs seconds) of a variant's config, less those starting with one of `leave_out`,
+    each behind `prefix`."""
+
+    def expected_keys(variant: Variant) -> list[str]:
+        import transformers
+
+        model_cls = getattr(transformers, class_name)
+        with torch.device("meta"):
+            model = model_cls(model_cls.config_class.from_pretrained(variant.config_dir))
+        return [prefix + k for k in model.state_dict() if not k.startswith(leave_out)]
+
+    return expected_keys
+
+
+def load_clip_encoder(
+    path: str | Path,
+    dtype: torch.dtype,
+    model_cls: type,
+    folders: tuple[str, str],
+    spec: SingleFileSpec,
+    entries: Callable[[StateDict], StateDict],
+    bundled: tuple[str, ...] = (),
+    complete: Callable[[StateDict], StateDict] | None = None,
+) -> tuple[torch.nn.Module, Path | None]:
+    """A CLIP text model (`CLIPTextModel` or `...WithProjection`) from a pipeline's (or its own) folder or
+    a single file, in eval mode, and the tokenizer folder beside it in a diffusers layout (else None).
+
+    A single file is the encoder alone or a checkpoint holding it under the first of `bundled` it uses;
+    its (normalized) entries are put under `model_cls`' names by `entries`, identified by `spec` in those
+    names, and `complete`d (e.g. with a projection the release leaves out) before the model is built."""
+    subfolder, tokenizer = folders
+    folder = resolve_folder(path, subfolder)
+    if folder is not None:
+        model = load_transformers_folder(model_cls, folder, dtype, "clip_text_model")
+        return model, sibling(folder, tokenizer)
+    variant, shapes, state_dict = read_encoder_file(path, dtype, spec, entries, bundled)
+    if complete is not None:
+        state_dict = complete(state_dict)
+    config = model_cls.config_class.from_pretrained(variant.config_dir)
+    # the file's own number of positions (Long-CLIP's 248; 77 everywhere else), not the shipped config's
+    config.max_position_embeddings = shapes.get(_POSITIONS, shapes.get(_TEXT_MODEL + _POSITIONS))[0]
+    return encoder_from_state_dict(model_cls, config, state_dict, dtype), None
+
+
+def load_image_encoder(
+    path: str | Path,
+    dtype: torch.dtype,
+    model_cls: type,
+    folders: tuple[str, str],
+    spec: SingleFileSpec,
+    entries: Callable[[StateDict], StateDict],
+    optional: tuple[str, ...] = (),
+) -> tuple[torch.nn.Module, Path]:
+    """An image encoder (`CLIPVisionModel`, `SiglipVisionModel`) from a pipeline's (or its own) folder or a
+    single file, in eval mode, and the folder of its processor config. `folders` = (the encoder's
+    pipeline subfolder, its processor's), e.g. ("image_encoder", "feature_extractor").
+
+    A file's entries are put under `spec`'s names by `entries`; those starting with one of `optional`
+    (SigLIP's pooling head, which the pipelines do not use) are left out of identification and loaded
+    as zeros when the file lacks them."""
+    subfolder, processor = folders
+    what = model_cls.__name__
+    folder = resolve_folder(path, subfolder)
+    if folder is not None:
+        model_type = model_cls.config_class.model_type
+        found = read_folder_config(folder).get("model_type")
+        if found not in (model_type, model_type.removesuffix("_vision_model")):  # the vision or whole model
+            raise CheckpointError(f"{folder}: config.json describes a {found!r} model, not a {what}.")
+        try:
+            model = model_cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{folder}: cannot be loaded as a {what}: {e}") from None
+        if (folder.parent / processor / "preprocessor_config.json").is_file():
+            return model.eval(), folder.parent / processor
+        return model.eval(), _shipped_processor(model_cls, model.config, spec, folder.parent / processor)
+    variant, _, state_dict = read_encoder_file(path, dtype, spec, entries, optional=optional)
+    config = model_cls.config_class.from_pretrained(variant.config_dir)
+    if optional:
+        with torch.device("meta"):
+            full = model_cls(config).state_dict()
+        zeros = {k: torch.zeros(v.shape, dtype=dtype) for k, v in full.items() if k.startswith(optional)}
+        state_dict = zeros | state_dict
+    return encoder_from_state_dict(model_cls, config, state_dict, dtype), variant.config_dir
+
+
+def _shipped_processor(model_cls: type, config, spec: SingleFileSpec, missing: Path) -> Path:
+    """The shipped variant's folder (config and processor config) of an encoder folder's sizes, for a
+    pipeline without its `missing` processor folder."""
+    sizes = ("hidden_size", "image_size", "num_hidden_layers")
+    for variant in spec.variants:
+        shipped = model_cls.config_class.from_pretrained(variant.config_dir)
+        if all(getattr(shipped, k) == getattr(config, k) for k in sizes):
+            return variant.config_dir
+    raise CheckpointError(
+        f"{missing.parent}: no {missing.name}/ folder beside the {spec.what} (width {config.hidden_size}, "
+        f"{config.image_size} px), and no shipped variant of its sizes: add the folder (its "
+        "preprocessor_config.json)."
+    )
+
+
+def read_encoder_file(
+    files: str | Path | Sequence[Path],
+    dtype: torch.dtype,
+    spec: SingleFileSpec,
+    entries: Callable[[StateDict], StateDict] = dict,
+    bundled: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
+) -> tuple[Variant, dict[str, tuple[int, ...]], StateDict]:
+    """(variant, shapes, tensors) of an encoder's single file (or the shards of one): its entries (under
+    the first of `bundled` it uses) normalized and put under `spec`'s names by `entries`, identified by
+    `spec` without the `optional` ones (headers only), then read with `spec`'s tied-weight aliases
+    resolved."""
+    files = as_file_list(files)
+    path = files[0] if len(files) == 1 else files[0].parent
+    shapes = normalize_shapes(component_entries(read_shapes_of(files), bundled))
+    # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
+    meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
+    shapes = {k: tuple(v.shape) for k, v in meta.items() if not k.startswith(optional)}
+    variant = identify_shapes(shapes, spec, path)
+    if len(files) == 1:
+        tensors = load_component_tensors(path, bundled)
+    else:
+        tensors = component_entries(load_tensors_of(files), bundled)
+    return variant, shapes, apply_aliases(entries(normalize_state_dict(tensors, dtype)), spec.aliases)

@@ -8,10 +8,10 @@ Users hold weights in two layouts:
   layout, often with a `model.diffusion_model.` prefix from ComfyUI and no config at all.
 
 This module reads files (safetensors headers without the data, .pth through `torch.load(weights_only)`),
-normalizes their keys (ComfyUI prefixes, scaled-fp8 weights) and loads models through diffusers. A single
-file carries no config: `tuner.models.identify` recognises its variant from tensor shapes, and the
-variant's shipped config folder is handed to `from_single_file(..., config=<local dir>)`, never to the
-hub. Everything that can go wrong (missing file, truncated download, another architecture's checkpoint,
+normalizes their keys (ComfyUI prefixes, scaled-fp8 weights), picks one component of a file that bundles
+several (`component_entries`) and loads models through diffusers. A single file carries no config:
+`tuner.models.identify` recognises its variant from tensor shapes, and the variant's shipped config
+folder is handed to `from_single_file(..., config=<local dir>)`, never to the hub. Everything that can go wrong (missing file, truncated download, another architecture's checkpoint,
 unknown variant, missing keys) raises `CheckpointError` naming the file and what to do.
 """
 
@@ -21,7 +21,7 @@ import json
 import pickle
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
@@ -41,6 +41,7 @@ _SCALED_FP8_MARKER = "scaled_fp8"
 _SCALE_SUFFIXES = (".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
 
 _TORCH_PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+T = TypeVar("T")
 
 
 class TensorMeta(NamedTuple):
@@ -133,6 +134,31 @@ def read_shapes_of(files: str | Path | Sequence[Path]) -> dict[str, tuple[int, .
 def load_tensors_of(files: str | Path | Sequence[Path]) -> dict[str, torch.Tensor]:
     """`load_tensors` over one file or all shards of a checkpoint."""
     return {k: v for f in as_file_list(files) for k, v in load_tensors(f).items()}
+
+
+def component_entries(entries: Mapping[str, T], prefixes: Sequence[str]) -> dict[str, T]:
+    """The entries of one component: those under the first of `prefixes` the file uses, prefix dropped (a
+    file bundling several components, e.g. SDXL's `conditioner.embedders.0.transformer.*`), else all of
+    them (a file of that component alone)."""
+    for prefix in prefixes:
+        if any(k.startswith(prefix) for k in entries):
+            return {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
+    return dict(entries)
+
+
+def load_component_tensors(path: str | Path, prefixes: Sequence[str]) -> dict[str, torch.Tensor]:
+    """`component_entries` of a file's tensors, reading only the component's own from a .safetensors file
+    that bundles several."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        names = read_safetensors_header(path)
+        prefix = next((p for p in prefixes if any(k.startswith(p) for k in names)), None)
+        if prefix is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return {k[len(prefix) :]: f.get_tensor(k) for k in names if k.startswith(prefix)}
+    return component_entries(load_tensors(path), prefixes)
 
 
 def strip_known_prefixes(names: Iterable[str]) -> dict[str, str]:

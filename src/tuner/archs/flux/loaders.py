@@ -23,9 +23,8 @@ reference image of Kontext with ids (1, row, col), and the timestep in [0, 1] (t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -37,23 +36,17 @@ from tuner.archs.flux.keys import (
 )
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys, load_component, vae_levels
-from tuner.models.encoders import load_encoder
+from tuner.models.encoders import clip_text_entries, load_clip_encoder, load_encoder, model_keys
 from tuner.models.identify import (
     CHROMA_MARKER,
     FLUX2_MARKERS,
     SingleFileSpec,
     Variant,
     apply_aliases,
-    check_keys,
-    pick_variant,
-    wrong_architecture,
 )
 from tuner.models.loading import (
-    load_tensors,
     load_tokenizer,
-    load_transformers_folder,
     normalize_shapes,
-    normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
@@ -67,7 +60,6 @@ if TYPE_CHECKING:
     from transformers import CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel
 
 CONFIGS = Path(__file__).parent / "configs"
-T = TypeVar("T")
 
 # ---------------------------------------------------------------------------------------------------
 # Known variants. Signatures use original-layout names; `None` means the tensor must be absent (it pins
@@ -226,11 +218,12 @@ T5_SPEC = SingleFileSpec(
     aliases=T5_TIED_EMBEDDING,
 )
 
-# CLIP files: transformers 4 / ComfyUI keys start with `text_model.` (transformers 5 drops it); the
-# CLIP model's projection and logit scale, which a text-only CLIPTextModel lacks, are skipped.
-_CLIP_PREFIX = "text_model."
-_CLIP_EXTRAS = ("text_projection.weight", "logit_scale", "embeddings.position_ids")
-_CLIP_MARKERS = ("embeddings.token_embedding.weight", "encoder.layers.0.self_attn.q_proj.weight")
+CLIP_SPEC = SingleFileSpec(
+    what="CLIP text encoder",
+    variants=CLIP_VARIANTS,
+    expected_keys=model_keys("CLIPTextModel"),
+    original_markers=("embeddings.token_embedding.weight", "encoder.layers.0.self_attn.q_proj.weight"),
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -316,29 +309,10 @@ def load_text_encoders(
 
 def load_clip(path: str | Path, dtype: torch.dtype) -> tuple[CLIPTextModel, Path | None]:
     """The CLIP text model, and the tokenizer folder beside it in a diffusers layout (else None)."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        model = load_transformers_folder(CLIPTextModel, folder, dtype, "clip_text_model")
-        return model, sibling(folder, "tokenizer")
-    shapes = _clip_names(normalize_shapes(read_tensor_shapes(path)))
-    if not all(k in shapes for k in _CLIP_MARKERS):
-        raise wrong_architecture(path, shapes, "CLIP text encoder", _CLIP_MARKERS)
-    variant = pick_variant(shapes, CLIP_VARIANTS, path, "CLIP text encoder")
-    config = CLIPTextConfig.from_pretrained(variant.config_dir)
-    with torch.device("meta"):
-        expected = CLIPTextModel(config).state_dict()
-    check_keys(expected, shapes, path, f"CLIP text encoder {variant.name}")
-    state_dict = _clip_names(normalize_state_dict(load_tensors(path), dtype))
-    model = CLIPTextModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
-
-
-def _clip_names(tensors: Mapping[str, T]) -> dict[str, T]:
-    """A CLIP file's entries under CLIPTextModel's names: `text_model.` dropped, the extras left out."""
-    named = {k.removeprefix(_CLIP_PREFIX): v for k, v in tensors.items()}
-    return {k: v for k, v in named.items() if k not in _CLIP_EXTRAS}
+    folders = ("text_encoder", "tokenizer")
+    return load_clip_encoder(path, dtype, CLIPTextModel, folders, CLIP_SPEC, clip_text_entries)
 
 
 def load_t5(

@@ -40,22 +40,15 @@ import torch
 
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.errors import CheckpointError
+from tuner.models import encoders
 from tuner.models.component import diffusers_keys, load_component
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    check_keys,
-    pick_variant,
-    wrong_architecture,
-)
+from tuner.models.encoders import model_keys
+from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import (
-    load_tensors,
     normalize_shapes,
-    normalize_state_dict,
     read_folder_config,
     read_shapes_of,
     resolve_folder,
-    sibling,
 )
 
 if TYPE_CHECKING:
@@ -123,7 +116,12 @@ SIGLIP_VARIANTS = (
 
 _HISTORY_EMBEDDER = "clean_x_embedder."
 _SIGLIP_PREFIX = "vision_model."
-_SIGLIP_MARKER = "vision_model.embeddings.patch_embedding.weight"
+SIGLIP_SPEC = SingleFileSpec(
+    "SigLIP vision encoder",
+    SIGLIP_VARIANTS,
+    model_keys("SiglipVisionModel", prefix=_SIGLIP_PREFIX),
+    (_SIGLIP_PREFIX + "embeddings.patch_embedding.weight",),
+)
 
 
 _transformer_keys = diffusers_keys(
@@ -193,49 +191,19 @@ class ImageEncoder(NamedTuple):
 
 def load_image_encoder(path: str | Path, dtype: torch.dtype) -> ImageEncoder:
     """SigLIP from a diffusers folder (`image_encoder/`, `feature_extractor/` beside it) or a single file."""
-    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+    from transformers import SiglipImageProcessorPil, SiglipVisionModel
 
-    folder = resolve_folder(path, "image_encoder")
-    if folder is not None:
-        if read_folder_config(folder).get("model_type") not in ("siglip_vision_model", "siglip"):
-            raise CheckpointError(f"{folder}: config.json does not describe a SigLIP vision model.")
-        try:
-            model = SiglipVisionModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: cannot be loaded as a SigLIP vision model: {e}") from None
-        processor_dir = sibling(folder, "feature_extractor") or _siglip_variant_of(model.config).config_dir
-    else:
-        shapes = _siglip_names(normalize_shapes(read_shapes_of(path)))
-        if _SIGLIP_MARKER not in shapes:
-            raise wrong_architecture(path, shapes, "SigLIP vision encoder", (_SIGLIP_MARKER,))
-        variant = pick_variant(shapes, SIGLIP_VARIANTS, path, "SigLIP vision encoder")
-        config = SiglipVisionConfig.from_pretrained(variant.config_dir)
-        with torch.device("meta"):
-            expected = _siglip_names(SiglipVisionModel(config).state_dict())
-        check_keys(expected, shapes, path, f"SigLIP vision encoder {variant.name}")
-        state_dict = _siglip_names(normalize_state_dict(load_tensors(path), dtype))
-        model = SiglipVisionModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-        processor_dir = variant.config_dir
-    processor = SiglipImageProcessorPil.from_pretrained(processor_dir, local_files_only=True)
-    return ImageEncoder(model.eval(), processor)
+    folders = ("image_encoder", "feature_extractor")
+    model, processor_dir = encoders.load_image_encoder(
+        path, dtype, SiglipVisionModel, folders, SIGLIP_SPEC, _siglip_entries
+    )
+    return ImageEncoder(model, SiglipImageProcessorPil.from_pretrained(processor_dir, local_files_only=True))
 
 
-def _siglip_names(tensors: Mapping[str, T]) -> dict[str, T]:
+def _siglip_entries(tensors: dict[str, T]) -> dict[str, T]:
     """SigLIP's entries under the releases' names (`vision_model.*`, as transformers 4 saved them; 5 drops
     the prefix)."""
     return {_SIGLIP_PREFIX + k.removeprefix(_SIGLIP_PREFIX): v for k, v in tensors.items()}
-
-
-def _siglip_variant_of(config) -> Variant:
-    """The shipped variant with this config's sizes (for a folder without `feature_extractor/`)."""
-    for variant in SIGLIP_VARIANTS:
-        shipped = read_folder_config(variant.config_dir)
-        if (shipped["hidden_size"], shipped["image_size"]) == (config.hidden_size, config.image_size):
-            return variant
-    raise CheckpointError(
-        f"a SigLIP vision model of width {config.hidden_size} at {config.image_size} px with no "
-        "feature_extractor/ folder beside it: add the folder (its preprocessor_config.json)."
-    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -30,21 +30,21 @@ import torch
 # FLUX.1's loaders of transformers folders: same checks, same errors
 from tuner.archs.flux.loaders import T5_SPEC
 from tuner.errors import CheckpointError
-from tuner.models.encoders import base_model_keys, load_encoder, load_encoder_file
+from tuner.models.encoders import (
+    base_model_keys,
+    clip_with_projection_entries,
+    load_clip_encoder,
+    load_encoder,
+    load_encoder_file,
+    model_keys,
+)
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    check_keys,
-    pick_variant,
-    wrong_architecture,
 )
 from tuner.models.loading import (
-    load_tensors,
     load_tokenizer,
     load_transformers_folder,
-    normalize_shapes,
-    normalize_state_dict,
-    read_tensor_shapes,
     resolve_folder,
     sibling,
 )
@@ -68,6 +68,13 @@ CLIP_G_VARIANTS = (
     Variant("tiny", CONFIGS / "clip_g" / "tiny", {"text_model.embeddings.token_embedding.weight": (1088, 32),
             "text_model.encoder.layers.2.mlp.fc1.weight": (64, 32), "text_model.encoder.layers.3.mlp.fc1.weight": None}),
 )  # fmt: skip
+# ComfyUI's files use CLIPTextModelWithProjection's own names (`text_model.*`, `text_projection.weight`)
+_CLIP_MARKERS = ("text_model.embeddings.token_embedding.weight", "text_projection.weight",
+                 _POSITIONS)  # fmt: skip
+CLIP_L_SPEC = SingleFileSpec("HiDream CLIP-L text encoder", CLIP_L_VARIANTS,
+                             model_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS)  # fmt: skip
+CLIP_G_SPEC = SingleFileSpec("HiDream CLIP-G text encoder", CLIP_G_VARIANTS,
+                             model_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS)  # fmt: skip
 LLAMA_VARIANTS = (
     Variant("llama-3.1-8b", CONFIGS / "llama" / "llama-3.1-8b", {"model.embed_tokens.weight": (128256, 4096),
             "model.layers.31.mlp.gate_proj.weight": (14336, 4096), "model.layers.32.mlp.gate_proj.weight": None}),
@@ -139,8 +146,8 @@ def load_text_encoders(
                 f"HiDream-I1 needs its {what} text encoder: set model.{name} (a single file or a diffusers / "
                 "Hugging Face folder), or point model.text_encoder at a HiDream diffusers folder that holds it."
             )
-    clip_l, tok_l = _load_clip(found[0], "text_encoder", "tokenizer", CLIP_L_VARIANTS, dtype)
-    clip_g, tok_g = _load_clip(found[1], "text_encoder_2", "tokenizer_2", CLIP_G_VARIANTS, dtype)
+    clip_l, tok_l = _load_clip(found[0], "text_encoder", "tokenizer", CLIP_L_SPEC, dtype)
+    clip_g, tok_g = _load_clip(found[1], "text_encoder_2", "tokenizer_2", CLIP_G_SPEC, dtype)
     t5, tok_t5 = _load_t5(found[2], dtype)
     llama, tok_llama = _load_llama(found[3], dtype)
     beside = (tok_l, tok_g, tok_t5, tok_llama)
@@ -150,38 +157,14 @@ def load_text_encoders(
     return TextEncoders(clip_l, loaded[0], clip_g, loaded[1], t5, loaded[2], llama, loaded[3])
 
 
-def _load_clip(path: Path, subfolder: str, tokenizer_dir: str, variants: tuple[Variant, ...], dtype):
+def _load_clip(path: Path, subfolder: str, tokenizer_dir: str, spec: SingleFileSpec, dtype: torch.dtype):
     """A CLIP text model with projection, and the tokenizer folder beside it (None for a single file)."""
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextModelWithProjection
 
-    folder = resolve_folder(path, subfolder)
-    if folder is not None:
-        model = load_transformers_folder(CLIPTextModelWithProjection, folder, dtype, "clip_text_model")
-        return model, sibling(folder, tokenizer_dir)
-    what = f"HiDream {variants[0].name.upper()} text encoder"
-    shapes = _clip_names(normalize_shapes(read_tensor_shapes(path)))
-    markers = ("text_model.embeddings.token_embedding.weight", "text_projection.weight", _POSITIONS)
-    if not all(k in shapes for k in markers):
-        raise wrong_architecture(path, shapes, what, markers)
-    variant = pick_variant(shapes, variants, path, what)
-    config = CLIPTextConfig.from_pretrained(variant.config_dir)
-    config.max_position_embeddings = shapes[_POSITIONS][0]  # Long-CLIP's 248; read, not assumed
-    with torch.device("meta"):
-        expected = CLIPTextModelWithProjection(config).state_dict()
-    check_keys(expected, shapes, path, f"{what} {variant.name}")
-    state_dict = _clip_names(normalize_state_dict(load_tensors(path), dtype))
-    model = CLIPTextModelWithProjection.from_pretrained(
-        None, config=config, state_dict=state_dict, dtype=dtype
+    folders = (subfolder, tokenizer_dir)
+    return load_clip_encoder(
+        path, dtype, CLIPTextModelWithProjection, folders, spec, clip_with_projection_entries
     )
-    return model.eval(), None
-
-
-def _clip_names(tensors: dict) -> dict:
-    """A CLIP file's entries that CLIPTextModelWithProjection holds: ComfyUI's files use its names
-    (`text_model.*`, `text_projection.weight`); a CLIP model's `logit_scale` and the position-id buffer
-    are left out."""
-    extras = ("logit_scale", "text_model.embeddings.position_ids")
-    return {k: v for k, v in tensors.items() if k not in extras}
 
 
 def _load_t5(path: Path, dtype: torch.dtype):

@@ -32,23 +32,18 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
-from tuner.archs.flux.loaders import load_clip
+from tuner.archs.flux.loaders import CLIP_SPEC
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys, load_component
+from tuner.models.encoders import clip_text_entries, load_clip_encoder, load_encoder, model_keys
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
-    check_keys,
-    pick_variant,
-    wrong_architecture,
 )
 from tuner.models.loading import (
-    load_tensors,
     load_tokenizer,
-    load_transformers_folder,
     normalize_shapes,
-    normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
@@ -185,7 +180,12 @@ VAE_SPEC = SingleFileSpec(
 # the encoder does not use.
 _LLAMA_PREFIX = "model."
 _LLAMA_UNUSED = ("lm_head.", "vision_tower.", "multi_modal_projector.", "image_newline")
-_LLAMA_MARKERS = ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight")
+LLAMA_SPEC = SingleFileSpec(
+    "Llama text encoder",
+    LLAMA_VARIANTS,
+    model_keys("LlamaModel"),
+    original_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
+)
 
 
 def _framepack(path: str | Path) -> CheckpointError:
@@ -268,9 +268,7 @@ def load_text_encoders(
                 "a HunyuanVideo diffusers pipeline folder."
             )
     llama, found = _load_llama(llama_path, dtype)
-    clip_path = _component(clip_path, "text_encoder_2")
-    clip, _ = load_clip(clip_path, dtype)  # FLUX.1's loader; its tokenizer here is `tokenizer_2/`
-    found_2 = sibling(clip_path, "tokenizer_2") if clip_path.is_dir() else None
+    clip, found_2 = _load_clip(clip_path, dtype)
     return TextEncoders(
         llama,
         load_tokenizer(
@@ -283,30 +281,20 @@ def load_text_encoders(
     )
 
 
-def _component(path: str | Path, subfolder: str) -> Path:
-    """A pipeline root's `subfolder`, else `path` itself (a component folder or a single file)."""
-    path = Path(path)
-    return path / subfolder if (path / subfolder / "config.json").is_file() else path
+def _load_clip(path: str | Path, dtype: torch.dtype) -> tuple[CLIPTextModel, Path | None]:
+    """FLUX.1's CLIP-L, in HunyuanVideo's folders (`text_encoder_2/`, `tokenizer_2/`)."""
+    from transformers import CLIPTextModel
+
+    folders = ("text_encoder_2", "tokenizer_2")
+    return load_clip_encoder(path, dtype, CLIPTextModel, folders, CLIP_SPEC, clip_text_entries)
 
 
 def _load_llama(path: str | Path, dtype: torch.dtype) -> tuple[LlamaModel, Path | None]:
     """The Llama language model, and the tokenizer folder beside it in a diffusers layout (else None)."""
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaModel
 
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        return load_transformers_folder(LlamaModel, folder, dtype, "llama"), sibling(folder, "tokenizer")
-    shapes = _llama_names(normalize_shapes(read_tensor_shapes(path)))
-    if not all(k in shapes for k in _LLAMA_MARKERS):
-        raise wrong_architecture(path, shapes, "Llama text encoder", _LLAMA_MARKERS)
-    variant = pick_variant(shapes, LLAMA_VARIANTS, path, "LLaVA-LLaMA-3 text encoder")
-    config = LlamaConfig.from_pretrained(variant.config_dir)
-    with torch.device("meta"):
-        expected = LlamaModel(config).state_dict()
-    check_keys(expected, shapes, path, f"LLaVA-LLaMA-3 text encoder {variant.name}")
-    state_dict = _llama_names(normalize_state_dict(load_tensors(path), dtype))
-    model = LlamaModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
+    folders = ("text_encoder", "tokenizer")
+    return load_encoder(path, dtype, LlamaModel, "llama", folders, LLAMA_SPEC, entries=_llama_names)
 
 
 def _llama_names(tensors: Mapping[str, T]) -> dict[str, T]:

@@ -43,16 +43,13 @@ import torch
 from tuner.archs.flux.loaders import t5_keys
 from tuner.archs.hunyuan_video15.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
+from tuner.models.component import diffusers_keys, load_component
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     identify_shapes,
-    identify_single_file,
 )
 from tuner.models.loading import (
-    from_state_dict,
-    load_diffusers_folder,
     load_tensors,
     load_tokenizer,
     load_transformers_folder,
@@ -274,39 +271,32 @@ def load_transformer(
     path: str | Path, dtype: torch.dtype, task: str = "t2v"
 ) -> HunyuanVideo15Transformer3DModel:
     """The HunyuanVideo 1.5 transformer from a diffusers folder or a single file, in eval mode."""
-    from diffusers import HunyuanVideo15Transformer3DModel
-
     _check_task(path, task)
     folder = resolve_folder(path, "transformer")
     if folder is not None:
-        if read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel":
-            raise _other_version(folder)
-        return load_diffusers_folder(
-            HunyuanVideo15Transformer3DModel, folder, dtype, "HunyuanVideo15Transformer3DModel"
-        )
-    if any(name in _HUNYUAN_VIDEO_1_MARKERS for name in normalize_shapes(read_tensor_shapes(path))):
-        raise _other_version(path)
-    variant = identify_single_file(path, TRANSFORMER_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    if all(k in state_dict for k in _ORIGINAL_MARKERS):
-        state_dict = transformer_to_diffusers(state_dict)
-    config = transformer_config(path, variant, task)
-    return from_state_dict(HunyuanVideo15Transformer3DModel, state_dict, config, dtype, Path(path))
+        other = read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel"
+    else:
+        other = any(k in _HUNYUAN_VIDEO_1_MARKERS for k in normalize_shapes(read_tensor_shapes(path)))
+    if other:
+        raise _other_version(folder or path)
+    return load_component(
+        path,
+        dtype,
+        "HunyuanVideo15Transformer3DModel",
+        "transformer",
+        TRANSFORMER_SPEC,
+        lambda sd, _: transformer_to_diffusers(sd),
+        lambda variant: transformer_config(path, variant, task),
+    )
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLHunyuanVideo15:
     """The VAE from a diffusers folder or a single file (Tencent's or diffusers' names), in eval mode."""
-    from diffusers import AutoencoderKLHunyuanVideo15
+    return load_component(path, dtype, "AutoencoderKLHunyuanVideo15", "vae", VAE_SPEC, _vae_to_diffusers)
 
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(
-            AutoencoderKLHunyuanVideo15, folder, dtype, "AutoencoderKLHunyuanVideo15"
-        )
-    variant = identify_single_file(path, VAE_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    state_dict = {_rename(k, _VAE_TO_DIFFUSERS): v for k, v in state_dict.items()}
-    return from_state_dict(AutoencoderKLHunyuanVideo15, state_dict, variant.config_dir, dtype, Path(path))
+
+def _vae_to_diffusers(state_dict: dict[str, torch.Tensor], _: Variant) -> dict[str, torch.Tensor]:
+    return {_rename(k, _VAE_TO_DIFFUSERS): v for k, v in state_dict.items()}
 
 
 class TextEncoders(NamedTuple):

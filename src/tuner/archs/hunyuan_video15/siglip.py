@@ -14,26 +14,20 @@ A single file carries no processor config: the one shipped for its variant is us
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
-from tuner.errors import CheckpointError
-from tuner.models.identify import Variant, check_keys, pick_variant, wrong_architecture
-from tuner.models.loading import (
-    load_tensors,
-    normalize_shapes,
-    normalize_state_dict,
-    read_folder_config,
-    read_shapes_of,
-    resolve_folder,
-)
+from tuner.models import encoders
+from tuner.models.encoders import model_keys
+from tuner.models.identify import SingleFileSpec, Variant
 
 if TYPE_CHECKING:
     from transformers import SiglipVisionModel
 
 CONFIGS = Path(__file__).parent / "configs" / "siglip"
+T = TypeVar("T")
 WHAT = "SigLIP vision encoder"
 _PREFIX = "vision_model."
 _HEAD = "head."
@@ -78,57 +72,22 @@ class ImageEncoder:
         return self.model(pixel_values=pixels.to(param.device, param.dtype)).last_hidden_state
 
 
-def _names(keys) -> dict:
-    """Keys without transformers 4's / ComfyUI's `vision_model.` prefix, the unused head left out."""
-    out = {k.removeprefix(_PREFIX): v for k, v in keys.items()}
-    return {k: v for k, v in out.items() if not k.startswith(_HEAD)}
+def _vision_model_entries(entries: dict[str, T]) -> dict[str, T]:
+    """A file's entries without transformers 4's / ComfyUI's `vision_model.` prefix."""
+    return {k.removeprefix(_PREFIX): v for k, v in entries.items()}
 
 
-def _expected_keys(variant: Variant) -> list[str]:
-    from transformers import SiglipVisionConfig, SiglipVisionModel
-
-    with torch.device("meta"):
-        model = SiglipVisionModel(SiglipVisionConfig.from_pretrained(variant.config_dir))
-    return list(_names(model.state_dict()))
+# the pooling head (`head.*`) is not used: identification ignores it, a file without it loads it as zeros
+SPEC = SingleFileSpec(WHAT, VARIANTS, model_keys("SiglipVisionModel", leave_out=(_HEAD,)), (_MARKER,))
 
 
 def load_image_encoder(path: str | Path, dtype: torch.dtype) -> ImageEncoder:
-    """Load the SigLIP vision tower and its processor from a diffusers folder or a single file."""
-    from accelerate import init_empty_weights
-    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+    """Load the SigLIP vision tower and its processor from a diffusers folder (`feature_extractor/` beside
+    it) or a single file."""
+    from transformers import SiglipImageProcessorPil, SiglipVisionModel
 
-    folder = resolve_folder(path, "image_encoder")
-    if folder is not None:
-        if read_folder_config(folder).get("model_type") not in ("siglip_vision_model", "siglip"):
-            raise CheckpointError(f"{folder}: config.json does not describe a SigLIP vision model.")
-        try:
-            model = SiglipVisionModel.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{folder}: cannot be loaded as a SigLIP vision model: {e}") from None
-        processor_dir = folder.parent / "feature_extractor"
-        if not (processor_dir / "preprocessor_config.json").is_file():
-            processor_dir = VARIANTS[0].config_dir
-    else:
-        shapes = _names(normalize_shapes(read_shapes_of(path)))
-        if _MARKER not in shapes:
-            raise wrong_architecture(path, shapes, WHAT, (_PREFIX + _MARKER,))
-        variant = pick_variant(shapes, VARIANTS, path, WHAT)
-        check_keys(_expected_keys(variant), shapes, path, f"{WHAT} {variant.name}")
-        config = SiglipVisionConfig.from_pretrained(variant.config_dir)
-        with init_empty_weights():  # parameters on the meta device; buffers are real
-            model = SiglipVisionModel(config)
-        stored = {
-            k.removeprefix(_PREFIX): v for k, v in normalize_state_dict(load_tensors(path), dtype).items()
-        }
-        state_dict = {}
-        for (
-            key,
-            meta,
-        ) in model.state_dict().items():  # the pooling head is not used: zeros if the file has none
-            name = key.removeprefix(_PREFIX)
-            state_dict[key] = stored[name] if name in stored else torch.zeros(meta.shape, dtype=dtype)
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        model = model.to(dtype)
-        processor_dir = variant.config_dir
-    processor = SiglipImageProcessorPil.from_pretrained(processor_dir, local_files_only=True)
-    return ImageEncoder(model.eval(), processor)
+    folders = ("image_encoder", "feature_extractor")
+    model, processor_dir = encoders.load_image_encoder(
+        path, dtype, SiglipVisionModel, folders, SPEC, _vision_model_entries, (_HEAD,)
+    )
+    return ImageEncoder(model, SiglipImageProcessorPil.from_pretrained(processor_dir, local_files_only=True))

@@ -60,22 +60,19 @@ NORM_SCALE = 8  # the connectors' per-layer normalization scale (LTX2Pipeline's 
 
 
 def _component(path: str | Path, name: str) -> Path:
-    """`path` itself when it is the component's folder, else its `name/` sub-folder (a pipeline root)."""
+    """The component `name` of a diffusers layout: the `name/` sub-folder of a pipeline root, the `name/`
+    sibling of a given component folder (the audio VAE beside `vae/`), else the given folder itself."""
     root = Path(path)
-    if (root / "config.json").is_file():
-        return root
-    if (root / name / "config.json").is_file():
-        return root / name
-    if (root.parent / name / "config.json").is_file():  # a sibling of the given component folder
-        return root.parent / name
+    for folder in (root / name, root.parent / name, root):
+        if (folder / "config.json").is_file():
+            return folder
     raise CheckpointError(
         f"{path}: no LTX-2 {name} here (looked for {name}/config.json in a diffusers folder)."
     )
 
 
 def _from_pretrained(cls, path: str | Path, name: str, dtype: torch.dtype):
-    folder = _component(path, name)
-    return cls.from_pretrained(str(folder), torch_dtype=dtype).eval()
+    return load_diffusers_folder(cls, _component(path, name), dtype, cls.__name__)
 
 
 CONFIGS = Path(__file__).parent / "configs"

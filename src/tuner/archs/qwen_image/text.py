@@ -39,13 +39,10 @@ import torch
 from PIL import Image
 
 from tuner.errors import CheckpointError
-from tuner.models.identify import SingleFileSpec, Variant, identify_single_file
+from tuner.models.encoders import load_encoder_file_on_meta
+from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import (
-    assert_materialized,
-    cast_like_from_pretrained_,
-    load_tensors,
     load_tokenizer,
-    normalize_state_dict,
     read_folder_config,
     resolve_folder,
 )
@@ -193,27 +190,22 @@ def load_text_encoder(
 
 
 def load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
-    from accelerate import init_empty_weights
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+    from transformers import Qwen2_5_VLModel
 
-    variant = identify_single_file(path, SPEC)
-    stored = normalize_state_dict(load_tensors(path), dtype)
-    stored.pop(_LM_HEAD, None)
-    stored.pop("model." + _LM_HEAD, None)
-    config = Qwen2_5_VLConfig.from_pretrained(variant.config_dir)
-    config._attn_implementation = "sdpa"  # what from_pretrained picks, so both layouts compute alike
-    with init_empty_weights():  # parameters on the meta device; rotary tables are real buffers
-        model = Qwen2_5_VLModel(config)
+    return load_encoder_file_on_meta(path, dtype, Qwen2_5_VLModel, SPEC, _model_keys, "Qwen2.5-VL")
+
+
+def _model_keys(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors under `Qwen2_5_VLModel`'s keys (from the original layout or transformers 5's),
+    the unused LM head left out."""
+    stored = {k: v for k, v in stored.items() if k not in (_LM_HEAD, "model." + _LM_HEAD)}
     if SPEC.original_markers[0] not in stored:  # saved from transformers 5 (`model.language_model.*`)
         stored = {original_key(k): v for k, v in stored.items()}
-    by_original = {original_key(k): k for k in model.state_dict()}
-    try:
-        model.load_state_dict({by_original[k]: v for k, v in stored.items()}, strict=True, assign=True)
-    except (KeyError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot be loaded as Qwen2.5-VL: {e}") from None
-    assert_materialized(model, path)
-    cast_like_from_pretrained_(model, dtype)
-    return model
+    # the inverse of `original_key` on the model's keys (`model.x` -> `language_model.x`; `visual.x` kept)
+    return {
+        ("language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+        for k, v in stored.items()
+    }
 
 
 def _load_image_processor(tokenizer_path: Path) -> Qwen2VLImageProcessorPil:

@@ -40,9 +40,12 @@ from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
+from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, model_keys
 from tuner.models.identify import SingleFileSpec, Variant, identify_shapes
 from tuner.models.loading import (
+    component_entries,
     from_state_dict,
+    load_component_tensors,
     load_diffusers_folder,
     load_tokenizer,
     load_transformers_folder,
@@ -149,19 +152,6 @@ _transformer_keys = diffusers_keys("SD3Transformer2DModel", transformer_key_to_o
 _vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 
 
-def _clip_keys(variant: Variant) -> list[str]:
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    with torch.device("meta"):
-        model = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(variant.config_dir))
-    return list(model.state_dict())
-
-
-def _clip_l_keys(variant: Variant) -> list[str]:
-    """CLIP-L files are read without a projection (SD3 uses the identity; see the module docstring)."""
-    return [k for k in _clip_keys(variant) if k != "text_projection.weight"]
-
-
 TRANSFORMER_SPEC = SingleFileSpec(
     what="SD 3.5 transformer",
     variants=TRANSFORMER_VARIANTS,
@@ -175,12 +165,18 @@ _CLIP_MARKERS = (
     "text_model.embeddings.token_embedding.weight",
     "text_model.encoder.layers.0.self_attn.q_proj.weight",
 )
-CLIP_L_SPEC = SingleFileSpec("CLIP-L text encoder", CLIP_L_VARIANTS, _clip_l_keys, _CLIP_MARKERS)
-CLIP_G_SPEC = SingleFileSpec("OpenCLIP bigG text encoder", CLIP_G_VARIANTS, _clip_keys, _CLIP_MARKERS)
+# CLIP-L files are read without a projection (SD3 uses the identity; see the module docstring)
+_PROJECTION = "text_projection.weight"
+CLIP_L_SPEC = SingleFileSpec(
+    "CLIP-L text encoder",
+    CLIP_L_VARIANTS,
+    model_keys("CLIPTextModelWithProjection", (_PROJECTION,)),
+    _CLIP_MARKERS,
+)
+CLIP_G_SPEC = SingleFileSpec(
+    "OpenCLIP bigG text encoder", CLIP_G_VARIANTS, model_keys("CLIPTextModelWithProjection"), _CLIP_MARKERS
+)
 T5_SPEC = replace(flux.T5_SPEC, variants=T5_VARIANTS)
-
-# Entries of CLIP files that CLIPTextModelWithProjection does not hold (ComfyUI keeps them).
-_CLIP_EXTRAS = ("logit_scale", "text_model.embeddings.position_ids")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -188,29 +184,12 @@ _CLIP_EXTRAS = ("logit_scale", "text_model.embeddings.position_ids")
 # ---------------------------------------------------------------------------------------------------
 
 
-def _component_names(names: Mapping[str, T], prefix: str) -> dict[str, T]:
-    """The entries under `prefix` (stripped) when the file bundles that component, else all of them."""
-    return {k[len(prefix) :]: v for k, v in names.items() if k.startswith(prefix)} or dict(names)
-
-
 def _component_shapes(path: str | Path, prefix: str) -> dict[str, tuple[int, ...]]:
-    return normalize_shapes(_component_names(read_tensor_shapes(path), prefix))
+    return normalize_shapes(component_entries(read_tensor_shapes(path), (prefix,)))
 
 
 def _component_tensors(path: str | Path, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The component's tensors, reading only its own from a bundling .safetensors file."""
-    from safetensors import safe_open
-
-    from tuner.models.loading import load_tensors
-
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt") as f:
-            keys = [k for k in f.keys() if k.startswith(prefix)]
-            bundled = {k[len(prefix) :]: f.get_tensor(k) for k in keys}
-        if bundled:
-            return normalize_state_dict(bundled, dtype)
-    return normalize_state_dict(load_tensors(path), dtype)
+    return normalize_state_dict(load_component_tensors(path, (prefix,)), dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -323,29 +302,25 @@ def load_clip(
     path: str | Path, spec: SingleFileSpec, prefix: str, subfolder: str, dtype: torch.dtype
 ) -> tuple[CLIPTextModelWithProjection, Path | None]:
     """A CLIP text model with projection, and the tokenizer folder beside it in a diffusers layout."""
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    from transformers import CLIPTextModelWithProjection
 
-    folder = resolve_folder(path, subfolder)
-    if folder is not None:
-        model = load_transformers_folder(CLIPTextModelWithProjection, folder, dtype, "clip_text_model")
-        tokenizer = folder.parent / subfolder.replace("text_encoder", "tokenizer")
-        return model, tokenizer if tokenizer.is_dir() else None
-    identity = spec is CLIP_L_SPEC  # SD3 uses CLIP-L's pooled output unprojected (module docstring)
-    variant = identify_shapes(_clip_entries(_component_shapes(path, prefix), identity), spec, path)
-    state_dict = _clip_entries(_component_tensors(path, prefix, dtype), identity)
-    if identity:
-        width = state_dict["text_model.final_layer_norm.weight"].shape[0]
-        state_dict["text_projection.weight"] = torch.eye(width, dtype=dtype)
-    config = CLIPTextConfig.from_pretrained(variant.config_dir)
-    model = CLIPTextModelWithProjection.from_pretrained(
-        None, config=config, state_dict=state_dict, dtype=dtype
+    folders = (subfolder, subfolder.replace("text_encoder", "tokenizer"))
+    if spec is CLIP_L_SPEC:  # SD3 uses CLIP-L's pooled output unprojected (module docstring)
+        entries, complete = _without_projection, _identity_projection
+    else:
+        entries, complete = clip_with_projection_entries, None
+    return load_clip_encoder(
+        path, dtype, CLIPTextModelWithProjection, folders, spec, entries, (prefix,), complete
     )
-    return model.eval(), None
 
 
-def _clip_entries(entries: Mapping[str, T], drop_projection: bool) -> dict[str, T]:
-    drop = _CLIP_EXTRAS + (("text_projection.weight",) if drop_projection else ())
-    return {k: v for k, v in entries.items() if k not in drop}
+def _without_projection(entries: dict[str, T]) -> dict[str, T]:
+    return {k: v for k, v in clip_with_projection_entries(entries).items() if k != _PROJECTION}
+
+
+def _identity_projection(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    width = state_dict["text_model.final_layer_norm.weight"]
+    return state_dict | {_PROJECTION: torch.eye(width.shape[0], dtype=width.dtype)}
 
 
 def _load_t5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -39,7 +39,6 @@ from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers, vae_to_
 from tuner.archs.sdxl.keys import (
     BUNDLED_CLIP_G,
     BUNDLED_CLIP_L,
-    OPEN_CLIP_IGNORED,
     SDXLLayout,
     clip_g_to_diffusers,
     clip_g_to_original,
@@ -48,6 +47,12 @@ from tuner.archs.sdxl.keys import (
 )
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
+from tuner.models.encoders import (
+    clip_text_entries,
+    clip_with_projection_entries,
+    load_clip_encoder,
+    model_keys,
+)
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -56,15 +61,16 @@ from tuner.models.identify import (
     wrong_architecture,
 )
 from tuner.models.loading import (
+    component_entries,
     from_state_dict,
     load_diffusers_folder,
     load_tensors,
     load_tokenizer,
     normalize_shapes,
     normalize_state_dict,
-    read_folder_config,
     read_tensor_shapes,
     resolve_folder,
+    sibling,
 )
 
 if TYPE_CHECKING:
@@ -72,7 +78,6 @@ if TYPE_CHECKING:
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, PreTrainedTokenizerBase
 
 CONFIGS = Path(__file__).parent / "configs"
-T = TypeVar("T")
 
 # Where each model sits in a bundled checkpoint.
 UNET_PREFIX = "model.diffusion_model."
@@ -157,8 +162,6 @@ _VAE_DIFFUSERS_MARKERS = (
     "decoder.up_blocks.0.resnets.0.conv1.weight",
 )
 _OPEN_CLIP_MARKERS = ("token_embedding.weight", "transformer.resblocks.0.attn.in_proj_weight")
-# transformers 4 / ComfyUI CLIP-L files say `text_model.`; the CLIP model's extras are not the text tower
-_CLIP_L_EXTRAS = ("text_projection.weight", "logit_scale", "embeddings.position_ids")
 
 
 _unet_keys = diffusers_keys("UNet2DConditionModel", unet_key_to_original)
@@ -170,20 +173,16 @@ _vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS)
 VAE_SPEC = SingleFileSpec("SDXL VAE", VAE_VARIANTS, _vae_keys, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS,
                           vae_key_to_original)  # fmt: skip
+# CLIP files are identified in transformers' names (`_clip_g_entries` converts OpenCLIP's)
+CLIP_L_SPEC = SingleFileSpec("CLIP ViT-L text encoder", CLIP_L_VARIANTS, model_keys("CLIPTextModel"),
+                             (next(iter(CLIP_L_VARIANTS[0].signature)),))  # fmt: skip
+CLIP_G_SPEC = SingleFileSpec("OpenCLIP ViT-bigG text encoder", CLIP_G_VARIANTS,
+                             model_keys("CLIPTextModelWithProjection"), (next(iter(CLIP_G_VARIANTS[0].signature)),))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
 # Single files: one component of a bundled checkpoint, or a file of its own
 # ---------------------------------------------------------------------------------------------------
-
-
-def component(entries: Mapping[str, T], prefixes: tuple[str, ...]) -> dict[str, T]:
-    """The entries of one model: those under the first of `prefixes` the file uses, prefix dropped (a
-    bundled checkpoint), else all of them (a file of that model alone)."""
-    for prefix in prefixes:
-        if any(k.startswith(prefix) for k in entries):
-            return {k[len(prefix) :]: v for k, v in entries.items() if k.startswith(prefix)}
-    return dict(entries)
 
 
 def _identify(
@@ -231,10 +230,10 @@ def load_unet(path: str | Path, dtype: torch.dtype) -> UNet2DConditionModel:
     if folder is not None:
         return load_diffusers_folder(UNet2DConditionModel, folder, dtype, "UNet2DConditionModel")
     path = Path(path)
-    shapes = normalize_shapes(component(read_tensor_shapes(path), (UNET_PREFIX, "diffusion_model.")))
+    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), (UNET_PREFIX, "diffusion_model.")))
     check_not_sd1_or_sd2(shapes, path)
     variant, _ = _identify(shapes, UNET_SPEC, path)
-    state_dict = component(load_tensors(path), (UNET_PREFIX, "diffusion_model."))
+    state_dict = component_entries(load_tensors(path), (UNET_PREFIX, "diffusion_model."))
     state_dict = unet_to_diffusers(normalize_state_dict(state_dict, dtype))
     return from_state_dict(UNet2DConditionModel, state_dict, variant.config_dir, dtype, path)
 
@@ -247,9 +246,9 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     if folder is not None:
         return load_diffusers_folder(AutoencoderKL, folder, dtype, "AutoencoderKL")
     path = Path(path)
-    shapes = normalize_shapes(component(read_tensor_shapes(path), (VAE_PREFIX,)))
+    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), (VAE_PREFIX,)))
     variant, is_original = _identify(shapes, VAE_SPEC, path)
-    state_dict = normalize_state_dict(component(load_tensors(path), (VAE_PREFIX,)), dtype)
+    state_dict = normalize_state_dict(component_entries(load_tensors(path), (VAE_PREFIX,)), dtype)
     if is_original:
         state_dict = vae_to_diffusers(state_dict)
     return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, path)
@@ -272,10 +271,7 @@ def load_text_encoders(
     dtype: torch.dtype,
 ) -> TextEncoders:
     """CLIP-L from `path` and bigG from `path_2` (None: the same bundled file or diffusers root)."""
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-    clip_l = load_clip(CLIPTextModel, path, "text_encoder", "tokenizer", dtype)[0]
-    clip_g = load_clip(CLIPTextModelWithProjection, path_2 or path, "text_encoder_2", "tokenizer_2", dtype)[0]
+    clip_l, clip_g = load_clip_l(path, dtype), load_clip_g(path_2 or path, dtype)
     tokenizer_l, tokenizer_g = load_tokenizers(path, path_2, tokenizer, tokenizer_2)
     return TextEncoders(clip_l, tokenizer_l, clip_g, tokenizer_g)
 
@@ -295,53 +291,33 @@ def load_tokenizers(path: str | Path, path_2: str | Path | None, tokenizer: str 
 
 def _tokenizer_folder(path: str | Path, subfolder: str, tokenizer: str) -> Path | None:
     folder = resolve_folder(path, subfolder)
-    sibling = folder.parent / tokenizer if folder is not None else None
-    return sibling if sibling is not None and sibling.is_dir() else None
+    return sibling(folder, tokenizer) if folder is not None else None
 
 
-def load_clip(model_cls: type, path: str | Path, subfolder: str, tokenizer: str, dtype: torch.dtype):
-    """One CLIP text model and the tokenizer folder beside it in a diffusers layout (else None)."""
-    from transformers import CLIPTextConfig
+def load_clip_l(path: str | Path, dtype: torch.dtype) -> CLIPTextModel:
+    """CLIP ViT-L from a diffusers folder or a single file (bundled, or ComfyUI's `clip_l.safetensors`)."""
+    from transformers import CLIPTextModel
 
-    folder = resolve_folder(path, subfolder)
-    if folder is not None:
-        if read_folder_config(folder).get("model_type") != "clip_text_model":
-            raise CheckpointError(f"{folder}: config.json does not describe a CLIP text model.")
-        model = model_cls.from_pretrained(folder, dtype=dtype, local_files_only=True)
-        sibling = folder.parent / tokenizer
-        return model.eval(), sibling if sibling.is_dir() else None
-    path = Path(path)
-    bigg = subfolder == "text_encoder_2"
-    what = "OpenCLIP ViT-bigG text encoder" if bigg else "CLIP ViT-L text encoder"
-    variants = CLIP_G_VARIANTS if bigg else CLIP_L_VARIANTS
-    meta = {k: torch.empty(s, device="meta") for k, s in read_tensor_shapes(path).items()}
-    shapes = {k: tuple(v.shape) for k, v in _clip_names(meta, bigg).items()}
-    marker = next(iter(variants[0].signature))
-    if marker not in shapes:
-        raise wrong_architecture(path, shapes, what, (marker,))
-    variant = pick_variant(shapes, variants, path, what)
-    config = CLIPTextConfig.from_pretrained(variant.config_dir)
-    with torch.device("meta"):
-        expected = model_cls(config).state_dict()
-    check_keys(expected, shapes, path, f"{what} {variant.name}")
-    state_dict = normalize_state_dict(_clip_names(load_tensors(path), bigg), dtype)
-    model = model_cls.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
+    folders = ("text_encoder", "tokenizer")
+    return load_clip_encoder(path, dtype, CLIPTextModel, folders, CLIP_L_SPEC, clip_text_entries,
+                             (CLIP_L_PREFIX,))[0]  # fmt: skip
 
 
-def _clip_names(tensors: Mapping[str, torch.Tensor], bigg: bool) -> dict[str, torch.Tensor]:
-    """A CLIP file's tensors under transformers' names of the model (CLIPTextModel for CLIP-L, whose
-    keys have no `text_model.`; CLIPTextModelWithProjection for bigG, whose keys have it)."""
-    if not bigg:
-        own = component(tensors, (CLIP_L_PREFIX,))
-        named = {k.removeprefix("text_model."): v for k, v in own.items()}
-        return {k: v for k, v in named.items() if k not in _CLIP_L_EXTRAS}
-    own = component(tensors, (CLIP_G_PREFIX,))
-    if all(k in own for k in _OPEN_CLIP_MARKERS):
-        return clip_g_to_diffusers(own)
-    return {
-        k: v for k, v in own.items() if k not in (*OPEN_CLIP_IGNORED, "text_model.embeddings.position_ids")
-    }
+def load_clip_g(path: str | Path, dtype: torch.dtype) -> CLIPTextModelWithProjection:
+    """OpenCLIP ViT-bigG from a diffusers folder or a single file (bundled in OpenCLIP's layout, or
+    ComfyUI's `clip_g.safetensors` in transformers')."""
+    from transformers import CLIPTextModelWithProjection
+
+    folders = ("text_encoder_2", "tokenizer_2")
+    return load_clip_encoder(path, dtype, CLIPTextModelWithProjection, folders, CLIP_G_SPEC, _clip_g_entries,
+                             (CLIP_G_PREFIX,))[0]  # fmt: skip
+
+
+def _clip_g_entries(entries: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """bigG's entries under CLIPTextModelWithProjection's names, from OpenCLIP's layout or transformers'."""
+    if all(k in entries for k in _OPEN_CLIP_MARKERS):
+        return clip_g_to_diffusers(entries)
+    return clip_with_projection_entries(entries)
 
 
 def warn_if_v_prediction(path: str | Path, prediction: str) -> None:
@@ -458,15 +434,12 @@ def bundle_companions(vae: str | Path, text_encoder: str | Path, text_encoder_2:
     """The VAE's and both text encoders' tensors as a bundled checkpoint holds them (prefixed, original
     layouts). A part that comes from a bundled file is copied from it byte for byte; one from a
     diffusers folder or a file of its own is converted (in `dtype`)."""
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
     text_encoder_2 = text_encoder_2 or text_encoder
     parts: list[tuple[str | Path, str, Callable[[], dict[str, torch.Tensor]]]] = [
         (vae, VAE_PREFIX, lambda: vae_to_original(load_vae(vae, dtype).state_dict())),
-        (text_encoder, CLIP_L_PREFIX, lambda: {f"text_model.{k}": v for k, v in load_clip(
-            CLIPTextModel, text_encoder, "text_encoder", "tokenizer", dtype)[0].state_dict().items()}),
-        (text_encoder_2, CLIP_G_PREFIX, lambda: clip_g_to_original(load_clip(
-            CLIPTextModelWithProjection, text_encoder_2, "text_encoder_2", "tokenizer_2", dtype)[0].state_dict())),
+        (text_encoder, CLIP_L_PREFIX,
+         lambda: {f"text_model.{k}": v for k, v in load_clip_l(text_encoder, dtype).state_dict().items()}),
+        (text_encoder_2, CLIP_G_PREFIX, lambda: clip_g_to_original(load_clip_g(text_encoder_2, dtype).state_dict())),
     ]  # fmt: skip
     out: dict[str, torch.Tensor] = {}
     for path, prefix, convert in parts:

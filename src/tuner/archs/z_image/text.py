@@ -20,15 +20,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.errors import CheckpointError
-from tuner.models.identify import SingleFileSpec, Variant, identify_single_file
+from tuner.models.encoders import load_encoder_file_on_meta
+from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import (
-    assert_materialized,
-    cast_like_from_pretrained_,
-    load_tensors,
     load_tokenizer,
     load_transformers_folder,
-    normalize_state_dict,
     resolve_folder,
     sibling,
 )
@@ -111,25 +107,14 @@ def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype
 
 
 def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen3Model:
-    from accelerate import init_empty_weights
-    from transformers import Qwen3Config, Qwen3Model
+    from transformers import Qwen3Model
 
-    variant = identify_single_file(path, SPEC)
-    stored = normalize_state_dict(load_tensors(path), dtype)
-    stored.pop(_LM_HEAD, None)
-    config = Qwen3Config.from_pretrained(variant.config_dir)
-    config._attn_implementation = "sdpa"  # what from_pretrained picks, so both layouts compute alike
-    with init_empty_weights():  # parameters on the meta device; rotary tables are real buffers
-        model = Qwen3Model(config)
-    try:
-        model.load_state_dict(
-            {k.removeprefix("model."): v for k, v in stored.items()}, strict=True, assign=True
-        )
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: cannot be loaded as Qwen3: {e}") from None
-    assert_materialized(model, path)
-    cast_like_from_pretrained_(model, dtype)
-    return model
+    return load_encoder_file_on_meta(path, dtype, Qwen3Model, SPEC, _model_keys, "Qwen3")
+
+
+def _model_keys(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors under `Qwen3Model`'s keys, the unused LM head left out."""
+    return {k.removeprefix("model."): v for k, v in stored.items() if k != _LM_HEAD}
 
 
 @torch.no_grad()
