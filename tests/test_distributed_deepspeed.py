@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from project import make_cached_project, make_project
+from tuner.archs.parts.text_encoder_training import attach_to_denoiser
 from tuner.config import load_config
 from tuner.errors import CheckpointError, ConfigError
 from tuner.trainers import state
@@ -136,7 +137,7 @@ def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_
     # the adapter file loads in a one-process model like any other
     trainer = WanTrainer(cfg)
     model = trainer.load_transformer(torch.float32)
-    network = trainer.attach_adapter_file(model, zero2 / "demo_lora.safetensors", 1.0)
+    network = attach_to_denoiser(trainer, model, zero2 / "demo_lora.safetensors", 1.0)
     saved = load_file(zero2 / "demo_lora.safetensors")
     for key, tensor in network.file_state_dict().items():
         torch.testing.assert_close(tensor, saved[key])

@@ -139,17 +139,8 @@ def _overriding_families() -> dict[str, set[str]]:
     return overriders
 
 
-# Hooks still overridden by one family, not yet turned into parts its record declares (shrink, never grow).
-_NOT_YET_PARTS = {
-    # SDXL's text-encoder training and size conditioning
-    "latent_conditions", "load_text_cache_encoder", "encode_text_cache", "attach_adapter_file",
-    "attach_text_adapters", "export_layout",
-}  # fmt: skip
-
-
 def test_no_model_method_is_overridden_by_exactly_one_family():
     """What one family alone needs is a part (`tuner.archs.parts`) its record declares, not a hook on
     `ArchitectureModel`: a method there is either shared behaviour or implemented by several families."""
     single = {name: families for name, families in _overriding_families().items() if len(families) == 1}
-    assert set(single) <= _NOT_YET_PARTS, f"overridden by one family only (make them parts): {single}"
-    assert set(single) == _NOT_YET_PARTS, f"no longer one family's: {_NOT_YET_PARTS - set(single)}"
+    assert not single, f"overridden by one family only (make them parts): {single}"

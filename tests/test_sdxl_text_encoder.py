@@ -13,8 +13,10 @@ from diffusers import StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
 from project import cfg, killed_at_first_save, make_cached_project, make_project, run
+from tuner.archs.parts.text_encoder_training import attach_text_adapters, attach_to_denoiser
 from tuner.archs.sdxl import loaders as sdxl
-from tuner.archs.sdxl.trainer import TEXT_ENCODER_TARGETS, SDXLModel
+from tuner.archs.sdxl.text_training import TEXT_ENCODER_TARGETS
+from tuner.archs.sdxl.trainer import SDXLModel
 from tuner.cache.commands import cache_text
 from tuner.cli import main as tuner
 from tuner.fixtures import write_fixture
@@ -142,8 +144,8 @@ def test_kohya_file_with_text_encoder_parts_loads_in_diffusers_with_equal_output
     assert prefixes == {"lora_unet_", "lora_te1_", "lora_te2_"}
 
     before = trainer.encode_text(encoders, ["a red circle"])[0]["hidden"]
-    trainer.attach_text_adapters(encoders, [(str(path), 1.0)])
-    trainer.attach_adapter_file(model, str(path), 1.0)
+    attach_text_adapters(trainer, encoders, [(str(path), 1.0)])
+    attach_to_denoiser(trainer, model, str(path), 1.0)
     ours = trainer.collate_text(trainer.encode_text(encoders, ["a red circle"]))
     assert not torch.allclose(before, ours["hidden"][0])  # the text parts act
 
@@ -248,7 +250,7 @@ def test_samples_drawn_while_training_use_the_text_encoders_as_trained(project, 
     trainer = _train(project, tmp_path / "run", "train.max_steps=1", "save.save_state=false", *samples)
     assert list((tmp_path / "run" / "samples").glob("*step000001*.png"))
     trained = trainer.load_text_encoder(torch.device("cpu"), "fp32")
-    assert trained.clip_l is trainer._trained_text.encoders[0]
+    assert trained.clip_l is trainer.trained_text.encoders[0]
     fresh = SDXLModel(cfg(project)).load_text_encoder(torch.device("cpu"), "fp32")
     moved = trainer.encode_text(trained, ["a red circle"])[0]["hidden"]
     assert not torch.allclose(moved, trainer.encode_text(fresh, ["a red circle"])[0]["hidden"])

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from tuner import registry
+from tuner.archs.parts.text_encoder_training import attach_text_adapters, attach_to_denoiser
 from tuner.cache.plan import torch_device
 from tuner.diffusion.sampling import flow_sigmas
 from tuner.dtypes import DTYPES
@@ -106,7 +107,7 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
     before returning."""
     control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
     encoder = family.load_text_encoder(device, cfg.cache.text_encoder_dtype)
-    family.attach_text_adapters(encoder, opts.loras)  # SDXL files may hold its text encoders' parts
+    attach_text_adapters(family, encoder, opts.loras)  # SDXL files may hold its text encoders' parts
     # edit models whose text encoder sees the control images get them for both prompts, as in training
     seen = [control_pixels] if family.record.text_uses_controls else None
     with torch.no_grad():
@@ -225,7 +226,7 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
                                                             (model.transformer_2, opts.loras_2)]  # fmt: skip
     for target, loras in targets:
         for path, strength in loras:
-            network = family.attach_adapter_file(target, path, strength)
+            network = attach_to_denoiser(family, target, path, strength)
             network.to(device)
             log(f"lora {path} × {strength}: {len(network)} modules")
     latents = sample_latents(family, model, opts, cond, uncond, device, dtype)

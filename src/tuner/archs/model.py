@@ -12,13 +12,14 @@ loop (`tuner.trainers.trainer_class`: `NetworkTrainer` over the family's class).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tuner import registry
-from tuner.archs.parts import experts
+from tuner.archs.parts import experts, text_encoder_training
 from tuner.config import Config
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError, TrainingError
@@ -39,6 +40,8 @@ class ArchitectureModel:
         # back. Saved adapters and full fine-tunes use the release's names, so they load in ComfyUI.
         self.layout = self.record.checkpoint_layout()
         self._objective = None  # `training_objective()`, built on first use
+        # the text encoders training adapts (`tuner.archs.parts.text_encoder_training`), once built
+        self.trained_text: nn.Module | None = None
 
     @property
     def default_targets(self) -> tuple[str, ...]:
@@ -80,12 +83,6 @@ class ArchitectureModel:
         for i, control in enumerate(controls):
             out[f"control_{i}"] = self.encode_pixels(vae, control)
         return out
-
-    def latent_conditions(self, job) -> dict[str, torch.Tensor]:
-        """Tensors an item's latent entry holds beside what `encode_latents` made, from how the item was
-        sized (its `tuner.data.jobs.LatentJob`: source and crop); none by default. SDXL's size
-        conditioning comes from here."""
-        return {}
 
     def sound_stream(self):
         """Audio-video models (`audio_format` set): the record's `sound_stream` (`tuner.archs.parts.audio`)
@@ -171,38 +168,27 @@ class ArchitectureModel:
         raise ConfigError(pipeline_unavailable(self.architecture))
 
     # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
+    def text_encoders(self):
+        """Models whose text encoders may train: the record's `text_encoder_training`
+        (`tuner.archs.parts.text_encoder_training`) for this model."""
+        part = self.record.text_encoder_training_class()
+        if part is None:
+            raise NotImplementedError(f"{self.architecture} trains no text encoder")
+        return part(self)
+
     @property
     def trains_text_encoder(self) -> bool:
         """Whether the text encoders train: their outputs are then computed at every step, not cached.
         Every command that caches or trains asks, so a model that cannot is refused before any work."""
         nc = self.cfg.network
-        if nc.train_text_encoder and (not self.record.text_encoder_trainable or nc.type == "full"):
+        trainable = bool(self.record.text_encoder_training)
+        if nc.train_text_encoder and (not trainable or nc.type == "full"):
             raise ConfigError(
                 f"{self.cfg.path}: network.train_text_encoder: "
-                + (f"{self.architecture} trains no text encoder adapter" if not self.record.text_encoder_trainable
+                + (f"{self.architecture} trains no text encoder adapter" if not trainable
                    else "a full fine-tune trains the denoiser only; use an adapter type")
             )  # fmt: skip
         return nc.train_text_encoder
-
-    def load_text_cache_encoder(self, device: torch.device, dtype: str):
-        """What `tuner cache text` encodes with: `load_text_encoder`'s, unless the text encoders train
-        (then what makes their inputs, e.g. the tokenizers)."""
-        return self.load_text_encoder(device, dtype)
-
-    def encode_text_cache(self, encoder, captions: list[str], controls) -> list[dict[str, torch.Tensor]]:
-        """The text cache entries of `captions`: `encode_text`'s, unless the text encoders train (then their
-        inputs, e.g. token ids, which `collate_text` and `predict` take)."""
-        return self.encode_text(encoder, captions, controls)
-
-    def attach_adapter_file(self, model: nn.Module, path: str, strength: float):
-        """generate: attach an adapter file to the denoiser (`tuner.networks.apply_adapter_file`)."""
-        from tuner.networks.factory import apply_adapter_file
-
-        return apply_adapter_file(model, path, strength, name_map=self.layout)
-
-    def attach_text_adapters(self, encoder, loras: list[tuple[str, float]]) -> None:
-        """generate: attach the text-encoder parts of adapter files to what `load_text_encoder` returned;
-        an architecture whose files hold none does nothing."""
 
     # --- for the subclasses ----------------------------------------------------------------------
     def weights_path(self, component: str) -> str:
@@ -251,19 +237,26 @@ class ArchitectureModel:
         return apply(model)
 
     def export_layout(self):
-        """The layout saved files are written through: the architecture's. SDXL's full fine-tunes write
-        the bundled checkpoint UIs load (the UNet beside the VAE and both text encoders)."""
-        return self.layout
+        """The layout saved files are written through: the architecture's, or for a full fine-tune the
+        record's `full_layout` (SDXL's bundled checkpoint UIs load, the UNet beside the VAE and both text
+        encoders)."""
+        full = self.cfg.network.type == "full" and self.cfg.save.format != "diffusers"
+        return self.record.full_layout_function()(self) if full and self.record.full_layout else self.layout
 
     def build_trained(self, model: nn.Module):
         """What trains (`tuner.networks.build_network` from the `[network]` section) on that model: one
-        adapter per expert on two experts (`model.expert = "both"`)."""
+        adapter per expert on two experts (`model.expert = "both"`), after the record's `training_warning`;
+        with `network.train_text_encoder` joined with one on the text encoders
+        (`tuner.archs.parts.text_encoder_training`)."""
         from tuner.networks.factory import build_network
 
         if isinstance(model, experts.TimestepExperts):
             return experts.ExpertAdapters(*(self.build_trained(model.expert(n)) for n in experts.EXPERTS))
         cfg = self.cfg
-        return build_network(
+        check = self.record.training_warning_function()
+        if check is not None and (message := check(cfg)):
+            warnings.warn(message, UserWarning, stacklevel=2)
+        network = build_network(
             model,
             self.default_targets,
             cfg.network,
@@ -271,6 +264,9 @@ class ArchitectureModel:
             seed=cfg.train.seed,
             save_format=cfg.save.format,
         )
+        if not self.trains_text_encoder:
+            return network
+        return text_encoder_training.join_text_adapters(self, network, next(model.parameters()).device)
 
     # --- the one loss ------------------------------------------------------------------------------
     def training_objective(self):

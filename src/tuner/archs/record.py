@@ -124,8 +124,20 @@ class Architecture:
     """"flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)."""
     cache_format_version: int = 1
     """Version of its cache entries' format (part of their cache key)."""
-    text_encoder_trainable: bool = False
-    """Whether `network.train_text_encoder` is offered (SDXL)."""
+    text_encoder_training: str = ""
+    """Models whose text encoders may train (`network.train_text_encoder`, SDXL): `module:Class` of their
+    `tuner.archs.parts.text_encoder_training.TrainableTextEncoders`; empty: the option is refused."""
+    size_conditioning: bool = False
+    """Whether the model is told how each training picture was sized: caching stores its `time_ids`
+    (`tuner.archs.parts.size_conditioning`; SDXL)."""
+    training_warning: str = ""
+    """`module:function` called with the config before an adapter is built on a transformer, returning a
+    warning to show (else ""): what training these weights as they are would undo (Z-Image-Turbo's
+    distillation, without a de-distillation adapter merged)."""
+    full_layout: str = ""
+    """`module:function` giving the layout a full fine-tune's file is written through (`fn(family)`) where
+    the release's checkpoint bundles more than the denoiser (SDXL's UNet, VAE and text encoders, as UIs
+    load it); empty: the denoiser's layout. A `save.format = "diffusers"` save keeps the denoiser's."""
     zero_empty_negative: bool = False
     """Generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as diffusers' `force_zeros_for_empty_prompt`)."""
 
@@ -144,6 +156,18 @@ class Architecture:
     def sound_stream_class(self) -> Any:
         """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""
         return _resolve(self.sound_stream) if self.sound_stream else None
+
+    def text_encoder_training_class(self) -> Any:
+        """The `text_encoder_training` class, or None for models whose text encoders do not train."""
+        return _resolve(self.text_encoder_training) if self.text_encoder_training else None
+
+    def full_layout_function(self) -> Any:
+        """The `full_layout` function (set only where a full fine-tune saves a bundled checkpoint)."""
+        return _resolve(self.full_layout)
+
+    def training_warning_function(self) -> Any:
+        """The `training_warning` function, or None."""
+        return _resolve(self.training_warning) if self.training_warning else None
 
     def checkpoint_layout(self) -> Any:
         """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the

@@ -36,6 +36,8 @@ import torch
 from tqdm.auto import tqdm
 
 from tuner import registry
+from tuner.archs.parts.size_conditioning import size_conditions
+from tuner.archs.parts.text_encoder_training import encode_text_cache, text_cache_encoder
 from tuner.cache.plan import (
     FAILED,
     LATENT,
@@ -229,7 +231,7 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     for i, (key, job, _, _, mask, audio) in enumerate(loaded):
                         tensors = {
                             name: t[i].detach().to("cpu").contiguous() for name, t in latents.items()
-                        } | model.latent_conditions(job)
+                        } | (size_conditions(job) if model.record.size_conditioning else {})
                         if mask is not None:  # the loss mask on the latents' grid (`tuner.data.masks`)
                             grid = tuple(tensors["latents"].shape[1:])
                             tensors["loss_mask"] = to_latent_grid(mask, grid, job.mask_min_weight)
@@ -290,7 +292,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
             todo = sorted(missing, key=lambda k: (wanted[k].caption, k))
             batches = procs.mine(list(_chunks(todo, batch_size)))  # every N-th of a one-process run's
             if batches and te is None:
-                te = model.load_text_cache_encoder(dev, cfg.cache.text_encoder_dtype)
+                te = text_cache_encoder(model, dev, cfg.cache.text_encoder_dtype)
             with (
                 store.writer(commit_every_seconds=cfg.cache.commit_every_seconds) as writer,
                 tqdm(
@@ -307,7 +309,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                         controls = None
                         if model.record.text_uses_controls:
                             controls = [load_control_pixels(r.job) for r in requests]
-                        outputs = model.encode_text_cache(te, captions, controls)
+                        outputs = encode_text_cache(model, te, captions, controls)
                     for key, request, out in zip(chunk, requests, outputs):
                         tensors = {name: t.detach().to("cpu").contiguous() for name, t in out.items()}
                         meta = {"encoder": encoder.label(), "caption": request.caption}

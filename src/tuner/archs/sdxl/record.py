@@ -44,7 +44,9 @@ SDXL = Architecture(
     timestep_mode="uniform",
     latent_patch=(1, 1),
     objective="ddpm",
-    text_encoder_trainable=True,
+    text_encoder_training="tuner.archs.sdxl.text_training:SDXLTextEncoders",
+    size_conditioning=True,
+    full_layout="tuner.archs.sdxl.trainer:bundled_layout",
     zero_empty_negative=True,
 )
 

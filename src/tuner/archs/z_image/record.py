@@ -22,6 +22,7 @@ Z_IMAGE = Architecture(
     save_format_loads="ComfyUI; diffusers (its Z-Image converter splits the fused qkv)",
     title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
     family="tuner.archs.z_image.trainer:ZImageModel",
+    training_warning="tuner.archs.z_image.trainer:turbo_warning",
     layout="tuner.archs.z_image.loaders:Z_IMAGE_LAYOUT",
     fixture="tuner.archs.z_image.fixture:FIXTURE",
     model_class="ZImageTransformer2DModel",

@@ -11,8 +11,6 @@ its scale times (cond − uncond) to cond); Turbo samples without guidance (1). 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -20,6 +18,18 @@ from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.archs.z_image import loaders as z_image
 from tuner.archs.z_image import text as z_image_text
 from tuner.memory import place_text_encoder, text_encoder_dtype
+
+
+def turbo_warning(cfg) -> str:
+    """The record's `training_warning`: training Turbo's distilled weights as they are undoes the 8-step
+    distillation in a few hundred steps (the adapter then needs many steps and guidance at inference); a
+    de-distillation adapter merged first avoids that."""
+    path = cfg.model.transformer
+    if not z_image.is_turbo(path) or cfg.model.merge_adapters:
+        return ""
+    return (f"{path} is Z-Image-Turbo, which is step-distilled: training it directly undoes the "
+            "distillation. Merge a de-distillation (training) adapter first with model.merge_adapters "
+            '= ["zimage_turbo_training_adapter.safetensors:1.0"], or train Z-Image (Base).')  # fmt: skip
 
 
 class ZImageModel(FluxVAEImageModel):
@@ -49,18 +59,3 @@ class ZImageModel(FluxVAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return z_image.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
-
-    def build_trained(self, model: nn.Module):
-        """The adapter, after warning (once per file) when it would train Turbo's distilled weights as
-        they are: a few hundred steps undo the 8-step distillation, and the adapter then needs many
-        steps and guidance at inference. A de-distillation adapter merged first avoids that."""
-        path = self.cfg.model.transformer
-        if z_image.is_turbo(path) and not self.cfg.model.merge_adapters:
-            warnings.warn(
-                f"{path} is Z-Image-Turbo, which is step-distilled: training it directly undoes the "
-                "distillation. Merge a de-distillation (training) adapter first with model.merge_adapters "
-                '= ["zimage_turbo_training_adapter.safetensors:1.0"], or train Z-Image (Base).',
-                UserWarning,
-                stacklevel=2,
-            )
-        return super().build_trained(model)
