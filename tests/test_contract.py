@@ -61,6 +61,13 @@ def case(contract):
     return contract
 
 
+# Where the CPU's kernels move a golden loss by more than 1e-4. Kandinsky 5's fp32 RoPE makes its output
+# jump where a rounding flips (archs/kandinsky5/loaders.py), so the vector width of torch's CPU kernels
+# shows: pinned on an AVX-512 machine; an AVX2 one (ATEN_CPU_CAPABILITY=avx2) gives [3.0057273, 2.8240960,
+# 2.9345479], 2.7e-4 away, the same alone, after any other test and in a fresh process.
+GOLDEN_REL = {"kandinsky5": 5e-4}
+
+
 def test_golden_losses_are_pinned_for_every_architecture():
     missing = sorted(set(ARCHITECTURES) - set(GOLDEN))
     assert not missing, (
@@ -150,7 +157,7 @@ def test_golden_loss(case, tmp_path):
     trainer = trainer_class(arch)(cfg(config, f"save.output_dir='{tmp_path}'", "log.tensorboard=false",
                                       "train.max_steps=3"))  # fmt: skip
     trainer.train(log=lambda s: None)
-    assert trainer.history == pytest.approx(GOLDEN[arch], rel=1e-4), trainer.history
+    assert trainer.history == pytest.approx(GOLDEN[arch], rel=GOLDEN_REL.get(arch, 1e-4)), trainer.history
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -88,10 +88,13 @@ def _files(out, project: str) -> list:
     return [expert_file(final, e) for e in ("high", "low")] if project == "wan22" else [final]
 
 
-def _assert_close(a: dict, b: dict, what: str) -> None:
+def _assert_close(a: dict, b: dict, what: str, atol: float = 1e-7) -> None:
     assert a.keys() == b.keys() and a, what
     for key in a:
-        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=1e-7), f"{what}: {key} differs"
+        diff = (a[key] - b[key]).abs().max().item()
+        assert torch.allclose(a[key], b[key], rtol=1e-5, atol=atol), (
+            f"{what}: {key} differs by up to {diff:.3g}"
+        )
 
 
 def _assert_ranks_identical(out) -> None:
@@ -130,8 +133,13 @@ def test_accumulation_reduces_once_per_step(trained, tmp_path):
     _assert_ranks_identical(out)
     assert torch.load(out / "reductions0.pt") == 2  # two steps, one bucket (a tiny adapter) each
     _one_process(projects["wan"], tmp_path, "train.max_steps=2", "train.gradient_accumulation_steps=4")
+    # four batches summed as 2 + 2 across the all-reduce, not 1 + 1 + 1 + 1 in one process: fp32 rounding
+    # moves the adapter by up to 4.4e-7 on an AVX2 CPU (measured; AVX-512 kernels happened to agree to 1e-7)
     _assert_close(
-        load_file(out / "demo_lora.safetensors"), load_file(tmp_path / "demo_lora.safetensors"), "accumulated"
+        load_file(out / "demo_lora.safetensors"),
+        load_file(tmp_path / "demo_lora.safetensors"),
+        "accumulated",
+        atol=1e-6,
     )
 
 

@@ -22,6 +22,7 @@ from project import cfg, make_cached_project, run
 from tuner.errors import CheckpointError, ConfigError, TrainingError
 from tuner.trainers import state, trainer_class
 from tuner.trainers.checkpoints import Checkpoints
+from tuner.trainers.setup import setup
 
 WanTrainer = trainer_class("wan")
 
@@ -249,7 +250,7 @@ def test_a_huge_adapter_scale_stops_instead_of_saving_nan(project, tmp_path, cap
 
 def test_a_non_finite_network_is_never_saved(project, tmp_path):
     t = trainer(project, tmp_path / "out", *STEPS)
-    run_ = t._setup(None, lambda s: None)
+    run_ = setup(t, None, lambda s: None)
     next(run_.trained.parameters()).data[0] = float("inf")
     with pytest.raises(CheckpointError, match="NaN or infinite"):
         run_.checkpoints.save(run_.trained, run_.pos, run_.metadata, t.layout)

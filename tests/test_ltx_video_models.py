@@ -80,6 +80,7 @@ def test_predict_matches_the_pipelines_transformer_call(pipe):
     noisy, cond = _inputs()
     t = torch.tensor([0.6])
     trainer = LTXVideoModel.__new__(LTXVideoModel)
+    trainer.record = ARCHITECTURES["ltx_video"]  # predict reads the record's frame rate
     with torch.no_grad():
         ours = trainer.predict(pipe.transformer, noisy, t, cond)
         theirs = pipe.transformer(
@@ -113,6 +114,7 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     noisy, cond = _inputs(1)
     t = torch.tensor([0.5])
     trainer = LTXVideoModel.__new__(LTXVideoModel)
+    trainer.record = ARCHITECTURES["ltx_video"]  # predict reads the record's frame rate
     with torch.no_grad():
         ours = trainer.predict(model, noisy, t, cond)
         pipe.load_lora_weights(tmp_path / "lora.safetensors", adapter_name="tuner")
@@ -133,6 +135,7 @@ def test_a_given_first_frame_matches_the_image_to_video_pipelines_call(pipe):
     first = torch.randn(1, 128, 1, 2, 3, generator=torch.Generator().manual_seed(3))
     t = torch.tensor([0.6])
     trainer = LTXVideoModel.__new__(LTXVideoModel)
+    trainer.record = ARCHITECTURES["ltx_video"]  # predict reads the record's frame rate
     given = {**cond, "first_frame": first, "clean_first": torch.tensor([True])}
     mask = torch.zeros(1, 1, 2, 2, 3)
     mask[:, :, 0] = 1
