@@ -32,6 +32,7 @@ SESSION_START = time.time()
 # top-level modules whose functions no diffusers class may hold: tuner and the tests' own
 _FOREIGN = ("tuner", "test_", "conftest", "project", "isolation")
 _MISSING = object()
+_CACHES = {"__slotnames__"}  # what Python itself stores on a class (copyreg, on the first deepcopy)
 
 
 def mark_environment() -> None:
@@ -120,7 +121,7 @@ def patched_classes(before: dict[type, dict]) -> list[str]:
         where = f"{cls.__module__}.{cls.__qualname__}"
         old = before.get(cls)
         if old is not None:
-            keys = old.keys() | names.keys()
+            keys = (old.keys() | names.keys()) - _CACHES
             changed = sorted(k for k in keys if old.get(k, _MISSING) is not names.get(k, _MISSING))
             if changed:
                 problems.append(f"{where}: {', '.join(changed)} changed")
