@@ -32,13 +32,10 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# The tests run shuffled (pytest-randomly) in the order of SEED, printed: a fixed one by default, the order
-# checked whole before it was made the default; `make test SEED=random` draws a new order (every test must
-# pass alone and after any other), and `make test SEED=N` repeats order N.
-SEED ?= 1234
-ifeq ($(SEED),random)
-override SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
-endif
+# The tests run in a random order (pytest-randomly), a new one each time: every test must pass alone and
+# after any other. The seed is printed; `make test SEED=N` (or pytest's `-p randomly --randomly-seed=N`)
+# repeats that order.
+SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 
 test: $(STAMP) browser
 	$(BIN)/python -m ruff check src tests scripts benchmarks
