@@ -151,7 +151,7 @@ def test_loss_covers_both_streams(pipe, tmp_path):
     trainer._objective = FlowObjective()
     trainer.cfg = type("Cfg", (), {"model": type("M", (), {"dtype": "fp32"})})()
     model = pipe.transformer
-    model.requires_grad_(True)  # the module's shared pipeline: a LoRA loaded by another test freezes its weights
+    model.requires_grad_(True)  # a LoRA another test loaded into the shared pipeline froze its weights
     noisy, audio, cond = _inputs(1)
     x0, noise = noisy, torch.randn_like(noisy)
     t = torch.tensor([0.4])
