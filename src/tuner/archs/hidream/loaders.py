@@ -98,10 +98,8 @@ TRANSFORMER_VARIANTS = (
     ),
 )
 
-# The release's distillations, as its file and folder names spell them; the sampling defaults of each
-# (HiDream's inference script: Full 50 steps, guidance 5, shift 3; Dev 28 steps, no CFG, shift 6;
-# Fast 16 steps, no CFG, shift 3).
-RELEASES = {"full": 3.0, "dev": 6.0, "fast": 3.0}
+# The release's distillations, as its file and folder names spell them (their sampling shifts are the
+# record's `sample_shift_by_name`).
 _RELEASE_NAME = re.compile(r"i1[-_](full|dev|fast)", re.IGNORECASE)
 
 
