@@ -23,7 +23,14 @@ if rest[:1] == ["--resume"]:
 rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 strategies = []
 if world > 1:
+    import deepspeed.ops
+
     from tuner.distributed.deepspeed import DeepSpeedStrategy
+
+    # DeepSpeed's CPU all-reduce kernel is compiled on first use into ~/.cache/torch_extensions: a minute
+    # of each fresh machine's test time, and the lock a killed build leaves there hangs every later run.
+    # gloo's all-reduce computes the same sums.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     plan = DeepSpeedStrategy.plan
 
