@@ -3,8 +3,8 @@ on the tiny fixture.
 
 diffusers has no HunyuanVideo 1.5 LoRA loader (`HunyuanVideo15Pipeline` has no `load_lora_weights`) and no
 single-file converter for it, so adapters are checked against the release's names (the contract suite:
-every exported key names a weight of the Tencent single file) and the layout against the 1.5 release's
-key names pinned below.
+every exported key names a weight of ComfyUI's single file; test_hunyuan_video15_layouts.py: ComfyUI's
+key rules) and the layouts against the key names of Tencent's and Comfy-Org's files pinned below.
 """
 
 import pytest
@@ -18,7 +18,7 @@ from diffusers import (
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
 
 from tuner.archs.hunyuan_video15 import loaders as hv
-from tuner.archs.hunyuan_video15.keys import HUNYUAN_VIDEO15_LAYOUT
+from tuner.archs.hunyuan_video15.keys import HUNYUAN_VIDEO15_LAYOUT, TENCENT_LAYOUT
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.io import save_safetensors
@@ -59,7 +59,9 @@ def _single_encoders(paths) -> hv.TextEncoders:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_files_load_like_the_diffusers_folder(paths, dtype):
     root = paths["diffusers"]
-    _same_weights(hv.load_transformer(paths["transformer_file"], dtype), hv.load_transformer(root, dtype))
+    folder = hv.load_transformer(root, dtype)
+    _same_weights(hv.load_transformer(paths["transformer_file"], dtype), folder)  # ComfyUI's: fused q/k/v
+    _same_weights(hv.load_transformer(paths["tencent_transformer_file"], dtype), folder)  # separate
     _same_weights(hv.load_vae(paths["vae_file"], dtype), hv.load_vae(root, dtype))
     single = _single_encoders(paths)
     folder = hv.load_text_encoders(root, None, None, None, torch.float32)  # ByT5 found beside Qwen
@@ -72,9 +74,15 @@ def test_single_files_load_like_the_diffusers_folder(paths, dtype):
         assert a("a red car").input_ids == b("a red car").input_ids
 
 
-def test_single_files_use_the_release_key_names(paths):
-    keys = set(read_tensor_shapes(paths["transformer_file"]))
-    for name in ("double_blocks.0.img_attn_q.weight", "double_blocks.0.txt_attn_v.bias",
+@pytest.mark.parametrize(
+    ("file", "qkv", "absent"),
+    [("transformer_file", ("img_attn_qkv.weight", "txt_attn_qkv.bias"), "img_attn_q.weight"),  # ComfyUI's
+     ("tencent_transformer_file", ("img_attn_q.weight", "txt_attn_v.bias"), "img_attn_qkv.weight")],
+)  # fmt: skip
+def test_single_files_use_the_release_key_names(paths, file, qkv, absent):
+    keys = set(read_tensor_shapes(paths[file]))
+    assert f"double_blocks.0.{absent}" not in keys
+    for name in (*(f"double_blocks.0.{k}" for k in qkv),
                  "double_blocks.0.img_attn_q_norm.weight", "double_blocks.0.txt_mlp.fc2.weight",
                  "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight", "byt5_in.layernorm.weight",
                  "byt5_in.fc3.weight", "vision_in.proj.4.bias", "cond_type_embedding.weight",
@@ -94,11 +102,12 @@ def test_final_modulation_halves_are_swapped(paths):
     assert torch.equal(single, torch.cat(folder.chunk(2)[::-1]))
 
 
+@pytest.mark.parametrize("file", ["transformer_file", "tencent_transformer_file"])
 @pytest.mark.parametrize("prefix", ["model.diffusion_model.", "diffusion_model."])
-def test_comfyui_prefix_and_fp8_files_load(paths, tmp_path, prefix):
-    reference = hv.load_transformer(paths["transformer_file"], torch.float32).state_dict()
+def test_comfyui_prefix_and_fp8_files_load(paths, tmp_path, prefix, file):
+    reference = hv.load_transformer(paths["diffusers"], torch.float32).state_dict()
     fp8 = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}
-    for key, value in load_tensors(paths["transformer_file"]).items():
+    for key, value in load_tensors(paths[file]).items():
         if key.endswith(".weight") and value.ndim == 2:
             scale = value.abs().max() / 448
             fp8[f"{prefix}{key}"] = (value / scale).to(torch.float8_e4m3fn)
@@ -137,9 +146,10 @@ def test_shipped_signatures_fit_the_shipped_configs():
     real = ["480p_t2v", "720p_t2v", "480p_i2v", "720p_i2v"]
     for name in [*real, "tiny", "tiny_i2v"]:  # every shipped config has the shapes of one variant
         state = meta_state(HunyuanVideo15Transformer3DModel, hv.CONFIGS / "transformer" / name)
-        original = shapes(HUNYUAN_VIDEO15_LAYOUT.to_original(state))
         want = "8.3B" if name in real else "tiny"
-        assert pick_variant(original, hv.TRANSFORMER_VARIANTS, "x", "transformer").name == want
+        for layout in (HUNYUAN_VIDEO15_LAYOUT, TENCENT_LAYOUT):
+            original = shapes(layout.to_original(state))
+            assert pick_variant(original, hv.TRANSFORMER_VARIANTS, "x", "transformer").name == want
     for variant in hv.VAE_VARIANTS:
         state = shapes(meta_state(AutoencoderKLHunyuanVideo15, variant.config_dir))
         original = {hv.vae_key_to_original(k): v for k, v in state.items()}
@@ -166,7 +176,9 @@ def test_file_named_for_the_other_task_is_refused(paths, tmp_path):
 
 
 def test_hunyuan_video_1_file_is_refused_naming_hunyuan_video(tmp_path):
+    """Told by its single-stream blocks: its double blocks fuse q/k/v as ComfyUI's 1.5 files do."""
     save_safetensors({"double_blocks.0.img_attn_qkv.weight": torch.zeros(96, 32),
+                      "single_blocks.0.linear1.weight": torch.zeros(160, 32),
                       "img_in.proj.weight": torch.zeros(32, 16, 1, 2, 2)}, tmp_path / "hv1.safetensors")  # fmt: skip
     with pytest.raises(CheckpointError, match='"hunyuan_video"'):
         hv.load_transformer(tmp_path / "hv1.safetensors", torch.float32)

@@ -11,14 +11,16 @@ learned from the system message, and ByT5's is byte-level (it needs no files).
         model_index.json  transformer/  vae/  text_encoder/  tokenizer/  text_encoder_2/  tokenizer_2/
         scheduler/  guider/
       single/                         Tencent's and ComfyUI's single files
-        hunyuanvideo1.5_480p_t2v_tiny.safetensors   Tencent keys (double_blocks.0.img_attn_q.weight, ...)
+        hunyuanvideo1.5_480p_t2v_tiny.safetensors   ComfyUI's: fused q/k/v (double_blocks.0.img_attn_qkv...)
+        hunyuanvideo1.5_480p_t2v_tencent_tiny.safetensors   Tencent's: separate (double_blocks.0.img_attn_q...)
         hunyuanvideo15_vae_tiny.safetensors         Tencent's VAE names (encoder.down.0.block.0...)
         qwen_2.5_vl_tiny.safetensors                ComfyUI's Qwen2.5-VL (model.layers..., visual..., lm_head)
         byt5_small_glyphxl_tiny.safetensors         transformers' T5EncoderModel names
         tokenizer/  tokenizer_2/
 
-Both layouts hold the same float32 weights: the single files are the diffusers state dicts renamed by
-tuner's own converters.
+All layouts hold the same float32 weights: the single files are the diffusers state dicts renamed by
+tuner's own converters. The I2V fixture writes its transformer in both single-file layouts too
+(`..._i2v_tiny` / `..._i2v_tencent_tiny`); the training configs read ComfyUI's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from diffusers import (
 )
 from transformers import ByT5Tokenizer, SiglipImageProcessorPil, SiglipVisionModel, T5EncoderModel
 
-from tuner.archs.hunyuan_video15.keys import transformer_to_original
+from tuner.archs.hunyuan_video15.keys import TENCENT_LAYOUT, transformer_to_original
 from tuner.archs.hunyuan_video15.loaders import QWEN_CHAT_TEMPLATE, SYSTEM_MESSAGE, vae_key_to_original
 from tuner.archs.qwen_image.fixture import qwen_vl_file, tiny_qwen_vl
 from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
@@ -49,6 +51,8 @@ VAE_FILE = "hunyuanvideo15_vae_tiny.safetensors"
 QWEN_FILE = "qwen_2.5_vl_tiny.safetensors"
 BYT5_FILE = "byt5_small_glyphxl_tiny.safetensors"
 I2V_TRANSFORMER_FILE = "hunyuanvideo1.5_480p_i2v_tiny.safetensors"
+TENCENT_FILES = {False: "hunyuanvideo1.5_480p_t2v_tencent_tiny.safetensors",
+                 True: "hunyuanvideo1.5_480p_i2v_tencent_tiny.safetensors"}  # fmt: skip
 SIGLIP_FILE = "sigclip_vision_tiny.safetensors"
 SHIFT = 5.0  # the 480p releases' scheduler shift
 
@@ -92,17 +96,20 @@ def write_hunyuan_video15_fixture(out_dir: str | Path, seed: int = 0, i2v: bool 
     """Write the tiny HunyuanVideo 1.5 model (`i2v`: the image-to-video one) under `out_dir` in both
     layouts; returns the paths.
 
-    Keys: root, diffusers (pipeline folder), transformer_file, vae_file, text_encoder_file (Qwen2.5-VL),
-    text_encoder_2_file (ByT5), tokenizer, tokenizer_2 (the single-file layout's tokenizer folders);
+    Keys: root, diffusers (pipeline folder), transformer_file (ComfyUI's layout), tencent_transformer_file
+    (Tencent's), vae_file, text_encoder_file (Qwen2.5-VL), text_encoder_2_file (ByT5), tokenizer,
+    tokenizer_2 (the single-file layout's tokenizer folders);
     I2V adds image_encoder_file (SigLIP).
     """
     parts = build_hunyuan_video15_components(seed, i2v)
     qwen = parts.pop("qwen_full")
+    transformer = parts["transformer"].state_dict()
     single = {
         "transformer_file": (
             I2V_TRANSFORMER_FILE if i2v else TRANSFORMER_FILE,
-            transformer_to_original(parts["transformer"].state_dict()),
+            transformer_to_original(transformer),
         ),
+        "tencent_transformer_file": (TENCENT_FILES[i2v], TENCENT_LAYOUT.to_original(transformer)),
         "vae_file": (VAE_FILE, {vae_key_to_original(k): v for k, v in parts["vae"].state_dict().items()}),
         "text_encoder_file": (QWEN_FILE, qwen_vl_file(qwen)),
         "text_encoder_2_file": (BYT5_FILE, t5_file(parts["text_encoder_2"])),

@@ -1,19 +1,46 @@
 """HunyuanVideo 1.5's transformer in Tencent's names and diffusers': the adapter name map and the layout.
 
-Tencent's release (`transformer/480p_t2v/diffusion_pytorch_model.safetensors`, ComfyUI's
-`hunyuanvideo1.5_720p_t2v_fp16.safetensors`, ...) keeps the 1.0 names for what the two networks share
-(`double_blocks.N.img_mod.linear`, `txt_in.individual_token_refiner.blocks.N.self_attn_qkv`,
-`final_layer.*`), but its 54 double blocks hold q, k and v as separate linears (`img_attn_q`,
-`txt_attn_v`, ...), so only the text refiner's `self_attn_qkv` is fused. New in 1.5: the ByT5 glyph
-projection `byt5_in.*`, the SigLIP image projection `vision_in.proj.{0,1,3,4}` and
+Two single-file layouts are in users' hands, both in Tencent's module names, told apart by their keys:
+
+* Tencent's release (`transformer/480p_t2v/diffusion_pytorch_model.safetensors`, ...) holds each double
+  block's q, k and v as separate linears (`double_blocks.N.img_attn_q` / `_k` / `_v`, `txt_attn_q` ...);
+* Comfy-Org's repackaged files (`hunyuanvideo1.5_720p_t2v_fp16.safetensors`, the 480p, I2V and
+  distilled ones: what `tuner download hunyuan_video15 --comfy` fetches) hold them fused, rows q, k, v,
+  as HunyuanVideo 1.0 does: `double_blocks.N.img_attn_qkv` / `txt_attn_qkv` (weights and biases).
+
+Where that comes from (public code, read for the facts): ComfyUI builds HunyuanVideo 1.5 from the same
+`HunyuanVideo` class as 1.0 (`comfy/ldm/hunyuan_video/model.py`, whose double blocks are FLUX's
+`DoubleStreamBlock` with one `img_attn.qkv` linear); its `comfy/supported_models.py` renames a file's
+`_attn_qkv.` to `_attn.qkv.` and has no rule that joins separate q/k/v, and its `comfy/lora.py` maps
+adapter names onto that model (`lora_unet_<its module name, "." -> "_">`, `diffusion_model.<its module
+name>`, and for every `HunyuanVideo` model Tencent's spelling under `diffusion_model.` / `transformer.`).
+musubi-tuner's `src/musubi_tuner/hunyuan_video_1_5/hunyuan_video_1_5_models.py` recognises a "ComfyUI
+repackaged" file by `double_blocks.0.img_attn_qkv.weight` (an official one by `img_attn_k`) and splits
+`img_attn_qkv` / `txt_attn_qkv` into q, k, v when it loads it.
+
+So the layout tuner reads takes both (the renames list Tencent's separate q/k/v, the fused layers
+ComfyUI's `*_attn_qkv`; `tensor_to_diffusers` splits a fused tensor, fp8 rows and scale included), and
+everything tuner writes (adapters, full fine-tunes) is ComfyUI's: q/k/v fused, the way the exporter
+fuses them for FLUX and HunyuanVideo 1.0. Adapters in Tencent's names (musubi-tuner's, tuner's older
+files) still read. ComfyUI's `lora_unet_` names are its own module names, which differ from Tencent's
+for the MLPs (`img_mlp.0` / `.2` for `img_mlp.fc1` / `.fc2`): `HunyuanVideo15Keys.stem` writes kohya
+stems in them (and reads them back); comfy stems keep Tencent's names, which ComfyUI maps too.
+
+Shared with 1.0: the modulations, norms, the text refiner (`txt_in.*`, its q/k/v fused in every file as
+`self_attn_qkv`) and `final_layer.*`, whose modulation's two row halves are swapped. New in 1.5: the
+ByT5 glyph projection `byt5_in.*`, the SigLIP image projection `vision_in.proj.{0,1,3,4}` and
 `cond_type_embedding` (which of text, glyph text or image a context token is). There are no single
-blocks and no guidance embedder. The final modulation's two row halves are swapped, as in 1.0.
+blocks and no guidance embedder.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
+from tuner.networks.keys import KOHYA_PREFIXES
 from tuner.networks.layouts import CheckpointLayout
 
 _BLOCK = "transformer_blocks.{i}"
@@ -21,19 +48,24 @@ _ORIGINAL_BLOCK = "double_blocks.{i}"
 _REFINER = "context_embedder.token_refiner.refiner_blocks.{i}"
 _ORIGINAL_REFINER = "txt_in.individual_token_refiner.blocks.{i}"
 
+# q, k, v of each stream: (diffusers parts in row order, Tencent's separate names, ComfyUI's fused name)
+_QKV = (
+    (("attn.to_q", "attn.to_k", "attn.to_v"), ("img_attn_q", "img_attn_k", "img_attn_v"), "img_attn_qkv"),
+    (
+        ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+        ("txt_attn_q", "txt_attn_k", "txt_attn_v"),
+        "txt_attn_qkv",
+    ),
+)
+
 # (diffusers, Tencent) for each double block's modules renamed one to one
 _BLOCK_RULES = (
     ("norm1.linear", "img_mod.linear"),
     ("norm1_context.linear", "txt_mod.linear"),
-    ("attn.to_q", "img_attn_q"),
-    ("attn.to_k", "img_attn_k"),
-    ("attn.to_v", "img_attn_v"),
+    *((d, o) for parts, separate, _ in _QKV for d, o in zip(parts, separate)),  # Tencent's file only
     ("attn.norm_q", "img_attn_q_norm"),
     ("attn.norm_k", "img_attn_k_norm"),
     ("attn.to_out.0", "img_attn_proj"),
-    ("attn.add_q_proj", "txt_attn_q"),
-    ("attn.add_k_proj", "txt_attn_k"),
-    ("attn.add_v_proj", "txt_attn_v"),
     ("attn.norm_added_q", "txt_attn_q_norm"),
     ("attn.norm_added_k", "txt_attn_k_norm"),
     ("attn.to_add_out", "txt_attn_proj"),
@@ -78,22 +110,74 @@ TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
     ("proj_out", "final_layer.linear"),
 )
 
-# The one layer the release fuses: the text refiner's q, k, v (row blocks, top to bottom).
+# The text refiner's q, k, v: fused in both files.
+_REFINER_QKV = FusedLayer(
+    f"{_ORIGINAL_REFINER}.self_attn_qkv", tuple(f"{_REFINER}.attn.{p}" for p in ("to_q", "to_k", "to_v"))
+)
+
+# ComfyUI's fused layers (row blocks top to bottom), as HunyuanVideo 1.0's: what tuner writes.
 FUSED_LAYERS: tuple[FusedLayer, ...] = (
-    FusedLayer(
-        f"{_ORIGINAL_REFINER}.self_attn_qkv",
-        tuple(f"{_REFINER}.attn.{p}" for p in ("to_q", "to_k", "to_v")),
+    *(
+        FusedLayer(f"{_ORIGINAL_BLOCK}.{fused}", tuple(f"{_BLOCK}.{p}" for p in parts))
+        for parts, _, fused in _QKV
     ),
+    _REFINER_QKV,
 )
 
 # Same matrix, row halves swapped (shift/scale order); left out of the adapter map, as in 1.0.
 FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 
-HUNYUAN_VIDEO15_KEYS = ArchitectureKeys("hunyuan_video15", TRANSFORMER_RULES, FUSED_LAYERS)
-"""The adapter name map (diffusers module name -> Tencent's)."""
+# ComfyUI's module names where they differ from Tencent's for a module adapters train by default
+# (its `lora_unet_` names are built from them): the double blocks' MLPs.
+_COMFY_MLP = re.compile(r"double_blocks\.(\d+)\.(img|txt)_mlp\.fc([12])")
+_KOHYA_MLP = re.compile(r"double_blocks_(\d+)_(img|txt)_mlp_([02])")
+_KOHYA_PREFIX = KOHYA_PREFIXES[0]
 
-HUNYUAN_VIDEO15_LAYOUT = CheckpointLayout(HUNYUAN_VIDEO15_KEYS, swapped_halves=(FINAL_MODULATION,))
-"""The whole transformer checkpoint, both directions, at any size."""
+
+@dataclass(frozen=True)
+class HunyuanVideo15Keys(ArchitectureKeys):
+    """The adapter name map, which also names the kohya stems of the MLPs itself, in ComfyUI's module
+    names (`stem`, and back: `name_of_stem`; see `tuner.networks.keys.own_stem`)."""
+
+    def stem(self, name: str, layout: str) -> str | None:
+        if layout != "kohya":
+            return None
+        try:
+            original = self(name)
+        except KeyError:
+            return None
+        if m := _COMFY_MLP.fullmatch(original):
+            return f"{_KOHYA_PREFIX}double_blocks_{m[1]}_{m[2]}_mlp_{2 * int(m[3]) - 2}"
+        return None
+
+    def name_of_stem(self, stem: str) -> str | None:
+        if stem.startswith(_KOHYA_PREFIX) and (m := _KOHYA_MLP.fullmatch(stem.removeprefix(_KOHYA_PREFIX))):
+            return self.to_diffusers(f"double_blocks.{m[1]}.{m[2]}_mlp.fc{int(m[3]) // 2 + 1}")
+        return None
+
+
+@dataclass(frozen=True)
+class HunyuanVideo15Layout(CheckpointLayout):
+    """The transformer checkpoint layout; its name map names the MLPs' kohya stems (`HunyuanVideo15Keys`)."""
+
+    def stem(self, name: str, layout: str) -> str | None:
+        return self.keys.stem(name, layout)
+
+    def name_of_stem(self, stem: str) -> str | None:
+        return self.keys.name_of_stem(stem)
+
+
+HUNYUAN_VIDEO15_KEYS = HunyuanVideo15Keys("hunyuan_video15", TRANSFORMER_RULES, FUSED_LAYERS)
+"""The adapter name map (diffusers module name -> Tencent's, q/k/v fused as ComfyUI's files hold them)."""
+
+HUNYUAN_VIDEO15_LAYOUT = HunyuanVideo15Layout(HUNYUAN_VIDEO15_KEYS, swapped_halves=(FINAL_MODULATION,))
+"""The whole transformer checkpoint, both directions, at any size: reads both files, writes ComfyUI's."""
+
+TENCENT_LAYOUT = CheckpointLayout(
+    ArchitectureKeys("hunyuan_video15 (Tencent's release)", TRANSFORMER_RULES, (_REFINER_QKV,)),
+    swapped_halves=(FINAL_MODULATION,),
+)
+"""Tencent's release: separate q/k/v in the double blocks (the test fixture writes a file in it)."""
 
 transformer_key_to_original = HUNYUAN_VIDEO15_LAYOUT.key_to_original
 transformer_to_original = HUNYUAN_VIDEO15_LAYOUT.to_original

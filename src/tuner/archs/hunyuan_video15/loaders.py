@@ -3,9 +3,12 @@
 Each loader takes either layout users have (see `tuner.models.loading`):
 
 * transformer: a diffusers folder (`hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v`, ...), or
-  Tencent's single file (`transformer/480p_t2v/diffusion_pytorch_model.safetensors`, ComfyUI's
-  `hunyuanvideo1.5_720p_t2v_fp16.safetensors`: `double_blocks.0.img_attn_q.weight`, ...; with or without
-  `model.diffusion_model.`; fp8 files are dequantized), converted by `tuner.archs.hunyuan_video15.keys`.
+  a single file in Tencent's names, of either layout (`tuner.archs.hunyuan_video15.keys`, told apart by
+  its keys): Tencent's release (`transformer/480p_t2v/diffusion_pytorch_model.safetensors`, separate
+  `double_blocks.0.img_attn_q.weight`, ...) or Comfy-Org's repackaged file
+  (`hunyuanvideo1.5_720p_t2v_fp16.safetensors`, fused `double_blocks.0.img_attn_qkv.weight`); with or
+  without `model.diffusion_model.`, fp16 / bf16 / scaled fp8 (dequantized; with `memory.fp8_base` a fused
+  fp8 layer is split keeping its stored rows and scale).
   The 480p and 720p, T2V and I2V networks all have the same shapes (8.3B: 54 double blocks of 2048);
   their configs differ only in `target_size` (the pipeline's default resolution) and `task_type`, so the
   config is picked from the file or folder name (`720p` / `i2v` in it; 480p T2V otherwise), and a file
@@ -35,13 +38,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from tuner.archs.flux.loaders import t5_keys
-from tuner.archs.hunyuan_video15.keys import transformer_key_to_original, transformer_to_diffusers
+from tuner.archs.hunyuan_video15.keys import (
+    TENCENT_LAYOUT,
+    transformer_key_to_original,
+    transformer_to_diffusers,
+)
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys, load_component
 from tuner.models.identify import (
@@ -155,22 +163,29 @@ BYT5_VARIANTS = (
     ),
 )
 
-_ORIGINAL_MARKERS = ("double_blocks.0.img_attn_q.weight", "byt5_in.fc1.weight")
-_HUNYUAN_VIDEO_1_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "single_blocks.0.linear1.weight",
-                            "single_transformer_blocks.0.proj_mlp.weight")  # fmt: skip
-
-
-_transformer_keys = diffusers_keys("HunyuanVideo15Transformer3DModel", transformer_key_to_original)
-
+# HunyuanVideo 1.0 has single-stream blocks (1.5 has none); its double blocks fuse q/k/v as ComfyUI's 1.5 files do
+_HUNYUAN_VIDEO_1_MARKERS = ("single_blocks.0.linear1.weight", "single_transformer_blocks.0.proj_mlp.weight")
+_TENCENT_MARKER = "double_blocks.0.img_attn_q.weight"  # separate q/k/v: Tencent's release
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "context_embedder_2.linear_1.weight")
 
 TRANSFORMER_SPEC = SingleFileSpec(
-    what="HunyuanVideo 1.5 transformer",
+    what="HunyuanVideo 1.5 transformer (ComfyUI's layout)",
     variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=_ORIGINAL_MARKERS,
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "context_embedder_2.linear_1.weight"),
+    expected_keys=diffusers_keys("HunyuanVideo15Transformer3DModel", transformer_key_to_original),
+    original_markers=("double_blocks.0.img_attn_qkv.weight", "byt5_in.fc1.weight"),
+    diffusers_markers=_DIFFUSERS_MARKERS,
     to_original=transformer_key_to_original,
 )
+"""Comfy-Org's files (fused q/k/v), and files saved in diffusers' names."""
+
+TENCENT_TRANSFORMER_SPEC = replace(
+    TRANSFORMER_SPEC,
+    what="HunyuanVideo 1.5 transformer (Tencent's layout)",
+    expected_keys=diffusers_keys("HunyuanVideo15Transformer3DModel", TENCENT_LAYOUT.key_to_original),
+    original_markers=(_TENCENT_MARKER, "byt5_in.fc1.weight"),
+    to_original=TENCENT_LAYOUT.key_to_original,
+)
+"""Tencent's release (separate q/k/v)."""
 
 # The VAE in Tencent's names -> diffusers' (regex, replacement), applied in order.
 _VAE_TO_DIFFUSERS = (
@@ -239,7 +254,7 @@ BYT5_SPEC = SingleFileSpec(
 
 def _other_version(path: str | Path) -> CheckpointError:
     return CheckpointError(
-        f"{path}: a HunyuanVideo 1.0 transformer (fused img_attn_qkv, single-stream blocks), another network "
+        f"{path}: a HunyuanVideo 1.0 transformer (it has single-stream blocks), another network "
         'than HunyuanVideo 1.5\'s. Set model.architecture = "hunyuan_video" to train it, or point '
         "model.transformer at a HunyuanVideo 1.5 checkpoint (hunyuanvideo1.5_480p_t2v_*.safetensors)."
     )
@@ -273,10 +288,13 @@ def load_transformer(
     """The HunyuanVideo 1.5 transformer from a diffusers folder or a single file, in eval mode."""
     _check_task(path, task)
     folder = resolve_folder(path, "transformer")
+    spec = TRANSFORMER_SPEC
     if folder is not None:
         other = read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel"
     else:
-        other = any(k in _HUNYUAN_VIDEO_1_MARKERS for k in normalize_shapes(read_tensor_shapes(path)))
+        keys = normalize_shapes(read_tensor_shapes(path))
+        other = any(k in _HUNYUAN_VIDEO_1_MARKERS for k in keys)
+        spec = TENCENT_TRANSFORMER_SPEC if _TENCENT_MARKER in keys else TRANSFORMER_SPEC
     if other:
         raise _other_version(folder or path)
     return load_component(
@@ -284,7 +302,7 @@ def load_transformer(
         dtype,
         "HunyuanVideo15Transformer3DModel",
         "transformer",
-        TRANSFORMER_SPEC,
+        spec,
         lambda sd, _: transformer_to_diffusers(sd),
         lambda variant: transformer_config(path, variant, task),
     )

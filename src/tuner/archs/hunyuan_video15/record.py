@@ -19,10 +19,11 @@ HUNYUAN_VIDEO15 = Architecture(
     checkpoints=(
         "Variants: `480p_t2v`, `720p_t2v` (one 8.3B network: 54 double blocks of 2048; the configs differ "
         "only in the pipeline's default size, picked from `720p` in the file / folder name; ). "
-        "`transformer`: Tencent's `transformer/480p_t2v/diffusion_pytorch_model.safetensors` or ComfyUI's "
-        "`hunyuanvideo1.5_{480p,720p}_t2v_*.safetensors` (separate `img_attn_q/k/v`, fused refiner "
-        "`self_attn_qkv`, `byt5_in.*`, `vision_in.*`, `cond_type_embedding`; `model.diffusion_model.` "
-        "optional, fp8 too) or the diffusers folder "
+        "`transformer`: Tencent's `transformer/480p_t2v/diffusion_pytorch_model.safetensors` (separate "
+        "`img_attn_q/k/v`) or Comfy-Org's `hunyuanvideo1.5_{480p,720p}_t2v_*.safetensors` (fused "
+        "`img_attn_qkv` / `txt_attn_qkv`: ComfyUI's HunyuanVideo model has only the fused linear and musubi-tuner "
+        "splits it on load, sources in `archs/hunyuan_video15/keys.py`; told apart by the keys), both with the fused refiner `self_attn_qkv`, `byt5_in.*`, `vision_in.*`, "
+        "`cond_type_embedding` (`model.diffusion_model.` optional, fp8 too), or the diffusers folder "
         "(`hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v`); a file named `i2v` is refused "
         "naming `hunyuan_video15_i2v` (same shapes, other weights), a HunyuanVideo 1.0 file naming "
         "`hunyuan_video`. `vae`: `AutoencoderKLHunyuanVideo15` (32 channels, 16× spatial) in Tencent's "
@@ -31,8 +32,9 @@ HUNYUAN_VIDEO15 = Architecture(
         "its language model kept, or the diffusers `text_encoder/`) + `tokenizer`, `hidden_states[-3]` "
         "after the chat template (108 tokens cropped); `text_encoder_2`: the ByT5 glyph encoder "
         "(Glyph-SDXL-v2's ByT5-small, `byt5_small_glyphxl_fp16.safetensors` or `text_encoder_2/`) + "
-        "`tokenizer_2`, fed the prompt's quoted text. Adapters save as comfy (Tencent's names); diffusers "
-        "has no HunyuanVideo 1.5 LoRA loader"
+        "`tokenizer_2`, fed the prompt's quoted text. Adapters and full fine-tunes save in ComfyUI's layout "
+        "(q/k/v fused; kohya MLP names ComfyUI's `img_mlp_0` / `_2`); diffusers has no "
+        "HunyuanVideo 1.5 LoRA loader"
     ),
     save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
     title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
@@ -41,15 +43,14 @@ HUNYUAN_VIDEO15 = Architecture(
     fixture="tuner.archs.hunyuan_video15.fixture:FIXTURE",
     model_class="HunyuanVideo15Transformer3DModel",
     block_lists=("transformer_blocks",),
-    # the attention and MLP linears of both streams of every double block (Tencent's img_attn_q ...
-    # txt_mlp.fc2, all unfused). Modulations, norms, the text refiner and the text / glyph / image
+    # the attention and MLP linears of both streams of every double block (q/k/v, so the export can fuse
+    # `img_attn_qkv` / `txt_attn_qkv`). Modulations, norms, the text refiner and the text / glyph / image
     # embedders are left alone.
     default_targets=(
         r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
         r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
     ),
     configs="hunyuan_video15",
-    # Tencent names under `diffusion_model.`: ComfyUI's key map (diffusers has no HunyuanVideo 1.5 LoRA loader)
     tokenizers=(  # Qwen2.5-VL and the ByT5 glyph encoder
         ("tokenizer", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer"),
         ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer_2"),
@@ -67,6 +68,8 @@ HUNYUAN_VIDEO15 = Architecture(
             ),
         ),
     ),  # fmt: skip
+    # Tencent names under `diffusion_model.`, q/k/v fused: ComfyUI's key map (diffusers has no HunyuanVideo
+    # 1.5 LoRA loader)
     save_format="comfy",
     spatial_step=16,
     frame_multiple=4,
@@ -88,8 +91,8 @@ RECORDS = (
         variants=("480p_i2v", "720p_i2v"),
         checkpoints=(
             "Variants: `480p_i2v`, `720p_i2v` (the T2V network's shapes, other weights). `transformer`: "
-            "Tencent's `transformer/480p_i2v/...` or ComfyUI's "
-            "`hunyuanvideo1.5_{480p,720p}_i2v_*.safetensors` or the diffusers folder "
+            "Tencent's `transformer/480p_i2v/...` (separate q/k/v) or Comfy-Org's "
+            "`hunyuanvideo1.5_{480p,720p}_i2v_*.safetensors` (fused `*_attn_qkv`) or the diffusers folder "
             "(`hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v`); a file named `t2v` is refused "
             "naming `hunyuan_video15`. `image_encoder`: SigLIP so400m-patch14-384 (ComfyUI's "
             "`sigclip_vision_patch14_384.safetensors`, `vision_model.*`, or the diffusers `image_encoder/` + "

@@ -1,0 +1,195 @@
+"""HunyuanVideo 1.5's two single-file layouts, and adapters named as ComfyUI's HunyuanVideo 1.5 model reads them.
+
+Comfy-Org's repackaged files fuse each double block's q/k/v (`img_attn_qkv`), Tencent's release keeps
+them apart (`img_attn_q`); see `tuner.archs.hunyuan_video15.keys` for where these facts come from. The
+ComfyUI key rules below are those facts written as data (ComfyUI 0.8: `comfy/supported_models.py` renames
+a file's keys to its module names, `comfy/lora.py` maps adapter names onto them), not ComfyUI's code.
+"""
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tuner.archs.hunyuan_video15 import loaders as hv
+from tuner.archs.hunyuan_video15.keys import HUNYUAN_VIDEO15_LAYOUT, TENCENT_LAYOUT
+from tuner.fixtures import write_fixture
+from tuner.models.loading import load_tensors, read_tensor_shapes
+from tuner.networks import LoRANetwork, TargetSpec
+from tuner.networks.factory import apply_adapter_file
+from tuner.networks.loha import LoHaNetwork
+from tuner.registry import ARCHITECTURES
+from tuner.tools.merge import merge_adapters
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return write_fixture("hunyuan_video15", tmp_path_factory.mktemp("hunyuan_video15_model"))
+
+
+@pytest.fixture(scope="module")
+def model(paths):
+    return hv.load_transformer(paths["diffusers"], torch.float32).requires_grad_(False)
+
+
+# ComfyUI's HunyuanVideo module names, from a file's (Tencent's) key fragments: the double blocks' part
+_COMFY_MODULE_NAMES = (
+    ("_attn_qkv.", "_attn.qkv."),
+    ("_attn_proj.", "_attn.proj."),
+    ("_mlp.fc1.", "_mlp.0."),
+    ("_mlp.fc2.", "_mlp.2."),
+    ("_mod.linear.", "_mod.lin."),
+)
+
+
+def comfy_adapter_names(file_keys) -> set[str]:
+    """Every adapter stem ComfyUI maps onto a weight of its HunyuanVideo model built from a file with
+    `file_keys`: `diffusion_model.` + its module name, `lora_unet_` + its module name with "_", and (the
+    format of diffusion-pipe, for every HunyuanVideo model) the file's own name under `diffusion_model.`
+    or `transformer.`. A file in Tencent's separate-q/k/v layout does not load into the model at all."""
+    names = set()
+    for key in file_keys:
+        if not key.endswith(".weight"):
+            continue
+        module = key.removesuffix("weight")
+        for tencent, comfy in _COMFY_MODULE_NAMES:
+            module = module.replace(tencent, comfy)
+        module, original = module.removesuffix("."), key.removesuffix(".weight")
+        names |= {f"diffusion_model.{module}", f"lora_unet_{module.replace('.', '_')}"}
+        names |= {f"diffusion_model.{original}", f"transformer.{original}"}
+    return names
+
+
+def _network(model, cls=LoRANetwork, seed=0, **options):
+    targets = TargetSpec(ARCHITECTURES["hunyuan_video15"].default_targets)
+    network = cls.apply_to(model, targets, 4, 2.0, name_map=HUNYUAN_VIDEO15_LAYOUT, **options)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return network
+
+
+def _stems(path) -> set[str]:
+    return {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in load_file(path)}
+
+
+def _deltas(network) -> dict[str, torch.Tensor]:
+    return {name: weights.delta() for name, weights in network.weights().items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two files
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_comfyui_file_fuses_what_tencent_keeps_apart_rows_q_k_v(paths):
+    """musubi-tuner splits a ComfyUI file's `*_attn_qkv` (weight and bias) into thirds q, k, v."""
+    comfy, tencent = load_tensors(paths["transformer_file"]), load_tensors(paths["tencent_transformer_file"])
+    fused = {k for k in comfy if "_attn_qkv." in k and k.startswith("double_blocks.")}
+    assert fused == {f"double_blocks.0.{s}_attn_qkv.{t}" for s in ("img", "txt") for t in ("weight", "bias")}
+    for key in fused:
+        thirds = comfy[key].chunk(3)
+        for part, third in zip("qkv", thirds):
+            assert torch.equal(tencent[key.replace("_qkv.", f"_{part}.")], third), key
+    separate = {
+        k for k in tencent if re.fullmatch(r"double_blocks\.\d+\.(img|txt)_attn_[qkv]\.(weight|bias)", k)
+    }
+    assert len(separate) == 12 and comfy.keys() - fused == tencent.keys() - separate
+
+
+def test_full_fine_tunes_are_written_in_the_comfyui_layout(model, paths):
+    """A full fine-tune's file (the layout's `to_original`) has the keys of Comfy-Org's files."""
+    written = HUNYUAN_VIDEO15_LAYOUT.to_original(model.state_dict())
+    assert written.keys() == read_tensor_shapes(paths["transformer_file"]).keys()
+    assert (
+        "double_blocks.0.img_attn_qkv.weight" in written
+        and "double_blocks.0.img_attn_q.weight" not in written
+    )
+    assert (
+        TENCENT_LAYOUT.to_original(model.state_dict()).keys()
+        == read_tensor_shapes(paths["tencent_transformer_file"]).keys()
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adapters: every key one ComfyUI maps, and they read back
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["comfy", "kohya"])
+@pytest.mark.parametrize("cls", [LoRANetwork, LoHaNetwork], ids=["lora", "loha"])
+def test_every_exported_key_names_a_module_of_comfyui_model(model, paths, tmp_path, layout, cls):
+    """The default and kohya files name only modules ComfyUI's HunyuanVideo 1.5 model has (q/k/v fused,
+    the MLPs' kohya names ComfyUI's `img_mlp_0`), and read back to the same adapters."""
+    network = _network(model, cls)
+    try:
+        path = tmp_path / f"{layout}.safetensors"
+        network.save(path, HUNYUAN_VIDEO15_LAYOUT, format=layout)
+        expected = _deltas(network)
+    finally:
+        network.remove()
+    stems = _stems(path)
+    assert len(stems) == 8  # img/txt: fused qkv, proj, mlp in and out
+    assert stems <= comfy_adapter_names(read_tensor_shapes(paths["transformer_file"])), sorted(stems)
+    assert not any(s.endswith(("attn_q", "attn_k", "attn_v")) for s in stems)
+    if layout == "kohya":
+        assert (
+            "lora_unet_double_blocks_0_img_mlp_0" in stems
+            and "lora_unet_double_blocks_0_txt_attn_qkv" in stems
+        )
+    loaded = apply_adapter_file(model, path, name_map=HUNYUAN_VIDEO15_LAYOUT)
+    try:
+        got = {name: weights.delta() for name, weights in loaded.weights().items()}
+    finally:
+        loaded.remove()
+    assert got.keys() == expected.keys()
+    for name, delta in expected.items():
+        torch.testing.assert_close(got[name], delta, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["comfy", "kohya"])
+def test_adapters_in_tencent_names_still_read(model, tmp_path, layout):
+    """Files naming q/k/v apart (tuner's before, musubi-tuner's `lora_unet_..._img_attn_q` / `_img_mlp_fc1`)."""
+    network = _network(model)
+    try:
+        path = tmp_path / "tencent.safetensors"
+        network.save(path, TENCENT_LAYOUT.keys, format=layout)
+        expected = _deltas(network)
+    finally:
+        network.remove()
+    assert any(s.endswith(("img_attn_q", "img_mlp_fc1", "img_mlp.fc1")) for s in _stems(path))
+    loaded = apply_adapter_file(model, path, name_map=HUNYUAN_VIDEO15_LAYOUT)
+    try:
+        got = _deltas(loaded)
+    finally:
+        loaded.remove()
+    assert (
+        all(torch.equal(got[name], delta) for name, delta in expected.items())
+        and got.keys() == expected.keys()
+    )
+
+
+def test_kohya_file_merges_like_the_default_one(model, paths, tmp_path):
+    """`tuner lora merge` reads the kohya MLP names (ComfyUI's, not the checkpoint's) through the table."""
+    network = _network(model)
+    try:
+        network.save(tmp_path / "comfy.safetensors", HUNYUAN_VIDEO15_LAYOUT, format="comfy")
+        network.save(tmp_path / "kohya.safetensors", HUNYUAN_VIDEO15_LAYOUT, format="kohya")
+    finally:
+        network.remove()
+    for layout in ("comfy", "kohya"):
+        merge_adapters(paths["transformer_file"], [(tmp_path / f"{layout}.safetensors", 1.0)],
+                       tmp_path / f"merged_{layout}.safetensors")  # fmt: skip
+    comfy, kohya = (
+        load_file(tmp_path / "merged_comfy.safetensors"),
+        load_file(tmp_path / "merged_kohya.safetensors"),
+    )
+    base = load_tensors(paths["transformer_file"])
+    assert comfy.keys() == kohya.keys() == base.keys()
+    assert not torch.equal(
+        comfy["double_blocks.0.img_mlp.fc1.weight"], base["double_blocks.0.img_mlp.fc1.weight"]
+    )
+    for key in comfy:
+        torch.testing.assert_close(kohya[key], comfy[key], atol=1e-6, rtol=0)
