@@ -12,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from project import cfg, make_project
 from tuner.archs.hunyuan_video15 import loaders as hv
 from tuner.archs.hunyuan_video15.keys import HUNYUAN_VIDEO15_LAYOUT, TENCENT_LAYOUT
+from tuner.errors import ConfigError
 from tuner.fixtures import write_fixture
 from tuner.models.loading import load_tensors, read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
@@ -193,3 +195,17 @@ def test_kohya_file_merges_like_the_default_one(model, paths, tmp_path):
     )
     for key in comfy:
         torch.testing.assert_close(kohya[key], comfy[key], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# DoRA: refused before anything runs
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["hunyuan_video15", "hunyuan_video15_i2v"])
+def test_dora_is_refused_when_the_config_loads(tmp_path, arch):
+    """A column-wise DoRA of q, k or v alone has no fused form, and ComfyUI names no part of `img_attn.qkv`."""
+    config = make_project(tmp_path / "project", tmp_path / "model", architecture=arch)
+    cfg(config)  # fine without DoRA
+    with pytest.raises(ConfigError, match=r"network\.dora.*img_attn\.qkv"):
+        cfg(config, "network.dora=true")

@@ -140,6 +140,10 @@ class Architecture:
     load it); empty: the denoiser's layout. A `save.format = "diffusers"` save keeps the denoiser's."""
     zero_empty_negative: bool = False
     """Generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as diffusers' `force_zeros_for_empty_prompt`)."""
+    dora_refused: str = ""
+    """Why `network.dora` is refused, where it is: tuner's DoRA normalises each column over the rows of one
+    layer, so on the parts of a fused layer it is written apart, and the tool the layout is for may have no
+    name for a part (ComfyUI maps diffusers' names onto row slices for FLUX only). Empty: DoRA saves."""
 
     def family_class(self) -> type:
         """Its `ArchitectureModel` subclass."""

@@ -495,6 +495,7 @@ class TrainingFile:
         check_save_format(self.network.dora, layout)
         _check_experts(self)
         _check_first_frame(self)
+        _check_dora(self)
         _check_fused_backward(self.train)
         if self.sample.use_ema and not self.train.ema_decay:
             raise ConfigError(
@@ -530,6 +531,15 @@ def _check_first_frame(file: TrainingFile) -> None:
             f"key 'train.first_frame_conditioning_p': {name} cannot train without its first frame "
             f"({record.first_frame_required}); set 1 or remove the key."
         )
+
+
+def _check_dora(file: TrainingFile) -> None:
+    """network.dora: refused for architectures whose saved DoRA would not load (`Architecture.dora_refused`)."""
+    from tuner.registry import architecture
+
+    if file.network.dora and (why := architecture(file.model.architecture).dora_refused):
+        raise ConfigError(f"key 'network.dora': {file.model.architecture} cannot save a DoRA ComfyUI loads "
+                          f"({why}); train without it (a LoRA, LoHa or LoKr).")  # fmt: skip
 
 
 def _check_fused_backward(train: TrainConfig) -> None:

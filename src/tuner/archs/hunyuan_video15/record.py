@@ -33,7 +33,7 @@ HUNYUAN_VIDEO15 = Architecture(
         "after the chat template (108 tokens cropped); `text_encoder_2`: the ByT5 glyph encoder "
         "(Glyph-SDXL-v2's ByT5-small, `byt5_small_glyphxl_fp16.safetensors` or `text_encoder_2/`) + "
         "`tokenizer_2`, fed the prompt's quoted text. Adapters and full fine-tunes save in ComfyUI's layout "
-        "(q/k/v fused; kohya MLP names ComfyUI's `img_mlp_0` / `_2`); diffusers has no "
+        "(q/k/v fused; kohya MLP names ComfyUI's `img_mlp_0` / `_2`), DoRA is refused; diffusers has no "
         "HunyuanVideo 1.5 LoRA loader"
     ),
     save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
@@ -71,6 +71,10 @@ HUNYUAN_VIDEO15 = Architecture(
     # Tencent names under `diffusion_model.`, q/k/v fused: ComfyUI's key map (diffusers has no HunyuanVideo
     # 1.5 LoRA loader)
     save_format="comfy",
+    dora_refused=(
+        "ComfyUI's model keeps each stream's q, k and v in one linear, img_attn.qkv / txt_attn.qkv, and maps "
+        "no adapter name onto a part of it; a column-wise DoRA of q, k or v alone has no fused form"
+    ),
     spatial_step=16,
     frame_multiple=4,
     frame_remainder=1,
