@@ -160,6 +160,24 @@ def test_golden_loss(case, tmp_path):
     assert trainer.history == pytest.approx(GOLDEN[arch], rel=GOLDEN_REL.get(arch, 1e-4)), trainer.history
 
 
+# Fixtures that also write the transformer in another single-file layout users hold (its path key):
+# HunyuanVideo 1.5's Tencent release keeps q/k/v apart where Comfy-Org's files (the configs') fuse them.
+OTHER_LAYOUTS = {
+    "hunyuan_video15": "tencent_transformer_file",
+    "hunyuan_video15_i2v": "tencent_transformer_file",
+}
+
+
+@pytest.mark.parametrize("contract", list(OTHER_LAYOUTS), indirect=True)
+def test_golden_loss_from_the_other_single_file_layout(contract, tmp_path):
+    arch, config, paths = contract
+    trainer = trainer_class(arch)(cfg(config, f"model.transformer='{paths[OTHER_LAYOUTS[arch]]}'",
+                                      f"save.output_dir='{tmp_path}'", "log.tensorboard=false",
+                                      "train.max_steps=3"))  # fmt: skip
+    trainer.train(log=lambda s: None)
+    assert trainer.history == pytest.approx(GOLDEN[arch], rel=GOLDEN_REL.get(arch, 1e-4)), trainer.history
+
+
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
