@@ -18,9 +18,8 @@ FLUX = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its FLUX.1 converter)",
     title="FLUX.1 dev text-to-image",
-    family="tuner.archs.flux.trainer:FluxModel",
-    layout="tuner.archs.flux.keys:FLUX_LAYOUT",
-    fixture="tuner.archs.flux.fixture:FIXTURE",
+    family="FluxModel",
+    layout="FLUX_LAYOUT",
     model_class="FluxTransformer2DModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP input and
@@ -31,7 +30,6 @@ FLUX = Architecture(
         r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
         r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
     ),
-    configs="flux",
     # FLUX.1-schnell's (the same CLIP-L and T5-XXL tokenizers as dev's, in a repository that is not gated)
     tokenizers=(
         ("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer"),
@@ -41,7 +39,6 @@ FLUX = Architecture(
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)
     save_format="kohya",
-    spatial_step=16,
     timestep_mode="flux_shift",
     sample_shift="flux_shift",
     latent_patch=(2, 2),
@@ -62,8 +59,8 @@ RECORDS = (
         ),
         hub_repos=(("dev", "black-forest-labs/FLUX.1-Kontext-dev"),),
         title="FLUX.1 Kontext dev image editing (one reference image)",
-        family="tuner.archs.flux.trainer:FluxKontextModel",
-        fixture="tuner.archs.flux.fixture:KONTEXT_FIXTURE",
+        family="FluxKontextModel",
+        fixture="KONTEXT_FIXTURE",
         control_images=(1, 1),
     ),
 )

@@ -21,9 +21,8 @@ FLUX2 = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its FLUX.2 converter)",
     title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
-    family="tuner.archs.flux2.trainer:Flux2Model",
-    layout="tuner.archs.flux2.keys:FLUX2_LAYOUT",
-    fixture="tuner.archs.flux2.fixture:FIXTURE",
+    family="Flux2Model",
+    layout="FLUX2_LAYOUT",
     model_class="Flux2Transformer2DModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # attention and MLP linears of both streams in the double blocks (q/k/v together are the original
@@ -35,13 +34,11 @@ FLUX2 = Architecture(
         r"transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)",
         r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
     ),
-    configs="flux2",
     tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-dev:tokenizer"),),  # Mistral-Small 3
     hub_repos=(("dev", "black-forest-labs/FLUX.2-dev"),),
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
-    spatial_step=16,
     control_images=(0, 10),
     timestep_mode="flux_shift",
     sample_shift="flux_shift",
@@ -64,8 +61,8 @@ RECORDS = (
             "states after layers 9, 18, 27"
         ),
         title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
-        family="tuner.archs.flux2.trainer:Flux2KleinModel",
-        fixture="tuner.archs.flux2.fixture:KLEIN_FIXTURE",
+        family="Flux2KleinModel",
+        fixture="KLEIN_FIXTURE",
         tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-klein-4B:tokenizer"),),  # Qwen3
         hub_repos=(
             ("4B", "black-forest-labs/FLUX.2-klein-4B"),

@@ -24,9 +24,8 @@ HUNYUAN_VIDEO = Architecture(
         "layers' `.alpha`)"
     ),
     title="HunyuanVideo text-to-video (13B, cfg-distilled 720p T2V)",
-    family="tuner.archs.hunyuan_video.trainer:HunyuanVideoModel",
-    layout="tuner.archs.hunyuan_video.keys:HUNYUAN_VIDEO_LAYOUT",
-    fixture="tuner.archs.hunyuan_video.fixture:FIXTURE",
+    family="HunyuanVideoModel",
+    layout="HUNYUAN_VIDEO_LAYOUT",
     model_class="HunyuanVideoTransformer3DModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # as FLUX.1: the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP
@@ -37,7 +36,6 @@ HUNYUAN_VIDEO = Architecture(
         r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
         r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
     ),
-    configs="hunyuan_video",
     tokenizers=(  # LLaVA-Llama-3 and CLIP-L
         ("tokenizer", "hunyuanvideo-community/HunyuanVideo:tokenizer"),
         ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo:tokenizer_2"),
@@ -58,7 +56,6 @@ HUNYUAN_VIDEO = Architecture(
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
-    spatial_step=16,
     frame_multiple=4,
     frame_remainder=1,
     model_fps=24.0,

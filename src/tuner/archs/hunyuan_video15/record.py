@@ -36,9 +36,8 @@ HUNYUAN_VIDEO15 = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
     title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
-    family="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15Model",
-    layout="tuner.archs.hunyuan_video15.keys:HUNYUAN_VIDEO15_LAYOUT",
-    fixture="tuner.archs.hunyuan_video15.fixture:FIXTURE",
+    family="HunyuanVideo15Model",
+    layout="HUNYUAN_VIDEO15_LAYOUT",
     model_class="HunyuanVideo15Transformer3DModel",
     block_lists=("transformer_blocks",),
     # the attention and MLP linears of both streams of every double block (Tencent's img_attn_q ...
@@ -48,7 +47,6 @@ HUNYUAN_VIDEO15 = Architecture(
         r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
         r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
     ),
-    configs="hunyuan_video15",
     # Tencent names under `diffusion_model.`: ComfyUI's key map (diffusers has no HunyuanVideo 1.5 LoRA loader)
     tokenizers=(  # Qwen2.5-VL and the ByT5 glyph encoder
         ("tokenizer", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer"),
@@ -101,8 +99,8 @@ RECORDS = (
             "datasets only"
         ),
         title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
-        family="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15I2VModel",
-        fixture="tuner.archs.hunyuan_video15.fixture:I2V_FIXTURE",
+        family="HunyuanVideo15I2VModel",
+        fixture="I2V_FIXTURE",
         first_frame=1.0,  # without it: the text-to-video pipeline's zero condition and image tokens
         hub_repos=tuple(
             (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_i2v") for r in ("480p", "720p")

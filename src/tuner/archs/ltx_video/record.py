@@ -18,9 +18,8 @@ LTX_VIDEO = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-Video 0.9 text-to-video (2B)",
-    family="tuner.archs.ltx_video.trainer:LTXVideoModel",
-    layout="tuner.archs.ltx_video.keys:LTX_VIDEO_LAYOUT",
-    fixture="tuner.archs.ltx_video.fixture:FIXTURE",
+    family="LTXVideoModel",
+    layout="LTX_VIDEO_LAYOUT",
     model_class="LTXVideoTransformer3DModel",
     block_lists=("transformer_blocks",),
     # the self- and text attention and the feed-forward of every block
@@ -28,7 +27,6 @@ LTX_VIDEO = Architecture(
         r"transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
         r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
     ),
-    configs="ltx_video",
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
     tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),

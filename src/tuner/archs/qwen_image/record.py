@@ -17,9 +17,8 @@ QWEN_IMAGE = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Qwen-Image text-to-image",
-    family="tuner.archs.qwen_image.trainer:QwenImageModel",
-    layout="tuner.archs.qwen_image.loaders:QWEN_IMAGE_LAYOUT",
-    fixture="tuner.archs.qwen_image.fixture:FIXTURE",
+    family="QwenImageModel",
+    layout="loaders:QWEN_IMAGE_LAYOUT",
     model_class="QwenImageTransformer2DModel",
     block_lists=("transformer_blocks",),
     # the attention projections of both streams and both MLPs of every block; the modulation layers
@@ -28,7 +27,6 @@ QWEN_IMAGE = Architecture(
         r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
         r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
     ),
-    configs="qwen_image",
     tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),
     hub_repos=(("", "Qwen/Qwen-Image"),),
     comfy_files=(
@@ -43,7 +41,6 @@ QWEN_IMAGE = Architecture(
         ),
     ),  # fmt: skip
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
-    spatial_step=16,
     timestep_mode="qwen_shift",
     sample_shift="qwen_shift",
 )
@@ -64,8 +61,8 @@ RECORDS = (
         hub_repos=(("2509", "Qwen/Qwen-Image-Edit-2509"), ("2511", "Qwen/Qwen-Image-Edit-2511")),
         comfy_files=(),
         title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",
-        family="tuner.archs.qwen_image.trainer:QwenImageEditModel",
-        fixture="tuner.archs.qwen_image.fixture:EDIT_FIXTURE",
+        family="QwenImageEditModel",
+        fixture="EDIT_FIXTURE",
         control_images=(1, 3),
         text_uses_controls=True,
     ),

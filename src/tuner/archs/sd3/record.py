@@ -23,9 +23,8 @@ SD3 = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its SD3 loader has no converter)',
     title="Stable Diffusion 3.5 text-to-image (Medium, Large, Large Turbo)",
-    family="tuner.archs.sd3.trainer:SD3Model",
-    layout="tuner.archs.sd3.keys:SD3_LAYOUT",
-    fixture="tuner.archs.sd3.fixture:FIXTURE",
+    family="SD3Model",
+    layout="SD3_LAYOUT",
     model_class="SD3Transformer2DModel",
     block_lists=("transformer_blocks",),
     # the attention and MLP linears of both streams (Medium's attn2 too): together the release's fused
@@ -35,7 +34,6 @@ SD3 = Architecture(
         r"transformer_blocks\.\d+\.attn2\.(to_q|to_k|to_v|to_out\.0)",
         r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
     ),
-    configs="sd3",
     tokenizers=(  # CLIP-L, OpenCLIP bigG, T5-XXL
         ("tokenizer", "stabilityai/stable-diffusion-3.5-medium:tokenizer"),
         ("tokenizer_2", "stabilityai/stable-diffusion-3.5-medium:tokenizer_2"),
@@ -46,7 +44,6 @@ SD3 = Architecture(
     # layout. diffusers' SD3 loader reads only its own names (it has no converter): save.format =
     # "diffusers" (or `tuner lora convert --to diffusers`) writes those, which ComfyUI maps as well
     save_format="comfy",
-    spatial_step=16,
     latent_patch=(2, 2),
 )
 
