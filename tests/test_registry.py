@@ -5,6 +5,7 @@ runs every user path on its fixture.
 """
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -45,6 +46,8 @@ def test_record_is_complete(name):
     fixture = record.load_fixture()
     assert isinstance(fixture, Fixture) and f'architecture = "{name}"' in fixture.model_section
     assert hasattr(diffusers, record.model_class), record.model_class
+    for config in (record.variant_dir / "transformer").glob("*/config.json"):
+        assert json.loads(config.read_text())["_class_name"] == record.model_class, config
     assert record.block_lists and all(re.fullmatch(r"[a-z_]+", b) for b in record.block_lists)
     assert record.default_targets
     for pattern in record.default_targets:

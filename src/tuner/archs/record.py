@@ -10,12 +10,24 @@ for, so reading a config or printing `--help` loads no model code.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ARCHS = Path(__file__).parent
+
+# `default_targets` of the families built on diffusers' dual-stream (MM-DiT) blocks
+DUAL_STREAM_ATTENTION = (
+    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+)
+"""The joint attention's linears of both streams: the image stream's q/k/v/out, the text stream's `add_*`."""
+DUAL_STREAM_FEED_FORWARD = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)"
+"""The MLP input and output of both streams."""
+SINGLE_STREAM = r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)"
+"""q/k/v, MLP input and output of FLUX.1-style single-stream blocks (the release's fused `linear1`, `linear2`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,11 +42,11 @@ class Architecture:
     """Its `ArchitectureModel` subclass (`tuner.archs.model`), a class of its folder's `trainer.py`
     (`module:Class` in another module of the folder): what it computes. Training runs the loop over it
     (`tuner.trainers.trainer_class`)."""
-    layout: str
-    """Its `CheckpointLayout`, named in its folder's `keys.py` (`module:attribute` in another module of the
-    folder): the release's single-file layout relative to diffusers'. Its `keys` (`ArchitectureKeys`:
-    module renames and fused layers) name adapters in saved files. Architectures with the same network
-    point to the same layout."""
+    layout: str = ""
+    """Its `CheckpointLayout`: the release's single-file layout relative to diffusers'. Its `keys`
+    (`ArchitectureKeys`: module renames and fused layers) name adapters in saved files. Empty: its folder's
+    `keys.py` `<FOLDER>_LAYOUT` (e.g. `FLUX_LAYOUT`); else `module:attribute` in its folder (a layout kept in
+    `loaders.py`). Architectures with the same network share one layout."""
     fixture: str = "FIXTURE"
     """Its tiny random-weight `Fixture` (written in the release's layouts), named in its folder's
     `fixture.py` (`module:attribute` in another module of the folder)."""
@@ -42,8 +54,6 @@ class Architecture:
     """The family folder under `tuner/archs/` whose `record.py` declares it, set by `tuner.registry`: its code
     is named relative to it, and its `configs/` holds the diffusers configs of every shipped variant (a
     `transformer/` folder holding a `tiny` variant and at least one real one)."""
-    model_class: str
-    """The diffusers class of its transformer."""
     block_lists: tuple[str, ...]
     """The transformer's `nn.ModuleList`s of blocks, in execution order (block swap, checkpointing,
     fp8 storage)."""
@@ -179,7 +189,7 @@ class Architecture:
     def checkpoint_layout(self) -> Any:
         """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the
         fused layers), `.inverse` for the way back, and whole-checkpoint conversion."""
-        return self._code(self.layout, "keys")
+        return self._code(self.layout or f"{self.folder.upper()}_LAYOUT", "keys")
 
     def key_table(self) -> Any:
         """The `ArchitectureKeys` of this architecture (what adapter files are named by)."""
@@ -206,6 +216,11 @@ class Architecture:
     def variant_dir(self) -> Path:
         return ARCHS / self.folder / "configs"
 
+    @property
+    def model_class(self) -> str:
+        """The diffusers class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
+        return _class_name(self.variant_dir / "transformer" / "tiny" / "config.json")
+
     def _code(self, ref: str, default: str = "") -> Any:
         """What `ref` names in the record's folder: `attribute` of the module `default`, or
         `module:attribute`."""
@@ -213,6 +228,11 @@ class Architecture:
             raise LookupError(f"{self.name}: a record has a folder once `tuner.registry` lists it")
         module, _, attribute = ref.rpartition(":")
         return getattr(importlib.import_module(f"tuner.archs.{self.folder}.{module or default}"), attribute)
+
+
+@functools.cache
+def _class_name(config: Path) -> str:
+    return json.loads(config.read_text())["_class_name"]
 
 
 def comfy(repo: str, **files: str) -> tuple[tuple[str, str], ...]:

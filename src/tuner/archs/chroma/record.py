@@ -24,8 +24,6 @@ RECORDS = (
         save_format_loads="ComfyUI; diffusers (its FLUX.1 converter, at the real width)",
         title="Chroma text-to-image (FLUX.1-schnell based, T5 only)",
         family="ChromaModel",
-        layout="CHROMA_LAYOUT",
-        model_class="ChromaTransformer2DModel",
         tokenizers=(("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),),  # T5-XXL only
         hub_repos=(("HD", "lodestones/Chroma1-HD"),),
     ),

@@ -22,8 +22,6 @@ COSMOS_PREDICT2 = Architecture(
     save_format_loads="ComfyUI; diffusers has no LoRA loader for the Predict2 pipelines",
     title="Cosmos-Predict2 text-to-image (2B, 14B)",
     family="CosmosPredict2Model",
-    layout="COSMOS_PREDICT2_LAYOUT",
-    model_class="CosmosTransformer3DModel",
     block_lists=("transformer_blocks",),
     # the self- and cross-attention projections and the MLP of every block; the AdaLN-LoRA modulation
     # linears, embedders and output head are left alone

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, SINGLE_STREAM, Architecture
 
 FLUX = Architecture(
     name="flux",
@@ -19,17 +19,11 @@ FLUX = Architecture(
     save_format_loads="ComfyUI; diffusers (its FLUX.1 converter)",
     title="FLUX.1 dev text-to-image",
     family="FluxModel",
-    layout="FLUX_LAYOUT",
-    model_class="FluxTransformer2DModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP input and
     # output of the single blocks: together the original fused `qkv` and `linear1` layers, so the export
     # can fuse them. Modulations, norms and embedders are left alone.
-    default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
-        r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
-    ),
+    default_targets=(DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, SINGLE_STREAM),
     # FLUX.1-schnell's (the same CLIP-L and T5-XXL tokenizers as dev's, in a repository that is not gated)
     tokenizers=(
         ("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture
 
 FLUX2 = Architecture(
     name="flux2",
@@ -22,15 +22,13 @@ FLUX2 = Architecture(
     save_format_loads="ComfyUI; diffusers (its FLUX.2 converter)",
     title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
     family="Flux2Model",
-    layout="FLUX2_LAYOUT",
-    model_class="Flux2Transformer2DModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # attention and MLP linears of both streams in the double blocks (q/k/v together are the original
     # fused `qkv`, so the export can fuse them) and the fused input / output linears of the single
     # blocks (`linear1` / `linear2`, fused in diffusers too). The shared modulations, embedders and the
     # output head are left alone.
     default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        DUAL_STREAM_ATTENTION,
         r"transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)",
         r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
     ),

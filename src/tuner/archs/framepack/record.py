@@ -32,8 +32,6 @@ FRAMEPACK = replace(
     save_format_loads="ComfyUI (HunyuanVideo's names); diffusers' FramePack pipeline needs `save.format = \"diffusers\"`",
     title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
     family="FramePackModel",
-    layout="FRAMEPACK_LAYOUT",
-    model_class="HunyuanVideoFramepackTransformer3DModel",
     # the transformer; VAE, text and image encoders are HunyuanVideo's (`hunyuanvideo-community/HunyuanVideo`)
     # and SigLIP (`lllyasviel/flux_redux_bfl`), as diffusers' FramePack example loads them
     hub_repos=(("i2v", "lllyasviel/FramePackI2V_HY"),),

@@ -25,7 +25,6 @@ HIDREAM = Architecture(
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
     family="HiDreamModel",
     layout="loaders:HIDREAM_LAYOUT",
-    model_class="HiDreamImageTransformer2DModel",
     block_lists=("double_stream_blocks", "single_stream_blocks"),
     # attention of both streams (q, k, v, out; `_t`: the text stream of the double blocks) and every
     # SwiGLU of the feed-forwards: the MoE's shared expert and its routed experts (each token's 2 of 4)

@@ -37,8 +37,6 @@ HUNYUAN_VIDEO15 = Architecture(
     save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
     title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
     family="HunyuanVideo15Model",
-    layout="HUNYUAN_VIDEO15_LAYOUT",
-    model_class="HunyuanVideo15Transformer3DModel",
     block_lists=("transformer_blocks",),
     # the attention and MLP linears of both streams of every double block (Tencent's img_attn_q ...
     # txt_mlp.fc2, all unfused). Modulations, norms, the text refiner and the text / glyph / image

@@ -28,7 +28,6 @@ KANDINSKY5 = Architecture(
     title="Kandinsky 5.0 Video Lite text-to-video (2B; sft, pretrain, nocfg, distilled, 5 s / 10 s)",
     family="Kandinsky5Model",
     layout="loaders:KANDINSKY5_LAYOUT",
-    model_class="Kandinsky5Transformer3DModel",
     block_lists=("text_transformer_blocks", "visual_transformer_blocks"),
     # attention (self- and cross-) and feed-forward linears of the visual blocks and the text blocks;
     # modulations (kept in fp32), embeddings and the output layer are left alone

@@ -24,8 +24,6 @@ LTX2 = Architecture(
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
     family="LTX2Model",
-    layout="LTX2_LAYOUT",
-    model_class="LTX2VideoTransformer3DModel",
     block_lists=("transformer_blocks",),
     # every attention (self, text, and audio<->video of both streams) and both feed-forwards of the
     # blocks; the embedders, modulation and output projections are left alone

@@ -19,8 +19,6 @@ LTX_VIDEO = Architecture(
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-Video 0.9 text-to-video (2B)",
     family="LTXVideoModel",
-    layout="LTX_VIDEO_LAYOUT",
-    model_class="LTXVideoTransformer3DModel",
     block_lists=("transformer_blocks",),
     # the self- and text attention and the feed-forward of every block
     default_targets=(

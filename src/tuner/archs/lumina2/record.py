@@ -21,8 +21,6 @@ LUMINA2 = Architecture(
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its converter fixes the 2.6B sizes)',
     title="Lumina Image 2.0 text-to-image (Gemma 2 text encoder)",
     family="Lumina2Model",
-    layout="LUMINA2_LAYOUT",
-    model_class="Lumina2Transformer2DModel",
     block_lists=("noise_refiner", "context_refiner", "layers"),
     # attention (q/k/v, which the release fuses into `qkv`, and the output) and the SwiGLU MLP of every
     # block, refiners included; modulations, norms, embedders and the output layer are left alone

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, comfy
 
 QWEN_IMAGE = Architecture(
     name="qwen_image",
@@ -19,12 +19,11 @@ QWEN_IMAGE = Architecture(
     title="Qwen-Image text-to-image",
     family="QwenImageModel",
     layout="loaders:QWEN_IMAGE_LAYOUT",
-    model_class="QwenImageTransformer2DModel",
     block_lists=("transformer_blocks",),
     # the attention projections of both streams and both MLPs of every block; the modulation layers
     # (img_mod / txt_mod), the embedders and the output head are left alone
     default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        DUAL_STREAM_ATTENTION,
         r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
     ),
     tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),

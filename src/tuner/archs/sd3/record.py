@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, Architecture
 
 SD3 = Architecture(
     name="sd3",
@@ -24,15 +24,13 @@ SD3 = Architecture(
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its SD3 loader has no converter)',
     title="Stable Diffusion 3.5 text-to-image (Medium, Large, Large Turbo)",
     family="SD3Model",
-    layout="SD3_LAYOUT",
-    model_class="SD3Transformer2DModel",
     block_lists=("transformer_blocks",),
     # the attention and MLP linears of both streams (Medium's attn2 too): together the release's fused
     # `qkv` layers, so the export can fuse them. Modulations, embedders and the output head are left alone.
     default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        DUAL_STREAM_ATTENTION,
         r"transformer_blocks\.\d+\.attn2\.(to_q|to_k|to_v|to_out\.0)",
-        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
+        DUAL_STREAM_FEED_FORWARD,
     ),
     tokenizers=(  # CLIP-L, OpenCLIP bigG, T5-XXL
         ("tokenizer", "stabilityai/stable-diffusion-3.5-medium:tokenizer"),

@@ -20,8 +20,6 @@ SDXL = Architecture(
     save_format_loads="ComfyUI, A1111 / Forge; diffusers (`load_lora_weights`)",
     title="SDXL text-to-image (base 1.0 and fine-tunes: Pony, Illustrious, NoobAI; epsilon or v-pred)",
     family="SDXLModel",
-    layout="SDXL_LAYOUT",
-    model_class="UNet2DConditionModel",
     # the UNet's levels (the mid block is one module, not a list, and stays resident)
     block_lists=("down_blocks", "up_blocks"),
     # every linear layer of the attention modules: their projections in and out, self- and

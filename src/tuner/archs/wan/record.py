@@ -45,8 +45,6 @@ WAN = Architecture(
     save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Wan 2.1 text-to-video (1.3B, 14B)",
     family="WanModel",
-    layout="WAN_LAYOUT",
-    model_class="WanTransformer3DModel",
     block_lists=("blocks",),
     # every linear layer of the attention and FFN inside the blocks (the condition embedders, time
     # projection and output head are left alone)

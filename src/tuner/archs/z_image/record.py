@@ -24,7 +24,6 @@ Z_IMAGE = Architecture(
     family="ZImageModel",
     training_warning="trainer:turbo_warning",
     layout="loaders:Z_IMAGE_LAYOUT",
-    model_class="ZImageTransformer2DModel",
     block_lists=("noise_refiner", "context_refiner", "layers"),
     # q/k/v (the release's fused `attention.qkv`), the output projection and the SwiGLU MLP of every
     # block, refiners included; the modulations, embedders and final layer are left alone
