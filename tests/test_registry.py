@@ -38,7 +38,7 @@ def test_record_is_complete(name):
         issubclass(trainer, NetworkTrainer) and issubclass(trainer, family) and trainer is trainer_class(name)
     )
     for method in ("load_transformer", "load_vae", "load_text_encoder", "encode_pixels", "encode_text",
-                   "collate_text", "predict", "decode_latents", "latent_shape"):  # fmt: skip
+                   "predict", "decode_latents", "latent_shape"):  # fmt: skip
         assert getattr(family, method) is not getattr(ArchitectureModel, method), f"{name} lacks {method}"
     assert isinstance(record.checkpoint_layout(), CheckpointLayout)
     assert isinstance(record.key_table(), ArchitectureKeys)
