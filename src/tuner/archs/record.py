@@ -5,7 +5,8 @@ lists the families, tells each record its `folder` and is the one view of all re
 data. Code it points to (the model class, the key layout, the fixture, ...) lives in its folder and is named
 relative to it: an attribute of the module the field reads by default (`trainer.py`, `keys.py`,
 `fixture.py`), or `"module:attribute"` for another module of the folder. It is imported only when asked
-for, so reading a config or printing `--help` loads no model code.
+for, so reading a config or printing `--help` loads no model code. The `default_targets` regexes several
+families share are named here once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 ARCHS = Path(__file__).parent
 
-# `default_targets` of the families built on diffusers' dual-stream (MM-DiT) blocks
+# `default_targets` shared by families: those built on diffusers' dual-stream (MM-DiT) blocks ...
 DUAL_STREAM_ATTENTION = (
     r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
 )
@@ -27,7 +28,12 @@ DUAL_STREAM_ATTENTION = (
 DUAL_STREAM_FEED_FORWARD = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)"
 """The MLP input and output of both streams."""
 SINGLE_STREAM = r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)"
-"""q/k/v, MLP input and output of FLUX.1-style single-stream blocks (the release's fused `linear1`, `linear2`)."""
+"""q/k/v, MLP input and output of FLUX.1-style single-stream blocks (the release's fused `linear1`)."""
+# ... and of those whose blocks attend to the image (`attn1`) and the text (`attn2`), then feed forward
+SELF_AND_CROSS_ATTENTION = r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)"
+"""q/k/v/out of the self-attention (`attn1`) and the cross-attention to the text (`attn2`)."""
+FEED_FORWARD = r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)"
+"""The MLP input and output."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,16 +131,16 @@ class Architecture:
     """(regex, shift): generation's default shift instead of `sample_shift` when the regex is found in
     `model.transformer`'s file or folder name (releases with one shape told apart by name only)."""
     flow_sampler: str = ""
-    """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's sections), called
-    as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler pass; empty:
-    one pass over the whole latent."""
+    """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's
+    sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
+    pass; empty: one pass over the whole latent."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None
     """(Sample rate, channels) of models that also learn sound; None for the others."""
     sound_stream: str = ""
-    """Models that also learn sound: `module:Class` (in its folder) of their `tuner.archs.parts.audio.SoundStream` (how sound
-    is encoded, predicted beside the video and decoded)."""
+    """Models that also learn sound: `module:Class` (in its folder) of their
+    `tuner.archs.parts.audio.SoundStream` (how sound is encoded, predicted beside the video and decoded)."""
     first_frame_image: bool = False
     """Whether generation takes an optional first-frame image (`--image`; TI2V, LTX)."""
     objective: str = "flow"
@@ -143,18 +149,20 @@ class Architecture:
     """Version of its cache entries' format (part of their cache key)."""
     text_encoder_training: str = ""
     """Models whose text encoders may train (`network.train_text_encoder`, SDXL): `module:Class` (in its
-    folder) of their `tuner.archs.parts.text_encoder_training.TrainableTextEncoders`; empty: the option is refused."""
+    folder) of their `tuner.archs.parts.text_encoder_training.TrainableTextEncoders`; empty: the option is
+    refused."""
     size_conditioning: bool = False
     """Whether the model is told how each training picture was sized: caching stores its `time_ids`
     (`tuner.archs.parts.size_conditioning`; SDXL)."""
     training_warning: str = ""
-    """`module:function` (in its folder) called with the config before an adapter is built on a transformer, returning a
-    warning to show (else ""): what training these weights as they are would undo (Z-Image-Turbo's
+    """`module:function` (in its folder) called with the config before an adapter is built on a transformer,
+    returning a warning to show (else ""): what training these weights as they are would undo (Z-Image-Turbo's
     distillation, without a de-distillation adapter merged)."""
     full_layout: str = ""
-    """`module:function` (in its folder) giving the layout a full fine-tune's file is written through (`fn(family)`) where
-    the release's checkpoint bundles more than the denoiser (SDXL's UNet, VAE and text encoders, as UIs
-    load it); empty: the denoiser's layout. A `save.format = "diffusers"` save keeps the denoiser's."""
+    """`module:function` (in its folder) giving the layout a full fine-tune's file is written through
+    (`fn(family)`) where the release's checkpoint bundles more than the denoiser (SDXL's UNet, VAE and text
+    encoders, as UIs load it); empty: the denoiser's layout. A `save.format = "diffusers"` save keeps the
+    denoiser's."""
     zero_empty_negative: bool = False
     """Generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as diffusers' `force_zeros_for_empty_prompt`)."""
 

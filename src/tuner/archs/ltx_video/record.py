@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture
 
 LTX_VIDEO = Architecture(
     name="ltx_video",
@@ -21,10 +21,7 @@ LTX_VIDEO = Architecture(
     family="LTXVideoModel",
     block_lists=("transformer_blocks",),
     # the self- and text attention and the feed-forward of every block
-    default_targets=(
-        r"transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
-        r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
-    ),
+    default_targets=(SELF_AND_CROSS_ATTENTION, FEED_FORWARD),
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
     tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
