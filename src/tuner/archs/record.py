@@ -243,6 +243,11 @@ def _class_name(config: Path) -> str:
     return json.loads(config.read_text())["_class_name"]
 
 
+def hub_tokenizers(repo: str, *fields: str) -> tuple[tuple[str, str], ...]:
+    """`tokenizers` entries: each config field's tokenizer from the folder of that name in `repo`."""
+    return tuple((field, f"{repo}:{field}") for field in fields)
+
+
 def comfy(repo: str, **files: str) -> tuple[tuple[str, str], ...]:
     """`comfy_files` entries: config field -> a file under `repo`'s `split_files/` folder."""
     return tuple((field, f"{repo}/split_files/{path}") for field, path in files.items())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture
+from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture, hub_tokenizers
 
 COSMOS_PREDICT2 = Architecture(
     name="cosmos_predict2",
@@ -26,7 +26,7 @@ COSMOS_PREDICT2 = Architecture(
     # the self- and cross-attention projections and the MLP of every block; the AdaLN-LoRA modulation
     # linears, embedders and output head are left alone
     default_targets=(SELF_AND_CROSS_ATTENTION, FEED_FORWARD),
-    tokenizers=(("tokenizer", "nvidia/Cosmos-Predict2-2B-Text2Image:tokenizer"),),  # T5-11B
+    tokenizers=hub_tokenizers("nvidia/Cosmos-Predict2-2B-Text2Image", "tokenizer"),  # T5-11B
     hub_repos=tuple((v, f"nvidia/Cosmos-Predict2-{v}-Text2Image") for v in ("2B", "14B")),
     # release names (`diffusion_model.blocks.0.self_attn.q_proj`): ComfyUI's key map; diffusers has no
     # LoRA loader for the Predict2 pipelines

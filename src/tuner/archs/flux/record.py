@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, SINGLE_STREAM, Architecture
+from tuner.archs.record import (
+    DUAL_STREAM_ATTENTION,
+    DUAL_STREAM_FEED_FORWARD,
+    SINGLE_STREAM,
+    Architecture,
+    hub_tokenizers,
+)
 
 FLUX = Architecture(
     name="flux",
@@ -25,10 +31,7 @@ FLUX = Architecture(
     # can fuse them. Modulations, norms and embedders are left alone.
     default_targets=(DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, SINGLE_STREAM),
     # FLUX.1-schnell's (the same CLIP-L and T5-XXL tokenizers as dev's, in a repository that is not gated)
-    tokenizers=(
-        ("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer"),
-        ("tokenizer_2", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),
-    ),
+    tokenizers=hub_tokenizers("black-forest-labs/FLUX.1-schnell", "tokenizer", "tokenizer_2"),
     hub_repos=(("dev", "black-forest-labs/FLUX.1-dev"),),
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)

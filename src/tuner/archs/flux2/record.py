@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture
+from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, hub_tokenizers
 
 FLUX2 = Architecture(
     name="flux2",
@@ -32,7 +32,7 @@ FLUX2 = Architecture(
         r"transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)",
         r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
     ),
-    tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-dev:tokenizer"),),  # Mistral-Small 3
+    tokenizers=hub_tokenizers("black-forest-labs/FLUX.2-dev", "tokenizer"),  # Mistral-Small 3
     hub_repos=(("dev", "black-forest-labs/FLUX.2-dev"),),
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
@@ -61,7 +61,7 @@ RECORDS = (
         title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
         family="Flux2KleinModel",
         fixture="KLEIN_FIXTURE",
-        tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-klein-4B:tokenizer"),),  # Qwen3
+        tokenizers=hub_tokenizers("black-forest-labs/FLUX.2-klein-4B", "tokenizer"),  # Qwen3
         hub_repos=(
             ("4B", "black-forest-labs/FLUX.2-klein-4B"),
             ("9B", "black-forest-labs/FLUX.2-klein-9B"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 HIDREAM = Architecture(
     name="hidream",
@@ -35,8 +35,8 @@ HIDREAM = Architecture(
         r"(double|single)_stream_blocks\.\d+\.block\.ff_i\.(shared_experts|experts\.\d+)\.(w1|w2|w3)",
         r"double_stream_blocks\.\d+\.block\.ff_t\.(w1|w2|w3)",
     ),
-    tokenizers=tuple(
-        (f"tokenizer{n}", f"HiDream-ai/HiDream-I1-Full:tokenizer{n}") for n in ("", "_2", "_3", "_4")
+    tokenizers=hub_tokenizers(
+        "HiDream-ai/HiDream-I1-Full", "tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4"
     ),
     hub_repos=tuple((v.lower(), f"HiDream-ai/HiDream-I1-{v}") for v in ("Full", "Dev", "Fast")),
     # `transformer.<name>` with alpha folded in: diffusers' HiDream loader refuses files with `.alpha`

@@ -8,6 +8,7 @@ from tuner.archs.record import (
     SINGLE_STREAM,
     Architecture,
     comfy,
+    hub_tokenizers,
 )
 
 HUNYUAN_VIDEO = Architecture(
@@ -36,10 +37,8 @@ HUNYUAN_VIDEO = Architecture(
     # input and output of the single blocks, so the export can fuse `img_attn_qkv`, `txt_attn_qkv` and
     # `linear1`. Modulations, norms, the text token refiner and the embedders are left alone.
     default_targets=(DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, SINGLE_STREAM),
-    tokenizers=(  # LLaVA-Llama-3 and CLIP-L
-        ("tokenizer", "hunyuanvideo-community/HunyuanVideo:tokenizer"),
-        ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo:tokenizer_2"),
-    ),
+    # LLaVA-Llama-3 and CLIP-L
+    tokenizers=hub_tokenizers("hunyuanvideo-community/HunyuanVideo", "tokenizer", "tokenizer_2"),
     hub_repos=(("", "hunyuanvideo-community/HunyuanVideo"),),
     comfy_files=(
         (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 KANDINSKY5 = Architecture(
     name="kandinsky5",
@@ -38,9 +38,9 @@ KANDINSKY5 = Architecture(
     ),
     # the release's names are diffusers' own: `diffusion_model.<name>` is ComfyUI's key map;
     # diffusers' Kandinsky loader reads `save.format = "diffusers"` (`transformer.<name>`)
-    tokenizers=(  # Qwen2.5-VL and CLIP-L
-        ("tokenizer", "ai-forever/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers:tokenizer"),
-        ("tokenizer_2", "ai-forever/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers:tokenizer_2"),
+    # Qwen2.5-VL and CLIP-L
+    tokenizers=hub_tokenizers(
+        "ai-forever/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers", "tokenizer", "tokenizer_2"
     ),
     hub_repos=tuple(
         (f"lite-{d}", f"ai-forever/Kandinsky-5.0-T2V-Lite-sft-{d}-Diffusers") for d in ("5s", "10s")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 LTX2 = Architecture(
     name="ltx2",
@@ -33,7 +33,7 @@ LTX2 = Architecture(
         r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)",
     ),
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
-    tokenizers=(("tokenizer", "Lightricks/LTX-2:tokenizer"),),  # Gemma 3
+    tokenizers=hub_tokenizers("Lightricks/LTX-2", "tokenizer"),  # Gemma 3
     hub_repos=(("19b", "Lightricks/LTX-2"),),
     spatial_step=32,
     frame_multiple=8,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture
+from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture, hub_tokenizers
 
 LTX_VIDEO = Architecture(
     name="ltx_video",
@@ -23,7 +23,7 @@ LTX_VIDEO = Architecture(
     # the self- and text attention and the feed-forward of every block
     default_targets=(SELF_AND_CROSS_ATTENTION, FEED_FORWARD),
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
-    tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
+    tokenizers=hub_tokenizers("Lightricks/LTX-Video", "tokenizer"),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
     first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)
     spatial_step=32,

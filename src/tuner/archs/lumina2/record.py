@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 LUMINA2 = Architecture(
     name="lumina2",
@@ -28,7 +28,7 @@ LUMINA2 = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.linear_[123]",
     ),
-    tokenizers=(("tokenizer", "Alpha-VLLM/Lumina-Image-2.0:tokenizer"),),  # Gemma 2
+    tokenizers=hub_tokenizers("Alpha-VLLM/Lumina-Image-2.0", "tokenizer"),  # Gemma 2
     hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
     sample_shift=6.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, comfy
+from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, comfy, hub_tokenizers
 
 QWEN_IMAGE = Architecture(
     name="qwen_image",
@@ -26,7 +26,7 @@ QWEN_IMAGE = Architecture(
         DUAL_STREAM_ATTENTION,
         r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
     ),
-    tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),
+    tokenizers=hub_tokenizers("Qwen/Qwen-Image", "tokenizer"),
     hub_repos=(("", "Qwen/Qwen-Image"),),
     comfy_files=(
         (

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, Architecture
+from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, Architecture, hub_tokenizers
 
 SD3 = Architecture(
     name="sd3",
@@ -32,10 +32,9 @@ SD3 = Architecture(
         r"transformer_blocks\.\d+\.attn2\.(to_q|to_k|to_v|to_out\.0)",
         DUAL_STREAM_FEED_FORWARD,
     ),
-    tokenizers=(  # CLIP-L, OpenCLIP bigG, T5-XXL
-        ("tokenizer", "stabilityai/stable-diffusion-3.5-medium:tokenizer"),
-        ("tokenizer_2", "stabilityai/stable-diffusion-3.5-medium:tokenizer_2"),
-        ("tokenizer_3", "stabilityai/stable-diffusion-3.5-medium:tokenizer_3"),
+    # CLIP-L, OpenCLIP bigG, T5-XXL
+    tokenizers=hub_tokenizers(
+        "stabilityai/stable-diffusion-3.5-medium", "tokenizer", "tokenizer_2", "tokenizer_3"
     ),
     hub_repos=tuple((v, f"stabilityai/stable-diffusion-3.5-{v}") for v in ("medium", "large", "large-turbo")),
     # the release's names, qkv fused exactly: ComfyUI's key map, and full fine-tunes in the release's file

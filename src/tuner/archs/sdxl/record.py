@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 SDXL = Architecture(
     name="sdxl",
@@ -29,10 +29,7 @@ SDXL = Architecture(
         r".*attentions\.\d+\.transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
         r".*attentions\.\d+\.transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
     ),
-    tokenizers=(
-        ("tokenizer", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer"),
-        ("tokenizer_2", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer_2"),
-    ),
+    tokenizers=hub_tokenizers("stabilityai/stable-diffusion-xl-base-1.0", "tokenizer", "tokenizer_2"),
     hub_repos=(("base", "stabilityai/stable-diffusion-xl-base-1.0"),),
     # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
     save_format="kohya",

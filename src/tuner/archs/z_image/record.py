@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import Architecture, comfy, hub_tokenizers
 
 Z_IMAGE = Architecture(
     name="z_image",
@@ -31,7 +31,7 @@ Z_IMAGE = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.attention\.(to_q|to_k|to_v|to_out\.0)",
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
     ),
-    tokenizers=(("tokenizer", "Tongyi-MAI/Z-Image-Turbo:tokenizer"),),  # Qwen3
+    tokenizers=hub_tokenizers("Tongyi-MAI/Z-Image-Turbo", "tokenizer"),  # Qwen3
     hub_repos=(("turbo", "Tongyi-MAI/Z-Image-Turbo"),),
     comfy_files=(
         (
