@@ -204,7 +204,7 @@ class ArchitectureModel:
         return path
 
     def place_text_encoders(self, dtype: str, device: torch.device, *models: nn.Module | None) -> None:
-        """Quantize and place loaded text encoders for caching (`tuner.memory.place_text_encoder`, streaming
+        """Quantize and place loaded text encoders to encode prompts (`tuner.memory.place_text_encoder`, streaming
         `cache.text_encoder_blocks_to_swap` layers); absent ones (None) are skipped."""
         for model in models:
             if model is not None:
