@@ -10,7 +10,7 @@ from project import cfg, make_project, run, summary
 from tuner.archs.flux import loaders as flux
 from tuner.archs.flux2 import loaders as flux2
 from tuner.archs.flux2 import text as flux2_text
-from tuner.archs.flux2.fixture import write_flux2_fixture, write_flux2_klein_fixture
+from tuner.archs.flux2.fixture import write_flux2_fixture
 from tuner.archs.flux2.keys import transformer_to_original, vae_key_to_original
 from tuner.archs.flux2.trainer import Flux2KleinModel, Flux2Model
 from tuner.errors import CheckpointError
@@ -341,7 +341,7 @@ def test_reference_images_cache_train_and_generate(fx, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory):
-    return write_flux2_klein_fixture(tmp_path_factory.mktemp("flux2_klein"), seed=0)
+    return write_flux2_fixture(tmp_path_factory.mktemp("flux2_klein"), seed=0, klein=True)
 
 
 @pytest.fixture(scope="module")

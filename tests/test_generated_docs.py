@@ -57,8 +57,8 @@ def test_variants_are_shipped_configs(name):
 
 
 def test_every_real_config_is_some_architectures_variant():
-    claimed = {(r.configs, v) for r in registry.ARCHITECTURES.values() for v in r.variants}
+    claimed = {(r.folder, v) for r in registry.ARCHITECTURES.values() for v in r.variants}
     for record in registry.ARCHITECTURES.values():
         for p in (record.variant_dir / "transformer").iterdir():
             if p.is_dir() and not p.name.startswith("tiny"):
-                assert (record.configs, p.name) in claimed, f"{p} is no architecture's variant"
+                assert (record.folder, p.name) in claimed, f"{p} is no architecture's variant"

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.archs.qwen_image import text as qwen_image_text
-from tuner.archs.qwen_image.fixture import write_qwen_image_edit_fixture, write_qwen_image_fixture
+from tuner.archs.qwen_image.fixture import write_qwen_image_fixture
 from tuner.archs.qwen_image.trainer import QwenImageEditModel, QwenImageModel
 from tuner.archs.wan.keys import vae_key_to_original
 from tuner.errors import CheckpointError
@@ -331,7 +331,7 @@ def test_edit_predict_equals_pipeline_transformer_call(edit_pipe):
 def test_edit_fixture_is_an_edit_plus_pipeline_folder(tmp_path):
     import json
 
-    paths = write_qwen_image_edit_fixture(tmp_path, seed=0)
+    paths = write_qwen_image_fixture(tmp_path, seed=0, edit=True)
     index = json.loads((paths["diffusers"] / "model_index.json").read_text())
     assert index["_class_name"] == "QwenImageEditPlusPipeline"
     assert index["processor"] == ["transformers", "Qwen2VLProcessor"]

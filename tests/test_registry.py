@@ -5,6 +5,7 @@ runs every user path on its fixture.
 """
 
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -37,7 +38,7 @@ def test_record_is_complete(name):
         issubclass(trainer, NetworkTrainer) and issubclass(trainer, family) and trainer is trainer_class(name)
     )
     for method in ("load_transformer", "load_vae", "load_text_encoder", "encode_pixels", "encode_text",
-                   "collate_text", "predict", "decode_latents", "latent_shape"):  # fmt: skip
+                   "predict", "decode_latents", "latent_shape"):  # fmt: skip
         assert getattr(family, method) is not getattr(ArchitectureModel, method), f"{name} lacks {method}"
     assert isinstance(record.checkpoint_layout(), CheckpointLayout)
     assert isinstance(record.key_table(), ArchitectureKeys)
@@ -45,6 +46,8 @@ def test_record_is_complete(name):
     fixture = record.load_fixture()
     assert isinstance(fixture, Fixture) and f'architecture = "{name}"' in fixture.model_section
     assert hasattr(diffusers, record.model_class), record.model_class
+    for config in (record.variant_dir / "transformer").glob("*/config.json"):
+        assert json.loads(config.read_text())["_class_name"] == record.model_class, config
     assert record.block_lists and all(re.fullmatch(r"[a-z_]+", b) for b in record.block_lists)
     assert record.default_targets
     for pattern in record.default_targets:

@@ -11,6 +11,7 @@ missing, and the contract suite then runs every user path on its fixture.
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 
 from tuner.archs.record import Architecture
 from tuner.errors import ConfigError
@@ -38,10 +39,11 @@ FAMILIES = (
     "ltx2",
     "ltx_video",
 )
-"""The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`."""
+"""The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
+which their code is named relative to."""
 
 ARCHITECTURES: dict[str, Architecture] = {
-    record.name: record
+    record.name: replace(record, folder=family)
     for family in FAMILIES
     for record in importlib.import_module(f"tuner.archs.{family}.record").RECORDS
 }

@@ -122,7 +122,7 @@ def model_data() -> str:
 def variants_table() -> str:
     lines = ["| `model.architecture` | transformer variants | files |", "|---|---|---|"]
     for name, record in ARCHITECTURES.items():
-        where = f"`archs/{record.configs}/configs/transformer/`"
+        where = f"`archs/{record.folder}/configs/transformer/`"
         lines.append(f"| `{name}` | {_code_list(list(record.variants))} ({where}) | {record.checkpoints} |")
     return "\n".join(lines)
 

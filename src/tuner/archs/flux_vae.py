@@ -1,9 +1,10 @@
 """`FluxVAEImageModel`: an image model whose latents are the FLUX.1 VAE's (16 channels, 8× smaller).
 
-FLUX.1 and Chroma, HiDream, Z-Image and Lumina 2 all encode single images with the FLUX.1 autoencoder
-(normalized with its shift and scaling factors, `tuner.archs.flux.loaders.encode_images`): their
-`load_vae`, `encode_pixels`, `decode_latents` and `latent_shape` are written here once. A clip of more
-than one frame is refused (these are image models).
+FLUX.1 and Chroma, HiDream, Z-Image, Lumina 2 and SD 3.5 all encode single images with the FLUX.1 kind
+of autoencoder (16 channels, normalized with its shift and scaling factors,
+`tuner.archs.flux.loaders.encode_images`): their `load_vae` (SD 3.5 loads its own files),
+`encode_pixels`, `decode_latents` and `latent_shape` are written here once. A clip of more than one
+frame is refused (these are image models).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from torch import nn
 
 from tuner.archs.flux import loaders as flux
 from tuner.archs.model import ArchitectureModel
-from tuner.errors import ConfigError
 
 
 class FluxVAEImageModel(ArchitectureModel):
@@ -23,9 +23,7 @@ class FluxVAEImageModel(ArchitectureModel):
         return flux.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return flux.encode_images(vae, pixels[:, :, 0])
+        return flux.encode_images(vae, self.single_images(pixels))
 
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return flux.decode_latents(vae, latents).unsqueeze(2)

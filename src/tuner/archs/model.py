@@ -23,6 +23,7 @@ from tuner.archs.parts import experts, text_encoder_training
 from tuner.config import Config
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError, TrainingError
+from tuner.memory import place_text_encoder
 
 # entries of a batch's cond that the loss reads and the model is not given
 _LOSS_ENTRIES = ("loss_mask", "loss_weight")
@@ -108,8 +109,10 @@ class ArchitectureModel:
         raise NotImplementedError
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Stack a batch of cached text entries into model inputs."""
-        raise NotImplementedError
+        """A batch of cached text entries as model inputs: each tensor stacked, for entries of one length
+        (padded to `cache.text_max_length`, which is part of their cache key). Families whose entries keep
+        their prompt's length pad them here."""
+        return {name: torch.stack([e[name] for e in entries]) for name in entries[0]}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """Model output for x_t at t ∈ [0, 1] (shape of `noisy`). `cond` holds what `collate_text`
@@ -199,6 +202,20 @@ class ArchitectureModel:
                 f"{self.cfg.path}: key 'model.{component}' is not set; this command needs it."
             )
         return path
+
+    def place_text_encoders(self, dtype: str, device: torch.device, *models: nn.Module | None) -> None:
+        """Quantize and place loaded text encoders to encode prompts (`tuner.memory.place_text_encoder`, streaming
+        `cache.text_encoder_blocks_to_swap` layers); absent ones (None) are skipped."""
+        for model in models:
+            if model is not None:
+                place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+
+    def single_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, C, 1, H, W] → the images [B, C, H, W] an image model encodes; a clip of more frames is
+        refused."""
+        if pixels.shape[2] != 1:
+            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
+        return pixels[:, :, 0]
 
     # --- placing and adapting the loaded model (two experts: once per expert) -------------------------
     def merge_base_adapters(self, model: nn.Module) -> None:

@@ -1,22 +1,42 @@
 """`Architecture`: the record of one architecture, everything shared code needs to know about it.
 
 Each family folder (`tuner/archs/<family>/record.py`) declares its records as `RECORDS`; `tuner.registry`
-lists the families and is the one view of all records. The record is plain data. Code it points to (the
-model class, the key table, the fixture) is named as `"module:attribute"` and imported only when asked
-for, so reading a config or printing `--help` loads no model code.
+lists the families, tells each record its `folder` and is the one view of all records. The record is plain
+data. Code it points to (the model class, the key layout, the fixture, ...) lives in its folder and is named
+relative to it: an attribute of the module the field reads by default (`trainer.py`, `keys.py`,
+`fixture.py`), or `"module:attribute"` for another module of the folder. It is imported only when asked
+for, so reading a config or printing `--help` loads no model code. The `default_targets` regexes several
+families share are named here once.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ARCHS = Path(__file__).parent
 
+# `default_targets` shared by families: those built on diffusers' dual-stream (MM-DiT) blocks ...
+DUAL_STREAM_ATTENTION = (
+    r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+)
+"""The joint attention's linears of both streams: the image stream's q/k/v/out, the text stream's `add_*`."""
+DUAL_STREAM_FEED_FORWARD = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)"
+"""The MLP input and output of both streams."""
+SINGLE_STREAM = r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)"
+"""q/k/v, MLP input and output of FLUX.1-style single-stream blocks (the release's fused `linear1`)."""
+# ... and of those whose blocks attend to the image (`attn1`) and the text (`attn2`), then feed forward
+SELF_AND_CROSS_ATTENTION = r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)"
+"""q/k/v/out of the self-attention (`attn1`) and the cross-attention to the text (`attn2`)."""
+FEED_FORWARD = r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)"
+"""The MLP input and output."""
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Architecture:
     """One architecture (a config's `model.architecture`)."""
 
@@ -25,24 +45,26 @@ class Architecture:
     title: str
     """What it trains, in a few words (shown by `tuner --help` and `tuner fixtures --help`)."""
     family: str
-    """`module:Class` of its `ArchitectureModel` subclass (`tuner.archs.model`): what it computes. Training
-    runs the loop over it (`tuner.trainers.trainer_class`)."""
-    layout: str
-    """`module:attribute` of its `CheckpointLayout`: the release's single-file layout relative to
-    diffusers'. Its `keys` (`ArchitectureKeys`: module renames and fused layers) name adapters in saved
-    files. Architectures with the same network point to the same layout."""
-    fixture: str
-    """`module:attribute` of its tiny random-weight `Fixture` (written in the release's layouts)."""
-    model_class: str
-    """The diffusers class of its transformer."""
+    """Its `ArchitectureModel` subclass (`tuner.archs.model`), a class of its folder's `trainer.py`
+    (`module:Class` in another module of the folder): what it computes. Training runs the loop over it
+    (`tuner.trainers.trainer_class`)."""
+    layout: str = ""
+    """Its `CheckpointLayout`: the release's single-file layout relative to diffusers'. Its `keys`
+    (`ArchitectureKeys`: module renames and fused layers) name adapters in saved files. Empty: its folder's
+    `keys.py` `<FOLDER>_LAYOUT` (e.g. `FLUX_LAYOUT`); else `module:attribute` in its folder (a layout kept in
+    `loaders.py`). Architectures with the same network share one layout."""
+    fixture: str = "FIXTURE"
+    """Its tiny random-weight `Fixture` (written in the release's layouts), named in its folder's
+    `fixture.py` (`module:attribute` in another module of the folder)."""
+    folder: str = ""
+    """The family folder under `tuner/archs/` whose `record.py` declares it, set by `tuner.registry`: its code
+    is named relative to it, and its `configs/` holds the diffusers configs of every shipped variant (a
+    `transformer/` folder holding a `tiny` variant and at least one real one)."""
     block_lists: tuple[str, ...]
     """The transformer's `nn.ModuleList`s of blocks, in execution order (block swap, checkpointing,
     fp8 storage)."""
     default_targets: tuple[str, ...]
     """Regexes over diffusers module names of the linear layers an adapter trains by default."""
-    configs: str
-    """Family folder under `tuner/archs/` whose `configs/` holds the diffusers configs of every shipped variant (a
-    `transformer/` folder holding a `tiny` variant and at least one real one)."""
     save_format: str
     """The layout `save.format = "auto"` writes: one that ComfyUI and diffusers both load where one exists."""
     save_format_loads: str
@@ -52,8 +74,9 @@ class Architecture:
     config each; the `tiny*` fixtures' are not listed)."""
     checkpoints: str
     """The files each `model.*` component loads, in the layouts users have (the docs' variants table)."""
-    spatial_step: int
-    """Pixels per latent token side (the VAE's factor times the patch size); sizes are multiples of it."""
+    spatial_step: int = 16
+    """Pixels per latent token side (the VAE's factor times the patch size: 16 for an 8x VAE and 2x2 patches);
+    sizes are multiples of it."""
     boundary: float | None = None
     """Two-expert models (Wan 2.2 A14B): the release's t in [0, 1] where denoising switches from the
     high-noise expert (`model.transformer`) to the low-noise one (`model.transformer_2`); None for models
@@ -108,16 +131,16 @@ class Architecture:
     """(regex, shift): generation's default shift instead of `sample_shift` when the regex is found in
     `model.transformer`'s file or folder name (releases with one shape told apart by name only)."""
     flow_sampler: str = ""
-    """`module:function` of a generation that denoises the latent in parts (FramePack's sections), called
-    as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler pass; empty:
-    one pass over the whole latent."""
+    """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's
+    sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
+    pass; empty: one pass over the whole latent."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None
     """(Sample rate, channels) of models that also learn sound; None for the others."""
     sound_stream: str = ""
-    """Models that also learn sound: `module:Class` of their `tuner.archs.parts.audio.SoundStream` (how sound
-    is encoded, predicted beside the video and decoded)."""
+    """Models that also learn sound: `module:Class` (in its folder) of their
+    `tuner.archs.parts.audio.SoundStream` (how sound is encoded, predicted beside the video and decoded)."""
     first_frame_image: bool = False
     """Whether generation takes an optional first-frame image (`--image`; TI2V, LTX)."""
     objective: str = "flow"
@@ -125,19 +148,21 @@ class Architecture:
     cache_format_version: int = 1
     """Version of its cache entries' format (part of their cache key)."""
     text_encoder_training: str = ""
-    """Models whose text encoders may train (`network.train_text_encoder`, SDXL): `module:Class` of their
-    `tuner.archs.parts.text_encoder_training.TrainableTextEncoders`; empty: the option is refused."""
+    """Models whose text encoders may train (`network.train_text_encoder`, SDXL): `module:Class` (in its
+    folder) of their `tuner.archs.parts.text_encoder_training.TrainableTextEncoders`; empty: the option is
+    refused."""
     size_conditioning: bool = False
     """Whether the model is told how each training picture was sized: caching stores its `time_ids`
     (`tuner.archs.parts.size_conditioning`; SDXL)."""
     training_warning: str = ""
-    """`module:function` called with the config before an adapter is built on a transformer, returning a
-    warning to show (else ""): what training these weights as they are would undo (Z-Image-Turbo's
+    """`module:function` (in its folder) called with the config before an adapter is built on a transformer,
+    returning a warning to show (else ""): what training these weights as they are would undo (Z-Image-Turbo's
     distillation, without a de-distillation adapter merged)."""
     full_layout: str = ""
-    """`module:function` giving the layout a full fine-tune's file is written through (`fn(family)`) where
-    the release's checkpoint bundles more than the denoiser (SDXL's UNet, VAE and text encoders, as UIs
-    load it); empty: the denoiser's layout. A `save.format = "diffusers"` save keeps the denoiser's."""
+    """`module:function` (in its folder) giving the layout a full fine-tune's file is written through
+    (`fn(family)`) where the release's checkpoint bundles more than the denoiser (SDXL's UNet, VAE and text
+    encoders, as UIs load it); empty: the denoiser's layout. A `save.format = "diffusers"` save keeps the
+    denoiser's."""
     zero_empty_negative: bool = False
     """Generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as diffusers' `force_zeros_for_empty_prompt`)."""
     dora_refused: str = ""
@@ -147,7 +172,7 @@ class Architecture:
 
     def family_class(self) -> type:
         """Its `ArchitectureModel` subclass."""
-        return _resolve(self.family)
+        return self._code(self.family, "trainer")
 
     def family_model(self, cfg: Any) -> Any:
         """Its `ArchitectureModel` for `cfg` (caching, generation: no training loop)."""
@@ -155,28 +180,28 @@ class Architecture:
 
     def flow_sampler_function(self) -> Any:
         """The `flow_sampler` function, or None for one pass."""
-        return _resolve(self.flow_sampler) if self.flow_sampler else None
+        return self._code(self.flow_sampler) if self.flow_sampler else None
 
     def sound_stream_class(self) -> Any:
         """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""
-        return _resolve(self.sound_stream) if self.sound_stream else None
+        return self._code(self.sound_stream) if self.sound_stream else None
 
     def text_encoder_training_class(self) -> Any:
         """The `text_encoder_training` class, or None for models whose text encoders do not train."""
-        return _resolve(self.text_encoder_training) if self.text_encoder_training else None
+        return self._code(self.text_encoder_training) if self.text_encoder_training else None
 
     def full_layout_function(self) -> Any:
         """The `full_layout` function (set only where a full fine-tune saves a bundled checkpoint)."""
-        return _resolve(self.full_layout)
+        return self._code(self.full_layout)
 
     def training_warning_function(self) -> Any:
         """The `training_warning` function, or None."""
-        return _resolve(self.training_warning) if self.training_warning else None
+        return self._code(self.training_warning) if self.training_warning else None
 
     def checkpoint_layout(self) -> Any:
         """The `CheckpointLayout` of this architecture: a name map (diffusers module -> release's, with the
         fused layers), `.inverse` for the way back, and whole-checkpoint conversion."""
-        return _resolve(self.layout)
+        return self._code(self.layout or f"{self.folder.upper()}_LAYOUT", "keys")
 
     def key_table(self) -> Any:
         """The `ArchitectureKeys` of this architecture (what adapter files are named by)."""
@@ -184,7 +209,7 @@ class Architecture:
 
     def load_fixture(self) -> Any:
         """The `Fixture` of this architecture."""
-        return _resolve(self.fixture)
+        return self._code(self.fixture, "fixture")
 
     @property
     def components(self) -> tuple[str, ...]:
@@ -201,12 +226,30 @@ class Architecture:
 
     @property
     def variant_dir(self) -> Path:
-        return ARCHS / self.configs / "configs"
+        return ARCHS / self.folder / "configs"
+
+    @property
+    def model_class(self) -> str:
+        """The diffusers class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
+        return _class_name(self.variant_dir / "transformer" / "tiny" / "config.json")
+
+    def _code(self, ref: str, default: str = "") -> Any:
+        """What `ref` names in the record's folder: `attribute` of the module `default`, or
+        `module:attribute`."""
+        if not self.folder:
+            raise LookupError(f"{self.name}: a record has a folder once `tuner.registry` lists it")
+        module, _, attribute = ref.rpartition(":")
+        return getattr(importlib.import_module(f"tuner.archs.{self.folder}.{module or default}"), attribute)
 
 
-def _resolve(ref: str) -> Any:
-    module, attr = ref.split(":")
-    return getattr(importlib.import_module(module), attr)
+@functools.cache
+def _class_name(config: Path) -> str:
+    return json.loads(config.read_text())["_class_name"]
+
+
+def hub_tokenizers(repo: str, *fields: str) -> tuple[tuple[str, str], ...]:
+    """`tokenizers` entries: each config field's tokenizer from the folder of that name in `repo`."""
+    return tuple((field, f"{repo}:{field}") for field in fields)
 
 
 def comfy(repo: str, **files: str) -> tuple[tuple[str, str], ...]:

@@ -23,11 +23,7 @@ RECORDS = (
         ),
         save_format_loads="ComfyUI; diffusers (its FLUX.1 converter, at the real width)",
         title="Chroma text-to-image (FLUX.1-schnell based, T5 only)",
-        family="tuner.archs.chroma.trainer:ChromaModel",
-        layout="tuner.archs.chroma.keys:CHROMA_LAYOUT",
-        fixture="tuner.archs.chroma.fixture:FIXTURE",
-        model_class="ChromaTransformer2DModel",
-        configs="chroma",
+        family="ChromaModel",
         tokenizers=(("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),),  # T5-XXL only
         hub_repos=(("HD", "lodestones/Chroma1-HD"),),
     ),

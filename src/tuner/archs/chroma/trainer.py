@@ -16,7 +16,7 @@ from torch import nn
 from tuner.archs.chroma import loaders as chroma
 from tuner.archs.flux.trainer import FluxModel
 from tuner.archs.model import ArchitectureModel
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class ChromaModel(FluxModel):
@@ -29,7 +29,7 @@ class ChromaModel(FluxModel):
         encoder = chroma.load_text_encoder(
             self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
-        place_text_encoder(encoder.t5, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoder.t5)
         return encoder
 
     def encode_text(

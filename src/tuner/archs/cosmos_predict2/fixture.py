@@ -24,6 +24,7 @@ The diffusers folder is written component by component: the pipeline's construct
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 from diffusers import CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
@@ -108,11 +109,6 @@ def write_cosmos_predict2_fixture(
     return write_layouts(out_dir, label, diffusers, single, tokenizer_folders(parts))
 
 
-def write_video2world_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
-    """The tiny Cosmos-Predict2 Video2World model (see `write_cosmos_predict2_fixture`)."""
-    return write_cosmos_predict2_fixture(out_dir, seed, video2world=True)
-
-
 def _model_section(architecture: str, transformer_file: str) -> str:
     # the release's single file for the transformer, the diffusers folder for the rest
     return model_section(
@@ -124,5 +120,6 @@ FIXTURE = Fixture(
     write=write_cosmos_predict2_fixture, model_section=_model_section("cosmos_predict2", TRANSFORMER_FILE)
 )
 V2W_FIXTURE = Fixture(
-    write=write_video2world_fixture, model_section=_model_section("cosmos_predict2_v2w", V2W_TRANSFORMER_FILE)
+    write=partial(write_cosmos_predict2_fixture, video2world=True),
+    model_section=_model_section("cosmos_predict2_v2w", V2W_TRANSFORMER_FILE),
 )

@@ -23,7 +23,7 @@ from torch import nn
 from tuner.archs.cosmos_predict2 import loaders as cosmos
 from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan import loaders as wan
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class CosmosPredict2Model(ArchitectureModel):
@@ -39,7 +39,8 @@ class CosmosPredict2Model(ArchitectureModel):
         model, tokenizer = cosmos.load_text_encoder(
             self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
-        return place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap), tokenizer
+        self.place_text_encoders(dtype, device, model)
+        return model, tokenizer
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         return wan.encode_video(vae, pixels) * cosmos.SIGMA_DATA

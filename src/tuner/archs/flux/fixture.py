@@ -23,6 +23,7 @@ tuner's own converters (`tuner.archs.flux.keys`).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from diffusers import (
@@ -101,11 +102,6 @@ def write_flux_fixture(out_dir: str | Path, seed: int = 0, kontext: bool = False
     return write_layouts(out_dir, "flux", pipeline, single, tokenizer_folders(parts))
 
 
-def write_flux_kontext_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
-    """`write_flux_fixture` for FLUX.1 Kontext (FluxKontextPipeline folder, Kontext file name)."""
-    return write_flux_fixture(out_dir, seed, kontext=True)
-
-
 FIXTURE = Fixture(
     write=write_flux_fixture,
     # every part from its single file, as most FLUX.1 users hold them
@@ -115,7 +111,7 @@ FIXTURE = Fixture(
 )
 
 KONTEXT_FIXTURE = Fixture(
-    write=write_flux_kontext_fixture,
+    write=partial(write_flux_fixture, kontext=True),
     # the BFL single file for the transformer, the diffusers folder for the rest (T5 found beside CLIP)
     model_section=model_section(
         "flux_kontext", transformer=KONTEXT_FILE, vae="diffusers", text_encoder="diffusers"

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import (
+    DUAL_STREAM_ATTENTION,
+    DUAL_STREAM_FEED_FORWARD,
+    SINGLE_STREAM,
+    Architecture,
+    hub_tokenizers,
+)
 
 FLUX = Architecture(
     name="flux",
@@ -18,30 +24,18 @@ FLUX = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its FLUX.1 converter)",
     title="FLUX.1 dev text-to-image",
-    family="tuner.archs.flux.trainer:FluxModel",
-    layout="tuner.archs.flux.keys:FLUX_LAYOUT",
-    fixture="tuner.archs.flux.fixture:FIXTURE",
-    model_class="FluxTransformer2DModel",
+    family="FluxModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP input and
     # output of the single blocks: together the original fused `qkv` and `linear1` layers, so the export
     # can fuse them. Modulations, norms and embedders are left alone.
-    default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
-        r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
-    ),
-    configs="flux",
+    default_targets=(DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, SINGLE_STREAM),
     # FLUX.1-schnell's (the same CLIP-L and T5-XXL tokenizers as dev's, in a repository that is not gated)
-    tokenizers=(
-        ("tokenizer", "black-forest-labs/FLUX.1-schnell:tokenizer"),
-        ("tokenizer_2", "black-forest-labs/FLUX.1-schnell:tokenizer_2"),
-    ),
+    tokenizers=hub_tokenizers("black-forest-labs/FLUX.1-schnell", "tokenizer", "tokenizer_2"),
     hub_repos=(("dev", "black-forest-labs/FLUX.1-dev"),),
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)
     save_format="kohya",
-    spatial_step=16,
     timestep_mode="flux_shift",
     sample_shift="flux_shift",
     latent_patch=(2, 2),
@@ -62,8 +56,8 @@ RECORDS = (
         ),
         hub_repos=(("dev", "black-forest-labs/FLUX.1-Kontext-dev"),),
         title="FLUX.1 Kontext dev image editing (one reference image)",
-        family="tuner.archs.flux.trainer:FluxKontextModel",
-        fixture="tuner.archs.flux.fixture:KONTEXT_FIXTURE",
+        family="FluxKontextModel",
+        fixture="KONTEXT_FIXTURE",
         control_images=(1, 1),
     ),
 )

@@ -18,7 +18,7 @@ from torch import nn
 from tuner.archs.flux import loaders as flux
 from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.errors import ConfigError
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class FluxModel(FluxVAEImageModel):
@@ -36,18 +36,13 @@ class FluxModel(FluxVAEImageModel):
             m.tokenizer_2 or None,
             text_encoder_dtype(dtype),
         )
-        for model in (encoders.clip, encoders.t5):
-            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoders.clip, encoders.t5)
         return encoders
 
     def encode_text(
         self, encoder: flux.TextEncoders, captions: list[str], controls=None
     ) -> list[dict[str, torch.Tensor]]:
         return flux.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
-
-    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # Entries are all text_max_length long (the length is part of the cache key).
-        return {name: torch.stack([e[name] for e in entries]) for name in ("t5", "pooled")}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return flux.predict_velocity(

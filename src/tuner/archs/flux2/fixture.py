@@ -26,6 +26,7 @@ normalization is exercised).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -140,11 +141,6 @@ def write_flux2_fixture(out_dir: str | Path, seed: int = 0, klein: bool = False)
     return write_layouts(out_dir, "flux2", pipeline, single, tokenizer_folders(parts))
 
 
-def write_flux2_klein_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
-    """`write_flux2_fixture` for FLUX.2 klein (Flux2KleinPipeline folder, Qwen3, klein file names)."""
-    return write_flux2_fixture(out_dir, seed, klein=True)
-
-
 FIXTURE = Fixture(
     write=write_flux2_fixture,
     # every part from its single file, as ComfyUI users hold them
@@ -154,7 +150,7 @@ FIXTURE = Fixture(
 )
 
 KLEIN_FIXTURE = Fixture(
-    write=write_flux2_klein_fixture,
+    write=partial(write_flux2_fixture, klein=True),
     # the BFL single file for the transformer, the diffusers folder for the rest (tokenizer found beside)
     model_section=model_section(
         "flux2_klein", transformer=KLEIN_FILE, vae="diffusers", text_encoder="diffusers"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, hub_tokenizers
 
 FLUX2 = Architecture(
     name="flux2",
@@ -21,27 +21,22 @@ FLUX2 = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its FLUX.2 converter)",
     title="FLUX.2 dev text-to-image and multi-reference editing (Mistral-Small text encoder)",
-    family="tuner.archs.flux2.trainer:Flux2Model",
-    layout="tuner.archs.flux2.keys:FLUX2_LAYOUT",
-    fixture="tuner.archs.flux2.fixture:FIXTURE",
-    model_class="Flux2Transformer2DModel",
+    family="Flux2Model",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # attention and MLP linears of both streams in the double blocks (q/k/v together are the original
     # fused `qkv`, so the export can fuse them) and the fused input / output linears of the single
     # blocks (`linear1` / `linear2`, fused in diffusers too). The shared modulations, embedders and the
     # output head are left alone.
     default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        DUAL_STREAM_ATTENTION,
         r"transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)",
         r"single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)",
     ),
-    configs="flux2",
-    tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-dev:tokenizer"),),  # Mistral-Small 3
+    tokenizers=hub_tokenizers("black-forest-labs/FLUX.2-dev", "tokenizer"),  # Mistral-Small 3
     hub_repos=(("dev", "black-forest-labs/FLUX.2-dev"),),
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
-    spatial_step=16,
     control_images=(0, 10),
     timestep_mode="flux_shift",
     sample_shift="flux_shift",
@@ -64,9 +59,9 @@ RECORDS = (
             "states after layers 9, 18, 27"
         ),
         title="FLUX.2 klein 4B / 9B text-to-image and multi-reference editing (Qwen3 text encoder)",
-        family="tuner.archs.flux2.trainer:Flux2KleinModel",
-        fixture="tuner.archs.flux2.fixture:KLEIN_FIXTURE",
-        tokenizers=(("tokenizer", "black-forest-labs/FLUX.2-klein-4B:tokenizer"),),  # Qwen3
+        family="Flux2KleinModel",
+        fixture="KLEIN_FIXTURE",
+        tokenizers=hub_tokenizers("black-forest-labs/FLUX.2-klein-4B", "tokenizer"),  # Qwen3
         hub_repos=(
             ("4B", "black-forest-labs/FLUX.2-klein-4B"),
             ("9B", "black-forest-labs/FLUX.2-klein-9B"),

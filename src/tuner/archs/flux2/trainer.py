@@ -25,8 +25,7 @@ from torch import nn
 from tuner.archs.flux2 import loaders as flux2
 from tuner.archs.flux2 import text as flux2_text
 from tuner.archs.model import ArchitectureModel
-from tuner.errors import ConfigError
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 LATENT_CHANNELS = 128  # 32 VAE channels × the 2×2 patch
 
@@ -47,13 +46,11 @@ class Flux2Model(ArchitectureModel):
         encoder = flux2_text.load_text_encoder(
             path, tokenizer, text_encoder_dtype(dtype), self.text_encoder_kind
         )
-        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoder.model)
         return encoder
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return flux2.encode_images(vae, pixels[:, :, 0])
+        return flux2.encode_images(vae, self.single_images(pixels))
 
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return flux2.decode_latents(vae, latents).unsqueeze(2)
@@ -61,10 +58,6 @@ class Flux2Model(ArchitectureModel):
     def encode_text(self, encoder: flux2_text.TextEncoder, captions: list[str], controls=None) -> list[dict]:
         embeds = flux2_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
         return [{"prompt_embeds": e} for e in embeds]
-
-    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # Entries are all text_max_length long (the length is part of the cache key).
-        return {"prompt_embeds": torch.stack([e["prompt_embeds"] for e in entries])}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         references = []

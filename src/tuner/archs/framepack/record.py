@@ -31,11 +31,7 @@ FRAMEPACK = replace(
     ),
     save_format_loads="ComfyUI (HunyuanVideo's names); diffusers' FramePack pipeline needs `save.format = \"diffusers\"`",
     title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
-    family="tuner.archs.framepack.trainer:FramePackModel",
-    layout="tuner.archs.framepack.keys:FRAMEPACK_LAYOUT",
-    fixture="tuner.archs.framepack.fixture:FIXTURE",
-    model_class="HunyuanVideoFramepackTransformer3DModel",
-    configs="framepack",
+    family="FramePackModel",
     # the transformer; VAE, text and image encoders are HunyuanVideo's (`hunyuanvideo-community/HunyuanVideo`)
     # and SigLIP (`lllyasviel/flux_redux_bfl`), as diffusers' FramePack example loads them
     hub_repos=(("i2v", "lllyasviel/FramePackI2V_HY"),),
@@ -49,7 +45,7 @@ FRAMEPACK = replace(
     frame_images=1,
     latent_encoders=("vae", "image_encoder"),
     sample_shift=3.0,
-    flow_sampler="tuner.archs.framepack.sections:sample_sections",
+    flow_sampler="sections:sample_sections",
 )
 
 
@@ -65,8 +61,8 @@ RECORDS = (
             "generate --control REF --frames 1`"
         ),
         title="FramePack single-frame image editing (one target frame from one reference image)",
-        family="tuner.archs.framepack.trainer:FramePackOneFrameModel",
-        fixture="tuner.archs.framepack.fixture:ONE_FRAME_FIXTURE",
+        family="FramePackOneFrameModel",
+        fixture="ONE_FRAME_FIXTURE",
         first_frame_required="the reference image is the edit's input; without it there is nothing to edit",
         supports_video=False,
         supports_images=True,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 HIDREAM = Architecture(
     name="hidream",
@@ -23,10 +23,8 @@ HIDREAM = Architecture(
     ),
     save_format_loads="ComfyUI (`transformer.<name>`); diffusers (`load_lora_weights`)",
     title="HiDream-I1 Full / Dev / Fast text-to-image (MoE DiT, four text encoders)",
-    family="tuner.archs.hidream.trainer:HiDreamModel",
-    layout="tuner.archs.hidream.loaders:HIDREAM_LAYOUT",
-    fixture="tuner.archs.hidream.fixture:FIXTURE",
-    model_class="HiDreamImageTransformer2DModel",
+    family="HiDreamModel",
+    layout="loaders:HIDREAM_LAYOUT",
     block_lists=("double_stream_blocks", "single_stream_blocks"),
     # attention of both streams (q, k, v, out; `_t`: the text stream of the double blocks) and every
     # SwiGLU of the feed-forwards: the MoE's shared expert and its routed experts (each token's 2 of 4)
@@ -37,16 +35,14 @@ HIDREAM = Architecture(
         r"(double|single)_stream_blocks\.\d+\.block\.ff_i\.(shared_experts|experts\.\d+)\.(w1|w2|w3)",
         r"double_stream_blocks\.\d+\.block\.ff_t\.(w1|w2|w3)",
     ),
-    configs="hidream",
-    tokenizers=tuple(
-        (f"tokenizer{n}", f"HiDream-ai/HiDream-I1-Full:tokenizer{n}") for n in ("", "_2", "_3", "_4")
+    tokenizers=hub_tokenizers(
+        "HiDream-ai/HiDream-I1-Full", "tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4"
     ),
     hub_repos=tuple((v.lower(), f"HiDream-ai/HiDream-I1-{v}") for v in ("Full", "Dev", "Fast")),
     # `transformer.<name>` with alpha folded in: diffusers' HiDream loader refuses files with `.alpha`
     # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
     # format); the release's names are diffusers' own
     save_format="diffusers",
-    spatial_step=16,
     latent_patch=(2, 2),
     # Full and Fast sample at 3 (`sample_shift`'s default), Dev at 6; only the file name tells them apart
     sample_shift_by_name=((r"i1[-_]dev", 6.0),),

@@ -22,7 +22,7 @@ from torch import nn
 from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.archs.hidream import loaders as hidream
 from tuner.archs.hidream import text as hidream_text
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class HiDreamModel(FluxVAEImageModel):
@@ -39,17 +39,13 @@ class HiDreamModel(FluxVAEImageModel):
             tuple(p or None for p in paths), tuple(t or None for t in tokenizers), text_encoder_dtype(dtype)
         )
         for model in encoders.models:
-            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+            self.place_text_encoders(dtype, device, model)
         return encoders
 
     def encode_text(
         self, encoder: hidream_text.TextEncoders, captions: list[str], controls=None
     ) -> list[dict[str, torch.Tensor]]:
         return hidream_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
-
-    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # Entries are all text_max_length long (the length is part of the cache key).
-        return {name: torch.stack([e[name] for e in entries]) for name in ("t5", "llama", "pooled")}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hidream.predict_velocity(model, noisy, t, cond["t5"], cond["llama"], cond["pooled"])

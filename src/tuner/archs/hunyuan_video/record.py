@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import (
+    DUAL_STREAM_ATTENTION,
+    DUAL_STREAM_FEED_FORWARD,
+    SINGLE_STREAM,
+    Architecture,
+    comfy,
+    hub_tokenizers,
+)
 
 HUNYUAN_VIDEO = Architecture(
     name="hunyuan_video",
@@ -24,24 +31,14 @@ HUNYUAN_VIDEO = Architecture(
         "layers' `.alpha`)"
     ),
     title="HunyuanVideo text-to-video (13B, cfg-distilled 720p T2V)",
-    family="tuner.archs.hunyuan_video.trainer:HunyuanVideoModel",
-    layout="tuner.archs.hunyuan_video.keys:HUNYUAN_VIDEO_LAYOUT",
-    fixture="tuner.archs.hunyuan_video.fixture:FIXTURE",
-    model_class="HunyuanVideoTransformer3DModel",
+    family="HunyuanVideoModel",
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     # as FLUX.1: the attention and MLP linears of both streams in the double blocks, and q/k/v, MLP
     # input and output of the single blocks, so the export can fuse `img_attn_qkv`, `txt_attn_qkv` and
     # `linear1`. Modulations, norms, the text token refiner and the embedders are left alone.
-    default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
-        r"single_transformer_blocks\.\d+\.(attn\.to_q|attn\.to_k|attn\.to_v|proj_mlp|proj_out)",
-    ),
-    configs="hunyuan_video",
-    tokenizers=(  # LLaVA-Llama-3 and CLIP-L
-        ("tokenizer", "hunyuanvideo-community/HunyuanVideo:tokenizer"),
-        ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo:tokenizer_2"),
-    ),
+    default_targets=(DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, SINGLE_STREAM),
+    # LLaVA-Llama-3 and CLIP-L
+    tokenizers=hub_tokenizers("hunyuanvideo-community/HunyuanVideo", "tokenizer", "tokenizer_2"),
     hub_repos=(("", "hunyuanvideo-community/HunyuanVideo"),),
     comfy_files=(
         (
@@ -58,7 +55,6 @@ HUNYUAN_VIDEO = Architecture(
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
-    spatial_step=16,
     frame_multiple=4,
     frame_remainder=1,
     model_fps=24.0,

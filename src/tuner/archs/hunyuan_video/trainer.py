@@ -17,7 +17,7 @@ from torch import nn
 
 from tuner.archs.hunyuan_video import loaders as hunyuan_video
 from tuner.archs.model import ArchitectureModel
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class HunyuanVideoModel(ArchitectureModel):
@@ -38,8 +38,7 @@ class HunyuanVideoModel(ArchitectureModel):
             m.tokenizer_2 or None,
             text_encoder_dtype(dtype),
         )
-        for model in (encoders.llama, encoders.clip):
-            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoders.llama, encoders.clip)
         return encoders
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, Architecture, comfy
 
 _HV15_COMFY = "Comfy-Org/HunyuanVideo_1.5_repackaged"
 
@@ -38,19 +38,12 @@ HUNYUAN_VIDEO15 = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
     title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
-    family="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15Model",
-    layout="tuner.archs.hunyuan_video15.keys:HUNYUAN_VIDEO15_LAYOUT",
-    fixture="tuner.archs.hunyuan_video15.fixture:FIXTURE",
-    model_class="HunyuanVideo15Transformer3DModel",
+    family="HunyuanVideo15Model",
     block_lists=("transformer_blocks",),
     # the attention and MLP linears of both streams of every double block (q/k/v, so the export can fuse
     # `img_attn_qkv` / `txt_attn_qkv`). Modulations, norms, the text refiner and the text / glyph / image
     # embedders are left alone.
-    default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
-        r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)",
-    ),
-    configs="hunyuan_video15",
+    default_targets=(DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD),
     tokenizers=(  # Qwen2.5-VL and the ByT5 glyph encoder
         ("tokenizer", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer"),
         ("tokenizer_2", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v:tokenizer_2"),
@@ -108,8 +101,8 @@ RECORDS = (
             "datasets only"
         ),
         title="HunyuanVideo 1.5 image-to-video (8.3B, 480p / 720p I2V; first frame + SigLIP)",
-        family="tuner.archs.hunyuan_video15.trainer:HunyuanVideo15I2VModel",
-        fixture="tuner.archs.hunyuan_video15.fixture:I2V_FIXTURE",
+        family="HunyuanVideo15I2VModel",
+        fixture="I2V_FIXTURE",
         first_frame=1.0,  # without it: the text-to-video pipeline's zero condition and image tokens
         hub_repos=tuple(
             (r, f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{r}_i2v") for r in ("480p", "720p")

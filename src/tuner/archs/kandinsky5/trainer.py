@@ -22,7 +22,7 @@ from torch import nn
 
 from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
 from tuner.archs.kandinsky5 import loaders as kandinsky5
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class Kandinsky5Model(HunyuanVideoModel):
@@ -40,8 +40,7 @@ class Kandinsky5Model(HunyuanVideoModel):
             m.tokenizer_2 or None,
             text_encoder_dtype(dtype),
         )
-        for model in (encoders.qwen.model, encoders.clip):
-            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoders.qwen.model, encoders.clip)
         return encoders
 
     def encode_text(

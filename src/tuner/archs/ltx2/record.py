@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 LTX2 = Architecture(
     name="ltx2",
@@ -23,10 +23,7 @@ LTX2 = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
-    family="tuner.archs.ltx2.trainer:LTX2Model",
-    layout="tuner.archs.ltx2.keys:LTX2_LAYOUT",
-    fixture="tuner.archs.ltx2.fixture:FIXTURE",
-    model_class="LTX2VideoTransformer3DModel",
+    family="LTX2Model",
     block_lists=("transformer_blocks",),
     # every attention (self, text, and audio<->video of both streams) and both feed-forwards of the
     # blocks; the embedders, modulation and output projections are left alone
@@ -35,9 +32,8 @@ LTX2 = Architecture(
         r"\.(to_q|to_k|to_v|to_out\.0)",
         r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)",
     ),
-    configs="ltx2",
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
-    tokenizers=(("tokenizer", "Lightricks/LTX-2:tokenizer"),),  # Gemma 3
+    tokenizers=hub_tokenizers("Lightricks/LTX-2", "tokenizer"),  # Gemma 3
     hub_repos=(("19b", "Lightricks/LTX-2"),),
     spatial_step=32,
     frame_multiple=8,
@@ -46,7 +42,7 @@ LTX2 = Architecture(
     supports_video=True,
     latent_patch=(1, 1, 1),
     audio_format=(16000, 2),
-    sound_stream="tuner.archs.ltx2.sound:LTX2Sound",
+    sound_stream="sound:LTX2Sound",
 )
 
 

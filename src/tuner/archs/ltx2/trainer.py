@@ -19,7 +19,7 @@ from torch import nn
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.model import ArchitectureModel
 from tuner.archs.parts.audio import draw_sound_noise
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class LTX2Model(ArchitectureModel):
@@ -50,7 +50,7 @@ class LTX2Model(ArchitectureModel):
         model, tokenizer = ltx2.load_text_encoder(
             path, self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
-        model = place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, model)
         connectors = ltx2.load_connectors(path, torch.float32).to(device)
         return model, tokenizer, connectors
 
@@ -58,9 +58,6 @@ class LTX2Model(ArchitectureModel):
         model, tokenizer, connectors = encoder
         out = ltx2.encode_prompts(model, tokenizer, connectors, captions, self.cfg.cache.text_max_length)
         return [{name: t[i] for name, t in out.items()} for i in range(len(captions))]
-
-    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {name: torch.stack([e[name] for e in entries]) for name in entries[0]}
 
     # --- the two streams (`tuner.archs.ltx2.sound`) -----------------------------------------------
     def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:

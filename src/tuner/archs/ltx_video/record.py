@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture, hub_tokenizers
 
 LTX_VIDEO = Architecture(
     name="ltx_video",
@@ -18,19 +18,12 @@ LTX_VIDEO = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
     title="LTX-Video 0.9 text-to-video (2B)",
-    family="tuner.archs.ltx_video.trainer:LTXVideoModel",
-    layout="tuner.archs.ltx_video.keys:LTX_VIDEO_LAYOUT",
-    fixture="tuner.archs.ltx_video.fixture:FIXTURE",
-    model_class="LTXVideoTransformer3DModel",
+    family="LTXVideoModel",
     block_lists=("transformer_blocks",),
     # the self- and text attention and the feed-forward of every block
-    default_targets=(
-        r"transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
-        r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
-    ),
-    configs="ltx_video",
+    default_targets=(SELF_AND_CROSS_ATTENTION, FEED_FORWARD),
     save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
-    tokenizers=(("tokenizer", "Lightricks/LTX-Video:tokenizer"),),  # T5-XXL
+    tokenizers=hub_tokenizers("Lightricks/LTX-Video", "tokenizer"),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
     first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)
     spatial_step=32,

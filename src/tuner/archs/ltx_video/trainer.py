@@ -25,7 +25,7 @@ from tuner.archs.first_frame import (
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.ltx_video import loaders as ltx_video
 from tuner.archs.model import ArchitectureModel
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 FPS = 25.0  # LTXPipeline's default frame rate (it scales the temporal RoPE)
 
@@ -56,16 +56,13 @@ class LTXVideoModel(FirstFrameModel, ArchitectureModel):
         tokenizer_dir = self.cfg.model.tokenizer or tokenizer_dir
         if tokenizer_dir is None:
             self.weights_path("tokenizer")  # names the missing key
-        t5 = place_text_encoder(t5, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, t5)
         return t5, AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         t5, tokenizer = encoder
         embeds, mask = ltx_video.encode_prompts(t5, tokenizer, captions, self.cfg.cache.text_max_length)
         return [{"context": e, "mask": m} for e, m in zip(embeds, mask)]
-
-    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {name: torch.stack([e[name] for e in entries]) for name in ("context", "mask")}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity at x_t; rows given their first frame (`clean_first`) get it in place of latent frame

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 LUMINA2 = Architecture(
     name="lumina2",
@@ -20,10 +20,7 @@ LUMINA2 = Architecture(
     ),
     save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its converter fixes the 2.6B sizes)',
     title="Lumina Image 2.0 text-to-image (Gemma 2 text encoder)",
-    family="tuner.archs.lumina2.trainer:Lumina2Model",
-    layout="tuner.archs.lumina2.keys:LUMINA2_LAYOUT",
-    fixture="tuner.archs.lumina2.fixture:FIXTURE",
-    model_class="Lumina2Transformer2DModel",
+    family="Lumina2Model",
     block_lists=("noise_refiner", "context_refiner", "layers"),
     # attention (q/k/v, which the release fuses into `qkv`, and the output) and the SwiGLU MLP of every
     # block, refiners included; modulations, norms, embedders and the output layer are left alone
@@ -31,11 +28,9 @@ LUMINA2 = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.linear_[123]",
     ),
-    configs="lumina2",
-    tokenizers=(("tokenizer", "Alpha-VLLM/Lumina-Image-2.0:tokenizer"),),  # Gemma 2
+    tokenizers=hub_tokenizers("Alpha-VLLM/Lumina-Image-2.0", "tokenizer"),  # Gemma 2
     hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
-    spatial_step=16,
     sample_shift=6.0,
     latent_patch=(2, 2),
 )

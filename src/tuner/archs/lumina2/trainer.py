@@ -15,7 +15,7 @@ from torch import nn
 
 from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.archs.lumina2 import loaders as lumina2
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class Lumina2Model(FluxVAEImageModel):
@@ -28,7 +28,7 @@ class Lumina2Model(FluxVAEImageModel):
         encoder = lumina2.load_text_encoder(
             self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
-        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoder.model)
         return encoder
 
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:

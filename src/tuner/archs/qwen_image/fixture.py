@@ -24,6 +24,7 @@ Both layouts hold the same float32 weights.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 from diffusers import (
@@ -120,11 +121,6 @@ def write_qwen_image_fixture(out_dir: str | Path, seed: int = 0, edit: bool = Fa
     return write_layouts(out_dir, "qwen-image", diffusers, single, tokenizer_folders(parts))
 
 
-def write_qwen_image_edit_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
-    """`write_qwen_image_fixture(..., edit=True)`: the diffusers folder is a QwenImageEditPlusPipeline."""
-    return write_qwen_image_fixture(out_dir, seed, edit=True)
-
-
 def _add_edit_processor(folder: Path, parts: dict) -> None:
     """Turn a saved QwenImagePipeline folder into a QwenImageEditPlusPipeline one: the same components
     plus `processor/` (image processor settings + tokenizer), as the Qwen-Image-Edit-2509 release has.
@@ -146,7 +142,7 @@ FIXTURE = Fixture(
 )
 
 EDIT_FIXTURE = Fixture(
-    write=write_qwen_image_edit_fixture,
+    write=partial(write_qwen_image_fixture, edit=True),
     # the single-file transformer, the diffusers folder for the rest (text encoder with its processor)
     model_section=model_section(
         "qwen_image_edit", transformer=TRANSFORMER_FILE, vae="diffusers", text_encoder="diffusers"

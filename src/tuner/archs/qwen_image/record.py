@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, comfy, hub_tokenizers
 
 QWEN_IMAGE = Architecture(
     name="qwen_image",
@@ -17,19 +17,16 @@ QWEN_IMAGE = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Qwen-Image text-to-image",
-    family="tuner.archs.qwen_image.trainer:QwenImageModel",
-    layout="tuner.archs.qwen_image.loaders:QWEN_IMAGE_LAYOUT",
-    fixture="tuner.archs.qwen_image.fixture:FIXTURE",
-    model_class="QwenImageTransformer2DModel",
+    family="QwenImageModel",
+    layout="loaders:QWEN_IMAGE_LAYOUT",
     block_lists=("transformer_blocks",),
     # the attention projections of both streams and both MLPs of every block; the modulation layers
     # (img_mod / txt_mod), the embedders and the output head are left alone
     default_targets=(
-        r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+        DUAL_STREAM_ATTENTION,
         r"transformer_blocks\.\d+\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)",
     ),
-    configs="qwen_image",
-    tokenizers=(("tokenizer", "Qwen/Qwen-Image:tokenizer"),),
+    tokenizers=hub_tokenizers("Qwen/Qwen-Image", "tokenizer"),
     hub_repos=(("", "Qwen/Qwen-Image"),),
     comfy_files=(
         (
@@ -43,7 +40,6 @@ QWEN_IMAGE = Architecture(
         ),
     ),  # fmt: skip
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
-    spatial_step=16,
     timestep_mode="qwen_shift",
     sample_shift="qwen_shift",
 )
@@ -64,8 +60,8 @@ RECORDS = (
         hub_repos=(("2509", "Qwen/Qwen-Image-Edit-2509"), ("2511", "Qwen/Qwen-Image-Edit-2511")),
         comfy_files=(),
         title="Qwen-Image-Edit 2509 / 2511 image editing (1-3 control images)",
-        family="tuner.archs.qwen_image.trainer:QwenImageEditModel",
-        fixture="tuner.archs.qwen_image.fixture:EDIT_FIXTURE",
+        family="QwenImageEditModel",
+        fixture="EDIT_FIXTURE",
         control_images=(1, 3),
         text_uses_controls=True,
     ),

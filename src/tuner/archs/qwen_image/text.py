@@ -39,7 +39,7 @@ import torch
 from PIL import Image
 
 from tuner.errors import CheckpointError
-from tuner.models.encoders import load_encoder_file_on_meta
+from tuner.models.encoders import load_encoder_file_on_meta, model_keys
 from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import (
     load_tokenizer,
@@ -116,11 +116,7 @@ def original_key(key: str) -> str:
 
 
 def _expected_keys(variant: Variant) -> list[str]:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
-
-    with torch.device("meta"):
-        model = Qwen2_5_VLModel(Qwen2_5_VLConfig.from_pretrained(variant.config_dir))
-    return [original_key(k) for k in model.state_dict()]
+    return [original_key(k) for k in model_keys("Qwen2_5_VLModel")(variant)]
 
 
 SPEC = SingleFileSpec(

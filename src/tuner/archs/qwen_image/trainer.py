@@ -17,7 +17,7 @@ from torch import nn
 from tuner.archs.model import ArchitectureModel
 from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.archs.qwen_image import text as qwen_image_text
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class QwenImageModel(ArchitectureModel):
@@ -35,7 +35,7 @@ class QwenImageModel(ArchitectureModel):
             self.cfg.model.tokenizer or None,
             text_encoder_dtype(dtype),
         )
-        place_text_encoder(encoder.model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoder.model)
         return encoder
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -15,21 +15,21 @@ import logging
 import torch
 from torch import nn
 
-from tuner.archs.model import ArchitectureModel
+from tuner.archs.flux_vae import FluxVAEImageModel
 from tuner.archs.sd3 import loaders as sd3
-from tuner.errors import ConfigError
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 logger = logging.getLogger(__name__)
 
 
-class SD3Model(ArchitectureModel):
+class SD3Model(FluxVAEImageModel):
     architecture = "sd3"
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return sd3.load_transformer(self.weights_path("transformer"), dtype)
 
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        # FLUX.1's kind of VAE, found in the release's file too
         return sd3.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> sd3.TextEncoders:
@@ -44,33 +44,15 @@ class SD3Model(ArchitectureModel):
             (m.tokenizer or None, m.tokenizer_2 or None, m.tokenizer_3 or None),
             text_encoder_dtype(dtype),
         )
-        for model in (encoders.clip_l, encoders.clip_g, encoders.t5):
-            if model is not None:
-                place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoders.clip_l, encoders.clip_g, encoders.t5)
         return encoders
-
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return sd3.encode_images(vae, pixels[:, :, 0])
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return sd3.decode_latents(vae, latents).unsqueeze(2)
 
     def encode_text(
         self, encoder: sd3.TextEncoders, captions: list[str], controls=None
     ) -> list[dict[str, torch.Tensor]]:
         return sd3.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
 
-    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        # Entries are all text_max_length long (the length is part of the cache key), with or without T5
-        # (model.text_encoder_3 is part of it too).
-        return {name: torch.stack([e[name] for e in entries]) for name in entries[0]}
-
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return sd3.predict_velocity(
             model, noisy, t, cond["clip"], cond["pooled"], cond.get("t5"), self.cfg.cache.text_max_length
         )
-
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        return (16, height // 8, width // 8)

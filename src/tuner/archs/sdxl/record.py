@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture
+from tuner.archs.record import Architecture, hub_tokenizers
 
 SDXL = Architecture(
     name="sdxl",
@@ -19,10 +19,7 @@ SDXL = Architecture(
     ),
     save_format_loads="ComfyUI, A1111 / Forge; diffusers (`load_lora_weights`)",
     title="SDXL text-to-image (base 1.0 and fine-tunes: Pony, Illustrious, NoobAI; epsilon or v-pred)",
-    family="tuner.archs.sdxl.trainer:SDXLModel",
-    layout="tuner.archs.sdxl.keys:SDXL_LAYOUT",
-    fixture="tuner.archs.sdxl.fixture:FIXTURE",
-    model_class="UNet2DConditionModel",
+    family="SDXLModel",
     # the UNet's levels (the mid block is one module, not a list, and stays resident)
     block_lists=("down_blocks", "up_blocks"),
     # every linear layer of the attention modules: their projections in and out, self- and
@@ -32,11 +29,7 @@ SDXL = Architecture(
         r".*attentions\.\d+\.transformer_blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",
         r".*attentions\.\d+\.transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)",
     ),
-    configs="sdxl",
-    tokenizers=(
-        ("tokenizer", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer"),
-        ("tokenizer_2", "stabilityai/stable-diffusion-xl-base-1.0:tokenizer_2"),
-    ),
+    tokenizers=hub_tokenizers("stabilityai/stable-diffusion-xl-base-1.0", "tokenizer", "tokenizer_2"),
     hub_repos=(("base", "stabilityai/stable-diffusion-xl-base-1.0"),),
     # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
     save_format="kohya",
@@ -44,9 +37,9 @@ SDXL = Architecture(
     timestep_mode="uniform",
     latent_patch=(1, 1),
     objective="ddpm",
-    text_encoder_training="tuner.archs.sdxl.text_training:SDXLTextEncoders",
+    text_encoder_training="text_training:SDXLTextEncoders",
     size_conditioning=True,
-    full_layout="tuner.archs.sdxl.trainer:bundled_layout",
+    full_layout="trainer:bundled_layout",
     zero_empty_negative=True,
 )
 

@@ -23,8 +23,7 @@ from torch import nn
 from tuner.archs.model import ArchitectureModel
 from tuner.archs.sdxl import loaders as sdxl
 from tuner.dtypes import DTYPES
-from tuner.errors import ConfigError
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 def bundled_layout(family: ArchitectureModel) -> sdxl.BundledLayout:
@@ -62,14 +61,11 @@ class SDXLModel(ArchitectureModel):
             self.weights_path("text_encoder"), m.text_encoder_2 or None, m.tokenizer or None,
             m.tokenizer_2 or None, text_encoder_dtype(dtype),
         )  # fmt: skip
-        for model in (encoders.clip_l, encoders.clip_g):
-            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoders.clip_l, encoders.clip_g)
         return encoders
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        if pixels.shape[2] != 1:
-            raise ConfigError(f"{self.architecture} encodes single images, got {pixels.shape[2]} frames.")
-        return sdxl.encode_images(vae, pixels[:, :, 0])
+        return sdxl.encode_images(vae, self.single_images(pixels))
 
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
         return sdxl.decode_latents(vae, latents).unsqueeze(2)
@@ -78,10 +74,6 @@ class SDXLModel(ArchitectureModel):
         self, encoder: sdxl.TextEncoders, captions: list[str], controls=None
     ) -> list[dict[str, torch.Tensor]]:
         return sdxl.encode_prompts(encoder, captions)
-
-    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Outputs ({"hidden", "pooled"}) or, while the text encoders train, token ids ({"ids_l", "ids_g"})."""
-        return {name: torch.stack([e[name] for e in entries]) for name in entries[0]}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         level = (t.float() * 1000).round()

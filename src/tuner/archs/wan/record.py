@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import Architecture, comfy, hub_tokenizers
 
 _WAN21_COMFY, _WAN22_COMFY = "Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 
@@ -44,10 +44,7 @@ WAN = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (`load_lora_weights`)",
     title="Wan 2.1 text-to-video (1.3B, 14B)",
-    family="tuner.archs.wan.trainer:WanModel",
-    layout="tuner.archs.wan.keys:WAN_LAYOUT",
-    fixture="tuner.archs.wan.fixture:FIXTURE",
-    model_class="WanTransformer3DModel",
+    family="WanModel",
     block_lists=("blocks",),
     # every linear layer of the attention and FFN inside the blocks (the condition embedders, time
     # projection and output head are left alone)
@@ -55,9 +52,8 @@ WAN = Architecture(
         r"blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)",
         r"blocks\.\d+\.ffn\.net\.(0\.proj|2)",
     ),
-    configs="wan",
     save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
-    tokenizers=(("tokenizer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers:tokenizer"),),  # UMT5, the same for 2.2
+    tokenizers=hub_tokenizers("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "tokenizer"),  # UMT5, the same for 2.2
     hub_repos=(("1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
     comfy_files=tuple(
         (
@@ -71,7 +67,6 @@ WAN = Architecture(
         )
         for v in ("1.3B", "14B")
     ),  # fmt: skip
-    spatial_step=16,
     frame_multiple=4,
     frame_remainder=1,
     supports_video=True,
@@ -94,8 +89,8 @@ RECORDS = (
         hub_repos=(("A14B", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),),
         comfy_files=(("A14B", _wan22_experts("t2v")),),
         title="Wan 2.2 text-to-video A14B (high- and low-noise 14B experts)",
-        family="tuner.archs.wan.trainer_wan22:Wan22T2VModel",
-        fixture="tuner.archs.wan.fixture_wan22:T2V_FIXTURE",
+        family="trainer_wan22:Wan22T2VModel",
+        fixture="fixture_wan22:T2V_FIXTURE",
         boundary=0.875,
         sample_shift=12.0,
     ),
@@ -114,8 +109,8 @@ RECORDS = (
         hub_repos=(("A14B", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"),),
         comfy_files=(("A14B", _wan22_experts("i2v")),),
         title="Wan 2.2 image-to-video A14B (high- and low-noise 14B experts; first frame, no CLIP)",
-        family="tuner.archs.wan.trainer_wan22:Wan22I2VModel",
-        fixture="tuner.archs.wan.fixture_wan22:I2V_FIXTURE",
+        family="trainer_wan22:Wan22I2VModel",
+        fixture="fixture_wan22:I2V_FIXTURE",
         boundary=0.9,
         first_frame=1.0,  # without it: zero condition latents and mask (`WanFrameConditionedModel`)
         supports_images=False,
@@ -146,8 +141,8 @@ RECORDS = (
             ),
         ),  # fmt: skip
         title="Wan 2.2 TI2V-5B text/image-to-video (48-channel Wan 2.2 VAE)",
-        family="tuner.archs.wan.trainer_ti2v:Wan22TI2VModel",
-        fixture="tuner.archs.wan.fixture_ti2v:FIXTURE",
+        family="trainer_ti2v:Wan22TI2VModel",
+        fixture="fixture_ti2v:FIXTURE",
         first_frame=0.5,  # one model for both tasks: half the video samples train text-to-video
         spatial_step=32,
         model_fps=24.0,
@@ -173,8 +168,8 @@ RECORDS = (
         ),
         comfy_files=(("480p", _wan21_i2v("i2v_480p")), ("720p", _wan21_i2v("i2v_720p"))),
         title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
-        family="tuner.archs.wan.trainer_i2v:WanI2VModel",
-        fixture="tuner.archs.wan.fixture_i2v:I2V_FIXTURE",
+        family="trainer_i2v:WanI2VModel",
+        fixture="fixture_i2v:I2V_FIXTURE",
         first_frame=1.0,
         first_frame_required=_WAN_CLIP_REQUIRED,
         supports_images=False,
@@ -193,8 +188,8 @@ RECORDS = (
         hub_repos=(("720p", "Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers"),),
         comfy_files=(("720p", _wan21_i2v("flf2v_720p")),),
         title="Wan 2.1 first-last-frame-to-video 14B (720p; first and last frame + CLIP ViT-H)",
-        family="tuner.archs.wan.trainer_i2v:WanFLF2VModel",
-        fixture="tuner.archs.wan.fixture_i2v:FLF2V_FIXTURE",
+        family="trainer_i2v:WanFLF2VModel",
+        fixture="fixture_i2v:FLF2V_FIXTURE",
         first_frame=1.0,
         first_frame_required=_WAN_CLIP_REQUIRED,
         supports_images=False,

@@ -14,7 +14,7 @@ from torch import nn
 from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan import loaders as wan
 from tuner.errors import CheckpointError
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 # What a Wan transformer's input channel count says it is
 _INPUT_CHANNELS = {
@@ -48,7 +48,8 @@ class WanModel(ArchitectureModel):
             self.cfg.model.tokenizer or None,
             text_encoder_dtype(dtype),
         )
-        return place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap), tokenizer
+        self.place_text_encoders(dtype, device, model)
+        return model, tokenizer
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         return wan.encode_video(vae, pixels)

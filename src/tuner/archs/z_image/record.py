@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import Architecture, comfy, hub_tokenizers
 
 Z_IMAGE = Architecture(
     name="z_image",
@@ -21,11 +21,9 @@ Z_IMAGE = Architecture(
     ),
     save_format_loads="ComfyUI; diffusers (its Z-Image converter splits the fused qkv)",
     title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
-    family="tuner.archs.z_image.trainer:ZImageModel",
-    training_warning="tuner.archs.z_image.trainer:turbo_warning",
-    layout="tuner.archs.z_image.loaders:Z_IMAGE_LAYOUT",
-    fixture="tuner.archs.z_image.fixture:FIXTURE",
-    model_class="ZImageTransformer2DModel",
+    family="ZImageModel",
+    training_warning="trainer:turbo_warning",
+    layout="loaders:Z_IMAGE_LAYOUT",
     block_lists=("noise_refiner", "context_refiner", "layers"),
     # q/k/v (the release's fused `attention.qkv`), the output projection and the SwiGLU MLP of every
     # block, refiners included; the modulations, embedders and final layer are left alone
@@ -33,8 +31,7 @@ Z_IMAGE = Architecture(
         r"(noise_refiner|context_refiner|layers)\.\d+\.attention\.(to_q|to_k|to_v|to_out\.0)",
         r"(noise_refiner|context_refiner|layers)\.\d+\.feed_forward\.(w1|w2|w3)",
     ),
-    configs="z_image",
-    tokenizers=(("tokenizer", "Tongyi-MAI/Z-Image-Turbo:tokenizer"),),  # Qwen3
+    tokenizers=hub_tokenizers("Tongyi-MAI/Z-Image-Turbo", "tokenizer"),  # Qwen3
     hub_repos=(("turbo", "Tongyi-MAI/Z-Image-Turbo"),),
     comfy_files=(
         (
@@ -51,7 +48,6 @@ Z_IMAGE = Architecture(
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
     save_format="kohya",
-    spatial_step=16,
     latent_patch=(2, 2),
 )
 
