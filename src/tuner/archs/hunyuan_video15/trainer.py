@@ -20,7 +20,7 @@ from tuner.archs.hunyuan_video15 import loaders as hunyuan_video15
 from tuner.archs.hunyuan_video15 import siglip as hunyuan_video15_siglip
 from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan.trainer_i2v import LatentEncoders
-from tuner.memory import place_text_encoder, text_encoder_dtype
+from tuner.memory import text_encoder_dtype
 
 
 class HunyuanVideo15Model(ArchitectureModel):
@@ -42,8 +42,7 @@ class HunyuanVideo15Model(ArchitectureModel):
             m.tokenizer_2 or None,
             text_encoder_dtype(dtype),
         )
-        for model in (encoders.qwen, encoders.byt5):
-            place_text_encoder(model, dtype, device, self.cfg.cache.text_encoder_blocks_to_swap)
+        self.place_text_encoders(dtype, device, encoders.qwen, encoders.byt5)
         return encoders
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
