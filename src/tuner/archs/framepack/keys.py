@@ -7,7 +7,8 @@ and 4× compression) and the SigLIP projection `image_projection` (`up`, `down`)
 from it) is saved by lllyasviel's own class, whose names are diffusers' (`transformer_blocks.0.attn.to_q`).
 
 Adapters are exported in HunyuanVideo's Tencent names with fused `img_attn_qkv` / `txt_attn_qkv` /
-`linear1`, exactly as `hunyuan_video` does (HunyuanVideo LoRAs are what FramePack tools take). ComfyUI's
+`linear1`, exactly as `hunyuan_video` does (HunyuanVideo LoRAs are what FramePack tools take; kohya
+stems in ComfyUI's spelling, `img_mlp_0`). ComfyUI's
 FramePack wrapper reads a LoRA through diffusers' HunyuanVideo LoRA converter, which takes those names but
 not the `.alpha` keys of fused layers, so for it (and diffusers) save with `save.format = "diffusers"`
 (tests/test_framepack.py). The layout is therefore HunyuanVideo's table plus
@@ -17,7 +18,7 @@ FramePack file, which the loader reads as well as the release's diffusers-named 
 
 from __future__ import annotations
 
-from tuner.archs.hunyuan_video.keys import FINAL_MODULATION, FUSED_LAYERS, TRANSFORMER_RULES
+from tuner.archs.hunyuan_video.keys import FINAL_MODULATION, FUSED_LAYERS, KOHYA_NAMES, TRANSFORMER_RULES
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -31,7 +32,10 @@ FRAMEPACK_MODULES = (
 )
 
 FRAMEPACK_KEYS = ArchitectureKeys(
-    "framepack", TRANSFORMER_RULES + tuple((m, m) for m in FRAMEPACK_MODULES), FUSED_LAYERS
+    "framepack",
+    TRANSFORMER_RULES + tuple((m, m) for m in FRAMEPACK_MODULES),
+    FUSED_LAYERS,
+    kohya_names=KOHYA_NAMES,
 )
 """The adapter name map (diffusers module name -> HunyuanVideo's Tencent name), carrying the fused layers."""
 
