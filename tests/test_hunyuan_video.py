@@ -294,11 +294,8 @@ def test_every_kohya_key_names_a_comfyui_module(paths, arch):
     reads back to its module, as does musubi-tuner's spelling of the release's names."""
     layout = ARCHITECTURES[arch].checkpoint_layout()
     comfy = _comfy_lora_unet_map(read_tensor_shapes(paths["transformer_file"]))
-    model = hv.load_transformer(paths["diffusers"], torch.float32)
-    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "norm_out.linear"]
-    gen = torch.Generator().manual_seed(0)
-    modules = {n: ModuleWeights(LORA, {"down": torch.randn(2, 4, generator=gen), "up": torch.randn(4, 2, generator=gen)}, 2.0)
-               for n in names}  # fmt: skip
+    modules = _adapter_on_every_linear(paths)
+    names = list(modules)
     state, metadata = layout_state(modules, "kohya", layout)
     stems = {key.split(".")[0] for key in state}
     assert "lora_unet_double_blocks_0_img_mlp_0" in stems
@@ -310,6 +307,43 @@ def test_every_kohya_key_names_a_comfyui_module(paths, arch):
     assert index.resolve(["lora_unet_double_blocks_0_img_mlp_fc1"], "musubi") == {
         "lora_unet_double_blocks_0_img_mlp_fc1": "transformer_blocks.0.ff.net.0.proj"
     }
+
+
+def _adapter_on_every_linear(paths) -> dict[str, ModuleWeights]:
+    """A random LoRA on every linear layer but the final modulation (which has no adapter name)."""
+    model = hv.load_transformer(paths["diffusers"], torch.float32)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "norm_out.linear"]
+    gen = torch.Generator().manual_seed(0)
+    return {n: ModuleWeights(LORA, {"down": torch.randn(2, 4, generator=gen), "up": torch.randn(4, 2, generator=gen)}, 2.0)
+            for n in names}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["hunyuan_video", "framepack"])
+def test_every_musubi_key_names_a_module_of_musubi_tuners_model(paths, arch):
+    """musubi-tuner names an adapter `lora_unet_` + its model's module name with "_" (`networks/lora.py`)
+    and leaves any other key unread (strict=False). Its HunyuanVideo model keeps the release's names
+    (`hunyuan_model/models.py`: `img_mlp.fc1`, fused `img_attn_qkv`, `linear1`), its FramePack model
+    diffusers' (`frame_pack/hunyuan_video_packed.py`): the musubi file names only those, and reads back
+    to the same adapters."""
+    layout = ARCHITECTURES[arch].checkpoint_layout()
+    modules = _adapter_on_every_linear(paths)
+    if arch == "hunyuan_video":
+        weights = [k for k in read_tensor_shapes(paths["transformer_file"]) if k.endswith(".weight")]
+        musubi = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_") for k in weights}
+        expected = "lora_unet_double_blocks_0_img_mlp_fc1"
+    else:
+        musubi = {"lora_unet_" + n.replace(".", "_") for n in modules}
+        expected = "lora_unet_transformer_blocks_0_attn_to_q"
+    state, metadata = layout_state(modules, "musubi", layout)
+    stems = {key.split(".")[0] for key in state}
+    assert expected in stems
+    assert stems - musubi == set()
+    back = canonical_modules(parse_modules(state, metadata, "musubi"), layout.keys, metadata, "musubi")
+    assert back.keys() == modules.keys()
+    for name, weights in back.items():
+        assert weights.alpha == modules[name].alpha, name
+        for role, tensor in weights.tensors.items():
+            assert torch.equal(tensor, modules[name].tensors[role]), (name, role)
 
 
 # ---------------------------------------------------------------------------------------------------

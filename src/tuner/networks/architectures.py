@@ -44,6 +44,10 @@ class ArchitectureKeys:
     """(diffusers pattern, ComfyUI's module name) for modules ComfyUI names otherwise than the release
     (HunyuanVideo's `img_mlp.fc1` is its `img_mlp.0`): ComfyUI's `lora_unet_` key map is its own module
     names with "_", so their kohya stems spell those (`stem`); the release's spelling still reads back."""
+    musubi_diffusers_names: bool = False
+    """musubi-tuner's model keeps diffusers' module names (Z-Image, FramePack), so its `lora_unet_` stems are
+    those with "_", unfused (`layers_0_attention_to_q`): what the `musubi` layout writes (`stem`). Otherwise
+    musubi's names are the release's, which the `musubi` layout writes without `kohya_names`' respelling."""
 
     @cached_property
     def _to_original(self) -> list[tuple[re.Pattern[str], str]]:
@@ -85,7 +89,11 @@ class ArchitectureKeys:
         return ArchitectureKeys(f"{self.name} kohya", self.kohya_names)
 
     def stem(self, name: str, layout: str) -> str | None:
-        """The kohya stem of a module in `kohya_names`; None: the layout's usual stem (`NameMap`)."""
+        """The stem of a module the table names itself in a kohya-spelled layout: ComfyUI's name
+        (`kohya_names`) in `kohya`, diffusers' (`musubi_diffusers_names`) in `musubi`; None: the layout's
+        usual stem (`NameMap`)."""
+        if layout == "musubi" and self.musubi_diffusers_names:
+            return KOHYA_PREFIXES[0] + name.replace(".", "_")
         if layout != "kohya" or not self.kohya_names:
             return None
         try:

@@ -14,6 +14,11 @@ not the `.alpha` keys of fused layers, so for it (and diffusers) save with `save
 (tests/test_framepack.py). The layout is therefore HunyuanVideo's table plus
 the FramePack modules under their own names; a whole checkpoint converted with it is a HunyuanVideo-named
 FramePack file, which the loader reads as well as the release's diffusers-named one.
+
+musubi-tuner's FramePack model is lllyasviel's class (`musubi_tuner/frame_pack/hunyuan_video_packed.py`;
+`networks/lora_framepack.py` targets its `HunyuanVideoTransformerBlock` / `HunyuanVideoSingleTransformerBlock`),
+so its adapters are named in diffusers' names, unfused (`lora_unet_transformer_blocks_0_attn_to_q`): what `save.format = "musubi"` writes
+(`musubi_diffusers_names`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ FRAMEPACK_KEYS = ArchitectureKeys(
     TRANSFORMER_RULES + tuple((m, m) for m in FRAMEPACK_MODULES),
     FUSED_LAYERS,
     kohya_names=KOHYA_NAMES,
+    musubi_diffusers_names=True,
 )
 """The adapter name map (diffusers module name -> HunyuanVideo's Tencent name), carrying the fused layers."""
 

@@ -20,8 +20,10 @@ ComfyUI loads that file into FLUX's blocks (`comfy/ldm/hunyuan_video/model.py` b
 `MLPEmbedder.in_layer` / `out_layer`), renaming the keys as it reads them (`COMFY_RENAMES`, after
 `HunyuanVideo.process_unet_state_dict` in `comfy/supported_models.py`). Its `lora_unet_` key map
 (`model_lora_keys_unet` in `comfy/lora.py`) is built from those module names, so kohya stems spell
-`img_mlp_0`, not the release's `img_mlp_fc1` (`kohya_names`; musubi-tuner writes the release's spelling,
-which reads back too).
+`img_mlp_0`, not the release's `img_mlp_fc1` (`kohya_names`). musubi-tuner's model keeps the release's
+names (`MMDoubleStreamBlock.img_mlp.fc1`, fused `img_attn_qkv` / `linear1`, in
+`musubi_tuner/hunyuan_model/models.py`), so its files spell `img_mlp_fc1`: `save.format = "musubi"` writes
+that, and both spellings read back.
 
 The VAE (`hunyuan_video_vae_bf16.safetensors`) and the text encoders' files already use diffusers' /
 transformers' names (see `tuner.archs.hunyuan_video.loaders`). `HUNYUAN_VIDEO_KEYS` is the adapter name map
