@@ -22,7 +22,10 @@ from tuner.io import save_safetensors
 from tuner.models.identify import pick_variant
 from tuner.models.loading import load_tensors, read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
-from tuner.networks.keys import read_safetensors
+from tuner.networks.architectures import canonical_modules
+from tuner.networks.delta import LORA, ModuleWeights
+from tuner.networks.formats import layout_state, parse_modules
+from tuner.networks.keys import ModuleNameIndex, read_safetensors
 from tuner.registry import ARCHITECTURES, resolve_save_format
 
 CAPTIONS = ["a dog runs", "a red car drives on the street at night while the rain falls"]
@@ -262,6 +265,87 @@ def test_every_default_target_exports_to_a_weight_of_the_single_file(paths):
         HUNYUAN_VIDEO_LAYOUT("norm_out.linear")
 
 
+# ComfyUI's renames of the release's keys as it loads them (`HunyuanVideo.process_unet_state_dict` in
+# comfy/supported_models.py), written out here apart from the table under test
+_COMFY_KEY_RENAMES = (
+    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."), ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
+    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."), ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
+    ("_mod.linear.", "_mod.lin."), ("_attn_qkv.", "_attn.qkv."), ("mlp.fc1.", "mlp.0."), ("mlp.fc2.", "mlp.2."),
+    ("_attn_proj.", "_attn.proj."), (".modulation.linear.", ".modulation.lin."),
+    ("_in.mlp.2.", "_in.out_layer."), ("_in.mlp.0.", "_in.in_layer."),
+)  # fmt: skip
+
+
+def _comfy_lora_unet_map(release_keys) -> set[str]:
+    """ComfyUI's `lora_unet_` keys (`model_lora_keys_unet` in comfy/lora.py): its module names, "_" for "."."""
+    names = set()
+    for key in release_keys:
+        for old, new in _COMFY_KEY_RENAMES:
+            key = key.replace(old, new)
+        if key.endswith(".weight"):
+            names.add("lora_unet_" + key.removesuffix(".weight").replace(".", "_"))
+    return names
+
+
+@pytest.mark.parametrize("arch", ["hunyuan_video", "framepack"])
+def test_every_kohya_key_names_a_comfyui_module(paths, arch):
+    """An adapter on every linear layer but the final modulation (no adapter name), saved as kohya: each
+    stem is in ComfyUI's `lora_unet_` map (the MLPs are `img_mlp_0`, not the release's `img_mlp_fc1`), and
+    reads back to its module, as does musubi-tuner's spelling of the release's names."""
+    layout = ARCHITECTURES[arch].checkpoint_layout()
+    comfy = _comfy_lora_unet_map(read_tensor_shapes(paths["transformer_file"]))
+    modules = _adapter_on_every_linear(paths)
+    names = list(modules)
+    state, metadata = layout_state(modules, "kohya", layout)
+    stems = {key.split(".")[0] for key in state}
+    assert "lora_unet_double_blocks_0_img_mlp_0" in stems
+    assert stems - comfy == set()
+    assert canonical_modules(
+        parse_modules(state, metadata, "kohya"), layout.keys, metadata, "kohya"
+    ).keys() == set(names)
+    index = ModuleNameIndex(names, layout)
+    assert index.resolve(["lora_unet_double_blocks_0_img_mlp_fc1"], "musubi") == {
+        "lora_unet_double_blocks_0_img_mlp_fc1": "transformer_blocks.0.ff.net.0.proj"
+    }
+
+
+def _adapter_on_every_linear(paths) -> dict[str, ModuleWeights]:
+    """A random LoRA on every linear layer but the final modulation (which has no adapter name)."""
+    model = hv.load_transformer(paths["diffusers"], torch.float32)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "norm_out.linear"]
+    gen = torch.Generator().manual_seed(0)
+    return {n: ModuleWeights(LORA, {"down": torch.randn(2, 4, generator=gen), "up": torch.randn(4, 2, generator=gen)}, 2.0)
+            for n in names}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["hunyuan_video", "framepack"])
+def test_every_musubi_key_names_a_module_of_musubi_tuners_model(paths, arch):
+    """musubi-tuner names an adapter `lora_unet_` + its model's module name with "_" (`networks/lora.py`)
+    and leaves any other key unread (strict=False). Its HunyuanVideo model keeps the release's names
+    (`hunyuan_model/models.py`: `img_mlp.fc1`, fused `img_attn_qkv`, `linear1`), its FramePack model
+    diffusers' (`frame_pack/hunyuan_video_packed.py`): the musubi file names only those, and reads back
+    to the same adapters."""
+    layout = ARCHITECTURES[arch].checkpoint_layout()
+    modules = _adapter_on_every_linear(paths)
+    if arch == "hunyuan_video":
+        weights = [k for k in read_tensor_shapes(paths["transformer_file"]) if k.endswith(".weight")]
+        musubi = {"lora_unet_" + k.removesuffix(".weight").replace(".", "_") for k in weights}
+        expected = "lora_unet_double_blocks_0_img_mlp_fc1"
+    else:
+        musubi = {"lora_unet_" + n.replace(".", "_") for n in modules}
+        expected = "lora_unet_transformer_blocks_0_attn_to_q"
+    state, metadata = layout_state(modules, "musubi", layout)
+    stems = {key.split(".")[0] for key in state}
+    assert expected in stems
+    assert stems - musubi == set()
+    back = canonical_modules(parse_modules(state, metadata, "musubi"), layout.keys, metadata, "musubi")
+    assert back.keys() == modules.keys()
+    for name, weights in back.items():
+        assert weights.alpha == modules[name].alpha, name
+        for role, tensor in weights.tensors.items():
+            assert torch.equal(tensor, modules[name].tensors[role]), (name, role)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Model inputs against the pipeline
 # ---------------------------------------------------------------------------------------------------
@@ -419,9 +503,6 @@ def test_fused_rows_agree_with_diffusers_converter_at_full_width(tmp_path):
     into one LoRA per diffusers module whose ΔW = B @ A is ours: the fused rows are where diffusers
     expects them."""
     from diffusers.loaders import HunyuanVideoLoraLoaderMixin
-
-    from tuner.networks.delta import LORA, ModuleWeights
-    from tuner.networks.formats import layout_state
 
     hidden, mlp, rank = 3072, 12288, 4
     g = torch.Generator().manual_seed(0)

@@ -67,12 +67,17 @@ def test_cache_text_stores_token_ids_and_both_commands_say_so(project, tmp_path)
 
 
 def test_train_names_the_missing_token_ids_when_only_outputs_are_cached(paths, tmp_path):
-    """Text outputs cached before text-encoder training was switched on are not silently used."""
+    """Text outputs cached before text-encoder training was switched on are not silently used, and the
+    command the error names caches the token ids: it carries the `--set` that switched training on."""
     from tuner.errors import CacheError
 
     config = make_cached_project(tmp_path / "p", paths["root"], architecture="sdxl")
-    with pytest.raises(CacheError, match="token ids: the text encoders train, their outputs are not cached"):
+    with pytest.raises(
+        CacheError, match="token ids: the text encoders train, their outputs are not cached"
+    ) as e:
         _train(config, tmp_path / "run", "train.max_steps=1")
+    assert f"Run: tuner cache text --config {config.resolve()}" in str(e.value)
+    assert "--set network.train_text_encoder=true" in str(e.value)
 
 
 def test_text_encoder_adapters_train_at_their_rate_and_resume_exactly(project, tmp_path, monkeypatch):

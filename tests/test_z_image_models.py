@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 from diffusers import ZImagePipeline
+from safetensors.torch import load_file
 
 from tuner.archs.flux import loaders as flux
 from tuner.archs.z_image import loaders as z_image
@@ -174,11 +175,12 @@ def _velocity(model, captions):
     )
 
 
-@pytest.mark.parametrize("layout", ["kohya", "diffusers"])
+@pytest.mark.parametrize("layout", ["kohya", "diffusers", "musubi"])
 def test_diffusers_lora_loader_reads_the_default_and_diffusers_layouts(pipeline, layout, tmp_path):
     """diffusers' ZImagePipeline.load_lora_weights loads tuner's default file (kohya spelling of the
-    release's names: its converter splits the fused `attention.qkv` adapter into to_q / to_k / to_v) and
-    the diffusers-layout file (alpha folded) to the same output. The comfy layout it refuses (its
+    release's names: its converter splits the fused `attention.qkv` adapter into to_q / to_k / to_v), the
+    musubi file (kohya's spelling of diffusers' names) and the diffusers-layout file (alpha folded) to the
+    same output. The comfy layout it refuses (its
     converter leaves the `attention.out.alpha` tensors of lora_A / lora_B files unread)."""
     assert architecture("z_image").save_format == "kohya"
     pipe, parts = pipeline
@@ -213,3 +215,30 @@ def test_folder_without_transformer_config_is_named(fixture, tmp_path):
     shutil.rmtree(broken / "transformer")
     with pytest.raises(CheckpointError, match="transformer"):
         z_image.load_transformer(broken, torch.float32)
+
+
+def test_musubi_file_names_only_musubi_tuners_modules(fixture, tmp_path):
+    """musubi-tuner's Z-Image model keeps diffusers' module names (`musubi_tuner/zimage/zimage_model.py`:
+    `attention.to_q` / `to_k` / `to_v` / `to_out.0`) and names an adapter `lora_unet_` + that name with "_"
+    (`networks/lora.py`), loading with strict=False. The musubi file's stems are such names of the adapted
+    modules, one each (ComfyUI's fused `attention_qkv` / `attention_out` are none), and the file reads
+    back into tuner equal."""
+    model = z_image.load_transformer(fixture["diffusers"], torch.float32)
+    musubi = {
+        "lora_unet_" + n.replace(".", "_") for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+    }
+    network = _lora(model)
+    path = tmp_path / "musubi.safetensors"
+    network.save(path, architecture("z_image").checkpoint_layout(), format="musubi")
+    stems = {key.split(".")[0] for key in load_file(path)}
+    assert {"lora_unet_layers_0_attention_to_q", "lora_unet_layers_0_attention_to_out_0"} <= stems
+    assert stems <= musubi
+    assert len(stems) == len(network.weights())
+    want = network.weights()
+    network.remove()
+    fresh = _lora(z_image.load_transformer(fixture["diffusers"], torch.float32))
+    fresh.load_weights(path)
+    for name, weights in fresh.weights().items():
+        assert weights.alpha == want[name].alpha, name
+        for role, tensor in weights.tensors.items():
+            assert torch.equal(tensor, want[name].tensors[role]), (name, role)

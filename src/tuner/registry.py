@@ -16,7 +16,7 @@ from dataclasses import replace
 from tuner.archs.record import Architecture
 from tuner.errors import ConfigError
 
-SAVE_LAYOUTS = ("comfy", "diffusers", "kohya")
+SAVE_LAYOUTS = ("comfy", "diffusers", "kohya", "musubi")
 SAVE_FORMATS = ("auto", *SAVE_LAYOUTS)
 """What `save.format` (and the file tools' `--to` / `--format`) accept: a layout, or "auto"."""
 

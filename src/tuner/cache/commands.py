@@ -179,7 +179,7 @@ def cache_latents(cfg, device: str | None = None, prune: bool = False, batch_siz
                     todo.setdefault(key, job)
         with (
             _one_run_at_a_time(store, LATENT, "tuner cache latents", log, procs),
-            _stop_on_signals(f"tuner cache latents --config {cfg.path}"),
+            _stop_on_signals(cfg.command("cache latents")),
         ):
             missing, damaged = _missing_or_damaged(store, list(todo), log)
             procs.barrier()  # every process knows the work before any writes
@@ -283,7 +283,7 @@ def cache_text(cfg, device: str | None = None, prune: bool = False, batch_size: 
                 wanted.update(text_requests(model, store, plan, encoder, max_len)[1])
         with (
             _one_run_at_a_time(store, TEXT, "tuner cache text", log, procs),
-            _stop_on_signals(f"tuner cache text --config {cfg.path}"),
+            _stop_on_signals(cfg.command("cache text")),
         ):
             missing, damaged = _missing_or_damaged(store, list(wanted), log)
             procs.barrier()  # every process knows the work before any writes

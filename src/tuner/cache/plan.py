@@ -269,7 +269,7 @@ def require_cached(store: CacheStore, keys: list[str], what: str, command: str, 
         raise CacheError(
             f"{len(missing)} of {len(set(keys))} {what} entries are missing or stale in {store.root} "
             f"(new or changed files, captions, resolution, frames or model). "
-            f"Run: tuner {command} --config {cfg.path}"
+            f"Run: {cfg.command(command)}"
         )
 
 
@@ -292,7 +292,7 @@ def open_training_data(
         if not (Path(plan.spec.cache_directory) / INDEX_NAME).exists():
             raise CacheError(
                 f"nothing is cached in {plan.spec.cache_directory} yet. "
-                f"Run: tuner cache latents --config {cfg.path} and tuner cache text --config {cfg.path}"
+                f"Run: {cfg.command('cache latents')} and {cfg.command('cache text')}"
             )
     # Read-only: training writes nothing to the store, so a cache on a read-only mount works.
     stores = stores_of(plans, readonly=True)

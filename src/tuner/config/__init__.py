@@ -10,6 +10,7 @@ mistake is one `ConfigError` that names the file, the key and the fix.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,14 @@ class Config:
     file: TrainingFile
     datasets: tuple[DatasetSpec, ...]
     path: Path
+    overrides: tuple[str, ...] = ()
+    """The `--set` overrides applied on top of the file, in order."""
+
+    def command(self, name: str) -> str:
+        """The `tuner <name>` command line that loads this same config (file and `--set` overrides)."""
+        return " ".join(
+            ["tuner", name, "--config", str(self.path), *(f"--set {shlex.quote(o)}" for o in self.overrides)]
+        )
 
     def __getattr__(self, name: str):  # cfg.train, cfg.model ... read through to the file's sections
         return getattr(self.file, name)
@@ -107,4 +116,4 @@ def load_config(
             f"{path}: key 'train.validate_every_n_steps' is set, but {file.data.dataset_config} has no "
             "[[datasets]] table with validation = true."
         )
-    return Config(file=file, datasets=tuple(datasets), path=path)
+    return Config(file=file, datasets=tuple(datasets), path=path, overrides=tuple(overrides))

@@ -40,6 +40,14 @@ class ArchitectureKeys:
     same_names: bool = False
     """The release uses diffusers' names (Qwen-Image): a name outside `renames` maps to itself. The
     renames still list the linear layers, so kohya stems (dots turned into underscores) read back."""
+    kohya_names: tuple[tuple[str, str], ...] = ()
+    """(diffusers pattern, ComfyUI's module name) for modules ComfyUI names otherwise than the release
+    (HunyuanVideo's `img_mlp.fc1` is its `img_mlp.0`): ComfyUI's `lora_unet_` key map is its own module
+    names with "_", so their kohya stems spell those (`stem`); the release's spelling still reads back."""
+    musubi_diffusers_names: bool = False
+    """musubi-tuner's model keeps diffusers' module names (Z-Image, FramePack), so its `lora_unet_` stems are
+    those with "_", unfused (`layers_0_attention_to_q`): what the `musubi` layout writes (`stem`). Otherwise
+    musubi's names are the release's, which the `musubi` layout writes without `kohya_names`' respelling."""
 
     @cached_property
     def _to_original(self) -> list[tuple[re.Pattern[str], str]]:
@@ -75,6 +83,32 @@ class ArchitectureKeys:
             why = "fits several modules" if found else "matches no module"
             raise KeyError(f"kohya name {body!r} {why} of {self.name}")
         return found.pop()
+
+    @cached_property
+    def _kohya_table(self) -> ArchitectureKeys:
+        return ArchitectureKeys(f"{self.name} kohya", self.kohya_names)
+
+    def stem(self, name: str, layout: str) -> str | None:
+        """The stem of a module the table names itself in a kohya-spelled layout: ComfyUI's name
+        (`kohya_names`) in `kohya`, diffusers' (`musubi_diffusers_names`) in `musubi`; None: the layout's
+        usual stem (`NameMap`)."""
+        if layout == "musubi" and self.musubi_diffusers_names:
+            return KOHYA_PREFIXES[0] + name.replace(".", "_")
+        if layout != "kohya" or not self.kohya_names:
+            return None
+        try:
+            return KOHYA_PREFIXES[0] + self._kohya_table(name).replace(".", "_")
+        except KeyError:
+            return None
+
+    def name_of_stem(self, stem: str) -> str | None:
+        """The module a `stem` of `kohya_names` stands for, or None."""
+        if not self.kohya_names or not stem.startswith(KOHYA_PREFIXES[0]):
+            return None
+        try:
+            return self._kohya_table.from_kohya(stem.removeprefix(KOHYA_PREFIXES[0]))
+        except KeyError:
+            return None
 
     def fused_layer(self, body: str, kohya: bool = False) -> tuple[FusedLayer, str, list[str]] | None:
         """(layer, original name, part names) when a stem body names one of the fused layers."""

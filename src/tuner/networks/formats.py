@@ -1,4 +1,4 @@
-"""Adapter files in the three key layouts of `keys.py`: reading any of them, writing any of them.
+"""Adapter files in the key layouts of `keys.py`: reading any of them, writing any of them.
 
 A file holds, per module, `<stem>.<suffix>` tensors. The stems are described in `keys.py`; the suffixes:
 
@@ -19,6 +19,18 @@ diffusers form and is refused there. In the comfy and kohya layouts the parts of
 `qkv`, `linear1`) are written as one fused adapter, except when they carry per-column DoRA: then each
 part is written under its diffusers name (`transformer.<name>` in comfy files, `lora_transformer_<name
 with "_">` in kohya files), names ComfyUI maps onto the fused weight's rows (see `fused.py`).
+
+The `musubi` layout is kohya's spelling of musubi-tuner's module names, for the architectures where they
+are not ComfyUI's (`kohya` is ComfyUI's, which musubi-tuner reads too wherever the two agree; a file of
+either reads back). musubi-tuner names an adapter `lora_unet_` + its model's module name with "_"
+(`create_modules` in `musubi_tuner/networks/lora.py`) and loads a file with `load_state_dict(strict=False)`,
+so a key its model lacks is dropped without an error. Its Z-Image model (`musubi_tuner/zimage/
+zimage_model.py`, adapted by `networks/lora_zimage.py`) and FramePack model (`networks/lora_framepack.py`
+targets diffusers' block classes) keep diffusers' names: q, k and v unfused (`attention_to_q`,
+`attention_to_out_0`; `ArchitectureKeys.musubi_diffusers_names`), where ComfyUI's `kohya` names are the
+release's fused `attention_qkv` / `attention_out`. For HunyuanVideo musubi-tuner keeps the release's
+`img_mlp_fc1`, where ComfyUI's is `img_mlp_0` (`kohya_names`). Elsewhere `musubi` writes what `kohya`
+writes: the architectures musubi-tuner does not train as well, so one setting fits every run.
 
 Where the layouts load (measured; `save.format = "auto"` picks, per architecture, one that loads in
 both ComfyUI and diffusers' `load_lora_weights`, see `Architecture.save_format`):
@@ -71,8 +83,9 @@ from tuner.networks.keys import (
     split_keys,
 )
 
-Layout = Literal["comfy", "diffusers", "kohya"]
-LAYOUTS: tuple[str, ...] = ("comfy", "diffusers", "kohya")
+Layout = Literal["comfy", "diffusers", "kohya", "musubi"]
+LAYOUTS: tuple[str, ...] = ("comfy", "diffusers", "kohya", "musubi")
+KOHYA_SPELLED = ("kohya", "musubi")  # `lora_unet_` stems with "_", `lora_down` / `lora_up` / `alpha`
 FOLDED_ALPHA = "tuner.folded_alpha"
 KOHYA_PREFIX, KOHYA_TRANSFORMER_PREFIX = KOHYA_PREFIXES  # original names, diffusers names
 DIFFUSERS_PREFIX = DIFFUSERS_PREFIXES[0]
@@ -210,7 +223,7 @@ def module_tensors(weights: ModuleWeights, layout: str, dtype: torch.dtype) -> d
     if weights.kind == LORA:
         down, up = (
             ("lora_down.weight", "lora_up.weight")
-            if layout == "kohya"
+            if layout in KOHYA_SPELLED
             else ("lora_A.weight", "lora_B.weight")
         )
         out = {down: weights.tensors["down"], up: weights.tensors["up"]}
@@ -304,7 +317,7 @@ def layout_state(
 def part_stem(name: str, layout: str) -> str:
     """The stem of a fused layer's part written apart (`FusedParts`): its diffusers name, spelled as the
     layout's other keys are (ComfyUI maps both spellings onto the fused weight's rows for FLUX)."""
-    if layout == "kohya":
+    if layout in KOHYA_SPELLED:
         return KOHYA_TRANSFORMER_PREFIX + name.replace(".", "_")
     return DIFFUSERS_PREFIX + name
 

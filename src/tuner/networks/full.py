@@ -39,6 +39,7 @@ from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
 from tuner.io import save_safetensors
+from tuner.networks.formats import LAYOUTS
 from tuner.networks.keys import NameMap, describe_source, read_safetensors
 from tuner.networks.layouts import diffusers_state_dict, original_state_dict
 
@@ -160,11 +161,11 @@ class FullNetwork(nn.Module):
         self, name_map: NameMap | None = None, dtype: torch.dtype = torch.float32, format: str = "comfy"
     ) -> dict[str, torch.Tensor]:
         """The model's weights on the CPU, floating ones in `dtype`, in the original release's layout
-        (comfy, kohya: converted by `name_map`, which may be the architecture's `CheckpointLayout`, so
-        fused layers are joined) or under diffusers names (diffusers). Cast while copying to the CPU:
-        casting on the GPU first would need a second copy of the model there."""
-        if format not in ("comfy", "kohya", "diffusers"):
-            raise TunerError(f"unknown save format {format!r}; choose comfy, diffusers or kohya")
+        (comfy, kohya, musubi: converted by `name_map`, which may be the architecture's
+        `CheckpointLayout`, so fused layers are joined) or under diffusers names (diffusers). Cast while
+        copying to the CPU: casting on the GPU first would need a second copy of the model there."""
+        if format not in LAYOUTS:
+            raise TunerError(f"unknown save format {format!r}; choose one of {', '.join(LAYOUTS)}")
         state = {
             key: tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
             for key, tensor in self.model.state_dict().items()
@@ -189,8 +190,8 @@ class FullNetwork(nn.Module):
         format: str = "comfy",
     ) -> None:
         """Write the whole transformer atomically as one .safetensors file in the original layout
-        (`format` comfy or kohya: both mean the original release's single file here, what ComfyUI and
-        the official code load) or diffusers' names."""
+        (`format` comfy, kohya or musubi: all mean the original release's single file here, what ComfyUI
+        and the official code load) or diffusers' names."""
         merged = {**(metadata or {}), "tuner.network_type": "full", "tuner.format": format}
         save_safetensors(self.file_state_dict(name_map, dtype, format), path, metadata=merged)
 

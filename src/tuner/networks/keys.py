@@ -7,11 +7,15 @@ module, the suffix names the tensor's role (for LoRA: down, up, alpha). Three la
 |----------------------|--------------------------------------|-------------------------------------|------------------|
 | original ("comfy")   | `diffusion_model.<original name>`    | `lora_A.weight lora_B.weight alpha` | tuner, ComfyUI   |
 | kohya                | `lora_unet_<original, "." -> "_">`   | `lora_down.weight lora_up.weight alpha` | kohya, musubi |
+| musubi               | kohya's, of musubi-tuner's names     | the same as kohya                   | musubi-tuner     |
 | diffusers / PEFT     | `transformer.<diffusers name>`       | `lora_A.weight lora_B.weight`       | diffusers, PEFT  |
 
 *Original names* are the module names of the model's original release (Wan: `blocks.0.self_attn.q`),
 which is what ComfyUI builds its key map from; diffusers renames modules (`blocks.0.attn1.to_q`). Each
 architecture supplies a *name map* (diffusers name -> original name) as data; the default is identity.
+
+musubi is kohya's spelling where musubi-tuner's model names modules otherwise than ComfyUI (Z-Image and
+FramePack keep diffusers' names there; see `formats.py`); the readers take it as kohya.
 
 Files are read the other way round: every stem must resolve to one module of the model. Rather than
 inverting the name map or parsing stems, `ModuleNameIndex` writes down every stem each candidate
@@ -55,7 +59,7 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 KOHYA_TEXT_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_")  # kohya's text encoders' (SD, SDXL)
 # diffusers' prefix of the denoiser (`unet.` in UNet pipelines) and of its text encoders' LoRA parts
 DIFFUSERS_PREFIXES = ("transformer.", "base_model.model.", "unet.", "text_encoder.", "text_encoder_2.")
-ADAPTER_LAYOUTS = ("comfy", "kohya", "diffusers")
+ADAPTER_LAYOUTS = ("comfy", "kohya", "musubi", "diffusers")
 
 
 def identity_name_map(name: str) -> str:

@@ -67,6 +67,10 @@ class CheckpointLayout:
     def __call__(self, diffusers_name: str) -> str:
         return self.keys(diffusers_name)
 
+    def stem(self, name: str, layout: str) -> str | None:
+        """The stem the table names a module itself (`ArchitectureKeys.stem`), or None."""
+        return self.keys.stem(name, layout)
+
     @cached_property
     def inverse(self) -> ToDiffusers:
         """original -> diffusers names (what loaders take as `name_map_inverse`), carrying this layout."""

@@ -11,7 +11,9 @@ Adapters may be in any layout. comfy and kohya stems name original modules and a
 checkpoint itself (kohya's underscores are matched against the checkpoint's module names, so no table
 is needed); diffusers stems need the architecture's name table (`--arch`, or the adapter's metadata, or
 the one table that fits), which also fuses q/k/v adapters for originals that keep them as one matrix
-(parts with column-wise DoRA are applied to their own rows of it, as ComfyUI does).
+(parts with column-wise DoRA are applied to their own rows of it, as ComfyUI does). A checkpoint that
+is itself in diffusers' names (FramePack's release, lllyasviel's class) takes every adapter, of any
+layout, through the table to those names, unfused.
 """
 
 from __future__ import annotations
@@ -124,10 +126,14 @@ def _original_modules(
         canonical = canonical_modules(via_table, keys, metadata, str(path))
         if weight_of := getattr(keys, "checkpoint_weight", None):
             outside = {found: canonical.pop(name) for name in list(canonical) if (found := weight_of(name))}
-        for original, weights in original_modules(canonical, keys)[0].items():
-            if original in out:
-                raise CheckpointError(f"{path}: {original} is stored twice (under several names)")
-            out[original] = weights
+        # a checkpoint saved in diffusers' names (FramePack's release) takes the modules as they are
+        diffusers_names = all(name in names for name in canonical)
+        for module, weights in (
+            canonical if diffusers_names else original_modules(canonical, keys)[0]
+        ).items():
+            if module in out:
+                raise CheckpointError(f"{path}: {module} is stored twice (under several names)")
+            out[module] = weights
     unknown = [m for m in out if m not in names]
     if unknown:
         raise CheckpointError(

@@ -89,6 +89,7 @@ _IMPLEMENTATIONS = {
     "comfy": "https://github.com/comfyanonymous/ComfyUI",
     "diffusers": "https://github.com/huggingface/diffusers",
     "kohya": "https://github.com/kohya-ss/sd-scripts",
+    "musubi": "https://github.com/kohya-ss/musubi-tuner",
 }
 
 

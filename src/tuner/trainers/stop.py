@@ -83,7 +83,7 @@ class StopRequest:
         if trainer.cfg.save.save_state:
             state = checkpoints.out / STATE_DIR / f"step{pos.step:06d}"
             message = (f"stopped {why} after step {pos.step} of {run.total_steps}: state saved in {state} "
-                       f"(adapter {adapter}); continue with: tuner train --config {trainer.cfg.path} --resume latest")  # fmt: skip
+                       f"(adapter {adapter}); continue with: {trainer.cfg.command('train')} --resume latest")  # fmt: skip
         else:
             message = (f"stopped {why} after step {pos.step} of {run.total_steps}: adapter saved in {adapter}; "
                        "no state was saved (save.save_state = false), so the run cannot be resumed")  # fmt: skip

@@ -7,17 +7,23 @@ and 4× compression) and the SigLIP projection `image_projection` (`up`, `down`)
 from it) is saved by lllyasviel's own class, whose names are diffusers' (`transformer_blocks.0.attn.to_q`).
 
 Adapters are exported in HunyuanVideo's Tencent names with fused `img_attn_qkv` / `txt_attn_qkv` /
-`linear1`, exactly as `hunyuan_video` does (HunyuanVideo LoRAs are what FramePack tools take). ComfyUI's
+`linear1`, exactly as `hunyuan_video` does (HunyuanVideo LoRAs are what FramePack tools take; kohya
+stems in ComfyUI's spelling, `img_mlp_0`). ComfyUI's
 FramePack wrapper reads a LoRA through diffusers' HunyuanVideo LoRA converter, which takes those names but
 not the `.alpha` keys of fused layers, so for it (and diffusers) save with `save.format = "diffusers"`
 (tests/test_framepack.py). The layout is therefore HunyuanVideo's table plus
 the FramePack modules under their own names; a whole checkpoint converted with it is a HunyuanVideo-named
 FramePack file, which the loader reads as well as the release's diffusers-named one.
+
+musubi-tuner's FramePack model is lllyasviel's class (`musubi_tuner/frame_pack/hunyuan_video_packed.py`;
+`networks/lora_framepack.py` targets its `HunyuanVideoTransformerBlock` / `HunyuanVideoSingleTransformerBlock`),
+so its adapters are named in diffusers' names, unfused (`lora_unet_transformer_blocks_0_attn_to_q`): what `save.format = "musubi"` writes
+(`musubi_diffusers_names`).
 """
 
 from __future__ import annotations
 
-from tuner.archs.hunyuan_video.keys import FINAL_MODULATION, FUSED_LAYERS, TRANSFORMER_RULES
+from tuner.archs.hunyuan_video.keys import FINAL_MODULATION, FUSED_LAYERS, KOHYA_NAMES, TRANSFORMER_RULES
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -31,7 +37,11 @@ FRAMEPACK_MODULES = (
 )
 
 FRAMEPACK_KEYS = ArchitectureKeys(
-    "framepack", TRANSFORMER_RULES + tuple((m, m) for m in FRAMEPACK_MODULES), FUSED_LAYERS
+    "framepack",
+    TRANSFORMER_RULES + tuple((m, m) for m in FRAMEPACK_MODULES),
+    FUSED_LAYERS,
+    kohya_names=KOHYA_NAMES,
+    musubi_diffusers_names=True,
 )
 """The adapter name map (diffusers module name -> HunyuanVideo's Tencent name), carrying the fused layers."""
 

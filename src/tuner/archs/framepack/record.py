@@ -29,7 +29,7 @@ FRAMEPACK = replace(
         "FramePack wrapper (which passes LoRAs through diffusers' HunyuanVideo LoRA converter) read "
         '`save.format = "diffusers"` only: that converter cannot take the `.alpha` keys of fused layers'
     ),
-    save_format_loads="ComfyUI (HunyuanVideo's names); diffusers' FramePack pipeline needs `save.format = \"diffusers\"`",
+    save_format_loads='ComfyUI (HunyuanVideo\'s names); diffusers\' FramePack pipeline needs `save.format = "diffusers"`, musubi-tuner `"musubi"`',
     title="FramePack image-to-video (HunyuanVideo-based, next-section prediction, SigLIP)",
     family="FramePackModel",
     # the transformer; VAE, text and image encoders are HunyuanVideo's (`hunyuanvideo-community/HunyuanVideo`)

@@ -15,6 +15,16 @@ only and hard-codes the hidden size 3072 when it cuts `linear1`):
 * the final modulation `final_layer.adaLN_modulation.1` emits (shift, scale) where diffusers'
   `norm_out.linear` emits (scale, shift): the two row halves are swapped.
 
+ComfyUI loads that file into FLUX's blocks (`comfy/ldm/hunyuan_video/model.py` builds on
+`comfy/ldm/flux/layers.py`: `DoubleStreamBlock.img_mlp` is an `nn.Sequential`, `Modulation.lin`,
+`MLPEmbedder.in_layer` / `out_layer`), renaming the keys as it reads them (`COMFY_RENAMES`, after
+`HunyuanVideo.process_unet_state_dict` in `comfy/supported_models.py`). Its `lora_unet_` key map
+(`model_lora_keys_unet` in `comfy/lora.py`) is built from those module names, so kohya stems spell
+`img_mlp_0`, not the release's `img_mlp_fc1` (`kohya_names`). musubi-tuner's model keeps the release's
+names (`MMDoubleStreamBlock.img_mlp.fc1`, fused `img_attn_qkv` / `linear1`, in
+`musubi_tuner/hunyuan_model/models.py`), so its files spell `img_mlp_fc1`: `save.format = "musubi"` writes
+that, and both spellings read back.
+
 The VAE (`hunyuan_video_vae_bf16.safetensors`) and the text encoders' files already use diffusers' /
 transformers' names (see `tuner.archs.hunyuan_video.loaders`). `HUNYUAN_VIDEO_KEYS` is the adapter name map
 (renames + fused layers); `HUNYUAN_VIDEO_LAYOUT` adds the swapped final modulation for whole checkpoints.
@@ -72,6 +82,33 @@ TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
     ("proj_out", "final_layer.linear"),
 )
 
+# ComfyUI's renames of the release's module names, in its order (only those that change a linear layer's
+# kohya spelling: `_attn_qkv` -> `_attn.qkv` is the same with "_")
+COMFY_RENAMES: tuple[tuple[str, str], ...] = (
+    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."),
+    ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
+    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."),
+    ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
+    ("_mod.linear.", "_mod.lin."),
+    ("mlp.fc1.", "mlp.0."),
+    ("mlp.fc2.", "mlp.2."),
+    (".modulation.linear.", ".modulation.lin."),
+    ("_in.mlp.2.", "_in.out_layer."),
+    ("_in.mlp.0.", "_in.in_layer."),
+)
+
+
+def comfy_name(original: str) -> str:
+    """ComfyUI's name of a module of the release."""
+    name = original + "."
+    for old, new in COMFY_RENAMES:
+        name = name.replace(old, new)
+    return name[:-1]
+
+
+# (diffusers, ComfyUI) for the modules ComfyUI names otherwise than the release: their kohya stems
+KOHYA_NAMES = tuple((d, comfy_name(o)) for d, o in TRANSFORMER_RULES if comfy_name(o) != o)
+
 # Original layers that diffusers splits into row blocks (top to bottom).
 FUSED_LAYERS: tuple[FusedLayer, ...] = (
     FusedLayer(
@@ -100,7 +137,9 @@ FUSED_LAYERS: tuple[FusedLayer, ...] = (
 # need its up rows swapped too, so exporting one is refused (KeyError) rather than written wrong.
 FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 
-HUNYUAN_VIDEO_KEYS = ArchitectureKeys("hunyuan_video", TRANSFORMER_RULES, FUSED_LAYERS)
+HUNYUAN_VIDEO_KEYS = ArchitectureKeys(
+    "hunyuan_video", TRANSFORMER_RULES, FUSED_LAYERS, kohya_names=KOHYA_NAMES
+)
 """The adapter name map (diffusers module name -> Tencent's), carrying the fused layers."""
 
 HUNYUAN_VIDEO_LAYOUT = CheckpointLayout(HUNYUAN_VIDEO_KEYS, swapped_halves=(FINAL_MODULATION,))

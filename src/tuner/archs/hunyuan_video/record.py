@@ -28,7 +28,7 @@ HUNYUAN_VIDEO = Architecture(
     ),
     save_format_loads=(
         'ComfyUI; diffusers needs `save.format = "diffusers"` (its converter cannot read the fused '
-        "layers' `.alpha`)"
+        "layers' `.alpha`); musubi-tuner needs `save.format = \"musubi\"` (the release's `img_mlp_fc1`)"
     ),
     title="HunyuanVideo text-to-video (13B, cfg-distilled 720p T2V)",
     family="HunyuanVideoModel",

@@ -94,7 +94,7 @@ _FUSED = tuple(
     for blocks in BLOCK_LISTS
 )
 
-Z_IMAGE_KEYS = ArchitectureKeys("z_image", _RENAMES, _FUSED)
+Z_IMAGE_KEYS = ArchitectureKeys("z_image", _RENAMES, _FUSED, musubi_diffusers_names=True)
 """The adapter name map (diffusers module -> the release's), with the fused `attention.qkv` layers."""
 Z_IMAGE_LAYOUT = CheckpointLayout(Z_IMAGE_KEYS)
 """The whole transformer checkpoint both ways (`to_original` / `to_diffusers`), at any size."""

@@ -19,7 +19,7 @@ Z_IMAGE = Architecture(
         "diffusers' Z-Image converter splits the fused qkv). Turbo is step-distilled: training it without "
         "`model.merge_adapters` (a de-distillation adapter merged in memory first) warns once"
     ),
-    save_format_loads="ComfyUI; diffusers (its Z-Image converter splits the fused qkv)",
+    save_format_loads="ComfyUI; diffusers (its Z-Image converter splits the fused qkv); musubi-tuner needs `musubi`",
     title="Z-Image text-to-image (Turbo, Base; 6B single-stream DiT)",
     family="ZImageModel",
     training_warning="trainer:turbo_warning",
