@@ -23,8 +23,8 @@ ComfyUI's `*_attn_qkv`; `tensor_to_diffusers` splits a fused tensor, fp8 rows an
 everything tuner writes (adapters, full fine-tunes) is ComfyUI's: q/k/v fused, the way the exporter
 fuses them for FLUX and HunyuanVideo 1.0. Adapters in Tencent's names (musubi-tuner's, tuner's older
 files) still read. ComfyUI's `lora_unet_` names are its own module names, which differ from Tencent's
-for the MLPs (`img_mlp.0` / `.2` for `img_mlp.fc1` / `.fc2`): `HunyuanVideo15Keys.stem` writes kohya
-stems in them (and reads them back); comfy stems keep Tencent's names, which ComfyUI maps too.
+for the MLPs (`img_mlp.0` / `.2` for `img_mlp.fc1` / `.fc2`), as for 1.0: kohya stems spell them
+(`KOHYA_NAMES`, `ArchitectureKeys.kohya_names`; the release's spelling reads back); comfy stems keep Tencent's names, which ComfyUI maps too.
 
 Shared with 1.0: the modulations, norms, the text refiner (`txt_in.*`, its q/k/v fused in every file as
 `self_attn_qkv`) and `final_layer.*`, whose modulation's two row halves are swapped. New in 1.5: the
@@ -35,12 +35,9 @@ blocks and no guidance embedder.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
+from tuner.archs.hunyuan_video.keys import comfy_name
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
-from tuner.networks.keys import KOHYA_PREFIXES
 from tuner.networks.layouts import CheckpointLayout
 
 _BLOCK = "transformer_blocks.{i}"
@@ -127,50 +124,17 @@ FUSED_LAYERS: tuple[FusedLayer, ...] = (
 # Same matrix, row halves swapped (shift/scale order); left out of the adapter map, as in 1.0.
 FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 
-# ComfyUI's module names where they differ from Tencent's for a module adapters train by default
-# (its `lora_unet_` names are built from them): the double blocks' MLPs.
-_COMFY_MLP = re.compile(r"double_blocks\.(\d+)\.(img|txt)_mlp\.fc([12])")
-_KOHYA_MLP = re.compile(r"double_blocks_(\d+)_(img|txt)_mlp_([02])")
-_KOHYA_PREFIX = KOHYA_PREFIXES[0]
+# (diffusers, ComfyUI's name) where ComfyUI names a module otherwise than Tencent (`img_mlp.0` for
+# `img_mlp.fc1`, `img_mod.lin`, ...): ComfyUI loads 1.5 with 1.0's class and renames, so 1.0's rules apply
+KOHYA_NAMES = tuple((d, comfy_name(o)) for d, o in TRANSFORMER_RULES if comfy_name(o) != o)
 
 
-@dataclass(frozen=True)
-class HunyuanVideo15Keys(ArchitectureKeys):
-    """The adapter name map, which also names the kohya stems of the MLPs itself, in ComfyUI's module
-    names (`stem`, and back: `name_of_stem`; see `tuner.networks.keys.own_stem`)."""
-
-    def stem(self, name: str, layout: str) -> str | None:
-        if layout != "kohya":
-            return None
-        try:
-            original = self(name)
-        except KeyError:
-            return None
-        if m := _COMFY_MLP.fullmatch(original):
-            return f"{_KOHYA_PREFIX}double_blocks_{m[1]}_{m[2]}_mlp_{2 * int(m[3]) - 2}"
-        return None
-
-    def name_of_stem(self, stem: str) -> str | None:
-        if stem.startswith(_KOHYA_PREFIX) and (m := _KOHYA_MLP.fullmatch(stem.removeprefix(_KOHYA_PREFIX))):
-            return self.to_diffusers(f"double_blocks.{m[1]}.{m[2]}_mlp.fc{int(m[3]) // 2 + 1}")
-        return None
-
-
-@dataclass(frozen=True)
-class HunyuanVideo15Layout(CheckpointLayout):
-    """The transformer checkpoint layout; its name map names the MLPs' kohya stems (`HunyuanVideo15Keys`)."""
-
-    def stem(self, name: str, layout: str) -> str | None:
-        return self.keys.stem(name, layout)
-
-    def name_of_stem(self, stem: str) -> str | None:
-        return self.keys.name_of_stem(stem)
-
-
-HUNYUAN_VIDEO15_KEYS = HunyuanVideo15Keys("hunyuan_video15", TRANSFORMER_RULES, FUSED_LAYERS)
+HUNYUAN_VIDEO15_KEYS = ArchitectureKeys(
+    "hunyuan_video15", TRANSFORMER_RULES, FUSED_LAYERS, kohya_names=KOHYA_NAMES
+)
 """The adapter name map (diffusers module name -> Tencent's, q/k/v fused as ComfyUI's files hold them)."""
 
-HUNYUAN_VIDEO15_LAYOUT = HunyuanVideo15Layout(HUNYUAN_VIDEO15_KEYS, swapped_halves=(FINAL_MODULATION,))
+HUNYUAN_VIDEO15_LAYOUT = CheckpointLayout(HUNYUAN_VIDEO15_KEYS, swapped_halves=(FINAL_MODULATION,))
 """The whole transformer checkpoint, both directions, at any size: reads both files, writes ComfyUI's."""
 
 TENCENT_LAYOUT = CheckpointLayout(
