@@ -51,6 +51,17 @@ StateDict = dict[str, torch.Tensor]
 T = TypeVar("T")
 
 
+# `variant_table` columns shared by the encoders of several families ({}: the block index)
+T5_COLUMNS = ("shared.weight", "encoder.block.{}.layer.1.DenseReluDense.wi_0.weight")
+"""A T5 v1.1 / UMT5 encoder: embedding (vocabulary, width), blocks (count, gated feed-forward shape)."""
+DECODER_COLUMNS = ("embed_tokens.weight", "layers.{}.mlp.gate_proj.weight")
+"""A decoder-only language model's base model (Llama, Gemma, Qwen): embedding, layers (count, gate
+shape); a causal LM's file names them behind `model.` (`CAUSAL_LM_COLUMNS`)."""
+CAUSAL_LM_COLUMNS = tuple("model." + column for column in DECODER_COLUMNS)
+CLIP_COLUMNS = ("embeddings.token_embedding.weight", "encoder.layers.{}.mlp.fc1.weight")
+"""A CLIP text model: token embedding (vocabulary, width), layers (count, first MLP layer shape)."""
+
+
 def load_encoder(
     path: str | Path,
     dtype: torch.dtype,

@@ -91,6 +91,34 @@ class Variant:
         return reasons
 
 
+UNCHECKED = "unchecked"
+"""A `variant_table` cell for a tensor that variant's signature leaves out."""
+
+
+def variant_table(folder: Path, columns: tuple[str, ...], rows: Mapping[str, tuple]) -> tuple[Variant, ...]:
+    """Known variants written as a table: the signature's tensor names (`columns`) and, per variant name,
+    one cell per column; each variant's config folder is `folder / name`.
+
+    A cell is a shape, `None` (the tensor must be absent) or `UNCHECKED` (not in that variant's
+    signature). A column with `{}` (a block index) pins a stack's depth: its cell is (number of blocks,
+    the last block's shape), which puts the last block's tensor with that shape, then the next block's
+    as absent, in the signature."""
+    variants = []
+    for name, cells in rows.items():
+        signature: dict[str, tuple[int, ...] | None] = {}
+        for column, cell in zip(columns, cells, strict=True):
+            if cell == UNCHECKED:
+                continue
+            if "{}" in column:
+                blocks, shape = cell
+                signature[column.format(blocks - 1)] = shape
+                signature[column.format(blocks)] = None
+            else:
+                signature[column] = cell
+        variants.append(Variant(name, folder / name, signature))
+    return tuple(variants)
+
+
 def pick_variant(
     shapes: Mapping[str, tuple[int, ...]], variants: Iterable[Variant], path: str | Path, what: str
 ) -> Variant:

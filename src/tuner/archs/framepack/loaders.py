@@ -43,7 +43,7 @@ from tuner.errors import CheckpointError
 from tuner.models import encoders
 from tuner.models.component import diffusers_keys, load_component
 from tuner.models.encoders import model_keys
-from tuner.models.identify import SingleFileSpec, Variant
+from tuner.models.identify import SingleFileSpec, variant_table
 from tuner.models.loading import (
     normalize_shapes,
     read_folder_config,
@@ -64,55 +64,28 @@ LATENT_WINDOW = 9  # the release's `latent_window_size`: latent frames per secti
 # ---------------------------------------------------------------------------------------------------
 # Known variants. Signatures use HunyuanVideo's Tencent names (the layout's "original").
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # FramePackI2V_HY and FramePack_F1_I2V_HY_20250503: one network, sampled differently
-        "i2v",
-        CONFIGS / "transformer" / "i2v",
-        {
-            "img_in.proj.weight": (3072, 16, 1, 2, 2),
-            "clean_x_embedder.proj_4x.weight": (3072, 16, 4, 8, 8),
-            "image_projection.up.weight": (9216, 1152),
-            "double_blocks.19.img_mod.linear.weight": (18432, 3072),
-            "double_blocks.20.img_mod.linear.weight": None,
-            "single_blocks.39.linear2.weight": (3072, 15360),
-            "single_blocks.40.linear2.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.framepack.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.proj.weight": (64, 16, 1, 2, 2),
-            "clean_x_embedder.proj_4x.weight": (64, 16, 4, 8, 8),
-            "image_projection.up.weight": (192, 32),
-            "double_blocks.0.img_mod.linear.weight": (384, 64),
-            "double_blocks.1.img_mod.linear.weight": None,
-            "single_blocks.0.linear2.weight": (64, 320),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.proj.weight", "clean_x_embedder.proj_4x.weight", "image_projection.up.weight",
+     "double_blocks.{}.img_mod.linear.weight", "single_blocks.{}.linear2.weight"),
+    {
+        # FramePackI2V_HY and FramePack_F1_I2V_HY_20250503: one network, sampled differently
+        "i2v": ((3072, 16, 1, 2, 2), (3072, 16, 4, 8, 8), (9216, 1152), (20, (18432, 3072)), (40, (3072, 15360))),
+        # the test fixture (tuner.archs.framepack.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 16, 1, 2, 2), (64, 16, 4, 8, 8), (192, 32), (1, (384, 64)), (1, (64, 320))),
+    },
+)  # fmt: skip
 
-SIGLIP_VARIANTS = (
-    Variant(  # google/siglip-so400m-patch14-384, as lllyasviel/flux_redux_bfl's image_encoder holds it
-        "so400m-patch14-384",
-        CONFIGS / "siglip" / "so400m-patch14-384",
-        {
-            "vision_model.embeddings.patch_embedding.weight": (1152, 3, 14, 14),
-            "vision_model.encoder.layers.26.layer_norm1.weight": (1152,),
-            "vision_model.encoder.layers.27.layer_norm1.weight": None,
-        },
-    ),
-    Variant(  # the test fixture: 32×32 images in 8×8 patches (16 tokens), width 32, 2 layers
-        "tiny",
-        CONFIGS / "siglip" / "tiny",
-        {
-            "vision_model.embeddings.patch_embedding.weight": (32, 3, 8, 8),
-            "vision_model.encoder.layers.1.layer_norm1.weight": (32,),
-            "vision_model.encoder.layers.2.layer_norm1.weight": None,
-        },
-    ),
-)
+SIGLIP_VARIANTS = variant_table(
+    CONFIGS / "siglip",
+    ("vision_model.embeddings.patch_embedding.weight", "vision_model.encoder.layers.{}.layer_norm1.weight"),
+    {
+        # google/siglip-so400m-patch14-384, as lllyasviel/flux_redux_bfl's image_encoder holds it
+        "so400m-patch14-384": ((1152, 3, 14, 14), (27, (1152,))),
+        # the test fixture: 32×32 images in 8×8 patches (16 tokens), width 32, 2 layers
+        "tiny": ((32, 3, 8, 8), (2, (32,))),
+    },
+)  # fmt: skip
 
 _HISTORY_EMBEDDER = "clean_x_embedder."
 _SIGLIP_PREFIX = "vision_model."

@@ -46,7 +46,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
+from tuner.models.identify import (
+    check_keys,
+    diffusers_meta_keys,
+    pick_variant,
+    variant_table,
+    wrong_architecture,
+)
 from tuner.models.loading import (
     as_file_list,
     load_diffusers_folder,
@@ -69,34 +75,18 @@ ROUTED_EXPERTS = 4  # every released HiDream-I1 model (and the tiny fixture) rou
 # ---------------------------------------------------------------------------------------------------
 # Known variants. `None`: the tensor must be absent (it pins the number of blocks).
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # HiDream-I1 Full, Dev and Fast: 16 double + 32 single blocks of width 2560
-        "i1",
-        CONFIGS / "transformer" / "i1",
-        {
-            "x_embedder.proj.weight": (2560, 64),
-            "p_embedder.pooled_embedder.linear_1.weight": (2560, 2048),
-            "caption_projection.0.linear.weight": (2560, 4096),
-            "double_stream_blocks.15.block.adaLN_modulation.1.weight": (30720, 2560),
-            "double_stream_blocks.16.block.adaLN_modulation.1.weight": None,
-            "single_stream_blocks.31.block.adaLN_modulation.1.weight": (15360, 2560),
-            "single_stream_blocks.32.block.adaLN_modulation.1.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.hidream.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "x_embedder.proj.weight": (64, 64),
-            "p_embedder.pooled_embedder.linear_1.weight": (64, 64),
-            "caption_projection.0.linear.weight": (64, 64),
-            "double_stream_blocks.0.block.adaLN_modulation.1.weight": (768, 64),
-            "double_stream_blocks.1.block.adaLN_modulation.1.weight": None,
-            "single_stream_blocks.0.block.adaLN_modulation.1.weight": (384, 64),
-            "single_stream_blocks.1.block.adaLN_modulation.1.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("x_embedder.proj.weight", "p_embedder.pooled_embedder.linear_1.weight",
+     "caption_projection.0.linear.weight", "double_stream_blocks.{}.block.adaLN_modulation.1.weight",
+     "single_stream_blocks.{}.block.adaLN_modulation.1.weight"),
+    {
+        # HiDream-I1 Full, Dev and Fast: 16 double + 32 single blocks of width 2560
+        "i1": ((2560, 64), (2560, 2048), (2560, 4096), (16, (30720, 2560)), (32, (15360, 2560))),
+        # the test fixture (tuner.archs.hidream.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 64), (64, 64), (64, 64), (1, (768, 64)), (1, (384, 64))),
+    },
+)  # fmt: skip
 
 # The release's distillations, as its file and folder names spell them (their sampling shifts are the
 # record's `sample_shift_by_name`).

@@ -36,10 +36,16 @@ from tuner.archs.flux.loaders import CLIP_SPEC
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys, load_component
-from tuner.models.encoders import clip_text_entries, load_clip_encoder, load_encoder, model_keys
+from tuner.models.encoders import (
+    DECODER_COLUMNS,
+    clip_text_entries,
+    load_clip_encoder,
+    load_encoder,
+    model_keys,
+)
 from tuner.models.identify import (
     SingleFileSpec,
-    Variant,
+    variant_table,
 )
 from tuner.models.loading import (
     load_tokenizer,
@@ -76,78 +82,36 @@ MAX_LENGTH = 256  # the pipeline's `max_sequence_length`: prompt tokens after th
 # ---------------------------------------------------------------------------------------------------
 # Known variants. Signatures use Tencent's names; `None` means the tensor must be absent.
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # HunyuanVideo T2V 720p (cfg-distilled; its 540p use is the same network)
-        "720p",
-        CONFIGS / "transformer" / "720p",
-        {
-            "img_in.proj.weight": (3072, 16, 1, 2, 2),
-            "txt_in.input_embedder.weight": (3072, 4096),
-            "vector_in.in_layer.weight": (3072, 768),
-            "guidance_in.mlp.0.weight": (3072, 256),
-            "double_blocks.19.img_mod.linear.weight": (18432, 3072),
-            "double_blocks.20.img_mod.linear.weight": None,
-            "single_blocks.39.linear2.weight": (3072, 15360),
-            "single_blocks.40.linear2.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.hunyuan_video.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.proj.weight": (64, 16, 1, 2, 2),
-            "txt_in.input_embedder.weight": (64, 64),
-            "vector_in.in_layer.weight": (64, 32),
-            "guidance_in.mlp.0.weight": (64, 256),
-            "double_blocks.0.img_mod.linear.weight": (384, 64),
-            "double_blocks.1.img_mod.linear.weight": None,
-            "single_blocks.0.linear2.weight": (64, 320),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.proj.weight", "txt_in.input_embedder.weight", "vector_in.in_layer.weight",
+     "guidance_in.mlp.0.weight", "double_blocks.{}.img_mod.linear.weight",
+     "single_blocks.{}.linear2.weight"),
+    {
+        # HunyuanVideo T2V 720p (cfg-distilled; its 540p use is the same network)
+        "720p": ((3072, 16, 1, 2, 2), (3072, 4096), (3072, 768), (3072, 256), (20, (18432, 3072)), (40, (3072, 15360))),
+        # the test fixture (tuner.archs.hunyuan_video.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 16, 1, 2, 2), (64, 64), (64, 32), (64, 256), (1, (384, 64)), (1, (64, 320))),
+    },
+)  # fmt: skip
 
-VAE_VARIANTS = (
-    Variant(
-        "hunyuan_video",
-        CONFIGS / "vae" / "hunyuan_video",
-        {
-            "encoder.conv_in.conv.weight": (128, 3, 3, 3, 3),
-            "encoder.conv_out.conv.weight": (32, 512, 3, 3, 3),
-            "decoder.conv_in.conv.weight": (512, 16, 3, 3, 3),
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {
-            "encoder.conv_in.conv.weight": (32, 3, 3, 3, 3),
-            "encoder.conv_out.conv.weight": (32, 64, 3, 3, 3),
-            "decoder.conv_in.conv.weight": (64, 16, 3, 3, 3),
-        },
-    ),
-)
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv_in.conv.weight", "encoder.conv_out.conv.weight", "decoder.conv_in.conv.weight"),
+    {
+        "hunyuan_video": ((128, 3, 3, 3, 3), (32, 512, 3, 3, 3), (512, 16, 3, 3, 3)),
+        "tiny": ((32, 3, 3, 3, 3), (32, 64, 3, 3, 3), (64, 16, 3, 3, 3)),
+    },
+)  # fmt: skip
 
-LLAMA_VARIANTS = (
-    Variant(
-        "llava-llama-3-8b",
-        CONFIGS / "llama" / "llava-llama-3-8b",
-        {
-            "embed_tokens.weight": (128320, 4096),
-            "layers.31.mlp.gate_proj.weight": (14336, 4096),
-            "layers.32.mlp.gate_proj.weight": None,
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "llama" / "tiny",
-        {
-            "embed_tokens.weight": (1088, 64),
-            "layers.2.mlp.gate_proj.weight": (128, 64),
-            "layers.3.mlp.gate_proj.weight": None,
-        },
-    ),
-)
+LLAMA_VARIANTS = variant_table(
+    CONFIGS / "llama",
+    DECODER_COLUMNS,
+    {
+        "llava-llama-3-8b": ((128320, 4096), (32, (14336, 4096))),
+        "tiny": ((1088, 64), (3, (128, 64))),
+    },
+)  # fmt: skip
 
 _ORIGINAL_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight")
 # HunyuanVideo 1.5, in Tencent's and in diffusers' names: its image and ByT5 glyph embedders

@@ -59,7 +59,13 @@ from tuner.archs.flux.loaders import load_clip
 from tuner.archs.qwen_image.text import QwenTextEncoder
 from tuner.archs.qwen_image.text import load_text_encoder as load_qwen
 from tuner.errors import CheckpointError
-from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
+from tuner.models.identify import (
+    check_keys,
+    diffusers_meta_keys,
+    pick_variant,
+    variant_table,
+    wrong_architecture,
+)
 from tuner.models.loading import (
     from_state_dict,
     load_diffusers_folder,
@@ -101,34 +107,19 @@ MAX_LENGTH = 512  # the pipeline's `max_sequence_length`: prompt tokens after th
 # ---------------------------------------------------------------------------------------------------
 # Known variants (release names = diffusers names). `None`: the tensor must be absent.
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # every Lite T2V release; a `10s` name picks the sparse-attention config (`transformer_config`)
-        "lite-5s",
-        CONFIGS / "transformer" / "lite-5s",
-        {
-            "visual_embeddings.in_layer.weight": (1792, 132),
-            "text_embeddings.in_layer.weight": (1792, 3584),
-            "pooled_text_embeddings.in_layer.weight": (512, 768),
-            "visual_transformer_blocks.31.visual_modulation.out_layer.weight": (16128, 512),
-            "visual_transformer_blocks.32.visual_modulation.out_layer.weight": None,
-            "text_transformer_blocks.1.text_modulation.out_layer.weight": (10752, 512),
-            "text_transformer_blocks.2.text_modulation.out_layer.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.kandinsky5.fixture): 2 heads of 32, 1 text and 2 visual blocks
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "visual_embeddings.in_layer.weight": (64, 132),
-            "text_embeddings.in_layer.weight": (64, 64),
-            "pooled_text_embeddings.in_layer.weight": (64, 32),
-            "visual_transformer_blocks.1.visual_modulation.out_layer.weight": (576, 64),
-            "visual_transformer_blocks.2.visual_modulation.out_layer.weight": None,
-            "text_transformer_blocks.0.text_modulation.out_layer.weight": (384, 64),
-            "text_transformer_blocks.1.text_modulation.out_layer.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("visual_embeddings.in_layer.weight", "text_embeddings.in_layer.weight",
+     "pooled_text_embeddings.in_layer.weight",
+     "visual_transformer_blocks.{}.visual_modulation.out_layer.weight",
+     "text_transformer_blocks.{}.text_modulation.out_layer.weight"),
+    {
+        # every Lite T2V release; a `10s` name picks the sparse-attention config (`transformer_config`)
+        "lite-5s": ((1792, 132), (1792, 3584), (512, 768), (32, (16128, 512)), (2, (10752, 512))),
+        # the test fixture (tuner.archs.kandinsky5.fixture): 2 heads of 32, 1 text and 2 visual blocks
+        "tiny": ((64, 132), (64, 64), (64, 32), (2, (576, 64)), (1, (384, 64))),
+    },
+)  # fmt: skip
 
 # The Lite T2V releases as their file / folder names spell them, with the release's sampling defaults
 # (steps, guidance; flow shift 10 for all): sft and pretrain 50 steps with CFG 5; nocfg is CFG-distilled

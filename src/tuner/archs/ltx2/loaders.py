@@ -40,6 +40,7 @@ from tuner.models.identify import (
     check_keys,
     identify_shapes,
     pick_variant,
+    variant_table,
 )
 from tuner.models.loading import (
     from_state_dict,
@@ -76,28 +77,16 @@ def _from_pretrained(cls, path: str | Path, name: str, dtype: torch.dtype):
 
 
 CONFIGS = Path(__file__).parent / "configs"
-TRANSFORMER_VARIANTS = (
-    Variant(  # LTX-2 19B (dev and distilled): 48 blocks, video width 4096, audio width 2048
-        "19b",
-        CONFIGS / "transformer" / "19b",
-        {
-            "patchify_proj.weight": (4096, 128),
-            "audio_patchify_proj.weight": (2048, 128),
-            "transformer_blocks.47.attn1.to_q.weight": (4096, 4096),
-            "transformer_blocks.48.attn1.to_q.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.ltx2.fixture): 2 blocks, 2 heads of 16 per stream
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "patchify_proj.weight": (32, 128),
-            "audio_patchify_proj.weight": (32, 128),
-            "transformer_blocks.1.attn1.to_q.weight": (32, 32),
-            "transformer_blocks.2.attn1.to_q.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("patchify_proj.weight", "audio_patchify_proj.weight", "transformer_blocks.{}.attn1.to_q.weight"),
+    {
+        # LTX-2 19B (dev and distilled): 48 blocks, video width 4096, audio width 2048
+        "19b": ((4096, 128), (2048, 128), (48, (4096, 4096))),
+        # the test fixture (tuner.archs.ltx2.fixture): 2 blocks, 2 heads of 16 per stream
+        "tiny": ((32, 128), (32, 128), (2, (32, 32))),
+    },
+)  # fmt: skip
 # what the release's file holds under `model.diffusion_model.` beside the transformer: the text
 # connectors (diffusers keeps them apart, in `connectors/`)
 _NOT_TRANSFORMER = (

@@ -42,6 +42,7 @@ from tuner.models.identify import (
     check_keys,
     diffusers_meta_keys,
     pick_variant,
+    variant_table,
     wrong_architecture,
 )
 from tuner.models.loading import (
@@ -84,43 +85,26 @@ INDEX_TIMESTEP_ZERO = "__index_timestep_zero__"
 # ---------------------------------------------------------------------------------------------------
 # Known variants. `None` means the tensor must be absent (it pins the number of blocks).
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # Qwen-Image, -2512, -Edit, -Edit-2509, -Edit-2511 (20B): 60 blocks of width 3072
-        "qwen-image",
-        CONFIGS / "transformer" / "qwen-image",
-        {
-            "img_in.weight": (3072, 64),
-            "txt_in.weight": (3072, 3584),
-            "transformer_blocks.59.img_mod.1.weight": (18432, 3072),
-            "transformer_blocks.60.img_mod.1.weight": None,
-            "time_text_embed.addition_t_embedding.weight": None,  # Qwen-Image-Layered
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.qwen_image.fixture): 2 heads of 32, 2 blocks, text width 64
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.weight": (64, 64),
-            "txt_in.weight": (64, 64),
-            "transformer_blocks.1.img_mod.1.weight": (384, 64),
-            "transformer_blocks.2.img_mod.1.weight": None,
-            "time_text_embed.addition_t_embedding.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.weight", "txt_in.weight", "transformer_blocks.{}.img_mod.1.weight",
+     "time_text_embed.addition_t_embedding.weight"),
+    {
+        # Qwen-Image, -2512, -Edit, -Edit-2509, -Edit-2511 (20B): 60 blocks of width 3072
+        "qwen-image": ((3072, 64), (3072, 3584), (60, (18432, 3072)), None),
+        # the test fixture (tuner.archs.qwen_image.fixture): 2 heads of 32, 2 blocks, text width 64
+        "tiny": ((64, 64), (64, 64), (2, (384, 64)), None),
+    },
+)  # fmt: skip
 
-VAE_VARIANTS = (
-    Variant(
-        "qwen-image",
-        CONFIGS / "vae" / "qwen-image",
-        {"encoder.conv1.weight": (96, 3, 3, 3, 3), "decoder.conv1.weight": (384, 16, 3, 3, 3)},
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {"encoder.conv1.weight": (16, 3, 3, 3, 3), "decoder.conv1.weight": (64, 16, 3, 3, 3)},
-    ),
-)
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv1.weight", "decoder.conv1.weight"),
+    {
+        "qwen-image": ((96, 3, 3, 3, 3), (384, 16, 3, 3, 3)),
+        "tiny": ((16, 3, 3, 3, 3), (64, 16, 3, 3, 3)),
+    },
+)  # fmt: skip
 
 # The transformer's linear layers ({i}: block index). The release uses these diffusers names, so the
 # adapter key table (`tuner.networks.architectures`) is the identity over them; listing them lets

@@ -58,6 +58,7 @@ from tuner.models.identify import (
     Variant,
     check_keys,
     pick_variant,
+    variant_table,
     wrong_architecture,
 )
 from tuner.models.loading import (
@@ -88,40 +89,26 @@ V_PRED_MARKER = "v_pred"  # an empty tensor some v-prediction checkpoints carry 
 # ---------------------------------------------------------------------------------------------------
 # Known variants (UNet and VAE signatures in original names; text encoders in transformers' names)
 # ---------------------------------------------------------------------------------------------------
-UNET_VARIANTS = (
-    Variant(  # SDXL 1.0 base and its fine-tunes (Pony, Illustrious, NoobAI, ...)
-        "sdxl",
-        CONFIGS / "transformer" / "sdxl",
-        {
-            "input_blocks.0.0.weight": (320, 4, 3, 3),
-            "label_emb.0.0.weight": (1280, 2816),
-            "input_blocks.8.1.transformer_blocks.9.attn2.to_k.weight": (1280, 2048),
-            "input_blocks.8.1.transformer_blocks.10.attn2.to_k.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.sdxl.fixture): SDXL's block structure, widths 32-64
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "input_blocks.0.0.weight": (32, 4, 3, 3),
-            "label_emb.0.0.weight": (128, 160),
-            "input_blocks.8.1.transformer_blocks.0.attn2.to_k.weight": (64, 96),
-            "input_blocks.8.1.transformer_blocks.1.attn2.to_k.weight": None,
-        },
-    ),
-)
-VAE_VARIANTS = (
-    Variant(  # the SDXL VAE and the fp16-fix one (same shapes)
-        "sdxl",
-        CONFIGS / "vae" / "sdxl",
-        {"encoder.conv_in.weight": (128, 3, 3, 3), "decoder.conv_in.weight": (512, 4, 3, 3)},
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {"encoder.conv_in.weight": (32, 3, 3, 3), "decoder.conv_in.weight": (64, 4, 3, 3)},
-    ),
-)
+UNET_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("input_blocks.0.0.weight", "label_emb.0.0.weight",
+     "input_blocks.8.1.transformer_blocks.{}.attn2.to_k.weight"),
+    {
+        # SDXL 1.0 base and its fine-tunes (Pony, Illustrious, NoobAI, ...)
+        "sdxl": ((320, 4, 3, 3), (1280, 2816), (10, (1280, 2048))),
+        # the test fixture (tuner.archs.sdxl.fixture): SDXL's block structure, widths 32-64
+        "tiny": ((32, 4, 3, 3), (128, 160), (1, (64, 96))),
+    },
+)  # fmt: skip
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv_in.weight", "decoder.conv_in.weight"),
+    {
+        # the SDXL VAE and the fp16-fix one (same shapes)
+        "sdxl": ((128, 3, 3, 3), (512, 4, 3, 3)),
+        "tiny": ((32, 3, 3, 3), (64, 4, 3, 3)),
+    },
+)  # fmt: skip
 CLIP_L_VARIANTS = (
     Variant(
         "clip-l",
