@@ -164,11 +164,14 @@ def clip_text_entries(entries: dict[str, T]) -> dict[str, T]:
 
 
 def model_keys(
-    class_name: str, leave_out: tuple[str, ...] = (), prefix: str = ""
+    class_name: str,
+    leave_out: tuple[str, ...] = (),
+    prefix: str = "",
+    to_original: Callable[[str], str] | None = None,
 ) -> Callable[[Variant], list[str]]:
     """A `SingleFileSpec.expected_keys`: the state-dict keys of the transformers model `class_name` (imported
     when called: it costs seconds) of a variant's config, less those starting with one of `leave_out`,
-    each behind `prefix`."""
+    each renamed by `to_original` (the release's layout) and behind `prefix`."""
 
     def expected_keys(variant: Variant) -> list[str]:
         import transformers
@@ -176,7 +179,8 @@ def model_keys(
         model_cls = getattr(transformers, class_name)
         with torch.device("meta"):
             model = model_cls(model_cls.config_class.from_pretrained(variant.config_dir))
-        return [prefix + k for k in model.state_dict() if not k.startswith(leave_out)]
+        keys = [k for k in model.state_dict() if not k.startswith(leave_out)]
+        return [prefix + (to_original(k) if to_original is not None else k) for k in keys]
 
     return expected_keys
 

@@ -83,15 +83,6 @@ LLAMA_VARIANTS = (
 )  # fmt: skip
 
 
-def _llama_keys(variant: Variant) -> list[str]:
-    from transformers import LlamaConfig, LlamaModel
-
-    with torch.device("meta"):
-        return [
-            "model." + k for k in LlamaModel(LlamaConfig.from_pretrained(variant.config_dir)).state_dict()
-        ]
-
-
 # ComfyUI's / Hugging Face's files hold LlamaForCausalLM (`model.x`, `lm_head.weight`); tuner builds the
 # base model (`x`; a file saved from it loads too). The LM head is not used: identification ignores
 # it, loading drops it.
@@ -99,7 +90,7 @@ _LM_HEAD = "lm_head.weight"
 LLAMA_SPEC = SingleFileSpec(
     what="Llama 3.1 text encoder",
     variants=LLAMA_VARIANTS,
-    expected_keys=_llama_keys,
+    expected_keys=model_keys("LlamaModel", prefix="model."),
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
     diffusers_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
     to_original=lambda key: "model." + key,

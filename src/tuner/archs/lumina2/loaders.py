@@ -39,10 +39,9 @@ from tuner.archs.lumina2.keys import (
     transformer_to_diffusers,
     transformer_to_original,
 )
-from tuner.models.encoders import CAUSAL_LM_COLUMNS, base_model_keys, load_encoder
+from tuner.models.encoders import CAUSAL_LM_COLUMNS, base_model_keys, load_encoder, model_keys
 from tuner.models.identify import (
     SingleFileSpec,
-    Variant,
     check_keys,
     diffusers_meta_keys,
     pick_variant,
@@ -113,19 +112,11 @@ def _gemma_original_key(key: str) -> str:
     return key if key.startswith("model.") else f"model.{key}"
 
 
-def _gemma_keys(variant: Variant) -> list[str]:
-    from transformers import Gemma2Config, Gemma2Model
-
-    with torch.device("meta"):
-        model = Gemma2Model(Gemma2Config.from_pretrained(variant.config_dir))
-    return [_gemma_original_key(k) for k in model.state_dict()]
-
-
 _LM_HEAD = "lm_head.weight"
 TEXT_ENCODER_SPEC = SingleFileSpec(
     what="Gemma 2 text encoder",
     variants=TEXT_ENCODER_VARIANTS,
-    expected_keys=_gemma_keys,
+    expected_keys=model_keys("Gemma2Model", to_original=_gemma_original_key),
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
     diffusers_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
     to_original=_gemma_original_key,

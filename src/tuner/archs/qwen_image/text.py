@@ -39,7 +39,7 @@ import torch
 from PIL import Image
 
 from tuner.errors import CheckpointError
-from tuner.models.encoders import load_encoder_file_on_meta
+from tuner.models.encoders import load_encoder_file_on_meta, model_keys
 from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import (
     load_tokenizer,
@@ -115,18 +115,10 @@ def original_key(key: str) -> str:
     return key.removeprefix("model.")  # visual.*
 
 
-def _expected_keys(variant: Variant) -> list[str]:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
-
-    with torch.device("meta"):
-        model = Qwen2_5_VLModel(Qwen2_5_VLConfig.from_pretrained(variant.config_dir))
-    return [original_key(k) for k in model.state_dict()]
-
-
 SPEC = SingleFileSpec(
     what="Qwen2.5-VL text encoder",
     variants=VARIANTS,
-    expected_keys=_expected_keys,
+    expected_keys=model_keys("Qwen2_5_VLModel", to_original=original_key),
     original_markers=("model.embed_tokens.weight", "visual.patch_embed.proj.weight"),
     diffusers_markers=("model.language_model.embed_tokens.weight", "model.visual.patch_embed.proj.weight"),
     to_original=original_key,

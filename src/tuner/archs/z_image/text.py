@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.models.encoders import CAUSAL_LM_COLUMNS, load_encoder_file_on_meta
-from tuner.models.identify import SingleFileSpec, Variant, variant_table
+from tuner.models.encoders import CAUSAL_LM_COLUMNS, load_encoder_file_on_meta, model_keys
+from tuner.models.identify import SingleFileSpec, variant_table
 from tuner.models.loading import (
     load_tokenizer,
     load_transformers_folder,
@@ -56,18 +56,10 @@ def original_key(key: str) -> str:
     return "model." + key
 
 
-def _expected_keys(variant: Variant) -> list[str]:
-    from transformers import Qwen3Config, Qwen3Model
-
-    with torch.device("meta"):
-        model = Qwen3Model(Qwen3Config.from_pretrained(variant.config_dir))
-    return [original_key(k) for k in model.state_dict()]
-
-
 SPEC = SingleFileSpec(
     what="Qwen3 text encoder",
     variants=VARIANTS,
-    expected_keys=_expected_keys,
+    expected_keys=model_keys("Qwen3Model", to_original=original_key),
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_norm.weight"),
     aliases={_LM_HEAD: "model.embed_tokens.weight"},  # tied in Qwen3-4B; unused here
 )
