@@ -57,7 +57,7 @@ from tuner.models.loading import (
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
-    sibling,
+    second_text_encoder,
 )
 
 # diffusers and transformers are imported where a model is built: importing them costs seconds (every
@@ -228,14 +228,7 @@ def load_text_encoders(
     tokenizer paths may be None for diffusers folders (the sibling `tokenizer/`, `tokenizer_2/`).
     """
     if t5_path is None:
-        folder = resolve_folder(clip_path, "text_encoder")
-        t5_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if t5_path is None:
-            raise CheckpointError(
-                f"{clip_path}: FLUX.1 needs a second text encoder (T5-XXL). Set model.text_encoder_2 to its "
-                "single file (e.g. t5xxl_fp16.safetensors) or diffusers folder, or point model.text_encoder "
-                "at a FLUX.1 diffusers pipeline folder."
-            )
+        t5_path = second_text_encoder(clip_path, "FLUX.1", "T5-XXL", "t5xxl_fp16.safetensors")
     clip, found = load_clip(clip_path, dtype)
     t5, found_2 = load_t5(t5_path, dtype)
     return TextEncoders(

@@ -53,7 +53,7 @@ from tuner.models.loading import (
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
-    sibling,
+    second_text_encoder,
 )
 
 if TYPE_CHECKING:
@@ -223,14 +223,7 @@ def load_text_encoders(
     sibling `text_encoder_2/` is used); tokenizer paths may be None for diffusers folders.
     """
     if clip_path is None:
-        folder = resolve_folder(llama_path, "text_encoder")
-        clip_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if clip_path is None:
-            raise CheckpointError(
-                f"{llama_path}: HunyuanVideo needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
-                "its single file (e.g. clip_l.safetensors) or diffusers folder, or point model.text_encoder at "
-                "a HunyuanVideo diffusers pipeline folder."
-            )
+        clip_path = second_text_encoder(llama_path, "HunyuanVideo", "CLIP-L", "clip_l.safetensors")
     llama, found = _load_llama(llama_path, dtype)
     clip, found_2 = _load_clip(clip_path, dtype)
     return TextEncoders(

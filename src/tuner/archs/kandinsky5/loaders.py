@@ -75,6 +75,7 @@ from tuner.models.loading import (
     normalize_state_dict,
     read_tensor_shapes,
     resolve_folder,
+    second_text_encoder,
     sibling,
 )
 from tuner.networks.architectures import ArchitectureKeys
@@ -284,13 +285,7 @@ def load_text_encoders(
     diffusers pipeline root or its `text_encoder/` (the sibling `text_encoder_2/` is used)."""
     folder = resolve_folder(qwen_path, "text_encoder")
     if clip_path is None:
-        clip_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if clip_path is None:
-            raise CheckpointError(
-                f"{qwen_path}: Kandinsky 5 needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
-                "its single file (e.g. clip_l.safetensors) or diffusers folder, or point model.text_encoder "
-                "at a Kandinsky 5 diffusers pipeline folder."
-            )
+        clip_path = second_text_encoder(qwen_path, "Kandinsky 5", "CLIP-L", "clip_l.safetensors")
     qwen = load_qwen(folder or qwen_path, qwen_tokenizer, dtype)
     clip_path = Path(clip_path)
     if (clip_path / "text_encoder_2" / "config.json").is_file():

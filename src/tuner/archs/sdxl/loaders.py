@@ -62,6 +62,7 @@ from tuner.models.identify import (
     wrong_architecture,
 )
 from tuner.models.loading import (
+    beside,
     component_entries,
     from_state_dict,
     load_diffusers_folder,
@@ -71,7 +72,6 @@ from tuner.models.loading import (
     normalize_state_dict,
     read_tensor_shapes,
     resolve_folder,
-    sibling,
 )
 
 if TYPE_CHECKING:
@@ -268,17 +268,12 @@ def load_tokenizers(path: str | Path, path_2: str | Path | None, tokenizer: str 
     """Both tokenizers alone (what text-encoder training caches with): given, or beside the encoders'
     folders in a diffusers layout."""
     path_2 = path_2 or path
-    found = [_tokenizer_folder(p, sub, name) for p, sub, name in ((path, "text_encoder", "tokenizer"),
+    found = [beside(p, sub, name) for p, sub, name in ((path, "text_encoder", "tokenizer"),
                                                                   (path_2, "text_encoder_2", "tokenizer_2"))]  # fmt: skip
     return (
         load_tokenizer(tokenizer or found[0], path, "CLIP ViT-L tokenizer (the tokenizer/ folder of SDXL)"),
         load_tokenizer(tokenizer_2 or found[1], path_2, "OpenCLIP bigG tokenizer (the tokenizer_2/ folder of SDXL)"),
     )  # fmt: skip
-
-
-def _tokenizer_folder(path: str | Path, subfolder: str, tokenizer: str) -> Path | None:
-    folder = resolve_folder(path, subfolder)
-    return sibling(folder, tokenizer) if folder is not None else None
 
 
 def load_clip_l(path: str | Path, dtype: torch.dtype) -> CLIPTextModel:
