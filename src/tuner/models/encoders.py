@@ -71,15 +71,17 @@ def load_encoder(
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
     entries: Callable[[StateDict], StateDict] = dict,
+    bundled: tuple[str, ...] = (),
 ) -> tuple[torch.nn.Module, Path | None]:
     """A `model_cls` from a pipeline's (or its own) folder or a single file, in eval mode, and the tokenizer
     folder beside it in a diffusers layout (else None). `folders` = (the encoder's pipeline subfolder, its
-    tokenizer's), e.g. ("text_encoder_2", "tokenizer_2"); `model_type` is what its config.json must say."""
+    tokenizer's), e.g. ("text_encoder_2", "tokenizer_2"); `model_type` is what its config.json must say.
+    A single file is the encoder alone or a checkpoint holding it under the first of `bundled` it uses."""
     subfolder, tokenizer = folders
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_transformers_folder(model_cls, folder, dtype, model_type), sibling(folder, tokenizer)
-    return load_encoder_file(path, dtype, model_cls, spec, rename, entries), None
+    return load_encoder_file(path, dtype, model_cls, spec, rename, entries, bundled), None
 
 
 def load_encoder_file(
@@ -89,10 +91,11 @@ def load_encoder_file(
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
     entries: Callable[[StateDict], StateDict] = dict,
+    bundled: tuple[str, ...] = (),
 ) -> torch.nn.Module:
     """`load_encoder` for a single file (or the shards of one): read by `read_encoder_file`, `rename`d to
     `model_cls`' keys, built from the variant's config, in eval mode."""
-    variant, _, state_dict = read_encoder_file(files, dtype, spec, entries)
+    variant, _, state_dict = read_encoder_file(files, dtype, spec, entries, bundled)
     if rename is not None:
         state_dict = rename(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)

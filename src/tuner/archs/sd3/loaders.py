@@ -40,7 +40,7 @@ from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
-from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, model_keys
+from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, load_encoder, model_keys
 from tuner.models.identify import SingleFileSpec, Variant, identify_shapes
 from tuner.models.loading import (
     component_entries,
@@ -48,7 +48,6 @@ from tuner.models.loading import (
     load_component_tensors,
     load_diffusers_folder,
     load_tokenizer,
-    load_transformers_folder,
     normalize_shapes,
     normalize_state_dict,
     read_tensor_shapes,
@@ -325,21 +324,10 @@ def _identity_projection(state_dict: dict[str, torch.Tensor]) -> dict[str, torch
 
 def _load_t5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:
     """The T5 encoder, and the tokenizer folder beside it in a diffusers layout (else None)."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5EncoderModel
 
-    from tuner.models.identify import apply_aliases
-
-    folder = resolve_folder(path, "text_encoder_3")
-    if folder is not None:
-        tokenizer = folder.parent / "tokenizer_3"
-        return load_transformers_folder(
-            T5EncoderModel, folder, dtype, "t5"
-        ), tokenizer if tokenizer.is_dir() else None
-    variant = identify_shapes(_component_shapes(path, T5_PREFIX), T5_SPEC, path)
-    state_dict = apply_aliases(_component_tensors(path, T5_PREFIX, dtype), T5_SPEC.aliases)
-    config = T5Config.from_pretrained(variant.config_dir)
-    model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
+    folders = ("text_encoder_3", "tokenizer_3")
+    return load_encoder(path, dtype, T5EncoderModel, "t5", folders, T5_SPEC, bundled=(T5_PREFIX,))
 
 
 # ---------------------------------------------------------------------------------------------------
