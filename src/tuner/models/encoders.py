@@ -25,24 +25,13 @@ from typing import TypeVar
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    apply_aliases,
-    identify_shapes,
-)
+from tuner.models.component import read_single_file
+from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import (
-    as_file_list,
     assert_materialized,
     cast_like_from_pretrained_,
-    component_entries,
-    load_component_tensors,
-    load_tensors_of,
     load_transformers_folder,
-    normalize_shapes,
-    normalize_state_dict,
     read_folder_config,
-    read_shapes_of,
     resolve_folder,
     sibling,
 )
@@ -93,9 +82,9 @@ def load_encoder_file(
     entries: Callable[[StateDict], StateDict] = dict,
     bundled: tuple[str, ...] = (),
 ) -> torch.nn.Module:
-    """`load_encoder` for a single file (or the shards of one): read by `read_encoder_file`, `rename`d to
+    """`load_encoder` for a single file (or the shards of one): read by `read_single_file`, `rename`d to
     `model_cls`' keys, built from the variant's config, in eval mode."""
-    variant, _, state_dict = read_encoder_file(files, dtype, spec, entries, bundled)
+    variant, _, state_dict = read_single_file(files, dtype, spec, entries, bundled)
     if rename is not None:
         state_dict = rename(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
@@ -116,7 +105,7 @@ def load_encoder_file_on_meta(
     cast the way `from_pretrained` casts. Not in eval mode."""
     from accelerate import init_empty_weights
 
-    variant, _, stored = read_encoder_file(path, dtype, spec)
+    variant, _, stored = read_single_file(path, dtype, spec)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     config._attn_implementation = "sdpa"
     with init_empty_weights():
@@ -209,7 +198,7 @@ def load_clip_encoder(
     if folder is not None:
         model = load_transformers_folder(model_cls, folder, dtype, "clip_text_model")
         return model, sibling(folder, tokenizer)
-    variant, shapes, state_dict = read_encoder_file(path, dtype, spec, entries, bundled)
+    variant, shapes, state_dict = read_single_file(path, dtype, spec, entries, bundled)
     if complete is not None:
         state_dict = complete(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
@@ -249,7 +238,7 @@ def load_image_encoder(
         if (folder.parent / processor / "preprocessor_config.json").is_file():
             return model.eval(), folder.parent / processor
         return model.eval(), _shipped_processor(model_cls, model.config, spec, folder.parent / processor)
-    variant, _, state_dict = read_encoder_file(path, dtype, spec, entries, optional=optional)
+    variant, _, state_dict = read_single_file(path, dtype, spec, entries, optional=optional)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     if optional:
         with torch.device("meta"):
@@ -272,29 +261,3 @@ def _shipped_processor(model_cls: type, config, spec: SingleFileSpec, missing: P
         f"{config.image_size} px), and no shipped variant of its sizes: add the folder (its "
         "preprocessor_config.json)."
     )
-
-
-def read_encoder_file(
-    files: str | Path | Sequence[Path],
-    dtype: torch.dtype,
-    spec: SingleFileSpec,
-    entries: Callable[[StateDict], StateDict] = dict,
-    bundled: tuple[str, ...] = (),
-    optional: tuple[str, ...] = (),
-) -> tuple[Variant, dict[str, tuple[int, ...]], StateDict]:
-    """(variant, shapes, tensors) of an encoder's single file (or the shards of one): its entries (under
-    the first of `bundled` it uses) normalized and put under `spec`'s names by `entries`, identified by
-    `spec` without the `optional` ones (headers only), then read with `spec`'s tied-weight aliases
-    resolved."""
-    files = as_file_list(files)
-    path = files[0] if len(files) == 1 else files[0].parent
-    shapes = normalize_shapes(component_entries(read_shapes_of(files), bundled))
-    # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
-    meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
-    shapes = {k: tuple(v.shape) for k, v in meta.items() if not k.startswith(optional)}
-    variant = identify_shapes(shapes, spec, path)
-    if len(files) == 1:
-        tensors = load_component_tensors(path, bundled)
-    else:
-        tensors = component_entries(load_tensors_of(files), bundled)
-    return variant, shapes, apply_aliases(entries(normalize_state_dict(tensors, dtype)), spec.aliases)

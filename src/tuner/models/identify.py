@@ -192,6 +192,9 @@ class SingleFileSpec:
     to_original: Callable[[str], str] | None = None
     # tied-weight aliases: alias -> canonical name; the alias is dropped, or renamed when alone
     aliases: Mapping[str, str] = field(default_factory=dict)
+    # raises a CheckpointError naming a known file of a model tuner does not train (SD 3.0 given as SD 3.5),
+    # given the shapes and the path before identification
+    refuse: Callable[[Mapping[str, tuple[int, ...]], Path], None] | None = None
 
 
 def apply_aliases(tensors: Mapping[str, T], aliases: Mapping[str, str]) -> dict[str, T]:
@@ -218,6 +221,8 @@ def identify_single_file(files: str | Path | Sequence[Path], spec: SingleFileSpe
 def identify_shapes(shapes: Mapping[str, tuple[int, ...]], spec: SingleFileSpec, path: str | Path) -> Variant:
     """`identify_single_file` on shapes already read (prefixes stripped), e.g. one component of a file
     that bundles several (SD3's `text_encoders.clip_g.*` beside the transformer)."""
+    if spec.refuse is not None:
+        spec.refuse(shapes, Path(path))
     shapes = apply_aliases(shapes, spec.aliases)
     if all(k in shapes for k in spec.original_markers):
         original = shapes

@@ -39,20 +39,10 @@ from tuner.archs.flux import loaders as flux
 from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
+from tuner.models.component import diffusers_keys, load_component
 from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, load_encoder, model_keys
-from tuner.models.identify import SingleFileSpec, Variant, identify_shapes
-from tuner.models.loading import (
-    component_entries,
-    from_state_dict,
-    load_component_tensors,
-    load_diffusers_folder,
-    load_tokenizer,
-    normalize_shapes,
-    normalize_state_dict,
-    read_tensor_shapes,
-    resolve_folder,
-)
+from tuner.models.identify import SingleFileSpec, Variant
+from tuner.models.loading import load_tokenizer, read_tensor_shapes, resolve_folder
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, SD3Transformer2DModel
@@ -109,6 +99,15 @@ SD30_MEDIUM = Variant(
     },
 )
 
+
+def _refuse_sd30(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    if not SD30_MEDIUM.mismatches(shapes):
+        raise CheckpointError(
+            f"{path}: this is Stable Diffusion 3.0 Medium (no q/k norms, a 192² position table), not a 3.5 "
+            "release; architecture 'sd3' trains SD 3.5 Medium and Large. Use an sd3.5_*.safetensors file."
+        )
+
+
 # SD3's VAE has FLUX's shapes (only the latent scaling and shift differ).
 VAE_VARIANTS = (
     Variant("sd3", CONFIGS / "vae" / "sd3", flux.VAE_VARIANTS[0].signature),
@@ -158,6 +157,7 @@ TRANSFORMER_SPEC = SingleFileSpec(
     original_markers=("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight"),
     diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "pos_embed.proj.weight"),
     to_original=transformer_key_to_original,
+    refuse=_refuse_sd30,
 )
 VAE_SPEC = replace(flux.VAE_SPEC, what="SD3 VAE", variants=VAE_VARIANTS, expected_keys=_vae_keys)
 _CLIP_MARKERS = (
@@ -179,42 +179,22 @@ T5_SPEC = replace(flux.T5_SPEC, variants=T5_VARIANTS)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Reading one component of a file (alone, or bundled in the release's single file)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _component_shapes(path: str | Path, prefix: str) -> dict[str, tuple[int, ...]]:
-    return normalize_shapes(component_entries(read_tensor_shapes(path), (prefix,)))
-
-
-def _component_tensors(path: str | Path, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return normalize_state_dict(load_component_tensors(path, (prefix,)), dtype)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Loaders
 # ---------------------------------------------------------------------------------------------------
 
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> SD3Transformer2DModel:
     """Load the SD 3.5 transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    from diffusers import SD3Transformer2DModel
-
-    folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        return load_diffusers_folder(SD3Transformer2DModel, folder, dtype, "SD3Transformer2DModel")
-    shapes = _without_bundled(normalize_shapes(read_tensor_shapes(path)))
-    if not SD30_MEDIUM.mismatches(shapes):
-        raise CheckpointError(
-            f"{path}: this is Stable Diffusion 3.0 Medium (no q/k norms, a 192² position table), not a 3.5 "
-            "release; architecture 'sd3' trains SD 3.5 Medium and Large. Use an sd3.5_*.safetensors file."
-        )
-    variant = identify_shapes(shapes, TRANSFORMER_SPEC, path)
-    state_dict = _component_tensors(path, "model.diffusion_model.", dtype)
-    state_dict = _without_bundled(state_dict)
-    if "joint_blocks.0.x_block.attn.qkv.weight" in state_dict:
-        state_dict = transformer_to_diffusers(state_dict)
-    return from_state_dict(SD3Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(
+        path,
+        dtype,
+        "SD3Transformer2DModel",
+        "transformer",
+        TRANSFORMER_SPEC,
+        lambda sd, _: transformer_to_diffusers(sd),
+        bundled=("model.diffusion_model.",),
+        entries=_without_bundled,
+    )
 
 
 def _without_bundled(entries: Mapping[str, T]) -> dict[str, T]:
@@ -225,16 +205,15 @@ def _without_bundled(entries: Mapping[str, T]) -> dict[str, T]:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the SD3 VAE from a diffusers folder, an LDM-layout file or the release's bundling single file."""
-    from diffusers import AutoencoderKL
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKL, folder, dtype, "AutoencoderKL")
-    variant = identify_shapes(_component_shapes(path, VAE_PREFIX), VAE_SPEC, path)
-    state_dict = _component_tensors(path, VAE_PREFIX, dtype)
-    if all(k in state_dict for k in VAE_SPEC.original_markers):
-        state_dict = vae_to_diffusers(state_dict)
-    return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(
+        path,
+        dtype,
+        "AutoencoderKL",
+        "vae",
+        VAE_SPEC,
+        lambda sd, _: vae_to_diffusers(sd),
+        bundled=(VAE_PREFIX,),
+    )
 
 
 class TextEncoders(NamedTuple):
