@@ -46,33 +46,15 @@ from tuner.archs.sdxl.keys import (
     unet_to_diffusers,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
+from tuner.models.component import diffusers_keys, load_component
 from tuner.models.encoders import (
     clip_text_entries,
     clip_with_projection_entries,
     load_clip_encoder,
     model_keys,
 )
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    check_keys,
-    pick_variant,
-    variant_table,
-    wrong_architecture,
-)
-from tuner.models.loading import (
-    beside,
-    component_entries,
-    from_state_dict,
-    load_diffusers_folder,
-    load_tensors,
-    load_tokenizer,
-    normalize_shapes,
-    normalize_state_dict,
-    read_tensor_shapes,
-    resolve_folder,
-)
+from tuner.models.identify import SingleFileSpec, Variant, variant_table
+from tuner.models.loading import beside, load_tensors, load_tokenizer, read_tensor_shapes
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -151,42 +133,6 @@ _VAE_DIFFUSERS_MARKERS = (
 _OPEN_CLIP_MARKERS = ("token_embedding.weight", "transformer.resblocks.0.attn.in_proj_weight")
 
 
-_unet_keys = diffusers_keys("UNet2DConditionModel", unet_key_to_original)
-
-
-_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
-
-
-UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS)
-VAE_SPEC = SingleFileSpec("SDXL VAE", VAE_VARIANTS, _vae_keys, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS,
-                          vae_key_to_original)  # fmt: skip
-# CLIP files are identified in transformers' names (`_clip_g_entries` converts OpenCLIP's)
-CLIP_L_SPEC = SingleFileSpec("CLIP ViT-L text encoder", CLIP_L_VARIANTS, model_keys("CLIPTextModel"),
-                             (next(iter(CLIP_L_VARIANTS[0].signature)),))  # fmt: skip
-CLIP_G_SPEC = SingleFileSpec("OpenCLIP ViT-bigG text encoder", CLIP_G_VARIANTS,
-                             model_keys("CLIPTextModelWithProjection"), (next(iter(CLIP_G_VARIANTS[0].signature)),))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------
-# Single files: one component of a bundled checkpoint, or a file of its own
-# ---------------------------------------------------------------------------------------------------
-
-
-def _identify(
-    shapes: Mapping[str, tuple[int, ...]], spec: SingleFileSpec, path: Path
-) -> tuple[Variant, bool]:
-    """(variant, whether the file uses the original layout) of one component's shapes."""
-    if all(k in shapes for k in spec.original_markers):
-        original, is_original = dict(shapes), True
-    elif spec.diffusers_markers and all(k in shapes for k in spec.diffusers_markers):
-        original, is_original = {spec.to_original(k): v for k, v in shapes.items()}, False
-    else:
-        raise wrong_architecture(path, shapes, spec.what, spec.original_markers + spec.diffusers_markers)
-    variant = pick_variant(original, spec.variants, path, spec.what)
-    check_keys(spec.expected_keys(variant), original, path, f"{spec.what} {variant.name}")
-    return variant, is_original
-
-
 def check_not_sd1_or_sd2(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
     """Name a Stable Diffusion 1.x / 2.x checkpoint or the SDXL refiner given as SDXL."""
     context = shapes.get("input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight")
@@ -203,6 +149,27 @@ def check_not_sd1_or_sd2(shapes: Mapping[str, tuple[int, ...]], path: Path) -> N
         )
 
 
+_unet_keys = diffusers_keys("UNet2DConditionModel", unet_key_to_original)
+
+
+_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
+
+
+UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS, refuse=check_not_sd1_or_sd2)
+VAE_SPEC = SingleFileSpec("SDXL VAE", VAE_VARIANTS, _vae_keys, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS,
+                          vae_key_to_original)  # fmt: skip
+# CLIP files are identified in transformers' names (`_clip_g_entries` converts OpenCLIP's)
+CLIP_L_SPEC = SingleFileSpec("CLIP ViT-L text encoder", CLIP_L_VARIANTS, model_keys("CLIPTextModel"),
+                             (next(iter(CLIP_L_VARIANTS[0].signature)),))  # fmt: skip
+CLIP_G_SPEC = SingleFileSpec("OpenCLIP ViT-bigG text encoder", CLIP_G_VARIANTS,
+                             model_keys("CLIPTextModelWithProjection"), (next(iter(CLIP_G_VARIANTS[0].signature)),))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# Single files: one component of a bundled checkpoint, or a file of its own
+# ---------------------------------------------------------------------------------------------------
+
+
 def is_v_prediction(path: str | Path) -> bool:
     """Whether a single file carries the `v_pred` marker key (diffusers folders do not say)."""
     path = Path(path)
@@ -211,34 +178,28 @@ def is_v_prediction(path: str | Path) -> bool:
 
 def load_unet(path: str | Path, dtype: torch.dtype) -> UNet2DConditionModel:
     """Load the SDXL UNet from a diffusers folder or a single file (bundled or alone), in eval mode."""
-    from diffusers import UNet2DConditionModel
-
-    folder = resolve_folder(path, "unet")
-    if folder is not None:
-        return load_diffusers_folder(UNet2DConditionModel, folder, dtype, "UNet2DConditionModel")
-    path = Path(path)
-    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), (UNET_PREFIX, "diffusion_model.")))
-    check_not_sd1_or_sd2(shapes, path)
-    variant, _ = _identify(shapes, UNET_SPEC, path)
-    state_dict = component_entries(load_tensors(path), (UNET_PREFIX, "diffusion_model."))
-    state_dict = unet_to_diffusers(normalize_state_dict(state_dict, dtype))
-    return from_state_dict(UNet2DConditionModel, state_dict, variant.config_dir, dtype, path)
+    return load_component(
+        path,
+        dtype,
+        "UNet2DConditionModel",
+        "unet",
+        UNET_SPEC,
+        lambda sd, _: unet_to_diffusers(sd),
+        bundled=(UNET_PREFIX, "diffusion_model."),
+    )
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the SDXL VAE from a diffusers folder or a single file (bundled, LDM or diffusers layout)."""
-    from diffusers import AutoencoderKL
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKL, folder, dtype, "AutoencoderKL")
-    path = Path(path)
-    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), (VAE_PREFIX,)))
-    variant, is_original = _identify(shapes, VAE_SPEC, path)
-    state_dict = normalize_state_dict(component_entries(load_tensors(path), (VAE_PREFIX,)), dtype)
-    if is_original:
-        state_dict = vae_to_diffusers(state_dict)
-    return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, path)
+    return load_component(
+        path,
+        dtype,
+        "AutoencoderKL",
+        "vae",
+        VAE_SPEC,
+        lambda sd, _: vae_to_diffusers(sd),
+        bundled=(VAE_PREFIX,),
+    )
 
 
 class TextEncoders(NamedTuple):
