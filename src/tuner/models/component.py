@@ -14,13 +14,13 @@ Every architecture loads its components the same way; what differs is data, decl
 tensors read; also a checkpoint bundling the component under a prefix) + `from_state_dict`, so both give
 identical models; a family whose files diffusers' own converter reads (Wan, Qwen-Image, HiDream) passes
 `diffusers_converter` instead of a key conversion. The transformers encoders (`tuner.models.encoders`)
-read their single files the same way. `diffusers_keys` builds a spec's `expected_keys` from the same
-class and conversion.
+read their single files the same way. `component_spec` declares a spec whose expected keys come from
+the same class and conversion (`diffusers_keys`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -65,6 +65,24 @@ def diffusers_keys(
     return expected_keys
 
 
+def component_spec(
+    what: str,
+    class_name: str,
+    variants: tuple[Variant, ...],
+    original_markers: tuple[str, ...],
+    diffusers_markers: tuple[str, ...] = (),
+    to_original: Callable[[str], str] | None = None,
+    refuse: Callable[[Mapping[str, tuple[int, ...]], Path], None] | None = None,
+) -> SingleFileSpec:
+    """The `SingleFileSpec` of a diffusers component: a file of a variant holds exactly the tensors of
+    `class_name` built from the variant's config, under the release's names (`to_original`, which also
+    reads a file saved in diffusers' names, recognised by `diffusers_markers`)."""
+    keys = diffusers_keys(class_name, to_original)
+    return SingleFileSpec(
+        what, variants, keys, original_markers, diffusers_markers, to_original, refuse=refuse
+    )
+
+
 def load_component(
     path: str | Path,
     dtype: torch.dtype,
@@ -79,32 +97,15 @@ def load_component(
     diffusers_converter: bool = False,
 ) -> torch.nn.Module:
     """A `class_name` from a diffusers folder (a pipeline root's `subfolder`, or the component folder) or
-    a single file of a known variant in either layout, in eval mode (`load_single_file`)."""
+    a single file of a known variant in either layout, in eval mode.
+
+    A single file (the component alone, or a checkpoint holding it under the first of `bundled` it uses)
+    is read by `read_single_file`, converted by `to_diffusers` when it holds `spec.original_markers` and
+    built from the config folder `config` gives for the variant (default: the variant's own). With
+    `diffusers_converter`, diffusers' own `from_single_file` converts it instead."""
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_diffusers_folder(diffusers_class(class_name), folder, dtype, class_name)
-    return load_single_file(
-        path, dtype, class_name, spec, to_diffusers, config,
-        bundled=bundled, entries=entries, diffusers_converter=diffusers_converter,
-    )  # fmt: skip
-
-
-def load_single_file(
-    path: str | Path,
-    dtype: torch.dtype,
-    class_name: str,
-    spec: SingleFileSpec,
-    to_diffusers: ToDiffusers | None = None,
-    config: Callable[[Variant], Path] | None = None,
-    *,
-    bundled: tuple[str, ...] = (),
-    entries: Callable[[StateDict], StateDict] = dict,
-    diffusers_converter: bool = False,
-) -> torch.nn.Module:
-    """`load_component` for a single file (the component alone, or a checkpoint holding it under the first
-    of `bundled` it uses): read by `read_single_file`, converted by `to_diffusers` when it holds
-    `spec.original_markers`, built from the config folder `config` gives for the variant (default: the
-    variant's own). With `diffusers_converter`, diffusers' own `from_single_file` converts it instead."""
     variant, _, state_dict = read_single_file(path, dtype, spec, entries, bundled)
     if to_diffusers is not None and all(k in state_dict for k in spec.original_markers):
         state_dict = to_diffusers(state_dict, variant)

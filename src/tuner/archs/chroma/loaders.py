@@ -43,8 +43,8 @@ from tuner.archs.flux.loaders import (
     unpack_latents,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys, load_component
-from tuner.models.identify import CHROMA_MARKER, SingleFileSpec, variant_table
+from tuner.models.component import component_spec, load_component
+from tuner.models.identify import CHROMA_MARKER, variant_table
 from tuner.models.loading import (
     load_tokenizer,
     normalize_shapes,
@@ -81,14 +81,10 @@ _ORIGINAL_MARKERS = ("double_blocks.0.img_attn.qkv.weight", CHROMA_MARKER)
 _FLUX_MARKERS = ("double_blocks.0.img_mod.lin.weight", "transformer_blocks.0.norm1.linear.weight")
 
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="Chroma transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=diffusers_keys("ChromaTransformer2DModel", transformer_key_to_original),
-    original_markers=_ORIGINAL_MARKERS,
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", CHROMA_MARKER),
-    to_original=transformer_key_to_original,
-)
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", CHROMA_MARKER)
+TRANSFORMER_SPEC = component_spec(
+    "Chroma transformer", "ChromaTransformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------

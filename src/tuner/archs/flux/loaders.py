@@ -35,7 +35,7 @@ from tuner.archs.flux.keys import (
     vae_to_diffusers,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys, load_component, vae_levels
+from tuner.models.component import component_spec, diffusers_keys, load_component, vae_levels
 from tuner.models.encoders import (
     CLIP_COLUMNS,
     T5_COLUMNS,
@@ -117,18 +117,16 @@ def _vae_keys(variant: Variant) -> list[str]:
     return [vae_key_to_original(k, levels) for k in diffusers_keys("AutoencoderKL")(variant)]
 
 
-def _vae_to_diffusers(state_dict: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+def ldm_vae_to_diffusers(state_dict: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+    """An LDM-layout VAE file's tensors under diffusers' keys, numbered by the variant's levels (the VAEs
+    of FLUX.1, SD3 and SDXL)."""
     return vae_to_diffusers(state_dict, vae_levels("AutoencoderKL", variant))
 
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="FLUX.1 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=diffusers_keys("FluxTransformer2DModel", transformer_key_to_original),
-    original_markers=_ORIGINAL_TRANSFORMER_MARKERS,
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.weight"),
-    to_original=transformer_key_to_original,
-)
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.weight")
+TRANSFORMER_SPEC = component_spec(
+    "FLUX.1 transformer", "FluxTransformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_TRANSFORMER_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
 VAE_SPEC = SingleFileSpec(
     what="FLUX.1 VAE",
     variants=VAE_VARIANTS,
@@ -203,7 +201,7 @@ def _refuse_chroma(path: str | Path, folder: Path | None) -> None:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the FLUX.1 VAE from a diffusers folder or a single file (`ae.safetensors`), in eval mode."""
-    return load_component(path, dtype, "AutoencoderKL", "vae", VAE_SPEC, _vae_to_diffusers)
+    return load_component(path, dtype, "AutoencoderKL", "vae", VAE_SPEC, ldm_vae_to_diffusers)
 
 
 class TextEncoders(NamedTuple):

@@ -36,10 +36,10 @@ from tuner.archs.flux2.keys import (
 )
 from tuner.errors import CheckpointError
 from tuner.models.component import (
+    component_spec,
     diffusers_class,
     diffusers_keys,
     load_component,
-    load_single_file,
     vae_levels,
 )
 from tuner.models.identify import (
@@ -109,14 +109,10 @@ def _vae_keys(variant: Variant) -> list[str]:
 
 _BN_COUNTER = "bn.num_batches_tracked"  # a BatchNorm training counter; released files may lack it
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="FLUX.2 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=diffusers_keys("Flux2Transformer2DModel", transformer_key_to_original),
-    original_markers=_ORIGINAL_MARKERS,
-    diffusers_markers=("double_stream_modulation_img.linear.weight", "x_embedder.weight"),
-    to_original=transformer_key_to_original,
-)
+_DIFFUSERS_MARKERS = ("double_stream_modulation_img.linear.weight", "x_embedder.weight")
+TRANSFORMER_SPEC = component_spec(
+    "FLUX.2 transformer", "Flux2Transformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
 VAE_SPEC = SingleFileSpec(
     what="FLUX.2 VAE",
     variants=VAE_VARIANTS,
@@ -155,9 +151,8 @@ def load_transformer(path: str | Path, dtype: torch.dtype, klein: bool = False) 
             f'{path}: a Chroma transformer (it has distilled_guidance_layer), not FLUX.2. Set model.architecture = "chroma".'
         )
     _check_family(path, identify_single_file(path, TRANSFORMER_SPEC).name in KLEIN_VARIANTS, klein)
-    return load_single_file(
-        path, dtype, "Flux2Transformer2DModel", TRANSFORMER_SPEC, lambda sd, _: transformer_to_diffusers(sd)
-    )
+    return load_component(path, dtype, "Flux2Transformer2DModel", "transformer", TRANSFORMER_SPEC,
+                          lambda sd, _: transformer_to_diffusers(sd))  # fmt: skip
 
 
 def _check_family(path: str | Path, is_klein: bool, klein: bool) -> None:

@@ -41,7 +41,7 @@ import torch
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.errors import CheckpointError
 from tuner.models import encoders
-from tuner.models.component import diffusers_keys, load_component
+from tuner.models.component import component_spec, load_component
 from tuner.models.encoders import model_keys
 from tuner.models.identify import SingleFileSpec, variant_table
 from tuner.models.loading import (
@@ -97,19 +97,11 @@ SIGLIP_SPEC = SingleFileSpec(
 )
 
 
-_transformer_keys = diffusers_keys(
-    "HunyuanVideoFramepackTransformer3DModel", FRAMEPACK_LAYOUT.key_to_original
-)
-
-
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="FramePack transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight"),
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight"),
-    to_original=FRAMEPACK_LAYOUT.key_to_original,
-)
+_ORIGINAL_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight")
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight")
+TRANSFORMER_SPEC = component_spec(
+    "FramePack transformer", "HunyuanVideoFramepackTransformer3DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, FRAMEPACK_LAYOUT.key_to_original)  # fmt: skip
 
 
 def _hunyuan_video(path: str | Path) -> CheckpointError:

@@ -46,23 +46,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.models.identify import (
-    check_keys,
-    diffusers_meta_keys,
-    pick_variant,
-    variant_table,
-    wrong_architecture,
-)
-from tuner.models.loading import (
-    as_file_list,
-    load_diffusers_folder,
-    load_diffusers_single_file,
-    load_tensors_of,
-    normalize_shapes,
-    normalize_state_dict,
-    read_shapes_of,
-    resolve_folder,
-)
+from tuner.models.component import component_spec, load_component
+from tuner.models.identify import variant_table
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -124,8 +109,10 @@ HIDREAM_KEYS = ArchitectureKeys("hidream", tuple((name, name) for name in LINEAR
 """The key table of HiDream-I1: the release's names are diffusers'."""
 HIDREAM_LAYOUT = CheckpointLayout(HIDREAM_KEYS)
 
-_WHAT = "HiDream-I1 transformer"
 _MARKERS = ("x_embedder.proj.weight", "double_stream_blocks.0.block.adaLN_modulation.1.bias")
+TRANSFORMER_SPEC = component_spec(
+    "HiDream-I1 transformer", "HiDreamImageTransformer2DModel", TRANSFORMER_VARIANTS, _MARKERS
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,31 +122,8 @@ _MARKERS = ("x_embedder.proj.weight", "double_stream_blocks.0.block.adaLN_modula
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HiDreamImageTransformer2DModel:
     """Load the HiDream-I1 transformer from a diffusers folder or a single file, in eval mode."""
-    from diffusers import HiDreamImageTransformer2DModel
-
-    folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        cls = "HiDreamImageTransformer2DModel"
-        return load_diffusers_folder(HiDreamImageTransformer2DModel, folder, dtype, cls)
-    config_dir = identify_transformer_file(path)
-    state_dict = normalize_state_dict(load_tensors_of(path), dtype)
-    return load_diffusers_single_file(
-        HiDreamImageTransformer2DModel, state_dict, config_dir, dtype, Path(path)
-    )
-
-
-def identify_transformer_file(files: str | Path) -> Path:
-    """The config folder for a single transformer file, after checking it is complete. Reads headers."""
-    from diffusers import HiDreamImageTransformer2DModel
-
-    files = as_file_list(files)
-    shapes = normalize_shapes(read_shapes_of(files))
-    if not all(k in shapes for k in _MARKERS):
-        raise wrong_architecture(files[0], shapes, _WHAT, _MARKERS)
-    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, files[0], _WHAT)
-    expected = diffusers_meta_keys(HiDreamImageTransformer2DModel, variant.config_dir)
-    check_keys(expected, shapes, files[0], f"{_WHAT} {variant.name}")
-    return variant.config_dir
+    cls = "HiDreamImageTransformer2DModel"
+    return load_component(path, dtype, cls, "transformer", TRANSFORMER_SPEC, diffusers_converter=True)
 
 
 # ---------------------------------------------------------------------------------------------------

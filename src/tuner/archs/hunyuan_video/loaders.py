@@ -35,7 +35,7 @@ import torch
 from tuner.archs.flux.loaders import CLIP_SPEC
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys, load_component
+from tuner.models.component import component_spec, diffusers_keys, load_component
 from tuner.models.encoders import (
     DECODER_COLUMNS,
     clip_text_entries,
@@ -119,20 +119,13 @@ _HUNYUAN_VIDEO_15_MARKERS = ("vision_in.proj.0.weight", "cond_type_embedding.wei
                              "image_embedder.linear_1.weight", "cond_type_embed.weight")  # fmt: skip
 
 
-_transformer_keys = diffusers_keys("HunyuanVideoTransformer3DModel", transformer_key_to_original)
-
-
 _vae_keys = diffusers_keys("AutoencoderKLHunyuanVideo")
 
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="HunyuanVideo transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=_ORIGINAL_MARKERS,
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight"),
-    to_original=transformer_key_to_original,
-)
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight")
+TRANSFORMER_SPEC = component_spec(
+    "HunyuanVideo transformer", "HunyuanVideoTransformer3DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
 VAE_SPEC = SingleFileSpec(
     what="HunyuanVideo VAE",
     variants=VAE_VARIANTS,

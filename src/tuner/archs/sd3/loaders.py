@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import torch
 
 from tuner.archs.flux import loaders as flux
-from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
+from tuner.archs.flux.keys import vae_key_to_original
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys, load_component
+from tuner.models.component import component_spec, diffusers_keys, load_component
 from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, load_encoder, model_keys
 from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import load_tokenizer, read_tensor_shapes, resolve_folder
@@ -144,21 +144,14 @@ T5_VARIANTS = (
 )
 
 
-_transformer_keys = diffusers_keys("SD3Transformer2DModel", transformer_key_to_original)
-
-
 _vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="SD 3.5 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight"),
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "pos_embed.proj.weight"),
-    to_original=transformer_key_to_original,
-    refuse=_refuse_sd30,
-)
+_ORIGINAL_MARKERS = ("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight")
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "pos_embed.proj.weight")
+TRANSFORMER_SPEC = component_spec(
+    "SD 3.5 transformer", "SD3Transformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original, refuse=_refuse_sd30)  # fmt: skip
 VAE_SPEC = replace(flux.VAE_SPEC, what="SD3 VAE", variants=VAE_VARIANTS, expected_keys=_vae_keys)
 _CLIP_MARKERS = (
     "text_model.embeddings.token_embedding.weight",
@@ -185,16 +178,9 @@ T5_SPEC = replace(flux.T5_SPEC, variants=T5_VARIANTS)
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> SD3Transformer2DModel:
     """Load the SD 3.5 transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    return load_component(
-        path,
-        dtype,
-        "SD3Transformer2DModel",
-        "transformer",
-        TRANSFORMER_SPEC,
-        lambda sd, _: transformer_to_diffusers(sd),
-        bundled=("model.diffusion_model.",),
-        entries=_without_bundled,
-    )
+    return load_component(path, dtype, "SD3Transformer2DModel", "transformer", TRANSFORMER_SPEC,
+                          lambda sd, _: transformer_to_diffusers(sd), bundled=("model.diffusion_model.",),
+                          entries=_without_bundled)  # fmt: skip
 
 
 def _without_bundled(entries: Mapping[str, T]) -> dict[str, T]:
@@ -205,15 +191,8 @@ def _without_bundled(entries: Mapping[str, T]) -> dict[str, T]:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the SD3 VAE from a diffusers folder, an LDM-layout file or the release's bundling single file."""
-    return load_component(
-        path,
-        dtype,
-        "AutoencoderKL",
-        "vae",
-        VAE_SPEC,
-        lambda sd, _: vae_to_diffusers(sd),
-        bundled=(VAE_PREFIX,),
-    )
+    spec, to_diffusers = VAE_SPEC, flux.ldm_vae_to_diffusers  # the same LDM layout
+    return load_component(path, dtype, "AutoencoderKL", "vae", spec, to_diffusers, bundled=(VAE_PREFIX,))
 
 
 class TextEncoders(NamedTuple):

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers, vae_to_original
+from tuner.archs.flux.keys import vae_key_to_original, vae_to_original
+from tuner.archs.flux.loaders import ldm_vae_to_diffusers
 from tuner.archs.sdxl.keys import (
     BUNDLED_CLIP_G,
     BUNDLED_CLIP_L,
@@ -178,28 +179,16 @@ def is_v_prediction(path: str | Path) -> bool:
 
 def load_unet(path: str | Path, dtype: torch.dtype) -> UNet2DConditionModel:
     """Load the SDXL UNet from a diffusers folder or a single file (bundled or alone), in eval mode."""
+    to_diffusers, bundled = lambda sd, _: unet_to_diffusers(sd), (UNET_PREFIX, "diffusion_model.")
     return load_component(
-        path,
-        dtype,
-        "UNet2DConditionModel",
-        "unet",
-        UNET_SPEC,
-        lambda sd, _: unet_to_diffusers(sd),
-        bundled=(UNET_PREFIX, "diffusion_model."),
+        path, dtype, "UNet2DConditionModel", "unet", UNET_SPEC, to_diffusers, bundled=bundled
     )
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the SDXL VAE from a diffusers folder or a single file (bundled, LDM or diffusers layout)."""
-    return load_component(
-        path,
-        dtype,
-        "AutoencoderKL",
-        "vae",
-        VAE_SPEC,
-        lambda sd, _: vae_to_diffusers(sd),
-        bundled=(VAE_PREFIX,),
-    )
+    to_diffusers = ldm_vae_to_diffusers  # FLUX.1's layout
+    return load_component(path, dtype, "AutoencoderKL", "vae", VAE_SPEC, to_diffusers, bundled=(VAE_PREFIX,))
 
 
 class TextEncoders(NamedTuple):

@@ -37,7 +37,7 @@ from tuner.archs.wan.keys import (
     vae_to_original,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
+from tuner.models.component import component_spec, load_component
 from tuner.models.encoders import T5_COLUMNS, load_encoder, model_keys
 from tuner.models.identify import (
     UNCHECKED,
@@ -48,7 +48,6 @@ from tuner.models.identify import (
 from tuner.models.loading import (
     load_diffusers_folder,
     load_diffusers_single_file,
-    load_tensors,
     load_tensors_of,
     load_tokenizer,
     normalize_state_dict,
@@ -141,31 +140,21 @@ TEXT_ENCODER_VARIANTS = variant_table(
 )
 
 
+_ORIGINAL_MARKERS = ("head.modulation", "blocks.0.self_attn.q.weight")
+_DIFFUSERS_MARKERS = ("scale_shift_table", "blocks.0.attn1.to_q.weight")
+_VAE_MARKERS = ("encoder.conv1.weight", "decoder.conv1.weight", "encoder.middle.1.to_qkv.weight")
+_VAE_DIFFUSERS_MARKERS = ("encoder.conv_in.weight", "decoder.conv_in.weight", "quant_conv.weight")
+
 # The encoder's embedding is tied to `shared`; ComfyUI's files store only `shared.weight`.
 _TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
-_transformer_keys = diffusers_keys("WanTransformer3DModel", original_module_name)
-
-
-_vae_keys = diffusers_keys("AutoencoderKLWan", vae_key_to_original)
-
-
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="Wan 2.1 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=("head.modulation", "blocks.0.self_attn.q.weight"),
-    diffusers_markers=("scale_shift_table", "blocks.0.attn1.to_q.weight"),
-    to_original=original_module_name,
-)
-VAE_SPEC = SingleFileSpec(
-    what="Wan 2.1 VAE",
-    variants=VAE_VARIANTS,
-    expected_keys=_vae_keys,
-    original_markers=("encoder.conv1.weight", "decoder.conv1.weight", "encoder.middle.1.to_qkv.weight"),
-    diffusers_markers=("encoder.conv_in.weight", "decoder.conv_in.weight", "quant_conv.weight"),
-    to_original=vae_key_to_original,
+TRANSFORMER_SPEC = component_spec(
+    "Wan 2.1 transformer", "WanTransformer3DModel", TRANSFORMER_VARIANTS, _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS,
+    original_module_name,
+)  # fmt: skip
+VAE_SPEC = component_spec(
+    "Wan 2.1 VAE", "AutoencoderKLWan", VAE_VARIANTS, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS, vae_key_to_original
 )
 TEXT_ENCODER_SPEC = SingleFileSpec(
     what="UMT5 text encoder",
@@ -272,14 +261,7 @@ def load_vae(
     check_vae_generation(path, generation, architecture)
     if generation == "2.2":
         return load_vae22(path, dtype)
-    from diffusers import AutoencoderKLWan
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKLWan, folder, dtype, "AutoencoderKLWan")
-    variant = identify_single_file(path, VAE_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    return load_diffusers_single_file(AutoencoderKLWan, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(path, dtype, "AutoencoderKLWan", "vae", VAE_SPEC, diffusers_converter=True)
 
 
 def load_text_encoder(
