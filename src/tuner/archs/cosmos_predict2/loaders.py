@@ -36,6 +36,7 @@ own step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,12 +48,11 @@ from tuner.archs.cosmos_predict2.keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
 )
-from tuner.archs.flux.loaders import T5_TIED_EMBEDDING, t5_keys
+from tuner.archs.flux import loaders as flux
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
 from tuner.models.encoders import load_encoder
 from tuner.models.identify import (
-    SingleFileSpec,
     Variant,
     check_keys,
     pick_variant,
@@ -126,14 +126,11 @@ T5_VARIANTS = variant_table(
         "tiny": ((512, 64), (2, (128, 64))),
     },
 )  # fmt: skip
-# The encoder's embedding is tied to `shared`; single files may store either or both.
-T5_SPEC = SingleFileSpec(
-    what="T5-11B text encoder",
-    variants=T5_VARIANTS,
-    expected_keys=t5_keys,
-    # T5 v1.0's ReLU feed-forward (`wi`); T5 v1.1 / UMT5 (FLUX.1, Wan) have the gated `wi_0` / `wi_1`
-    original_markers=("shared.weight", "encoder.block.0.layer.1.DenseReluDense.wi.weight"),
-    aliases=T5_TIED_EMBEDDING,
+# FLUX.1's T5 spec (the embedding tied to `shared`: single files may store either or both) with T5 v1.0's
+# ReLU feed-forward (`wi`) as marker; T5 v1.1 / UMT5 (FLUX.1, Wan) have the gated `wi_0` / `wi_1`
+_T5_MARKERS = ("shared.weight", "encoder.block.0.layer.1.DenseReluDense.wi.weight")
+T5_SPEC = replace(
+    flux.T5_SPEC, what="T5-11B text encoder", variants=T5_VARIANTS, original_markers=_T5_MARKERS
 )
 
 

@@ -45,9 +45,7 @@ from tuner.models.component import component_spec, load_component
 from tuner.models.encoders import model_keys
 from tuner.models.identify import SingleFileSpec, variant_table
 from tuner.models.loading import (
-    normalize_shapes,
     read_folder_config,
-    read_shapes_of,
     resolve_folder,
 )
 
@@ -97,13 +95,6 @@ SIGLIP_SPEC = SingleFileSpec(
 )
 
 
-_ORIGINAL_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight")
-_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight")
-TRANSFORMER_SPEC = component_spec(
-    "FramePack transformer", "HunyuanVideoFramepackTransformer3DModel", TRANSFORMER_VARIANTS,
-    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, FRAMEPACK_LAYOUT.key_to_original)  # fmt: skip
-
-
 def _hunyuan_video(path: str | Path) -> CheckpointError:
     """The error for a HunyuanVideo transformer given to `framepack`."""
     return CheckpointError(
@@ -111,6 +102,21 @@ def _hunyuan_video(path: str | Path) -> CheckpointError:
         'another model than FramePack. Set model.architecture = "hunyuan_video" to train it, or point '
         "model.transformer at a FramePack checkpoint (FramePackI2V_HY)."
     )
+
+
+def _refuse_hunyuan_video(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    """A HunyuanVideo file (either layout) has no history embedder."""
+    hunyuan = ("double_blocks.0.img_attn_qkv.weight", "transformer_blocks.0.attn.to_q.weight")
+    if any(k in shapes for k in hunyuan) and not any(k.startswith(_HISTORY_EMBEDDER) for k in shapes):
+        raise _hunyuan_video(path)
+
+
+_ORIGINAL_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight")
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight")
+TRANSFORMER_SPEC = component_spec(
+    "FramePack transformer", "HunyuanVideoFramepackTransformer3DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, FRAMEPACK_LAYOUT.key_to_original,
+    refuse=_refuse_hunyuan_video)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,22 +127,13 @@ def _hunyuan_video(path: str | Path) -> CheckpointError:
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoFramepackTransformer3DModel:
     """The FramePack transformer from a diffusers folder or a single file (either layout), in eval mode."""
     folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        if read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel":
-            raise _hunyuan_video(folder)
-    else:
-        shapes = normalize_shapes(read_shapes_of(path))
-        hunyuan = ("double_blocks.0.img_attn_qkv.weight", "transformer_blocks.0.attn.to_q.weight")
-        if any(k in shapes for k in hunyuan) and not any(k.startswith(_HISTORY_EMBEDDER) for k in shapes):
-            raise _hunyuan_video(path)
-    return load_component(
-        path,
-        dtype,
-        CLASS_NAME,
-        "transformer",
-        TRANSFORMER_SPEC,
-        lambda sd, _: FRAMEPACK_LAYOUT.to_diffusers(sd),
-    )
+    if (
+        folder is not None
+        and read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel"
+    ):
+        raise _hunyuan_video(folder)
+    return load_component(path, dtype, CLASS_NAME, "transformer", TRANSFORMER_SPEC,
+                          lambda sd, _: FRAMEPACK_LAYOUT.to_diffusers(sd))  # fmt: skip
 
 
 class ImageEncoder(NamedTuple):

@@ -49,9 +49,7 @@ from tuner.models.identify import (
 )
 from tuner.models.loading import (
     load_tokenizer,
-    normalize_shapes,
     read_folder_config,
-    read_tensor_shapes,
     resolve_folder,
     second_text_encoder,
 )
@@ -122,10 +120,36 @@ _HUNYUAN_VIDEO_15_MARKERS = ("vision_in.proj.0.weight", "cond_type_embedding.wei
 _vae_keys = diffusers_keys("AutoencoderKLHunyuanVideo")
 
 
+def _framepack(path: str | Path) -> CheckpointError:
+    """The error for a FramePack transformer (HunyuanVideo plus a history embedder) given to `hunyuan_video`."""
+    return CheckpointError(
+        f"{path}: a FramePack transformer (it has the history embedder clean_x_embedder), an image-to-video "
+        'model trained on sections. Set model.architecture = "framepack" to train it.'
+    )
+
+
+def _hunyuan_video_15(path: str | Path) -> CheckpointError:
+    """The error for a HunyuanVideo 1.5 transformer given to `hunyuan_video`."""
+    return CheckpointError(
+        f"{path}: a HunyuanVideo 1.5 transformer (it has the 1.5 image / glyph embedders and no single-stream "
+        'blocks), another network than HunyuanVideo\'s. Set model.architecture = "hunyuan_video15" to train '
+        "it, or point model.transformer at a HunyuanVideo (hunyuan_video_t2v_720p) checkpoint."
+    )
+
+
+def _refuse_other_networks(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    """HunyuanVideo 1.5 and FramePack files share block names with HunyuanVideo's."""
+    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in shapes):
+        raise _hunyuan_video_15(path)
+    if any(name.startswith("clean_x_embedder.") for name in shapes):
+        raise _framepack(path)
+
+
 _DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight")
 TRANSFORMER_SPEC = component_spec(
     "HunyuanVideo transformer", "HunyuanVideoTransformer3DModel", TRANSFORMER_VARIANTS,
-    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original,
+    refuse=_refuse_other_networks)  # fmt: skip
 VAE_SPEC = SingleFileSpec(
     what="HunyuanVideo VAE",
     variants=VAE_VARIANTS,
@@ -145,23 +169,6 @@ LLAMA_SPEC = SingleFileSpec(
 )
 
 
-def _framepack(path: str | Path) -> CheckpointError:
-    """The error for a FramePack transformer (HunyuanVideo plus a history embedder) given to `hunyuan_video`."""
-    return CheckpointError(
-        f"{path}: a FramePack transformer (it has the history embedder clean_x_embedder), an image-to-video "
-        'model trained on sections. Set model.architecture = "framepack" to train it.'
-    )
-
-
-def _hunyuan_video_15(path: str | Path) -> CheckpointError:
-    """The error for a HunyuanVideo 1.5 transformer given to `hunyuan_video`."""
-    return CheckpointError(
-        f"{path}: a HunyuanVideo 1.5 transformer (it has the 1.5 image / glyph embedders and no single-stream "
-        'blocks), another network than HunyuanVideo\'s. Set model.architecture = "hunyuan_video15" to train '
-        "it, or point model.transformer at a HunyuanVideo (hunyuan_video_t2v_720p) checkpoint."
-    )
-
-
 # ---------------------------------------------------------------------------------------------------
 # Loaders
 # ---------------------------------------------------------------------------------------------------
@@ -169,7 +176,6 @@ def _hunyuan_video_15(path: str | Path) -> CheckpointError:
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransformer3DModel:
     """The HunyuanVideo transformer from a diffusers folder or a single file (either layout), in eval mode."""
-
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         class_name = read_folder_config(folder).get("_class_name")
@@ -177,12 +183,6 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransf
             raise _hunyuan_video_15(folder)
         if class_name == "HunyuanVideoFramepackTransformer3DModel":
             raise _framepack(folder)
-    else:
-        names = normalize_shapes(read_tensor_shapes(path))
-        if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
-            raise _hunyuan_video_15(path)
-        if any(name.startswith("clean_x_embedder.") for name in names):
-            raise _framepack(path)
     return load_component(
         path, dtype, "HunyuanVideoTransformer3DModel", "transformer", TRANSFORMER_SPEC,
         lambda state_dict, _: transformer_to_diffusers(state_dict),

@@ -59,25 +59,9 @@ from tuner.archs.flux.loaders import load_clip
 from tuner.archs.qwen_image.text import QwenTextEncoder
 from tuner.archs.qwen_image.text import load_text_encoder as load_qwen
 from tuner.errors import CheckpointError
-from tuner.models.identify import (
-    check_keys,
-    diffusers_meta_keys,
-    pick_variant,
-    variant_table,
-    wrong_architecture,
-)
-from tuner.models.loading import (
-    from_state_dict,
-    load_diffusers_folder,
-    load_tensors,
-    load_tokenizer,
-    normalize_shapes,
-    normalize_state_dict,
-    read_tensor_shapes,
-    resolve_folder,
-    second_text_encoder,
-    sibling,
-)
+from tuner.models.component import component_spec, load_component
+from tuner.models.identify import Variant, variant_table
+from tuner.models.loading import load_tokenizer, resolve_folder, second_text_encoder, sibling
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -162,10 +146,12 @@ KANDINSKY5_KEYS = ArchitectureKeys(
 stems read back)."""
 KANDINSKY5_LAYOUT = CheckpointLayout(KANDINSKY5_KEYS)
 
-_WHAT = "Kandinsky 5 Lite transformer"
 _MARKERS = (
     "visual_embeddings.in_layer.weight",
     "visual_transformer_blocks.0.visual_modulation.out_layer.weight",
+)
+TRANSFORMER_SPEC = component_spec(
+    "Kandinsky 5 Lite transformer", "Kandinsky5Transformer3DModel", TRANSFORMER_VARIANTS, _MARKERS
 )
 
 
@@ -175,9 +161,8 @@ _MARKERS = (
 
 
 def _refuse_i2v(path: str | Path) -> None:
-    path = Path(
-        path
-    )  # a file's own name; a folder's name and its parent's (`...-I2V-...-Diffusers/transformer`)
+    # a file's own name; a folder's name and its parent's (`...-I2V-...-Diffusers/transformer`)
+    path = Path(path)
     names = path.name if path.is_file() else "/".join(path.parts[-2:])
     if re.search(r"i2v", names, re.IGNORECASE):
         raise CheckpointError(
@@ -196,24 +181,15 @@ def transformer_config(path: str | Path) -> Path:
 def load_transformer(path: str | Path, dtype: torch.dtype) -> Kandinsky5Transformer3DModel:
     """The Kandinsky 5 transformer from a diffusers folder or a single file, in eval mode, with its
     time embedding and modulations in fp32 (see the module docstring)."""
-    from diffusers import Kandinsky5Transformer3DModel
-
     _refuse_i2v(path)
-    folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        cls = "Kandinsky5Transformer3DModel"
-        return rotate_in_compute_dtype(
-            load_diffusers_folder(Kandinsky5Transformer3DModel, folder, dtype, cls)
-        )
-    shapes = normalize_shapes(read_tensor_shapes(path))
-    if not all(k in shapes for k in _MARKERS):
-        raise wrong_architecture(path, shapes, _WHAT, _MARKERS)
-    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, _WHAT)
-    check_keys(diffusers_meta_keys(Kandinsky5Transformer3DModel, variant.config_dir), shapes, path, _WHAT)
-    config_dir = transformer_config(path) if variant.name == "lite-5s" else variant.config_dir
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    model = from_state_dict(Kandinsky5Transformer3DModel, state_dict, config_dir, dtype, Path(path))
-    return rotate_in_compute_dtype(model)
+
+    def config(variant: Variant) -> Path:  # a Lite release's duration is in its name only
+        return transformer_config(path) if variant.name == "lite-5s" else variant.config_dir
+
+    cls = "Kandinsky5Transformer3DModel"
+    return rotate_in_compute_dtype(
+        load_component(path, dtype, cls, "transformer", TRANSFORMER_SPEC, None, config)
+    )
 
 
 @functools.cache

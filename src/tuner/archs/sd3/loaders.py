@@ -40,8 +40,14 @@ from tuner.archs.flux.keys import vae_key_to_original
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.component import component_spec, diffusers_keys, load_component
-from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, load_encoder, model_keys
-from tuner.models.identify import SingleFileSpec, Variant
+from tuner.models.encoders import (
+    T5_COLUMNS,
+    clip_with_projection_entries,
+    load_clip_encoder,
+    load_encoder,
+    model_keys,
+)
+from tuner.models.identify import SingleFileSpec, Variant, variant_table
 from tuner.models.loading import load_tokenizer, read_tensor_shapes, resolve_folder
 
 if TYPE_CHECKING:
@@ -132,15 +138,7 @@ CLIP_G_VARIANTS = (_clip("clip_g", "clip-g", 1280, 32, 49408), _clip("clip_g", "
 
 T5_VARIANTS = (
     replace(flux.T5_VARIANTS[0], config_dir=CONFIGS / "t5" / "t5-xxl"),
-    Variant(
-        "tiny",
-        CONFIGS / "t5" / "tiny",
-        {
-            "shared.weight": (512, 128),
-            "encoder.block.1.layer.1.DenseReluDense.wi_0.weight": (256, 128),
-            "encoder.block.2.layer.1.DenseReluDense.wi_0.weight": None,
-        },
-    ),
+    *variant_table(CONFIGS / "t5", T5_COLUMNS, {"tiny": ((512, 128), (2, (256, 128)))}),
 )
 
 

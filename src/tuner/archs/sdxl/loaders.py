@@ -54,7 +54,7 @@ from tuner.models.encoders import (
     load_clip_encoder,
     model_keys,
 )
-from tuner.models.identify import SingleFileSpec, Variant, variant_table
+from tuner.models.identify import UNCHECKED, SingleFileSpec, variant_table
 from tuner.models.loading import beside, load_tensors, load_tokenizer, read_tensor_shapes
 
 if TYPE_CHECKING:
@@ -92,38 +92,22 @@ VAE_VARIANTS = variant_table(
         "tiny": ((32, 3, 3, 3), (64, 4, 3, 3)),
     },
 )  # fmt: skip
-CLIP_L_VARIANTS = (
-    Variant(
-        "clip-l",
-        CONFIGS / "clip_l" / "clip-l",
-        {"embeddings.token_embedding.weight": (49408, 768), "encoder.layers.12.mlp.fc1.weight": None},
+# Text encoders: embedding, then the layer past the last must be absent (12 / 32 layers, the fixtures' 2)
+CLIP_L_VARIANTS = variant_table(
+    CONFIGS / "clip_l",
+    (
+        "embeddings.token_embedding.weight",
+        "encoder.layers.12.mlp.fc1.weight",
+        "encoder.layers.2.mlp.fc1.weight",
     ),
-    Variant(
-        "tiny",
-        CONFIGS / "clip_l" / "tiny",
-        {"embeddings.token_embedding.weight": (1088, 32), "encoder.layers.2.mlp.fc1.weight": None},
-    ),
+    {"clip-l": ((49408, 768), None, UNCHECKED), "tiny": ((1088, 32), UNCHECKED, None)},
 )
-CLIP_G_VARIANTS = (
-    Variant(
-        "bigg",
-        CONFIGS / "clip_g" / "bigg",
-        {
-            "text_model.embeddings.token_embedding.weight": (49408, 1280),
-            "text_projection.weight": (1280, 1280),
-            "text_model.encoder.layers.32.mlp.fc1.weight": None,
-        },  # fmt: skip
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "clip_g" / "tiny",
-        {
-            "text_model.embeddings.token_embedding.weight": (1088, 64),
-            "text_projection.weight": (64, 64),
-            "text_model.encoder.layers.2.mlp.fc1.weight": None,
-        },  # fmt: skip
-    ),
-)
+CLIP_G_VARIANTS = variant_table(
+    CONFIGS / "clip_g",
+    ("text_model.embeddings.token_embedding.weight", "text_projection.weight",
+     "text_model.encoder.layers.32.mlp.fc1.weight", "text_model.encoder.layers.2.mlp.fc1.weight"),
+    {"bigg": ((49408, 1280), (1280, 1280), None, UNCHECKED), "tiny": ((1088, 64), (64, 64), UNCHECKED, None)},
+)  # fmt: skip
 
 _UNET_MARKERS = ("input_blocks.0.0.weight", "out.2.weight")
 _VAE_MARKERS = ("encoder.down.0.block.0.conv1.weight", "decoder.up.0.block.0.conv1.weight")
