@@ -36,12 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.archs.chroma.keys import transformer_key_to_original, transformer_to_diffusers
-from tuner.archs.flux.loaders import (
-    image_ids,
-    load_t5,
-    pack_latents,
-    unpack_latents,
-)
+from tuner.archs.flux.loaders import image_ids, load_t5, pack_latents, unpack_latents
 from tuner.errors import CheckpointError
 from tuner.models.component import component_spec, load_component
 from tuner.models.identify import CHROMA_MARKER, variant_table

@@ -52,13 +52,7 @@ from tuner.archs.flux import loaders as flux
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
 from tuner.models.encoders import load_encoder
-from tuner.models.identify import (
-    Variant,
-    check_keys,
-    pick_variant,
-    variant_table,
-    wrong_architecture,
-)
+from tuner.models.identify import Variant, check_keys, pick_variant, variant_table, wrong_architecture
 from tuner.models.loading import (
     cast_like_from_pretrained_,
     load_tensors,

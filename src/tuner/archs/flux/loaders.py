@@ -44,13 +44,7 @@ from tuner.models.encoders import (
     load_encoder,
     model_keys,
 )
-from tuner.models.identify import (
-    CHROMA_MARKER,
-    FLUX2_MARKERS,
-    SingleFileSpec,
-    Variant,
-    variant_table,
-)
+from tuner.models.identify import CHROMA_MARKER, FLUX2_MARKERS, SingleFileSpec, Variant, variant_table
 from tuner.models.loading import (
     load_tokenizer,
     normalize_shapes,

@@ -44,10 +44,7 @@ from tuner.models import encoders
 from tuner.models.component import component_spec, load_component
 from tuner.models.encoders import model_keys
 from tuner.models.identify import SingleFileSpec, variant_table
-from tuner.models.loading import (
-    read_folder_config,
-    resolve_folder,
-)
+from tuner.models.loading import read_folder_config, resolve_folder
 
 if TYPE_CHECKING:
     from diffusers import HunyuanVideoFramepackTransformer3DModel

@@ -43,16 +43,8 @@ from tuner.models.encoders import (
     load_encoder,
     model_keys,
 )
-from tuner.models.identify import (
-    SingleFileSpec,
-    variant_table,
-)
-from tuner.models.loading import (
-    load_tokenizer,
-    read_folder_config,
-    resolve_folder,
-    second_text_encoder,
-)
+from tuner.models.identify import SingleFileSpec, variant_table
+from tuner.models.loading import load_tokenizer, read_folder_config, resolve_folder, second_text_encoder
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel

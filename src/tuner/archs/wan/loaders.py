@@ -39,12 +39,7 @@ from tuner.archs.wan.keys import (
 from tuner.errors import CheckpointError
 from tuner.models.component import component_spec, load_component
 from tuner.models.encoders import T5_COLUMNS, load_encoder, model_keys
-from tuner.models.identify import (
-    UNCHECKED,
-    SingleFileSpec,
-    identify_single_file,
-    variant_table,
-)
+from tuner.models.identify import UNCHECKED, SingleFileSpec, identify_single_file, variant_table
 from tuner.models.loading import (
     load_diffusers_folder,
     load_diffusers_single_file,
