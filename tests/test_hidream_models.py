@@ -17,6 +17,7 @@ from tuner.archs.hidream import text as hidream_text
 from tuner.archs.hidream.fixture import write_hidream_fixture
 from tuner.archs.hidream.trainer import HiDreamModel
 from tuner.errors import CheckpointError
+from tuner.models.identify import identify_single_file, pick_variant
 from tuner.registry import ARCHITECTURES
 
 CAPTIONS = ["a red circle moving left", "a small dog walks on the beach at sunset"]
@@ -89,10 +90,10 @@ def test_vae_is_flux(fx):
 
 
 def test_variants_and_releases(fx):
-    assert hidream.identify_transformer_file(fx["transformer_file"]).name == "tiny"
+    assert identify_single_file(fx["transformer_file"], hidream.TRANSFORMER_SPEC).name == "tiny"
     shapes = dict(hidream.TRANSFORMER_VARIANTS[0].signature)
     shapes = {k: v for k, v in shapes.items() if v is not None}
-    assert hidream.pick_variant(shapes, hidream.TRANSFORMER_VARIANTS, "x", "t").name == "i1"
+    assert pick_variant(shapes, hidream.TRANSFORMER_VARIANTS, "x", "t").name == "i1"
     # Full, Dev and Fast have one shape: only names tell them apart
     assert hidream.release_name("models/hidream_i1_dev_bf16.safetensors") == "dev"
     assert hidream.release_name("HiDream-ai/HiDream-I1-Fast/transformer") == "fast"

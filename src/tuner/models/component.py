@@ -10,23 +10,33 @@ Every architecture loads its components the same way; what differs is data, decl
   the file is in the original layout; a file saved in diffusers' names is loaded as it is.
 
 `load_component` takes a diffusers folder (a pipeline root or the component folder) through
-`from_pretrained`, and a single file through `identify_single_file` + `from_state_dict`, so both give
-identical models. `diffusers_keys` builds a spec's `expected_keys` from the same class and conversion.
+`from_pretrained`, and a single file through `read_single_file` (headers identified first, then the
+tensors read; also a checkpoint bundling the component under a prefix) + `from_state_dict`, so both give
+identical models; a family whose files diffusers' own converter reads (Wan, Qwen-Image, HiDream) passes
+`diffusers_converter` instead of a key conversion. The transformers encoders (`tuner.models.encoders`)
+read their single files the same way. `component_spec` declares a spec whose expected keys come from
+the same class and conversion (`diffusers_keys`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from tuner.models.identify import SingleFileSpec, Variant, diffusers_meta_keys, identify_single_file
+from tuner.models.identify import SingleFileSpec, Variant, apply_aliases, diffusers_meta_keys, identify_shapes
 from tuner.models.loading import (
+    as_file_list,
+    component_entries,
     from_state_dict,
+    load_component_tensors,
     load_diffusers_folder,
-    load_tensors,
+    load_diffusers_single_file,
+    load_tensors_of,
+    normalize_shapes,
     normalize_state_dict,
+    read_shapes_of,
     resolve_folder,
 )
 
@@ -55,6 +65,24 @@ def diffusers_keys(
     return expected_keys
 
 
+def component_spec(
+    what: str,
+    class_name: str,
+    variants: tuple[Variant, ...],
+    original_markers: tuple[str, ...],
+    diffusers_markers: tuple[str, ...] = (),
+    to_original: Callable[[str], str] | None = None,
+    refuse: Callable[[Mapping[str, tuple[int, ...]], Path], None] | None = None,
+) -> SingleFileSpec:
+    """The `SingleFileSpec` of a diffusers component: a file of a variant holds exactly the tensors of
+    `class_name` built from the variant's config, under the release's names (`to_original`, which also
+    reads a file saved in diffusers' names, recognised by `diffusers_markers`)."""
+    keys = diffusers_keys(class_name, to_original)
+    return SingleFileSpec(
+        what, variants, keys, original_markers, diffusers_markers, to_original, refuse=refuse
+    )
+
+
 def load_component(
     path: str | Path,
     dtype: torch.dtype,
@@ -63,32 +91,53 @@ def load_component(
     spec: SingleFileSpec,
     to_diffusers: ToDiffusers | None = None,
     config: Callable[[Variant], Path] | None = None,
+    *,
+    bundled: tuple[str, ...] = (),
+    entries: Callable[[StateDict], StateDict] = dict,
+    diffusers_converter: bool = False,
 ) -> torch.nn.Module:
     """A `class_name` from a diffusers folder (a pipeline root's `subfolder`, or the component folder) or
-    a single file of a known variant in either layout, in eval mode."""
+    a single file of a known variant in either layout, in eval mode.
+
+    A single file (the component alone, or a checkpoint holding it under the first of `bundled` it uses)
+    is read by `read_single_file`, converted by `to_diffusers` when it holds `spec.original_markers` and
+    built from the config folder `config` gives for the variant (default: the variant's own). With
+    `diffusers_converter`, diffusers' own `from_single_file` converts it instead."""
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_diffusers_folder(diffusers_class(class_name), folder, dtype, class_name)
-    return load_single_file(path, dtype, class_name, spec, to_diffusers, config)
-
-
-def load_single_file(
-    path: str | Path,
-    dtype: torch.dtype,
-    class_name: str,
-    spec: SingleFileSpec,
-    to_diffusers: ToDiffusers | None = None,
-    config: Callable[[Variant], Path] | None = None,
-) -> torch.nn.Module:
-    """`load_component` for a single file: identified by `spec` (headers only), prefixes stripped and fp8
-    dequantized, converted by `to_diffusers` when it holds `spec.original_markers`, built from the config
-    folder `config` gives for the variant (default: the variant's own)."""
-    variant = identify_single_file(path, spec)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
+    variant, _, state_dict = read_single_file(path, dtype, spec, entries, bundled)
     if to_diffusers is not None and all(k in state_dict for k in spec.original_markers):
         state_dict = to_diffusers(state_dict, variant)
     config_dir = config(variant) if config is not None else variant.config_dir
-    return from_state_dict(diffusers_class(class_name), state_dict, config_dir, dtype, Path(path))
+    build = load_diffusers_single_file if diffusers_converter else from_state_dict
+    return build(diffusers_class(class_name), state_dict, config_dir, dtype, Path(path))
+
+
+def read_single_file(
+    files: str | Path | Sequence[Path],
+    dtype: torch.dtype,
+    spec: SingleFileSpec,
+    entries: Callable[[StateDict], StateDict] = dict,
+    bundled: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
+) -> tuple[Variant, dict[str, tuple[int, ...]], StateDict]:
+    """(variant, shapes, tensors) of a component's single file (or the shards of one): its entries (under
+    the first of `bundled` it uses) normalized (prefixes stripped, fp8 dequantized into `dtype`) and put
+    under `spec`'s names by `entries`, identified by `spec` without the `optional` ones (headers only),
+    then read with `spec`'s tied-weight aliases resolved."""
+    files = as_file_list(files)
+    path = files[0] if len(files) == 1 else files[0].parent
+    shapes = normalize_shapes(component_entries(read_shapes_of(files), bundled))
+    # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
+    meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
+    shapes = {k: tuple(v.shape) for k, v in meta.items() if not k.startswith(optional)}
+    variant = identify_shapes(shapes, spec, path)
+    if len(files) == 1:
+        tensors = load_component_tensors(path, bundled)
+    else:
+        tensors = component_entries(load_tensors_of(files), bundled)
+    return variant, shapes, apply_aliases(entries(normalize_state_dict(tensors, dtype)), spec.aliases)
 
 
 def vae_levels(class_name: str, variant: Variant) -> int:

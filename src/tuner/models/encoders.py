@@ -25,30 +25,30 @@ from typing import TypeVar
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    apply_aliases,
-    identify_shapes,
-)
+from tuner.models.component import read_single_file
+from tuner.models.identify import SingleFileSpec, Variant
 from tuner.models.loading import (
-    as_file_list,
     assert_materialized,
     cast_like_from_pretrained_,
-    component_entries,
-    load_component_tensors,
-    load_tensors_of,
     load_transformers_folder,
-    normalize_shapes,
-    normalize_state_dict,
     read_folder_config,
-    read_shapes_of,
     resolve_folder,
     sibling,
 )
 
 StateDict = dict[str, torch.Tensor]
 T = TypeVar("T")
+
+
+# `variant_table` columns shared by the encoders of several families ({}: the block index)
+T5_COLUMNS = ("shared.weight", "encoder.block.{}.layer.1.DenseReluDense.wi_0.weight")
+"""A T5 v1.1 / UMT5 encoder: embedding (vocabulary, width), blocks (count, gated feed-forward shape)."""
+DECODER_COLUMNS = ("embed_tokens.weight", "layers.{}.mlp.gate_proj.weight")
+"""A decoder-only language model's base model (Llama, Gemma, Qwen): embedding, layers (count, gate
+shape); a causal LM's file names them behind `model.` (`CAUSAL_LM_COLUMNS`)."""
+CAUSAL_LM_COLUMNS = tuple("model." + column for column in DECODER_COLUMNS)
+CLIP_COLUMNS = ("embeddings.token_embedding.weight", "encoder.layers.{}.mlp.fc1.weight")
+"""A CLIP text model: token embedding (vocabulary, width), layers (count, first MLP layer shape)."""
 
 
 def load_encoder(
@@ -60,15 +60,17 @@ def load_encoder(
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
     entries: Callable[[StateDict], StateDict] = dict,
+    bundled: tuple[str, ...] = (),
 ) -> tuple[torch.nn.Module, Path | None]:
     """A `model_cls` from a pipeline's (or its own) folder or a single file, in eval mode, and the tokenizer
     folder beside it in a diffusers layout (else None). `folders` = (the encoder's pipeline subfolder, its
-    tokenizer's), e.g. ("text_encoder_2", "tokenizer_2"); `model_type` is what its config.json must say."""
+    tokenizer's), e.g. ("text_encoder_2", "tokenizer_2"); `model_type` is what its config.json must say.
+    A single file is the encoder alone or a checkpoint holding it under the first of `bundled` it uses."""
     subfolder, tokenizer = folders
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_transformers_folder(model_cls, folder, dtype, model_type), sibling(folder, tokenizer)
-    return load_encoder_file(path, dtype, model_cls, spec, rename, entries), None
+    return load_encoder_file(path, dtype, model_cls, spec, rename, entries, bundled), None
 
 
 def load_encoder_file(
@@ -78,10 +80,11 @@ def load_encoder_file(
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict] | None = None,
     entries: Callable[[StateDict], StateDict] = dict,
+    bundled: tuple[str, ...] = (),
 ) -> torch.nn.Module:
-    """`load_encoder` for a single file (or the shards of one): read by `read_encoder_file`, `rename`d to
+    """`load_encoder` for a single file (or the shards of one): read by `read_single_file`, `rename`d to
     `model_cls`' keys, built from the variant's config, in eval mode."""
-    variant, _, state_dict = read_encoder_file(files, dtype, spec, entries)
+    variant, _, state_dict = read_single_file(files, dtype, spec, entries, bundled)
     if rename is not None:
         state_dict = rename(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
@@ -102,7 +105,7 @@ def load_encoder_file_on_meta(
     cast the way `from_pretrained` casts. Not in eval mode."""
     from accelerate import init_empty_weights
 
-    variant, _, stored = read_encoder_file(path, dtype, spec)
+    variant, _, stored = read_single_file(path, dtype, spec)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     config._attn_implementation = "sdpa"
     with init_empty_weights():
@@ -153,11 +156,14 @@ def clip_text_entries(entries: dict[str, T]) -> dict[str, T]:
 
 
 def model_keys(
-    class_name: str, leave_out: tuple[str, ...] = (), prefix: str = ""
+    class_name: str,
+    leave_out: tuple[str, ...] = (),
+    prefix: str = "",
+    to_original: Callable[[str], str] | None = None,
 ) -> Callable[[Variant], list[str]]:
     """A `SingleFileSpec.expected_keys`: the state-dict keys of the transformers model `class_name` (imported
     when called: it costs seconds) of a variant's config, less those starting with one of `leave_out`,
-    each behind `prefix`."""
+    each renamed by `to_original` (the release's layout) and behind `prefix`."""
 
     def expected_keys(variant: Variant) -> list[str]:
         import transformers
@@ -165,7 +171,8 @@ def model_keys(
         model_cls = getattr(transformers, class_name)
         with torch.device("meta"):
             model = model_cls(model_cls.config_class.from_pretrained(variant.config_dir))
-        return [prefix + k for k in model.state_dict() if not k.startswith(leave_out)]
+        keys = [k for k in model.state_dict() if not k.startswith(leave_out)]
+        return [prefix + (to_original(k) if to_original is not None else k) for k in keys]
 
     return expected_keys
 
@@ -191,7 +198,7 @@ def load_clip_encoder(
     if folder is not None:
         model = load_transformers_folder(model_cls, folder, dtype, "clip_text_model")
         return model, sibling(folder, tokenizer)
-    variant, shapes, state_dict = read_encoder_file(path, dtype, spec, entries, bundled)
+    variant, shapes, state_dict = read_single_file(path, dtype, spec, entries, bundled)
     if complete is not None:
         state_dict = complete(state_dict)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
@@ -231,7 +238,7 @@ def load_image_encoder(
         if (folder.parent / processor / "preprocessor_config.json").is_file():
             return model.eval(), folder.parent / processor
         return model.eval(), _shipped_processor(model_cls, model.config, spec, folder.parent / processor)
-    variant, _, state_dict = read_encoder_file(path, dtype, spec, entries, optional=optional)
+    variant, _, state_dict = read_single_file(path, dtype, spec, entries, optional=optional)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     if optional:
         with torch.device("meta"):
@@ -254,29 +261,3 @@ def _shipped_processor(model_cls: type, config, spec: SingleFileSpec, missing: P
         f"{config.image_size} px), and no shipped variant of its sizes: add the folder (its "
         "preprocessor_config.json)."
     )
-
-
-def read_encoder_file(
-    files: str | Path | Sequence[Path],
-    dtype: torch.dtype,
-    spec: SingleFileSpec,
-    entries: Callable[[StateDict], StateDict] = dict,
-    bundled: tuple[str, ...] = (),
-    optional: tuple[str, ...] = (),
-) -> tuple[Variant, dict[str, tuple[int, ...]], StateDict]:
-    """(variant, shapes, tensors) of an encoder's single file (or the shards of one): its entries (under
-    the first of `bundled` it uses) normalized and put under `spec`'s names by `entries`, identified by
-    `spec` without the `optional` ones (headers only), then read with `spec`'s tied-weight aliases
-    resolved."""
-    files = as_file_list(files)
-    path = files[0] if len(files) == 1 else files[0].parent
-    shapes = normalize_shapes(component_entries(read_shapes_of(files), bundled))
-    # `entries` may split tensors (OpenCLIP's fused q, k, v): it renames the header's shapes as meta tensors
-    meta = entries({k: torch.empty(shape, device="meta") for k, shape in shapes.items()})
-    shapes = {k: tuple(v.shape) for k, v in meta.items() if not k.startswith(optional)}
-    variant = identify_shapes(shapes, spec, path)
-    if len(files) == 1:
-        tensors = load_component_tensors(path, bundled)
-    else:
-        tensors = component_entries(load_tensors_of(files), bundled)
-    return variant, shapes, apply_aliases(entries(normalize_state_dict(tensors, dtype)), spec.aliases)

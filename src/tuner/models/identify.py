@@ -91,6 +91,34 @@ class Variant:
         return reasons
 
 
+UNCHECKED = "unchecked"
+"""A `variant_table` cell for a tensor that variant's signature leaves out."""
+
+
+def variant_table(folder: Path, columns: tuple[str, ...], rows: Mapping[str, tuple]) -> tuple[Variant, ...]:
+    """Known variants written as a table: the signature's tensor names (`columns`) and, per variant name,
+    one cell per column; each variant's config folder is `folder / name`.
+
+    A cell is a shape, `None` (the tensor must be absent) or `UNCHECKED` (not in that variant's
+    signature). A column with `{}` (a block index) pins a stack's depth: its cell is (number of blocks,
+    the last block's shape), which puts the last block's tensor with that shape, then the next block's
+    as absent, in the signature."""
+    variants = []
+    for name, cells in rows.items():
+        signature: dict[str, tuple[int, ...] | None] = {}
+        for column, cell in zip(columns, cells, strict=True):
+            if cell == UNCHECKED:
+                continue
+            if "{}" in column:
+                blocks, shape = cell
+                signature[column.format(blocks - 1)] = shape
+                signature[column.format(blocks)] = None
+            else:
+                signature[column] = cell
+        variants.append(Variant(name, folder / name, signature))
+    return tuple(variants)
+
+
 def pick_variant(
     shapes: Mapping[str, tuple[int, ...]], variants: Iterable[Variant], path: str | Path, what: str
 ) -> Variant:
@@ -164,6 +192,9 @@ class SingleFileSpec:
     to_original: Callable[[str], str] | None = None
     # tied-weight aliases: alias -> canonical name; the alias is dropped, or renamed when alone
     aliases: Mapping[str, str] = field(default_factory=dict)
+    # raises a CheckpointError naming a known file of a model tuner does not train (SD 3.0 given as SD 3.5),
+    # given the shapes and the path before identification
+    refuse: Callable[[Mapping[str, tuple[int, ...]], Path], None] | None = None
 
 
 def apply_aliases(tensors: Mapping[str, T], aliases: Mapping[str, str]) -> dict[str, T]:
@@ -190,6 +221,8 @@ def identify_single_file(files: str | Path | Sequence[Path], spec: SingleFileSpe
 def identify_shapes(shapes: Mapping[str, tuple[int, ...]], spec: SingleFileSpec, path: str | Path) -> Variant:
     """`identify_single_file` on shapes already read (prefixes stripped), e.g. one component of a file
     that bundles several (SD3's `text_encoders.clip_g.*` beside the transformer)."""
+    if spec.refuse is not None:
+        spec.refuse(shapes, Path(path))
     shapes = apply_aliases(shapes, spec.aliases)
     if all(k in shapes for k in spec.original_markers):
         original = shapes

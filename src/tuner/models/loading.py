@@ -327,6 +327,26 @@ def sibling(folder: Path, name: str) -> Path | None:
     return folder.parent / name if (folder.parent / name).is_dir() else None
 
 
+def beside(path: str | Path, subfolder: str, name: str) -> Path | None:
+    """The folder `name` beside the pipeline component `subfolder` that `path` is (or holds, being the
+    pipeline root), or None for a single file or where there is no such folder."""
+    folder = resolve_folder(path, subfolder)
+    return sibling(folder, name) if folder is not None else None
+
+
+def second_text_encoder(first: str | Path, model: str, encoder: str, example: str) -> Path:
+    """The `text_encoder_2/` beside the first text encoder `first` in a diffusers layout, or a CheckpointError
+    telling how to give `model` its second text encoder (`encoder`, a single file such as `example`)."""
+    found = beside(first, "text_encoder", "text_encoder_2")
+    if found is None:
+        raise CheckpointError(
+            f"{first}: {model} needs a second text encoder ({encoder}). Set model.text_encoder_2 to its single "
+            f"file (e.g. {example}) or diffusers folder, or point model.text_encoder at a {model} diffusers "
+            "pipeline folder."
+        )
+    return found
+
+
 @torch.no_grad()
 def cast_like_from_pretrained_(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast floating state-dict tensors to `dtype`, keeping the model's `_keep_in_fp32_modules` in fp32.

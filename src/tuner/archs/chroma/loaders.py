@@ -36,15 +36,10 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.archs.chroma.keys import transformer_key_to_original, transformer_to_diffusers
-from tuner.archs.flux.loaders import (
-    image_ids,
-    load_t5,
-    pack_latents,
-    unpack_latents,
-)
+from tuner.archs.flux.loaders import image_ids, load_t5, pack_latents, unpack_latents
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys, load_component
-from tuner.models.identify import CHROMA_MARKER, SingleFileSpec, Variant
+from tuner.models.component import component_spec, load_component
+from tuner.models.identify import CHROMA_MARKER, variant_table
 from tuner.models.loading import (
     load_tokenizer,
     normalize_shapes,
@@ -63,54 +58,28 @@ CONFIGS = Path(__file__).parent / "configs"
 # Known variants (release-layout names of layers that are not fused, so that a file in diffusers' layout
 # is matched too; `None`: the tensor must be absent, which pins the block counts)
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # chroma-unlocked-v* (v27 to v50), Chroma1-Base, Chroma1-HD: one network
-        "chroma1",
-        CONFIGS / "transformer" / "chroma1",
-        {
-            "img_in.weight": (3072, 64),
-            "txt_in.weight": (3072, 4096),
-            "distilled_guidance_layer.in_proj.weight": (5120, 64),
-            "distilled_guidance_layer.out_proj.weight": (3072, 5120),
-            "distilled_guidance_layer.layers.4.in_layer.weight": (5120, 5120),
-            "distilled_guidance_layer.layers.5.in_layer.weight": None,
-            "double_blocks.18.img_attn.proj.weight": (3072, 3072),
-            "double_blocks.19.img_attn.proj.weight": None,
-            "single_blocks.37.linear2.weight": (3072, 15360),
-            "single_blocks.38.linear2.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.chroma.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.weight": (64, 64),
-            "txt_in.weight": (64, 64),
-            "distilled_guidance_layer.in_proj.weight": (64, 64),
-            "distilled_guidance_layer.out_proj.weight": (64, 64),
-            "distilled_guidance_layer.layers.1.in_layer.weight": (64, 64),
-            "distilled_guidance_layer.layers.2.in_layer.weight": None,
-            "double_blocks.0.img_attn.proj.weight": (64, 64),
-            "double_blocks.1.img_attn.proj.weight": None,
-            "single_blocks.0.linear2.weight": (64, 320),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.weight", "txt_in.weight", "distilled_guidance_layer.in_proj.weight",
+     "distilled_guidance_layer.out_proj.weight", "distilled_guidance_layer.layers.{}.in_layer.weight",
+     "double_blocks.{}.img_attn.proj.weight", "single_blocks.{}.linear2.weight"),
+    {
+        # chroma-unlocked-v* (v27 to v50), Chroma1-Base, Chroma1-HD: one network
+        "chroma1": ((3072, 64), (3072, 4096), (5120, 64), (3072, 5120), (5, (5120, 5120)), (19, (3072, 3072)), (38, (3072, 15360))),
+        # the test fixture (tuner.archs.chroma.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 64), (64, 64), (64, 64), (64, 64), (2, (64, 64)), (1, (64, 64)), (1, (64, 320))),
+    },
+)  # fmt: skip
 
 _ORIGINAL_MARKERS = ("double_blocks.0.img_attn.qkv.weight", CHROMA_MARKER)
 # FLUX.1's per-block modulation, in either layout: what a FLUX.1 file has and Chroma lacks
 _FLUX_MARKERS = ("double_blocks.0.img_mod.lin.weight", "transformer_blocks.0.norm1.linear.weight")
 
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="Chroma transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=diffusers_keys("ChromaTransformer2DModel", transformer_key_to_original),
-    original_markers=_ORIGINAL_MARKERS,
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", CHROMA_MARKER),
-    to_original=transformer_key_to_original,
-)
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", CHROMA_MARKER)
+TRANSFORMER_SPEC = component_spec(
+    "Chroma transformer", "ChromaTransformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ own step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,17 +48,11 @@ from tuner.archs.cosmos_predict2.keys import (
     transformer_key_to_original,
     transformer_to_diffusers,
 )
-from tuner.archs.flux.loaders import T5_TIED_EMBEDDING, t5_keys
+from tuner.archs.flux import loaders as flux
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
 from tuner.models.encoders import load_encoder
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    check_keys,
-    pick_variant,
-    wrong_architecture,
-)
+from tuner.models.identify import Variant, check_keys, pick_variant, variant_table, wrong_architecture
 from tuner.models.loading import (
     cast_like_from_pretrained_,
     load_tensors,
@@ -80,68 +75,24 @@ SIGMA_DATA = 1.0  # Cosmos2TextToImagePipeline.sigma_data: normalized latents ar
 # ---------------------------------------------------------------------------------------------------
 # Known variants (release names without `net.`; `None`: the tensor must be absent)
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # nvidia/Cosmos-Predict2-2B-Text2Image: 16 heads of 128, 28 blocks, 16 + 1 input channels
-        "2B-t2i",
-        CONFIGS / "transformer" / "2B-t2i",
-        {
-            "x_embedder.proj.1.weight": (2048, 68),
-            "blocks.0.cross_attn.k_proj.weight": (2048, 1024),
-            "blocks.27.mlp.layer1.weight": (8192, 2048),
-            "blocks.28.mlp.layer1.weight": None,
-        },
-    ),
-    Variant(  # nvidia/Cosmos-Predict2-14B-Text2Image: 40 heads of 128, 36 blocks
-        "14B-t2i",
-        CONFIGS / "transformer" / "14B-t2i",
-        {
-            "x_embedder.proj.1.weight": (5120, 68),
-            "blocks.0.cross_attn.k_proj.weight": (5120, 1024),
-            "blocks.35.mlp.layer1.weight": (20480, 5120),
-            "blocks.36.mlp.layer1.weight": None,
-        },
-    ),
-    Variant(  # nvidia/Cosmos-Predict2-2B-Video2World (480p and 720p): 16 + 1 condition mask + 1 padding mask
-        "2B-v2w",
-        CONFIGS / "transformer" / "2B-v2w",
-        {
-            "x_embedder.proj.1.weight": (2048, 72),
-            "blocks.0.cross_attn.k_proj.weight": (2048, 1024),
-            "blocks.27.mlp.layer1.weight": (8192, 2048),
-            "blocks.28.mlp.layer1.weight": None,
-        },
-    ),
-    Variant(  # nvidia/Cosmos-Predict2-14B-Video2World (480p and 720p)
-        "14B-v2w",
-        CONFIGS / "transformer" / "14B-v2w",
-        {
-            "x_embedder.proj.1.weight": (5120, 72),
-            "blocks.0.cross_attn.k_proj.weight": (5120, 1024),
-            "blocks.35.mlp.layer1.weight": (20480, 5120),
-            "blocks.36.mlp.layer1.weight": None,
-        },
-    ),
-    Variant(  # the Video2World test fixture (tuner.fixtures.cosmos_predict2_v2w)
-        "tiny-v2w",
-        CONFIGS / "transformer" / "tiny-v2w",
-        {
-            "x_embedder.proj.1.weight": (64, 72),
-            "blocks.0.cross_attn.k_proj.weight": (64, 64),
-            "blocks.1.mlp.layer1.weight": (256, 64),
-            "blocks.2.mlp.layer1.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.cosmos_predict2.fixture): 2 heads of 32, 2 blocks, text dim 64
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "x_embedder.proj.1.weight": (64, 68),
-            "blocks.0.cross_attn.k_proj.weight": (64, 64),
-            "blocks.1.mlp.layer1.weight": (256, 64),
-            "blocks.2.mlp.layer1.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("x_embedder.proj.1.weight", "blocks.0.cross_attn.k_proj.weight", "blocks.{}.mlp.layer1.weight"),
+    {
+        # nvidia/Cosmos-Predict2-2B-Text2Image: 16 heads of 128, 28 blocks, 16 + 1 input channels
+        "2B-t2i": ((2048, 68), (2048, 1024), (28, (8192, 2048))),
+        # nvidia/Cosmos-Predict2-14B-Text2Image: 40 heads of 128, 36 blocks
+        "14B-t2i": ((5120, 68), (5120, 1024), (36, (20480, 5120))),
+        # nvidia/Cosmos-Predict2-2B-Video2World (480p and 720p): 16 + 1 condition mask + 1 padding mask
+        "2B-v2w": ((2048, 72), (2048, 1024), (28, (8192, 2048))),
+        # nvidia/Cosmos-Predict2-14B-Video2World (480p and 720p)
+        "14B-v2w": ((5120, 72), (5120, 1024), (36, (20480, 5120))),
+        # the Video2World test fixture (tuner.fixtures.cosmos_predict2_v2w)
+        "tiny-v2w": ((64, 72), (64, 64), (2, (256, 64))),
+        # the test fixture (tuner.archs.cosmos_predict2.fixture): 2 heads of 32, 2 blocks, text dim 64
+        "tiny": ((64, 68), (64, 64), (2, (256, 64))),
+    },
+)  # fmt: skip
 
 # Relatives a user may point to by mistake: (marker key without `net.`, what it is)
 _OTHER_COSMOS = (
@@ -160,34 +111,20 @@ _DIFFUSERS_MARKERS = ("patch_embed.proj.weight", "transformer_blocks.0.attn1.to_
 _transformer_keys = diffusers_keys("CosmosTransformer3DModel", transformer_key_to_original)
 
 
-T5_VARIANTS = (
-    Variant(  # google-t5/t5-11b's encoder (Cosmos-Predict2's text_encoder/; ComfyUI's oldt5_xxl_*.safetensors)
-        "t5-11b",
-        CONFIGS / "text_encoder" / "t5-11b",
-        {
-            "shared.weight": (32128, 1024),
-            "encoder.block.23.layer.1.DenseReluDense.wi.weight": (65536, 1024),
-            "encoder.block.24.layer.1.DenseReluDense.wi.weight": None,
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "text_encoder" / "tiny",
-        {
-            "shared.weight": (512, 64),
-            "encoder.block.1.layer.1.DenseReluDense.wi.weight": (128, 64),
-            "encoder.block.2.layer.1.DenseReluDense.wi.weight": None,
-        },
-    ),
-)
-# The encoder's embedding is tied to `shared`; single files may store either or both.
-T5_SPEC = SingleFileSpec(
-    what="T5-11B text encoder",
-    variants=T5_VARIANTS,
-    expected_keys=t5_keys,
-    # T5 v1.0's ReLU feed-forward (`wi`); T5 v1.1 / UMT5 (FLUX.1, Wan) have the gated `wi_0` / `wi_1`
-    original_markers=("shared.weight", "encoder.block.0.layer.1.DenseReluDense.wi.weight"),
-    aliases=T5_TIED_EMBEDDING,
+T5_VARIANTS = variant_table(
+    CONFIGS / "text_encoder",
+    ("shared.weight", "encoder.block.{}.layer.1.DenseReluDense.wi.weight"),
+    {
+        # google-t5/t5-11b's encoder (Cosmos-Predict2's text_encoder/; ComfyUI's oldt5_xxl_*.safetensors)
+        "t5-11b": ((32128, 1024), (24, (65536, 1024))),
+        "tiny": ((512, 64), (2, (128, 64))),
+    },
+)  # fmt: skip
+# FLUX.1's T5 spec (the embedding tied to `shared`: single files may store either or both) with T5 v1.0's
+# ReLU feed-forward (`wi`) as marker; T5 v1.1 / UMT5 (FLUX.1, Wan) have the gated `wi_0` / `wi_1`
+_T5_MARKERS = ("shared.weight", "encoder.block.0.layer.1.DenseReluDense.wi.weight")
+T5_SPEC = replace(
+    flux.T5_SPEC, what="T5-11B text encoder", variants=T5_VARIANTS, original_markers=_T5_MARKERS
 )
 
 

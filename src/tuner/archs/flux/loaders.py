@@ -35,22 +35,23 @@ from tuner.archs.flux.keys import (
     vae_to_diffusers,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys, load_component, vae_levels
-from tuner.models.encoders import clip_text_entries, load_clip_encoder, load_encoder, model_keys
-from tuner.models.identify import (
-    CHROMA_MARKER,
-    FLUX2_MARKERS,
-    SingleFileSpec,
-    Variant,
-    apply_aliases,
+from tuner.models.component import component_spec, diffusers_keys, load_component, vae_levels
+from tuner.models.encoders import (
+    CLIP_COLUMNS,
+    T5_COLUMNS,
+    clip_text_entries,
+    load_clip_encoder,
+    load_encoder,
+    model_keys,
 )
+from tuner.models.identify import CHROMA_MARKER, FLUX2_MARKERS, SingleFileSpec, Variant, variant_table
 from tuner.models.loading import (
     load_tokenizer,
     normalize_shapes,
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
-    sibling,
+    second_text_encoder,
 )
 
 # diffusers and transformers are imported where a model is built: importing them costs seconds (every
@@ -66,102 +67,39 @@ CONFIGS = Path(__file__).parent / "configs"
 # the number of blocks). FLUX.1 Fill / Depth / Canny (wider img_in) and schnell (no guidance_in) are
 # not among them.
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # FLUX.1-dev and FLUX.1-Kontext-dev
-        "dev",
-        CONFIGS / "transformer" / "dev",
-        {
-            "img_in.weight": (3072, 64),
-            "txt_in.weight": (3072, 4096),
-            "vector_in.in_layer.weight": (3072, 768),
-            "guidance_in.in_layer.weight": (3072, 256),
-            "double_blocks.18.img_mod.lin.weight": (18432, 3072),
-            "double_blocks.19.img_mod.lin.weight": None,
-            "single_blocks.37.linear2.weight": (3072, 15360),
-            "single_blocks.38.linear2.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.flux.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.weight": (64, 64),
-            "txt_in.weight": (64, 64),
-            "vector_in.in_layer.weight": (64, 32),
-            "guidance_in.in_layer.weight": (64, 256),
-            "double_blocks.0.img_mod.lin.weight": (384, 64),
-            "double_blocks.1.img_mod.lin.weight": None,
-            "single_blocks.0.linear2.weight": (64, 320),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.weight", "txt_in.weight", "vector_in.in_layer.weight", "guidance_in.in_layer.weight",
+     "double_blocks.{}.img_mod.lin.weight", "single_blocks.{}.linear2.weight"),
+    {
+        # FLUX.1-dev and FLUX.1-Kontext-dev
+        "dev": ((3072, 64), (3072, 4096), (3072, 768), (3072, 256), (19, (18432, 3072)), (38, (3072, 15360))),
+        # the test fixture (tuner.archs.flux.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 64), (64, 64), (64, 32), (64, 256), (1, (384, 64)), (1, (64, 320))),
+    },
+)  # fmt: skip
+
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv_in.weight", "encoder.conv_out.weight", "decoder.conv_in.weight"),
+    {
+        "flux": ((128, 3, 3, 3), (32, 512, 3, 3), (512, 16, 3, 3)),
+        "tiny": ((32, 3, 3, 3), (32, 64, 3, 3), (64, 16, 3, 3)),
+    },
 )
 
-VAE_VARIANTS = (
-    Variant(
-        "flux",
-        CONFIGS / "vae" / "flux",
-        {
-            "encoder.conv_in.weight": (128, 3, 3, 3),
-            "encoder.conv_out.weight": (32, 512, 3, 3),
-            "decoder.conv_in.weight": (512, 16, 3, 3),
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {
-            "encoder.conv_in.weight": (32, 3, 3, 3),
-            "encoder.conv_out.weight": (32, 64, 3, 3),
-            "decoder.conv_in.weight": (64, 16, 3, 3),
-        },
-    ),
-)
-
-CLIP_VARIANTS = (
-    Variant(
-        "clip-l",
-        CONFIGS / "clip" / "clip-l",
-        {
-            "embeddings.token_embedding.weight": (49408, 768),
-            "encoder.layers.11.mlp.fc1.weight": (3072, 768),
-            "encoder.layers.12.mlp.fc1.weight": None,
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "clip" / "tiny",
-        {
-            "embeddings.token_embedding.weight": (1088, 32),
-            "encoder.layers.1.mlp.fc1.weight": (64, 32),
-            "encoder.layers.2.mlp.fc1.weight": None,
-        },
-    ),
+CLIP_VARIANTS = variant_table(
+    CONFIGS / "clip",
+    CLIP_COLUMNS,
+    {"clip-l": ((49408, 768), (12, (3072, 768))), "tiny": ((1088, 32), (2, (64, 32)))},
 )
 
 # UMT5 (Wan's encoder) has a relative attention bias in every layer; T5 only in the first.
-_NOT_UMT5 = {"encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight": None}
-T5_VARIANTS = (
-    Variant(
-        "t5-xxl",
-        CONFIGS / "t5" / "t5-xxl",
-        {
-            "shared.weight": (32128, 4096),
-            "encoder.block.23.layer.1.DenseReluDense.wi_0.weight": (10240, 4096),
-            "encoder.block.24.layer.1.DenseReluDense.wi_0.weight": None,
-            **_NOT_UMT5,
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "t5" / "tiny",
-        {
-            "shared.weight": (512, 64),
-            "encoder.block.1.layer.1.DenseReluDense.wi_0.weight": (128, 64),
-            "encoder.block.2.layer.1.DenseReluDense.wi_0.weight": None,
-            **_NOT_UMT5,
-        },
-    ),
+_UMT5_BIAS = "encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight"
+T5_VARIANTS = variant_table(
+    CONFIGS / "t5",
+    (*T5_COLUMNS, _UMT5_BIAS),
+    {"t5-xxl": ((32128, 4096), (24, (10240, 4096)), None), "tiny": ((512, 64), (2, (128, 64)), None)},
 )
 
 _ORIGINAL_TRANSFORMER_MARKERS = ("double_blocks.0.img_attn.qkv.weight", "img_in.weight")
@@ -173,18 +111,16 @@ def _vae_keys(variant: Variant) -> list[str]:
     return [vae_key_to_original(k, levels) for k in diffusers_keys("AutoencoderKL")(variant)]
 
 
-def _vae_to_diffusers(state_dict: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+def ldm_vae_to_diffusers(state_dict: dict[str, torch.Tensor], variant: Variant) -> dict[str, torch.Tensor]:
+    """An LDM-layout VAE file's tensors under diffusers' keys, numbered by the variant's levels (the VAEs
+    of FLUX.1, SD3 and SDXL)."""
     return vae_to_diffusers(state_dict, vae_levels("AutoencoderKL", variant))
 
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="FLUX.1 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=diffusers_keys("FluxTransformer2DModel", transformer_key_to_original),
-    original_markers=_ORIGINAL_TRANSFORMER_MARKERS,
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.weight"),
-    to_original=transformer_key_to_original,
-)
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.weight")
+TRANSFORMER_SPEC = component_spec(
+    "FLUX.1 transformer", "FluxTransformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_TRANSFORMER_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
 VAE_SPEC = SingleFileSpec(
     what="FLUX.1 VAE",
     variants=VAE_VARIANTS,
@@ -201,13 +137,8 @@ VAE_SPEC = SingleFileSpec(
 T5_TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
-def t5_keys(variant: Variant) -> list[str]:
-    """The state-dict keys of a T5 encoder of `variant`'s config, the tied embedding under its release name."""
-    from transformers import T5Config, T5EncoderModel
-
-    with torch.device("meta"):
-        model = T5EncoderModel(T5Config.from_pretrained(variant.config_dir))
-    return list(apply_aliases(model.state_dict(), T5_TIED_EMBEDDING))
+t5_keys = model_keys("T5EncoderModel", leave_out=tuple(T5_TIED_EMBEDDING))
+"""The state-dict keys of a T5 encoder of a variant's config, the tied embedding under its release name."""
 
 
 T5_SPEC = SingleFileSpec(
@@ -264,7 +195,7 @@ def _refuse_chroma(path: str | Path, folder: Path | None) -> None:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the FLUX.1 VAE from a diffusers folder or a single file (`ae.safetensors`), in eval mode."""
-    return load_component(path, dtype, "AutoencoderKL", "vae", VAE_SPEC, _vae_to_diffusers)
+    return load_component(path, dtype, "AutoencoderKL", "vae", VAE_SPEC, ldm_vae_to_diffusers)
 
 
 class TextEncoders(NamedTuple):
@@ -289,14 +220,7 @@ def load_text_encoders(
     tokenizer paths may be None for diffusers folders (the sibling `tokenizer/`, `tokenizer_2/`).
     """
     if t5_path is None:
-        folder = resolve_folder(clip_path, "text_encoder")
-        t5_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if t5_path is None:
-            raise CheckpointError(
-                f"{clip_path}: FLUX.1 needs a second text encoder (T5-XXL). Set model.text_encoder_2 to its "
-                "single file (e.g. t5xxl_fp16.safetensors) or diffusers folder, or point model.text_encoder "
-                "at a FLUX.1 diffusers pipeline folder."
-            )
+        t5_path = second_text_encoder(clip_path, "FLUX.1", "T5-XXL", "t5xxl_fp16.safetensors")
     clip, found = load_clip(clip_path, dtype)
     t5, found_2 = load_t5(t5_path, dtype)
     return TextEncoders(

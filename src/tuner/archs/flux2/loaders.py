@@ -35,19 +35,8 @@ from tuner.archs.flux2.keys import (
     vae_to_diffusers,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import (
-    diffusers_class,
-    diffusers_keys,
-    load_component,
-    load_single_file,
-    vae_levels,
-)
-from tuner.models.identify import (
-    CHROMA_MARKER,
-    SingleFileSpec,
-    Variant,
-    identify_single_file,
-)
+from tuner.models.component import component_spec, diffusers_class, diffusers_keys, load_component, vae_levels
+from tuner.models.identify import CHROMA_MARKER, SingleFileSpec, Variant, identify_single_file, variant_table
 from tuner.models.loading import (
     from_state_dict,
     load_diffusers_folder,
@@ -67,97 +56,30 @@ REFERENCE_T_STEP = 10  # reference image i has position t = 10 · (i + 1)
 # ---------------------------------------------------------------------------------------------------
 # Known variants (original-layout names; None: the tensor must be absent, pinning the block count)
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(
-        "dev",
-        CONFIGS / "transformer" / "dev",
-        {
-            "img_in.weight": (6144, 128),
-            "txt_in.weight": (6144, 15360),
-            "guidance_in.in_layer.weight": (6144, 256),
-            "double_blocks.7.img_attn.qkv.weight": (18432, 6144),
-            "double_blocks.8.img_attn.qkv.weight": None,
-            "single_blocks.47.linear2.weight": (6144, 24576),
-            "single_blocks.48.linear2.weight": None,
-        },
-    ),
-    Variant(
-        "klein-4b",
-        CONFIGS / "transformer" / "klein-4b",
-        {
-            "img_in.weight": (3072, 128),
-            "txt_in.weight": (3072, 7680),
-            "guidance_in.in_layer.weight": None,
-            "double_blocks.4.img_attn.qkv.weight": (9216, 3072),
-            "double_blocks.5.img_attn.qkv.weight": None,
-            "single_blocks.19.linear2.weight": (3072, 12288),
-            "single_blocks.20.linear2.weight": None,
-        },
-    ),
-    Variant(
-        "klein-9b",
-        CONFIGS / "transformer" / "klein-9b",
-        {
-            "img_in.weight": (4096, 128),
-            "txt_in.weight": (4096, 12288),
-            "guidance_in.in_layer.weight": None,
-            "double_blocks.7.img_attn.qkv.weight": (12288, 4096),
-            "double_blocks.8.img_attn.qkv.weight": None,
-            "single_blocks.23.linear2.weight": (4096, 16384),
-            "single_blocks.24.linear2.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.flux2.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.weight": (64, 128),
-            "txt_in.weight": (64, 96),
-            "guidance_in.in_layer.weight": (64, 256),
-            "double_blocks.0.img_attn.qkv.weight": (192, 64),
-            "double_blocks.1.img_attn.qkv.weight": None,
-            "single_blocks.0.linear2.weight": (64, 256),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
-    Variant(  # the klein fixture: the tiny network without the guidance embedding
-        "tiny-klein",
-        CONFIGS / "transformer" / "tiny-klein",
-        {
-            "img_in.weight": (64, 128),
-            "txt_in.weight": (64, 96),
-            "guidance_in.in_layer.weight": None,
-            "double_blocks.0.img_attn.qkv.weight": (192, 64),
-            "double_blocks.1.img_attn.qkv.weight": None,
-            "single_blocks.0.linear2.weight": (64, 256),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.weight", "txt_in.weight", "guidance_in.in_layer.weight",
+     "double_blocks.{}.img_attn.qkv.weight", "single_blocks.{}.linear2.weight"),
+    {
+        "dev": ((6144, 128), (6144, 15360), (6144, 256), (8, (18432, 6144)), (48, (6144, 24576))),
+        "klein-4b": ((3072, 128), (3072, 7680), None, (5, (9216, 3072)), (20, (3072, 12288))),
+        "klein-9b": ((4096, 128), (4096, 12288), None, (8, (12288, 4096)), (24, (4096, 16384))),
+        # the test fixture (tuner.archs.flux2.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 128), (64, 96), (64, 256), (1, (192, 64)), (1, (64, 256))),
+        # the klein fixture: the tiny network without the guidance embedding
+        "tiny-klein": ((64, 128), (64, 96), None, (1, (192, 64)), (1, (64, 256))),
+    },
+)  # fmt: skip
 KLEIN_VARIANTS = ("klein-4b", "klein-9b", "tiny-klein")
 
-VAE_VARIANTS = (
-    Variant(
-        "flux2",
-        CONFIGS / "vae" / "flux2",
-        {
-            "encoder.conv_in.weight": (128, 3, 3, 3),
-            "encoder.conv_out.weight": (64, 512, 3, 3),
-            "decoder.conv_in.weight": (512, 32, 3, 3),
-            "bn.running_mean": (128,),
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {
-            "encoder.conv_in.weight": (32, 3, 3, 3),
-            "encoder.conv_out.weight": (64, 64, 3, 3),
-            "decoder.conv_in.weight": (64, 32, 3, 3),
-            "bn.running_mean": (128,),
-        },
-    ),
-)
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv_in.weight", "encoder.conv_out.weight", "decoder.conv_in.weight", "bn.running_mean"),
+    {
+        "flux2": ((128, 3, 3, 3), (64, 512, 3, 3), (512, 32, 3, 3), (128,)),
+        "tiny": ((32, 3, 3, 3), (64, 64, 3, 3), (64, 32, 3, 3), (128,)),
+    },
+)  # fmt: skip
 
 _ORIGINAL_MARKERS = ("double_stream_modulation_img.lin.weight", "img_in.weight")
 FLUX1_MARKER = "double_blocks.0.img_mod.lin.weight"  # FLUX.1 modulates per block; FLUX.2 per kind of block
@@ -175,14 +97,10 @@ def _vae_keys(variant: Variant) -> list[str]:
 
 _BN_COUNTER = "bn.num_batches_tracked"  # a BatchNorm training counter; released files may lack it
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="FLUX.2 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=diffusers_keys("Flux2Transformer2DModel", transformer_key_to_original),
-    original_markers=_ORIGINAL_MARKERS,
-    diffusers_markers=("double_stream_modulation_img.linear.weight", "x_embedder.weight"),
-    to_original=transformer_key_to_original,
-)
+_DIFFUSERS_MARKERS = ("double_stream_modulation_img.linear.weight", "x_embedder.weight")
+TRANSFORMER_SPEC = component_spec(
+    "FLUX.2 transformer", "Flux2Transformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original)  # fmt: skip
 VAE_SPEC = SingleFileSpec(
     what="FLUX.2 VAE",
     variants=VAE_VARIANTS,
@@ -221,9 +139,8 @@ def load_transformer(path: str | Path, dtype: torch.dtype, klein: bool = False) 
             f'{path}: a Chroma transformer (it has distilled_guidance_layer), not FLUX.2. Set model.architecture = "chroma".'
         )
     _check_family(path, identify_single_file(path, TRANSFORMER_SPEC).name in KLEIN_VARIANTS, klein)
-    return load_single_file(
-        path, dtype, "Flux2Transformer2DModel", TRANSFORMER_SPEC, lambda sd, _: transformer_to_diffusers(sd)
-    )
+    return load_component(path, dtype, "Flux2Transformer2DModel", "transformer", TRANSFORMER_SPEC,
+                          lambda sd, _: transformer_to_diffusers(sd))  # fmt: skip
 
 
 def _check_family(path: str | Path, is_klein: bool, klein: bool) -> None:

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.errors import CheckpointError
-from tuner.models.identify import Variant, check_keys, pick_variant, wrong_architecture
+from tuner.models.encoders import DECODER_COLUMNS
+from tuner.models.identify import Variant, check_keys, pick_variant, variant_table, wrong_architecture
 from tuner.models.loading import (
     load_tensors,
     load_tokenizer,
@@ -65,25 +66,13 @@ MISTRAL = LanguageModel(
     model_class="MistralModel",
     config_class="MistralConfig",
     model_types=("mistral3", "mistral"),
-    variants=(
-        Variant(
-            "mistral-small-3",  # Mistral-Small-3.1 / 3.2 24B, the language model
-            CONFIGS / "mistral-small-3",
-            {
-                "embed_tokens.weight": (131072, 5120),
-                "layers.39.mlp.gate_proj.weight": (32768, 5120),
-                "layers.40.mlp.gate_proj.weight": None,
-            },
-        ),
-        Variant(  # the fixture: 30 layers (the pipeline reads the 30th) of width 32
-            "tiny",
-            CONFIGS / "tiny",
-            {
-                "embed_tokens.weight": (1024, 32),
-                "layers.29.mlp.gate_proj.weight": (64, 32),
-                "layers.30.mlp.gate_proj.weight": None,
-            },
-        ),
+    variants=variant_table(
+        CONFIGS,
+        DECODER_COLUMNS,
+        {
+            "mistral-small-3": ((131072, 5120), (40, (32768, 5120))),  # Mistral-Small-3.1 / 3.2 24B
+            "tiny": ((1024, 32), (30, (64, 32))),  # the fixture: 30 layers (the pipeline reads the 30th)
+        },
     ),
     layers=(10, 20, 30),
     tokenizer_hint="Mistral-Small tokenizer (the tokenizer/ folder of FLUX.2-dev)",
@@ -95,34 +84,17 @@ QWEN3 = LanguageModel(
     model_class="Qwen3Model",
     config_class="Qwen3Config",
     model_types=("qwen3",),
-    variants=(
-        Variant(  # klein 4B
-            "qwen3-4b",
-            CONFIGS / "qwen3-4b",
-            {
-                "embed_tokens.weight": (151936, 2560),
-                "layers.35.mlp.gate_proj.weight": (9728, 2560),
-                "layers.36.mlp.gate_proj.weight": None,
-            },
-        ),
-        Variant(  # klein 9B
-            "qwen3-8b",
-            CONFIGS / "qwen3-8b",
-            {
-                "embed_tokens.weight": (151936, 4096),
-                "layers.35.mlp.gate_proj.weight": (12288, 4096),
-                "layers.36.mlp.gate_proj.weight": None,
-            },
-        ),
-        Variant(  # the fixture: 27 layers (the pipeline reads the 27th) of width 32
-            "tiny-qwen3",
-            CONFIGS / "tiny-qwen3",
-            {
-                "embed_tokens.weight": (2048, 32),
-                "layers.26.mlp.gate_proj.weight": (64, 32),
-                "layers.27.mlp.gate_proj.weight": None,
-            },
-        ),
+    variants=variant_table(
+        CONFIGS,
+        DECODER_COLUMNS,
+        {
+            "qwen3-4b": ((151936, 2560), (36, (9728, 2560))),  # klein 4B
+            "qwen3-8b": ((151936, 4096), (36, (12288, 4096))),  # klein 9B
+            "tiny-qwen3": (
+                (2048, 32),
+                (27, (64, 32)),
+            ),  # the fixture: 27 layers (the pipeline reads the 27th)
+        },
     ),
     layers=(9, 18, 27),
     tokenizer_hint="Qwen3 tokenizer (the tokenizer/ folder of FLUX.2 klein)",

@@ -41,15 +41,10 @@ import torch
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.errors import CheckpointError
 from tuner.models import encoders
-from tuner.models.component import diffusers_keys, load_component
+from tuner.models.component import component_spec, load_component
 from tuner.models.encoders import model_keys
-from tuner.models.identify import SingleFileSpec, Variant
-from tuner.models.loading import (
-    normalize_shapes,
-    read_folder_config,
-    read_shapes_of,
-    resolve_folder,
-)
+from tuner.models.identify import SingleFileSpec, variant_table
+from tuner.models.loading import read_folder_config, resolve_folder
 
 if TYPE_CHECKING:
     from diffusers import HunyuanVideoFramepackTransformer3DModel
@@ -64,55 +59,28 @@ LATENT_WINDOW = 9  # the release's `latent_window_size`: latent frames per secti
 # ---------------------------------------------------------------------------------------------------
 # Known variants. Signatures use HunyuanVideo's Tencent names (the layout's "original").
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # FramePackI2V_HY and FramePack_F1_I2V_HY_20250503: one network, sampled differently
-        "i2v",
-        CONFIGS / "transformer" / "i2v",
-        {
-            "img_in.proj.weight": (3072, 16, 1, 2, 2),
-            "clean_x_embedder.proj_4x.weight": (3072, 16, 4, 8, 8),
-            "image_projection.up.weight": (9216, 1152),
-            "double_blocks.19.img_mod.linear.weight": (18432, 3072),
-            "double_blocks.20.img_mod.linear.weight": None,
-            "single_blocks.39.linear2.weight": (3072, 15360),
-            "single_blocks.40.linear2.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.framepack.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.proj.weight": (64, 16, 1, 2, 2),
-            "clean_x_embedder.proj_4x.weight": (64, 16, 4, 8, 8),
-            "image_projection.up.weight": (192, 32),
-            "double_blocks.0.img_mod.linear.weight": (384, 64),
-            "double_blocks.1.img_mod.linear.weight": None,
-            "single_blocks.0.linear2.weight": (64, 320),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.proj.weight", "clean_x_embedder.proj_4x.weight", "image_projection.up.weight",
+     "double_blocks.{}.img_mod.linear.weight", "single_blocks.{}.linear2.weight"),
+    {
+        # FramePackI2V_HY and FramePack_F1_I2V_HY_20250503: one network, sampled differently
+        "i2v": ((3072, 16, 1, 2, 2), (3072, 16, 4, 8, 8), (9216, 1152), (20, (18432, 3072)), (40, (3072, 15360))),
+        # the test fixture (tuner.archs.framepack.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 16, 1, 2, 2), (64, 16, 4, 8, 8), (192, 32), (1, (384, 64)), (1, (64, 320))),
+    },
+)  # fmt: skip
 
-SIGLIP_VARIANTS = (
-    Variant(  # google/siglip-so400m-patch14-384, as lllyasviel/flux_redux_bfl's image_encoder holds it
-        "so400m-patch14-384",
-        CONFIGS / "siglip" / "so400m-patch14-384",
-        {
-            "vision_model.embeddings.patch_embedding.weight": (1152, 3, 14, 14),
-            "vision_model.encoder.layers.26.layer_norm1.weight": (1152,),
-            "vision_model.encoder.layers.27.layer_norm1.weight": None,
-        },
-    ),
-    Variant(  # the test fixture: 32×32 images in 8×8 patches (16 tokens), width 32, 2 layers
-        "tiny",
-        CONFIGS / "siglip" / "tiny",
-        {
-            "vision_model.embeddings.patch_embedding.weight": (32, 3, 8, 8),
-            "vision_model.encoder.layers.1.layer_norm1.weight": (32,),
-            "vision_model.encoder.layers.2.layer_norm1.weight": None,
-        },
-    ),
-)
+SIGLIP_VARIANTS = variant_table(
+    CONFIGS / "siglip",
+    ("vision_model.embeddings.patch_embedding.weight", "vision_model.encoder.layers.{}.layer_norm1.weight"),
+    {
+        # google/siglip-so400m-patch14-384, as lllyasviel/flux_redux_bfl's image_encoder holds it
+        "so400m-patch14-384": ((1152, 3, 14, 14), (27, (1152,))),
+        # the test fixture: 32×32 images in 8×8 patches (16 tokens), width 32, 2 layers
+        "tiny": ((32, 3, 8, 8), (2, (32,))),
+    },
+)  # fmt: skip
 
 _HISTORY_EMBEDDER = "clean_x_embedder."
 _SIGLIP_PREFIX = "vision_model."
@@ -121,21 +89,6 @@ SIGLIP_SPEC = SingleFileSpec(
     SIGLIP_VARIANTS,
     model_keys("SiglipVisionModel", prefix=_SIGLIP_PREFIX),
     (_SIGLIP_PREFIX + "embeddings.patch_embedding.weight",),
-)
-
-
-_transformer_keys = diffusers_keys(
-    "HunyuanVideoFramepackTransformer3DModel", FRAMEPACK_LAYOUT.key_to_original
-)
-
-
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="FramePack transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight"),
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight"),
-    to_original=FRAMEPACK_LAYOUT.key_to_original,
 )
 
 
@@ -148,6 +101,21 @@ def _hunyuan_video(path: str | Path) -> CheckpointError:
     )
 
 
+def _refuse_hunyuan_video(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    """A HunyuanVideo file (either layout) has no history embedder."""
+    hunyuan = ("double_blocks.0.img_attn_qkv.weight", "transformer_blocks.0.attn.to_q.weight")
+    if any(k in shapes for k in hunyuan) and not any(k.startswith(_HISTORY_EMBEDDER) for k in shapes):
+        raise _hunyuan_video(path)
+
+
+_ORIGINAL_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight")
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight")
+TRANSFORMER_SPEC = component_spec(
+    "FramePack transformer", "HunyuanVideoFramepackTransformer3DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, FRAMEPACK_LAYOUT.key_to_original,
+    refuse=_refuse_hunyuan_video)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------
 # Loaders
 # ---------------------------------------------------------------------------------------------------
@@ -156,22 +124,13 @@ def _hunyuan_video(path: str | Path) -> CheckpointError:
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoFramepackTransformer3DModel:
     """The FramePack transformer from a diffusers folder or a single file (either layout), in eval mode."""
     folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        if read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel":
-            raise _hunyuan_video(folder)
-    else:
-        shapes = normalize_shapes(read_shapes_of(path))
-        hunyuan = ("double_blocks.0.img_attn_qkv.weight", "transformer_blocks.0.attn.to_q.weight")
-        if any(k in shapes for k in hunyuan) and not any(k.startswith(_HISTORY_EMBEDDER) for k in shapes):
-            raise _hunyuan_video(path)
-    return load_component(
-        path,
-        dtype,
-        CLASS_NAME,
-        "transformer",
-        TRANSFORMER_SPEC,
-        lambda sd, _: FRAMEPACK_LAYOUT.to_diffusers(sd),
-    )
+    if (
+        folder is not None
+        and read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel"
+    ):
+        raise _hunyuan_video(folder)
+    return load_component(path, dtype, CLASS_NAME, "transformer", TRANSFORMER_SPEC,
+                          lambda sd, _: FRAMEPACK_LAYOUT.to_diffusers(sd))  # fmt: skip
 
 
 class ImageEncoder(NamedTuple):

@@ -46,17 +46,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
-from tuner.models.loading import (
-    as_file_list,
-    load_diffusers_folder,
-    load_diffusers_single_file,
-    load_tensors_of,
-    normalize_shapes,
-    normalize_state_dict,
-    read_shapes_of,
-    resolve_folder,
-)
+from tuner.models.component import component_spec, load_component
+from tuner.models.identify import variant_table
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -69,34 +60,18 @@ ROUTED_EXPERTS = 4  # every released HiDream-I1 model (and the tiny fixture) rou
 # ---------------------------------------------------------------------------------------------------
 # Known variants. `None`: the tensor must be absent (it pins the number of blocks).
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # HiDream-I1 Full, Dev and Fast: 16 double + 32 single blocks of width 2560
-        "i1",
-        CONFIGS / "transformer" / "i1",
-        {
-            "x_embedder.proj.weight": (2560, 64),
-            "p_embedder.pooled_embedder.linear_1.weight": (2560, 2048),
-            "caption_projection.0.linear.weight": (2560, 4096),
-            "double_stream_blocks.15.block.adaLN_modulation.1.weight": (30720, 2560),
-            "double_stream_blocks.16.block.adaLN_modulation.1.weight": None,
-            "single_stream_blocks.31.block.adaLN_modulation.1.weight": (15360, 2560),
-            "single_stream_blocks.32.block.adaLN_modulation.1.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.hidream.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "x_embedder.proj.weight": (64, 64),
-            "p_embedder.pooled_embedder.linear_1.weight": (64, 64),
-            "caption_projection.0.linear.weight": (64, 64),
-            "double_stream_blocks.0.block.adaLN_modulation.1.weight": (768, 64),
-            "double_stream_blocks.1.block.adaLN_modulation.1.weight": None,
-            "single_stream_blocks.0.block.adaLN_modulation.1.weight": (384, 64),
-            "single_stream_blocks.1.block.adaLN_modulation.1.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("x_embedder.proj.weight", "p_embedder.pooled_embedder.linear_1.weight",
+     "caption_projection.0.linear.weight", "double_stream_blocks.{}.block.adaLN_modulation.1.weight",
+     "single_stream_blocks.{}.block.adaLN_modulation.1.weight"),
+    {
+        # HiDream-I1 Full, Dev and Fast: 16 double + 32 single blocks of width 2560
+        "i1": ((2560, 64), (2560, 2048), (2560, 4096), (16, (30720, 2560)), (32, (15360, 2560))),
+        # the test fixture (tuner.archs.hidream.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 64), (64, 64), (64, 64), (1, (768, 64)), (1, (384, 64))),
+    },
+)  # fmt: skip
 
 # The release's distillations, as its file and folder names spell them (their sampling shifts are the
 # record's `sample_shift_by_name`).
@@ -134,8 +109,10 @@ HIDREAM_KEYS = ArchitectureKeys("hidream", tuple((name, name) for name in LINEAR
 """The key table of HiDream-I1: the release's names are diffusers'."""
 HIDREAM_LAYOUT = CheckpointLayout(HIDREAM_KEYS)
 
-_WHAT = "HiDream-I1 transformer"
 _MARKERS = ("x_embedder.proj.weight", "double_stream_blocks.0.block.adaLN_modulation.1.bias")
+TRANSFORMER_SPEC = component_spec(
+    "HiDream-I1 transformer", "HiDreamImageTransformer2DModel", TRANSFORMER_VARIANTS, _MARKERS
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,31 +122,8 @@ _MARKERS = ("x_embedder.proj.weight", "double_stream_blocks.0.block.adaLN_modula
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HiDreamImageTransformer2DModel:
     """Load the HiDream-I1 transformer from a diffusers folder or a single file, in eval mode."""
-    from diffusers import HiDreamImageTransformer2DModel
-
-    folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        cls = "HiDreamImageTransformer2DModel"
-        return load_diffusers_folder(HiDreamImageTransformer2DModel, folder, dtype, cls)
-    config_dir = identify_transformer_file(path)
-    state_dict = normalize_state_dict(load_tensors_of(path), dtype)
-    return load_diffusers_single_file(
-        HiDreamImageTransformer2DModel, state_dict, config_dir, dtype, Path(path)
-    )
-
-
-def identify_transformer_file(files: str | Path) -> Path:
-    """The config folder for a single transformer file, after checking it is complete. Reads headers."""
-    from diffusers import HiDreamImageTransformer2DModel
-
-    files = as_file_list(files)
-    shapes = normalize_shapes(read_shapes_of(files))
-    if not all(k in shapes for k in _MARKERS):
-        raise wrong_architecture(files[0], shapes, _WHAT, _MARKERS)
-    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, files[0], _WHAT)
-    expected = diffusers_meta_keys(HiDreamImageTransformer2DModel, variant.config_dir)
-    check_keys(expected, shapes, files[0], f"{_WHAT} {variant.name}")
-    return variant.config_dir
+    cls = "HiDreamImageTransformer2DModel"
+    return load_component(path, dtype, cls, "transformer", TRANSFORMER_SPEC, diffusers_converter=True)
 
 
 # ---------------------------------------------------------------------------------------------------

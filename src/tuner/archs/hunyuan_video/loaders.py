@@ -35,20 +35,16 @@ import torch
 from tuner.archs.flux.loaders import CLIP_SPEC
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys, load_component
-from tuner.models.encoders import clip_text_entries, load_clip_encoder, load_encoder, model_keys
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
+from tuner.models.component import component_spec, diffusers_keys, load_component
+from tuner.models.encoders import (
+    DECODER_COLUMNS,
+    clip_text_entries,
+    load_clip_encoder,
+    load_encoder,
+    model_keys,
 )
-from tuner.models.loading import (
-    load_tokenizer,
-    normalize_shapes,
-    read_folder_config,
-    read_tensor_shapes,
-    resolve_folder,
-    sibling,
-)
+from tuner.models.identify import SingleFileSpec, variant_table
+from tuner.models.loading import load_tokenizer, read_folder_config, resolve_folder, second_text_encoder
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
@@ -76,78 +72,36 @@ MAX_LENGTH = 256  # the pipeline's `max_sequence_length`: prompt tokens after th
 # ---------------------------------------------------------------------------------------------------
 # Known variants. Signatures use Tencent's names; `None` means the tensor must be absent.
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # HunyuanVideo T2V 720p (cfg-distilled; its 540p use is the same network)
-        "720p",
-        CONFIGS / "transformer" / "720p",
-        {
-            "img_in.proj.weight": (3072, 16, 1, 2, 2),
-            "txt_in.input_embedder.weight": (3072, 4096),
-            "vector_in.in_layer.weight": (3072, 768),
-            "guidance_in.mlp.0.weight": (3072, 256),
-            "double_blocks.19.img_mod.linear.weight": (18432, 3072),
-            "double_blocks.20.img_mod.linear.weight": None,
-            "single_blocks.39.linear2.weight": (3072, 15360),
-            "single_blocks.40.linear2.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.hunyuan_video.fixture): 2 heads of 32, one block of each kind
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.proj.weight": (64, 16, 1, 2, 2),
-            "txt_in.input_embedder.weight": (64, 64),
-            "vector_in.in_layer.weight": (64, 32),
-            "guidance_in.mlp.0.weight": (64, 256),
-            "double_blocks.0.img_mod.linear.weight": (384, 64),
-            "double_blocks.1.img_mod.linear.weight": None,
-            "single_blocks.0.linear2.weight": (64, 320),
-            "single_blocks.1.linear2.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.proj.weight", "txt_in.input_embedder.weight", "vector_in.in_layer.weight",
+     "guidance_in.mlp.0.weight", "double_blocks.{}.img_mod.linear.weight",
+     "single_blocks.{}.linear2.weight"),
+    {
+        # HunyuanVideo T2V 720p (cfg-distilled; its 540p use is the same network)
+        "720p": ((3072, 16, 1, 2, 2), (3072, 4096), (3072, 768), (3072, 256), (20, (18432, 3072)), (40, (3072, 15360))),
+        # the test fixture (tuner.archs.hunyuan_video.fixture): 2 heads of 32, one block of each kind
+        "tiny": ((64, 16, 1, 2, 2), (64, 64), (64, 32), (64, 256), (1, (384, 64)), (1, (64, 320))),
+    },
+)  # fmt: skip
 
-VAE_VARIANTS = (
-    Variant(
-        "hunyuan_video",
-        CONFIGS / "vae" / "hunyuan_video",
-        {
-            "encoder.conv_in.conv.weight": (128, 3, 3, 3, 3),
-            "encoder.conv_out.conv.weight": (32, 512, 3, 3, 3),
-            "decoder.conv_in.conv.weight": (512, 16, 3, 3, 3),
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {
-            "encoder.conv_in.conv.weight": (32, 3, 3, 3, 3),
-            "encoder.conv_out.conv.weight": (32, 64, 3, 3, 3),
-            "decoder.conv_in.conv.weight": (64, 16, 3, 3, 3),
-        },
-    ),
-)
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv_in.conv.weight", "encoder.conv_out.conv.weight", "decoder.conv_in.conv.weight"),
+    {
+        "hunyuan_video": ((128, 3, 3, 3, 3), (32, 512, 3, 3, 3), (512, 16, 3, 3, 3)),
+        "tiny": ((32, 3, 3, 3, 3), (32, 64, 3, 3, 3), (64, 16, 3, 3, 3)),
+    },
+)  # fmt: skip
 
-LLAMA_VARIANTS = (
-    Variant(
-        "llava-llama-3-8b",
-        CONFIGS / "llama" / "llava-llama-3-8b",
-        {
-            "embed_tokens.weight": (128320, 4096),
-            "layers.31.mlp.gate_proj.weight": (14336, 4096),
-            "layers.32.mlp.gate_proj.weight": None,
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "llama" / "tiny",
-        {
-            "embed_tokens.weight": (1088, 64),
-            "layers.2.mlp.gate_proj.weight": (128, 64),
-            "layers.3.mlp.gate_proj.weight": None,
-        },
-    ),
-)
+LLAMA_VARIANTS = variant_table(
+    CONFIGS / "llama",
+    DECODER_COLUMNS,
+    {
+        "llava-llama-3-8b": ((128320, 4096), (32, (14336, 4096))),
+        "tiny": ((1088, 64), (3, (128, 64))),
+    },
+)  # fmt: skip
 
 _ORIGINAL_MARKERS = ("double_blocks.0.img_attn_qkv.weight", "img_in.proj.weight")
 # HunyuanVideo 1.5, in Tencent's and in diffusers' names: its image and ByT5 glyph embedders
@@ -155,37 +109,7 @@ _HUNYUAN_VIDEO_15_MARKERS = ("vision_in.proj.0.weight", "cond_type_embedding.wei
                              "image_embedder.linear_1.weight", "cond_type_embed.weight")  # fmt: skip
 
 
-_transformer_keys = diffusers_keys("HunyuanVideoTransformer3DModel", transformer_key_to_original)
-
-
 _vae_keys = diffusers_keys("AutoencoderKLHunyuanVideo")
-
-
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="HunyuanVideo transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=_ORIGINAL_MARKERS,
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight"),
-    to_original=transformer_key_to_original,
-)
-VAE_SPEC = SingleFileSpec(
-    what="HunyuanVideo VAE",
-    variants=VAE_VARIANTS,
-    expected_keys=_vae_keys,
-    original_markers=("encoder.conv_in.conv.weight", "decoder.up_blocks.0.resnets.0.conv1.conv.weight"),
-)
-
-# ComfyUI's Llama files are LlamaForCausalLM state dicts: the language model under `model.`, plus parts
-# the encoder does not use.
-_LLAMA_PREFIX = "model."
-_LLAMA_UNUSED = ("lm_head.", "vision_tower.", "multi_modal_projector.", "image_newline")
-LLAMA_SPEC = SingleFileSpec(
-    "Llama text encoder",
-    LLAMA_VARIANTS,
-    model_keys("LlamaModel"),
-    original_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
-)
 
 
 def _framepack(path: str | Path) -> CheckpointError:
@@ -205,6 +129,38 @@ def _hunyuan_video_15(path: str | Path) -> CheckpointError:
     )
 
 
+def _refuse_other_networks(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    """HunyuanVideo 1.5 and FramePack files share block names with HunyuanVideo's."""
+    if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in shapes):
+        raise _hunyuan_video_15(path)
+    if any(name.startswith("clean_x_embedder.") for name in shapes):
+        raise _framepack(path)
+
+
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "x_embedder.proj.weight")
+TRANSFORMER_SPEC = component_spec(
+    "HunyuanVideo transformer", "HunyuanVideoTransformer3DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original,
+    refuse=_refuse_other_networks)  # fmt: skip
+VAE_SPEC = SingleFileSpec(
+    what="HunyuanVideo VAE",
+    variants=VAE_VARIANTS,
+    expected_keys=_vae_keys,
+    original_markers=("encoder.conv_in.conv.weight", "decoder.up_blocks.0.resnets.0.conv1.conv.weight"),
+)
+
+# ComfyUI's Llama files are LlamaForCausalLM state dicts: the language model under `model.`, plus parts
+# the encoder does not use.
+_LLAMA_PREFIX = "model."
+_LLAMA_UNUSED = ("lm_head.", "vision_tower.", "multi_modal_projector.", "image_newline")
+LLAMA_SPEC = SingleFileSpec(
+    "Llama text encoder",
+    LLAMA_VARIANTS,
+    model_keys("LlamaModel"),
+    original_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
+)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Loaders
 # ---------------------------------------------------------------------------------------------------
@@ -212,7 +168,6 @@ def _hunyuan_video_15(path: str | Path) -> CheckpointError:
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransformer3DModel:
     """The HunyuanVideo transformer from a diffusers folder or a single file (either layout), in eval mode."""
-
     folder = resolve_folder(path, "transformer")
     if folder is not None:
         class_name = read_folder_config(folder).get("_class_name")
@@ -220,12 +175,6 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanVideoTransf
             raise _hunyuan_video_15(folder)
         if class_name == "HunyuanVideoFramepackTransformer3DModel":
             raise _framepack(folder)
-    else:
-        names = normalize_shapes(read_tensor_shapes(path))
-        if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in names):
-            raise _hunyuan_video_15(path)
-        if any(name.startswith("clean_x_embedder.") for name in names):
-            raise _framepack(path)
     return load_component(
         path, dtype, "HunyuanVideoTransformer3DModel", "transformer", TRANSFORMER_SPEC,
         lambda state_dict, _: transformer_to_diffusers(state_dict),
@@ -259,14 +208,7 @@ def load_text_encoders(
     sibling `text_encoder_2/` is used); tokenizer paths may be None for diffusers folders.
     """
     if clip_path is None:
-        folder = resolve_folder(llama_path, "text_encoder")
-        clip_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if clip_path is None:
-            raise CheckpointError(
-                f"{llama_path}: HunyuanVideo needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
-                "its single file (e.g. clip_l.safetensors) or diffusers folder, or point model.text_encoder at "
-                "a HunyuanVideo diffusers pipeline folder."
-            )
+        clip_path = second_text_encoder(llama_path, "HunyuanVideo", "CLIP-L", "clip_l.safetensors")
     llama, found = _load_llama(llama_path, dtype)
     clip, found_2 = _load_clip(clip_path, dtype)
     return TextEncoders(

@@ -59,18 +59,9 @@ from tuner.archs.flux.loaders import load_clip
 from tuner.archs.qwen_image.text import QwenTextEncoder
 from tuner.archs.qwen_image.text import load_text_encoder as load_qwen
 from tuner.errors import CheckpointError
-from tuner.models.identify import Variant, check_keys, diffusers_meta_keys, pick_variant, wrong_architecture
-from tuner.models.loading import (
-    from_state_dict,
-    load_diffusers_folder,
-    load_tensors,
-    load_tokenizer,
-    normalize_shapes,
-    normalize_state_dict,
-    read_tensor_shapes,
-    resolve_folder,
-    sibling,
-)
+from tuner.models.component import component_spec, load_component
+from tuner.models.identify import Variant, variant_table
+from tuner.models.loading import load_tokenizer, resolve_folder, second_text_encoder, sibling
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -101,34 +92,19 @@ MAX_LENGTH = 512  # the pipeline's `max_sequence_length`: prompt tokens after th
 # ---------------------------------------------------------------------------------------------------
 # Known variants (release names = diffusers names). `None`: the tensor must be absent.
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # every Lite T2V release; a `10s` name picks the sparse-attention config (`transformer_config`)
-        "lite-5s",
-        CONFIGS / "transformer" / "lite-5s",
-        {
-            "visual_embeddings.in_layer.weight": (1792, 132),
-            "text_embeddings.in_layer.weight": (1792, 3584),
-            "pooled_text_embeddings.in_layer.weight": (512, 768),
-            "visual_transformer_blocks.31.visual_modulation.out_layer.weight": (16128, 512),
-            "visual_transformer_blocks.32.visual_modulation.out_layer.weight": None,
-            "text_transformer_blocks.1.text_modulation.out_layer.weight": (10752, 512),
-            "text_transformer_blocks.2.text_modulation.out_layer.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.kandinsky5.fixture): 2 heads of 32, 1 text and 2 visual blocks
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "visual_embeddings.in_layer.weight": (64, 132),
-            "text_embeddings.in_layer.weight": (64, 64),
-            "pooled_text_embeddings.in_layer.weight": (64, 32),
-            "visual_transformer_blocks.1.visual_modulation.out_layer.weight": (576, 64),
-            "visual_transformer_blocks.2.visual_modulation.out_layer.weight": None,
-            "text_transformer_blocks.0.text_modulation.out_layer.weight": (384, 64),
-            "text_transformer_blocks.1.text_modulation.out_layer.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("visual_embeddings.in_layer.weight", "text_embeddings.in_layer.weight",
+     "pooled_text_embeddings.in_layer.weight",
+     "visual_transformer_blocks.{}.visual_modulation.out_layer.weight",
+     "text_transformer_blocks.{}.text_modulation.out_layer.weight"),
+    {
+        # every Lite T2V release; a `10s` name picks the sparse-attention config (`transformer_config`)
+        "lite-5s": ((1792, 132), (1792, 3584), (512, 768), (32, (16128, 512)), (2, (10752, 512))),
+        # the test fixture (tuner.archs.kandinsky5.fixture): 2 heads of 32, 1 text and 2 visual blocks
+        "tiny": ((64, 132), (64, 64), (64, 32), (2, (576, 64)), (1, (384, 64))),
+    },
+)  # fmt: skip
 
 # The Lite T2V releases as their file / folder names spell them, with the release's sampling defaults
 # (steps, guidance; flow shift 10 for all): sft and pretrain 50 steps with CFG 5; nocfg is CFG-distilled
@@ -170,10 +146,12 @@ KANDINSKY5_KEYS = ArchitectureKeys(
 stems read back)."""
 KANDINSKY5_LAYOUT = CheckpointLayout(KANDINSKY5_KEYS)
 
-_WHAT = "Kandinsky 5 Lite transformer"
 _MARKERS = (
     "visual_embeddings.in_layer.weight",
     "visual_transformer_blocks.0.visual_modulation.out_layer.weight",
+)
+TRANSFORMER_SPEC = component_spec(
+    "Kandinsky 5 Lite transformer", "Kandinsky5Transformer3DModel", TRANSFORMER_VARIANTS, _MARKERS
 )
 
 
@@ -183,9 +161,8 @@ _MARKERS = (
 
 
 def _refuse_i2v(path: str | Path) -> None:
-    path = Path(
-        path
-    )  # a file's own name; a folder's name and its parent's (`...-I2V-...-Diffusers/transformer`)
+    # a file's own name; a folder's name and its parent's (`...-I2V-...-Diffusers/transformer`)
+    path = Path(path)
     names = path.name if path.is_file() else "/".join(path.parts[-2:])
     if re.search(r"i2v", names, re.IGNORECASE):
         raise CheckpointError(
@@ -204,24 +181,15 @@ def transformer_config(path: str | Path) -> Path:
 def load_transformer(path: str | Path, dtype: torch.dtype) -> Kandinsky5Transformer3DModel:
     """The Kandinsky 5 transformer from a diffusers folder or a single file, in eval mode, with its
     time embedding and modulations in fp32 (see the module docstring)."""
-    from diffusers import Kandinsky5Transformer3DModel
-
     _refuse_i2v(path)
-    folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        cls = "Kandinsky5Transformer3DModel"
-        return rotate_in_compute_dtype(
-            load_diffusers_folder(Kandinsky5Transformer3DModel, folder, dtype, cls)
-        )
-    shapes = normalize_shapes(read_tensor_shapes(path))
-    if not all(k in shapes for k in _MARKERS):
-        raise wrong_architecture(path, shapes, _WHAT, _MARKERS)
-    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, _WHAT)
-    check_keys(diffusers_meta_keys(Kandinsky5Transformer3DModel, variant.config_dir), shapes, path, _WHAT)
-    config_dir = transformer_config(path) if variant.name == "lite-5s" else variant.config_dir
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    model = from_state_dict(Kandinsky5Transformer3DModel, state_dict, config_dir, dtype, Path(path))
-    return rotate_in_compute_dtype(model)
+
+    def config(variant: Variant) -> Path:  # a Lite release's duration is in its name only
+        return transformer_config(path) if variant.name == "lite-5s" else variant.config_dir
+
+    cls = "Kandinsky5Transformer3DModel"
+    return rotate_in_compute_dtype(
+        load_component(path, dtype, cls, "transformer", TRANSFORMER_SPEC, None, config)
+    )
 
 
 @functools.cache
@@ -293,13 +261,7 @@ def load_text_encoders(
     diffusers pipeline root or its `text_encoder/` (the sibling `text_encoder_2/` is used)."""
     folder = resolve_folder(qwen_path, "text_encoder")
     if clip_path is None:
-        clip_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if clip_path is None:
-            raise CheckpointError(
-                f"{qwen_path}: Kandinsky 5 needs a second text encoder (CLIP-L). Set model.text_encoder_2 to "
-                "its single file (e.g. clip_l.safetensors) or diffusers folder, or point model.text_encoder "
-                "at a Kandinsky 5 diffusers pipeline folder."
-            )
+        clip_path = second_text_encoder(qwen_path, "Kandinsky 5", "CLIP-L", "clip_l.safetensors")
     qwen = load_qwen(folder or qwen_path, qwen_tokenizer, dtype)
     clip_path = Path(clip_path)
     if (clip_path / "text_encoder_2" / "config.json").is_file():

@@ -33,13 +33,14 @@ import torch
 from tuner.archs.ltx2.keys import AUDIO_VAE_LAYOUT, LTX2_LAYOUT, VAE_STATISTICS_UNUSED, VIDEO_VAE_LAYOUT
 from tuner.data.audio import log_mel
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
+from tuner.models.component import component_spec
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
     check_keys,
     identify_shapes,
     pick_variant,
+    variant_table,
 )
 from tuner.models.loading import (
     from_state_dict,
@@ -76,28 +77,16 @@ def _from_pretrained(cls, path: str | Path, name: str, dtype: torch.dtype):
 
 
 CONFIGS = Path(__file__).parent / "configs"
-TRANSFORMER_VARIANTS = (
-    Variant(  # LTX-2 19B (dev and distilled): 48 blocks, video width 4096, audio width 2048
-        "19b",
-        CONFIGS / "transformer" / "19b",
-        {
-            "patchify_proj.weight": (4096, 128),
-            "audio_patchify_proj.weight": (2048, 128),
-            "transformer_blocks.47.attn1.to_q.weight": (4096, 4096),
-            "transformer_blocks.48.attn1.to_q.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.ltx2.fixture): 2 blocks, 2 heads of 16 per stream
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "patchify_proj.weight": (32, 128),
-            "audio_patchify_proj.weight": (32, 128),
-            "transformer_blocks.1.attn1.to_q.weight": (32, 32),
-            "transformer_blocks.2.attn1.to_q.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("patchify_proj.weight", "audio_patchify_proj.weight", "transformer_blocks.{}.attn1.to_q.weight"),
+    {
+        # LTX-2 19B (dev and distilled): 48 blocks, video width 4096, audio width 2048
+        "19b": ((4096, 128), (2048, 128), (48, (4096, 4096))),
+        # the test fixture (tuner.archs.ltx2.fixture): 2 blocks, 2 heads of 16 per stream
+        "tiny": ((32, 128), (32, 128), (2, (32, 32))),
+    },
+)  # fmt: skip
 # what the release's file holds under `model.diffusion_model.` beside the transformer: the text
 # connectors (diffusers keeps them apart, in `connectors/`)
 _NOT_TRANSFORMER = (
@@ -107,25 +96,15 @@ _NOT_TRANSFORMER = (
 )
 
 
-_transformer_keys = diffusers_keys("LTX2VideoTransformer3DModel", LTX2_LAYOUT.key_to_original)
-
-
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="LTX-2 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=(
-        "patchify_proj.weight",
-        "audio_patchify_proj.weight",
-        "av_ca_a2v_gate_adaln_single.linear.weight",
-    ),
-    diffusers_markers=(
-        "proj_in.weight",
-        "audio_proj_in.weight",
-        "av_cross_attn_video_a2v_gate.linear.weight",
-    ),
-    to_original=LTX2_LAYOUT.key_to_original,
+_ORIGINAL_MARKERS = (
+    "patchify_proj.weight",
+    "audio_patchify_proj.weight",
+    "av_ca_a2v_gate_adaln_single.linear.weight",
 )
+_DIFFUSERS_MARKERS = ("proj_in.weight", "audio_proj_in.weight", "av_cross_attn_video_a2v_gate.linear.weight")
+TRANSFORMER_SPEC = component_spec(
+    "LTX-2 transformer", "LTX2VideoTransformer3DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, LTX2_LAYOUT.key_to_original)  # fmt: skip
 
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
@@ -251,6 +230,13 @@ def load_text_encoder(path: str | Path, tokenizer: str | None, dtype: torch.dtyp
 # ---------------------------------------------------------------- text
 
 
+def tokenize(tokenizer, captions: list[str], max_length: int):
+    """The stripped captions' token ids and mask, padded (and truncated) to `max_length` tokens with the
+    special tokens, as LTX-2's and LTX-Video's pipelines tokenize prompts."""
+    return tokenizer([c.strip() for c in captions], padding="max_length", max_length=max_length,
+                     truncation=True, add_special_tokens=True, return_tensors="pt")  # fmt: skip
+
+
 @torch.no_grad()
 def encode_prompts(text_encoder, tokenizer, connectors, captions: list[str], max_length: int) -> dict:
     """Captions → the video and audio text contexts `[B, L, D]` and their 0/1 mask `[B, L]`, as
@@ -259,14 +245,7 @@ def encode_prompts(text_encoder, tokenizer, connectors, captions: list[str], max
     tokenizer.padding_side = GEMMA_PADDING_SIDE
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokens = tokenizer(
-        [c.strip() for c in captions],
-        padding="max_length",
-        max_length=max_length,
-        truncation=True,
-        add_special_tokens=True,
-        return_tensors="pt",
-    )
+    tokens = tokenize(tokenizer, captions, max_length)
     device = next(text_encoder.parameters()).device
     ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
     hidden = text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states

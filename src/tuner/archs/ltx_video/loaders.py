@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.ltx2.loaders import load_release_transformer
+from tuner.archs.ltx2.loaders import load_release_transformer, tokenize
 from tuner.archs.ltx_video.keys import LTX_VIDEO_LAYOUT
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
-from tuner.models.identify import SingleFileSpec, Variant
+from tuner.models.component import component_spec
+from tuner.models.identify import Variant
 from tuner.models.loading import load_diffusers_folder, normalize_shapes, read_shapes_of, resolve_folder
 
 if TYPE_CHECKING:
@@ -49,21 +49,15 @@ TRANSFORMER_VARIANTS = (
 )
 
 
-_transformer_keys = diffusers_keys("LTXVideoTransformer3DModel", LTX_VIDEO_LAYOUT.key_to_original)
-
-
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="LTX-Video transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=(
-        "patchify_proj.weight",
-        "adaln_single.linear.weight",
-        "caption_projection.linear_1.weight",
-    ),
-    diffusers_markers=("proj_in.weight", "time_embed.linear.weight", "caption_projection.linear_1.weight"),
-    to_original=LTX_VIDEO_LAYOUT.key_to_original,
+_ORIGINAL_MARKERS = (
+    "patchify_proj.weight",
+    "adaln_single.linear.weight",
+    "caption_projection.linear_1.weight",
 )
+_DIFFUSERS_MARKERS = ("proj_in.weight", "time_embed.linear.weight", "caption_projection.linear_1.weight")
+TRANSFORMER_SPEC = component_spec(
+    "LTX-Video transformer", "LTXVideoTransformer3DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, LTX_VIDEO_LAYOUT.key_to_original)  # fmt: skip
 
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
@@ -97,14 +91,7 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
 def encode_prompts(t5, tokenizer, captions: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """T5's last hidden states `[B, max_length, D]` and the 0/1 mask of the prompt's tokens, as
     `LTXPipeline._get_t5_prompt_embeds`."""
-    tokens = tokenizer(
-        [c.strip() for c in captions],
-        padding="max_length",
-        max_length=max_length,
-        truncation=True,
-        add_special_tokens=True,
-        return_tensors="pt",
-    )
+    tokens = tokenize(tokenizer, captions, max_length)
     device = next(t5.parameters()).device
     embeds = t5(tokens.input_ids.to(device))[0]
     return embeds, tokens.attention_mask.to(device)

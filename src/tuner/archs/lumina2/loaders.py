@@ -39,13 +39,13 @@ from tuner.archs.lumina2.keys import (
     transformer_to_diffusers,
     transformer_to_original,
 )
-from tuner.models.encoders import base_model_keys, load_encoder
+from tuner.models.encoders import CAUSAL_LM_COLUMNS, base_model_keys, load_encoder, model_keys
 from tuner.models.identify import (
     SingleFileSpec,
-    Variant,
     check_keys,
     diffusers_meta_keys,
     pick_variant,
+    variant_table,
     wrong_architecture,
 )
 from tuner.models.loading import (
@@ -80,51 +80,27 @@ MAX_TEXT_TOKENS = 256  # the pipeline's default max_sequence_length (system prom
 # Known variants. Signatures use original-layout names; `None` means the tensor must be absent (it pins
 # the number of blocks).
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # Lumina-Image-2.0 (2.6B): 26 layers of width 2304, Gemma-2-2B features
-        "lumina2",
-        CONFIGS / "transformer" / "lumina2",
-        {
-            "x_embedder.weight": (2304, 64),
-            "cap_embedder.1.weight": (2304, 2304),
-            "layers.0.attention.qkv.weight": (3840, 2304),
-            "layers.25.adaLN_modulation.1.weight": (9216, 1024),
-            "layers.26.adaLN_modulation.1.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.lumina2.fixture): 3 heads of 32 (1 key/value head), 2 layers
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "x_embedder.weight": (96, 64),
-            "cap_embedder.1.weight": (96, 64),
-            "layers.0.attention.qkv.weight": (160, 96),
-            "layers.1.adaLN_modulation.1.weight": (384, 96),
-            "layers.2.adaLN_modulation.1.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("x_embedder.weight", "cap_embedder.1.weight", "layers.0.attention.qkv.weight",
+     "layers.{}.adaLN_modulation.1.weight"),
+    {
+        # Lumina-Image-2.0 (2.6B): 26 layers of width 2304, Gemma-2-2B features
+        "lumina2": ((2304, 64), (2304, 2304), (3840, 2304), (26, (9216, 1024))),
+        # the test fixture (tuner.archs.lumina2.fixture): 3 heads of 32 (1 key/value head), 2 layers
+        "tiny": ((96, 64), (96, 64), (160, 96), (2, (384, 96))),
+    },
+)  # fmt: skip
 
-TEXT_ENCODER_VARIANTS = (
-    Variant(
-        "gemma2-2b",
-        CONFIGS / "text_encoder" / "gemma2-2b",
-        {
-            "model.embed_tokens.weight": (256000, 2304),
-            "model.layers.25.mlp.gate_proj.weight": (9216, 2304),
-            "model.layers.26.mlp.gate_proj.weight": None,
-        },
-    ),
-    Variant(  # the test fixture: 2 layers of width 64
-        "tiny",
-        CONFIGS / "text_encoder" / "tiny",
-        {
-            "model.embed_tokens.weight": (1536, 64),
-            "model.layers.1.mlp.gate_proj.weight": (128, 64),
-            "model.layers.2.mlp.gate_proj.weight": None,
-        },
-    ),
-)
+TEXT_ENCODER_VARIANTS = variant_table(
+    CONFIGS / "text_encoder",
+    CAUSAL_LM_COLUMNS,
+    {
+        "gemma2-2b": ((256000, 2304), (26, (9216, 2304))),
+        # the test fixture: 2 layers of width 64
+        "tiny": ((1536, 64), (2, (128, 64))),
+    },
+)  # fmt: skip
 
 _TRANSFORMER_WHAT = "Lumina Image 2.0 transformer"
 _ORIGINAL_MARKERS = ("cap_embedder.0.weight", "layers.0.attention.qkv.weight")
@@ -136,19 +112,11 @@ def _gemma_original_key(key: str) -> str:
     return key if key.startswith("model.") else f"model.{key}"
 
 
-def _gemma_keys(variant: Variant) -> list[str]:
-    from transformers import Gemma2Config, Gemma2Model
-
-    with torch.device("meta"):
-        model = Gemma2Model(Gemma2Config.from_pretrained(variant.config_dir))
-    return [_gemma_original_key(k) for k in model.state_dict()]
-
-
 _LM_HEAD = "lm_head.weight"
 TEXT_ENCODER_SPEC = SingleFileSpec(
     what="Gemma 2 text encoder",
     variants=TEXT_ENCODER_VARIANTS,
-    expected_keys=_gemma_keys,
+    expected_keys=model_keys("Gemma2Model", to_original=_gemma_original_key),
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
     diffusers_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
     to_original=_gemma_original_key,

@@ -29,31 +29,17 @@ The transformer's timestep is the flow-matching t ∈ [0, 1] itself (the pipelin
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.keys import vae_key_to_original
-from tuner.models.component import diffusers_class, diffusers_keys, load_component
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    check_keys,
-    diffusers_meta_keys,
-    pick_variant,
-    wrong_architecture,
-)
-from tuner.models.loading import (
-    as_file_list,
-    load_diffusers_folder,
-    load_diffusers_single_file,
-    load_tensors_of,
-    normalize_shapes,
-    normalize_state_dict,
-    read_shapes_of,
-    resolve_folder,
-)
+from tuner.models.component import component_spec, diffusers_class, diffusers_keys, load_component
+from tuner.models.identify import Variant, diffusers_meta_keys, variant_table
+from tuner.models.loading import normalize_shapes, read_tensor_shapes
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -75,6 +61,7 @@ __all__ = [
 ]
 
 CONFIGS = Path(__file__).parent / "configs"
+T = TypeVar("T")
 LATENT_CHANNELS = 16
 VAE_FACTOR = 8
 
@@ -84,43 +71,26 @@ INDEX_TIMESTEP_ZERO = "__index_timestep_zero__"
 # ---------------------------------------------------------------------------------------------------
 # Known variants. `None` means the tensor must be absent (it pins the number of blocks).
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(  # Qwen-Image, -2512, -Edit, -Edit-2509, -Edit-2511 (20B): 60 blocks of width 3072
-        "qwen-image",
-        CONFIGS / "transformer" / "qwen-image",
-        {
-            "img_in.weight": (3072, 64),
-            "txt_in.weight": (3072, 3584),
-            "transformer_blocks.59.img_mod.1.weight": (18432, 3072),
-            "transformer_blocks.60.img_mod.1.weight": None,
-            "time_text_embed.addition_t_embedding.weight": None,  # Qwen-Image-Layered
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.qwen_image.fixture): 2 heads of 32, 2 blocks, text width 64
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "img_in.weight": (64, 64),
-            "txt_in.weight": (64, 64),
-            "transformer_blocks.1.img_mod.1.weight": (384, 64),
-            "transformer_blocks.2.img_mod.1.weight": None,
-            "time_text_embed.addition_t_embedding.weight": None,
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("img_in.weight", "txt_in.weight", "transformer_blocks.{}.img_mod.1.weight",
+     "time_text_embed.addition_t_embedding.weight"),
+    {
+        # Qwen-Image, -2512, -Edit, -Edit-2509, -Edit-2511 (20B): 60 blocks of width 3072
+        "qwen-image": ((3072, 64), (3072, 3584), (60, (18432, 3072)), None),
+        # the test fixture (tuner.archs.qwen_image.fixture): 2 heads of 32, 2 blocks, text width 64
+        "tiny": ((64, 64), (64, 64), (2, (384, 64)), None),
+    },
+)  # fmt: skip
 
-VAE_VARIANTS = (
-    Variant(
-        "qwen-image",
-        CONFIGS / "vae" / "qwen-image",
-        {"encoder.conv1.weight": (96, 3, 3, 3, 3), "decoder.conv1.weight": (384, 16, 3, 3, 3)},
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {"encoder.conv1.weight": (16, 3, 3, 3, 3), "decoder.conv1.weight": (64, 16, 3, 3, 3)},
-    ),
-)
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv1.weight", "decoder.conv1.weight"),
+    {
+        "qwen-image": ((96, 3, 3, 3, 3), (384, 16, 3, 3, 3)),
+        "tiny": ((16, 3, 3, 3, 3), (64, 16, 3, 3, 3)),
+    },
+)  # fmt: skip
 
 # The transformer's linear layers ({i}: block index). The release uses these diffusers names, so the
 # adapter key table (`tuner.networks.architectures`) is the identity over them; listing them lets
@@ -144,8 +114,10 @@ QWEN_IMAGE_KEYS = ArchitectureKeys(
 """The key table of Qwen-Image and Qwen-Image-Edit: the release's names are diffusers'."""
 QWEN_IMAGE_LAYOUT = CheckpointLayout(QWEN_IMAGE_KEYS)
 
-_TRANSFORMER_WHAT = "Qwen-Image transformer"
 _TRANSFORMER_MARKERS = ("img_in.weight", "txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
+TRANSFORMER_SPEC = component_spec(
+    "Qwen-Image transformer", "QwenImageTransformer2DModel", TRANSFORMER_VARIANTS, _TRANSFORMER_MARKERS
+)
 
 
 def _zero_cond_config(variant: Variant) -> Path:
@@ -153,17 +125,9 @@ def _zero_cond_config(variant: Variant) -> Path:
     return variant.config_dir.with_name(f"{variant.config_dir.name}-edit-2511")
 
 
+# the Wan 2.1 VAE's layout, names and markers
 _vae_keys = diffusers_keys("AutoencoderKLQwenImage", vae_key_to_original)
-
-
-VAE_SPEC = SingleFileSpec(
-    what="Qwen-Image VAE",
-    variants=VAE_VARIANTS,
-    expected_keys=_vae_keys,
-    original_markers=("encoder.conv1.weight", "decoder.conv1.weight", "encoder.middle.1.to_qkv.weight"),
-    diffusers_markers=("encoder.conv_in.weight", "decoder.conv_in.weight", "quant_conv.weight"),
-    to_original=vae_key_to_original,
-)
+VAE_SPEC = replace(wan.VAE_SPEC, what="Qwen-Image VAE", variants=VAE_VARIANTS, expected_keys=_vae_keys)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,34 +136,24 @@ VAE_SPEC = SingleFileSpec(
 
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> QwenImageTransformer2DModel:
-    """Load the Qwen-Image transformer from a diffusers folder or a single file, in eval mode."""
-    from diffusers import QwenImageTransformer2DModel
+    """Load the Qwen-Image transformer from a diffusers folder or a single file, in eval mode (a file
+    carrying Edit-2511's marker with that release's config)."""
+    path = Path(path)
+    edit_2511 = path.is_file() and INDEX_TIMESTEP_ZERO in normalize_shapes(read_tensor_shapes(path))
+    return load_component(
+        path,
+        dtype,
+        "QwenImageTransformer2DModel",
+        "transformer",
+        TRANSFORMER_SPEC,
+        config=_zero_cond_config if edit_2511 else None,
+        entries=_without_marker,
+        diffusers_converter=True,
+    )
 
-    folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        return load_diffusers_folder(
-            QwenImageTransformer2DModel, folder, dtype, "QwenImageTransformer2DModel"
-        )
-    config_dir = identify_transformer_file(path)
-    state_dict = normalize_state_dict(load_tensors_of(path), dtype)
-    state_dict.pop(INDEX_TIMESTEP_ZERO, None)
-    return load_diffusers_single_file(QwenImageTransformer2DModel, state_dict, config_dir, dtype, Path(path))
 
-
-def identify_transformer_file(files: str | Path) -> Path:
-    """The config folder for a single transformer file, after checking it is complete. Reads headers."""
-    from diffusers import QwenImageTransformer2DModel
-
-    files = as_file_list(files)
-    path = files[0]
-    shapes = normalize_shapes(read_shapes_of(files))
-    zero_cond = shapes.pop(INDEX_TIMESTEP_ZERO, None) is not None
-    if not all(k in shapes for k in _TRANSFORMER_MARKERS):
-        raise wrong_architecture(path, shapes, _TRANSFORMER_WHAT, _TRANSFORMER_MARKERS)
-    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, _TRANSFORMER_WHAT)
-    expected = diffusers_meta_keys(QwenImageTransformer2DModel, variant.config_dir)
-    check_keys(expected, shapes, path, f"{_TRANSFORMER_WHAT} {variant.name}")
-    return _zero_cond_config(variant) if zero_cond else variant.config_dir
+def _without_marker(entries: dict[str, T]) -> dict[str, T]:
+    return {k: v for k, v in entries.items() if k != INDEX_TIMESTEP_ZERO}
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLQwenImage:

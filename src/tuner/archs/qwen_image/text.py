@@ -115,14 +115,10 @@ def original_key(key: str) -> str:
     return key.removeprefix("model.")  # visual.*
 
 
-def _expected_keys(variant: Variant) -> list[str]:
-    return [original_key(k) for k in model_keys("Qwen2_5_VLModel")(variant)]
-
-
 SPEC = SingleFileSpec(
     what="Qwen2.5-VL text encoder",
     variants=VARIANTS,
-    expected_keys=_expected_keys,
+    expected_keys=model_keys("Qwen2_5_VLModel", to_original=original_key),
     original_markers=("model.embed_tokens.weight", "visual.patch_embed.proj.weight"),
     diffusers_markers=("model.language_model.embed_tokens.weight", "model.visual.patch_embed.proj.weight"),
     to_original=original_key,

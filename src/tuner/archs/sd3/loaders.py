@@ -36,24 +36,19 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import torch
 
 from tuner.archs.flux import loaders as flux
-from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers
+from tuner.archs.flux.keys import vae_key_to_original
 from tuner.archs.sd3.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
-from tuner.models.encoders import clip_with_projection_entries, load_clip_encoder, model_keys
-from tuner.models.identify import SingleFileSpec, Variant, identify_shapes
-from tuner.models.loading import (
-    component_entries,
-    from_state_dict,
-    load_component_tensors,
-    load_diffusers_folder,
-    load_tokenizer,
-    load_transformers_folder,
-    normalize_shapes,
-    normalize_state_dict,
-    read_tensor_shapes,
-    resolve_folder,
+from tuner.models.component import component_spec, diffusers_keys, load_component
+from tuner.models.encoders import (
+    T5_COLUMNS,
+    clip_with_projection_entries,
+    load_clip_encoder,
+    load_encoder,
+    model_keys,
 )
+from tuner.models.identify import SingleFileSpec, Variant, variant_table
+from tuner.models.loading import load_tokenizer, read_tensor_shapes, resolve_folder
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, SD3Transformer2DModel
@@ -110,6 +105,15 @@ SD30_MEDIUM = Variant(
     },
 )
 
+
+def _refuse_sd30(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
+    if not SD30_MEDIUM.mismatches(shapes):
+        raise CheckpointError(
+            f"{path}: this is Stable Diffusion 3.0 Medium (no q/k norms, a 192² position table), not a 3.5 "
+            "release; architecture 'sd3' trains SD 3.5 Medium and Large. Use an sd3.5_*.safetensors file."
+        )
+
+
 # SD3's VAE has FLUX's shapes (only the latent scaling and shift differ).
 VAE_VARIANTS = (
     Variant("sd3", CONFIGS / "vae" / "sd3", flux.VAE_VARIANTS[0].signature),
@@ -134,32 +138,18 @@ CLIP_G_VARIANTS = (_clip("clip_g", "clip-g", 1280, 32, 49408), _clip("clip_g", "
 
 T5_VARIANTS = (
     replace(flux.T5_VARIANTS[0], config_dir=CONFIGS / "t5" / "t5-xxl"),
-    Variant(
-        "tiny",
-        CONFIGS / "t5" / "tiny",
-        {
-            "shared.weight": (512, 128),
-            "encoder.block.1.layer.1.DenseReluDense.wi_0.weight": (256, 128),
-            "encoder.block.2.layer.1.DenseReluDense.wi_0.weight": None,
-        },
-    ),
+    *variant_table(CONFIGS / "t5", T5_COLUMNS, {"tiny": ((512, 128), (2, (256, 128)))}),
 )
-
-
-_transformer_keys = diffusers_keys("SD3Transformer2DModel", transformer_key_to_original)
 
 
 _vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
 
 
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="SD 3.5 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight"),
-    diffusers_markers=("transformer_blocks.0.attn.to_q.weight", "pos_embed.proj.weight"),
-    to_original=transformer_key_to_original,
-)
+_ORIGINAL_MARKERS = ("joint_blocks.0.x_block.attn.qkv.weight", "x_embedder.proj.weight")
+_DIFFUSERS_MARKERS = ("transformer_blocks.0.attn.to_q.weight", "pos_embed.proj.weight")
+TRANSFORMER_SPEC = component_spec(
+    "SD 3.5 transformer", "SD3Transformer2DModel", TRANSFORMER_VARIANTS,
+    _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS, transformer_key_to_original, refuse=_refuse_sd30)  # fmt: skip
 VAE_SPEC = replace(flux.VAE_SPEC, what="SD3 VAE", variants=VAE_VARIANTS, expected_keys=_vae_keys)
 _CLIP_MARKERS = (
     "text_model.embeddings.token_embedding.weight",
@@ -180,42 +170,15 @@ T5_SPEC = replace(flux.T5_SPEC, variants=T5_VARIANTS)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Reading one component of a file (alone, or bundled in the release's single file)
-# ---------------------------------------------------------------------------------------------------
-
-
-def _component_shapes(path: str | Path, prefix: str) -> dict[str, tuple[int, ...]]:
-    return normalize_shapes(component_entries(read_tensor_shapes(path), (prefix,)))
-
-
-def _component_tensors(path: str | Path, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return normalize_state_dict(load_component_tensors(path, (prefix,)), dtype)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Loaders
 # ---------------------------------------------------------------------------------------------------
 
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> SD3Transformer2DModel:
     """Load the SD 3.5 transformer from a diffusers folder or a single file (either layout), in eval mode."""
-    from diffusers import SD3Transformer2DModel
-
-    folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        return load_diffusers_folder(SD3Transformer2DModel, folder, dtype, "SD3Transformer2DModel")
-    shapes = _without_bundled(normalize_shapes(read_tensor_shapes(path)))
-    if not SD30_MEDIUM.mismatches(shapes):
-        raise CheckpointError(
-            f"{path}: this is Stable Diffusion 3.0 Medium (no q/k norms, a 192² position table), not a 3.5 "
-            "release; architecture 'sd3' trains SD 3.5 Medium and Large. Use an sd3.5_*.safetensors file."
-        )
-    variant = identify_shapes(shapes, TRANSFORMER_SPEC, path)
-    state_dict = _component_tensors(path, "model.diffusion_model.", dtype)
-    state_dict = _without_bundled(state_dict)
-    if "joint_blocks.0.x_block.attn.qkv.weight" in state_dict:
-        state_dict = transformer_to_diffusers(state_dict)
-    return from_state_dict(SD3Transformer2DModel, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(path, dtype, "SD3Transformer2DModel", "transformer", TRANSFORMER_SPEC,
+                          lambda sd, _: transformer_to_diffusers(sd), bundled=("model.diffusion_model.",),
+                          entries=_without_bundled)  # fmt: skip
 
 
 def _without_bundled(entries: Mapping[str, T]) -> dict[str, T]:
@@ -226,16 +189,8 @@ def _without_bundled(entries: Mapping[str, T]) -> dict[str, T]:
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the SD3 VAE from a diffusers folder, an LDM-layout file or the release's bundling single file."""
-    from diffusers import AutoencoderKL
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKL, folder, dtype, "AutoencoderKL")
-    variant = identify_shapes(_component_shapes(path, VAE_PREFIX), VAE_SPEC, path)
-    state_dict = _component_tensors(path, VAE_PREFIX, dtype)
-    if all(k in state_dict for k in VAE_SPEC.original_markers):
-        state_dict = vae_to_diffusers(state_dict)
-    return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, Path(path))
+    spec, to_diffusers = VAE_SPEC, flux.ldm_vae_to_diffusers  # the same LDM layout
+    return load_component(path, dtype, "AutoencoderKL", "vae", spec, to_diffusers, bundled=(VAE_PREFIX,))
 
 
 class TextEncoders(NamedTuple):
@@ -325,21 +280,10 @@ def _identity_projection(state_dict: dict[str, torch.Tensor]) -> dict[str, torch
 
 def _load_t5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:
     """The T5 encoder, and the tokenizer folder beside it in a diffusers layout (else None)."""
-    from transformers import T5Config, T5EncoderModel
+    from transformers import T5EncoderModel
 
-    from tuner.models.identify import apply_aliases
-
-    folder = resolve_folder(path, "text_encoder_3")
-    if folder is not None:
-        tokenizer = folder.parent / "tokenizer_3"
-        return load_transformers_folder(
-            T5EncoderModel, folder, dtype, "t5"
-        ), tokenizer if tokenizer.is_dir() else None
-    variant = identify_shapes(_component_shapes(path, T5_PREFIX), T5_SPEC, path)
-    state_dict = apply_aliases(_component_tensors(path, T5_PREFIX, dtype), T5_SPEC.aliases)
-    config = T5Config.from_pretrained(variant.config_dir)
-    model = T5EncoderModel.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype)
-    return model.eval(), None
+    folders = ("text_encoder_3", "tokenizer_3")
+    return load_encoder(path, dtype, T5EncoderModel, "t5", folders, T5_SPEC, bundled=(T5_PREFIX,))
 
 
 # ---------------------------------------------------------------------------------------------------

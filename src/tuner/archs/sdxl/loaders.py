@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.archs.flux.keys import vae_key_to_original, vae_to_diffusers, vae_to_original
+from tuner.archs.flux.keys import vae_key_to_original, vae_to_original
+from tuner.archs.flux.loaders import ldm_vae_to_diffusers
 from tuner.archs.sdxl.keys import (
     BUNDLED_CLIP_G,
     BUNDLED_CLIP_L,
@@ -46,32 +47,15 @@ from tuner.archs.sdxl.keys import (
     unet_to_diffusers,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
+from tuner.models.component import diffusers_keys, load_component
 from tuner.models.encoders import (
     clip_text_entries,
     clip_with_projection_entries,
     load_clip_encoder,
     model_keys,
 )
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    check_keys,
-    pick_variant,
-    wrong_architecture,
-)
-from tuner.models.loading import (
-    component_entries,
-    from_state_dict,
-    load_diffusers_folder,
-    load_tensors,
-    load_tokenizer,
-    normalize_shapes,
-    normalize_state_dict,
-    read_tensor_shapes,
-    resolve_folder,
-    sibling,
-)
+from tuner.models.identify import UNCHECKED, SingleFileSpec, variant_table
+from tuner.models.loading import beside, load_tensors, load_tokenizer, read_tensor_shapes
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -88,72 +72,42 @@ V_PRED_MARKER = "v_pred"  # an empty tensor some v-prediction checkpoints carry 
 # ---------------------------------------------------------------------------------------------------
 # Known variants (UNet and VAE signatures in original names; text encoders in transformers' names)
 # ---------------------------------------------------------------------------------------------------
-UNET_VARIANTS = (
-    Variant(  # SDXL 1.0 base and its fine-tunes (Pony, Illustrious, NoobAI, ...)
-        "sdxl",
-        CONFIGS / "transformer" / "sdxl",
-        {
-            "input_blocks.0.0.weight": (320, 4, 3, 3),
-            "label_emb.0.0.weight": (1280, 2816),
-            "input_blocks.8.1.transformer_blocks.9.attn2.to_k.weight": (1280, 2048),
-            "input_blocks.8.1.transformer_blocks.10.attn2.to_k.weight": None,
-        },
+UNET_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("input_blocks.0.0.weight", "label_emb.0.0.weight",
+     "input_blocks.8.1.transformer_blocks.{}.attn2.to_k.weight"),
+    {
+        # SDXL 1.0 base and its fine-tunes (Pony, Illustrious, NoobAI, ...)
+        "sdxl": ((320, 4, 3, 3), (1280, 2816), (10, (1280, 2048))),
+        # the test fixture (tuner.archs.sdxl.fixture): SDXL's block structure, widths 32-64
+        "tiny": ((32, 4, 3, 3), (128, 160), (1, (64, 96))),
+    },
+)  # fmt: skip
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv_in.weight", "decoder.conv_in.weight"),
+    {
+        # the SDXL VAE and the fp16-fix one (same shapes)
+        "sdxl": ((128, 3, 3, 3), (512, 4, 3, 3)),
+        "tiny": ((32, 3, 3, 3), (64, 4, 3, 3)),
+    },
+)  # fmt: skip
+# Text encoders: embedding, then the layer past the last must be absent (12 / 32 layers, the fixtures' 2)
+CLIP_L_VARIANTS = variant_table(
+    CONFIGS / "clip_l",
+    (
+        "embeddings.token_embedding.weight",
+        "encoder.layers.12.mlp.fc1.weight",
+        "encoder.layers.2.mlp.fc1.weight",
     ),
-    Variant(  # the test fixture (tuner.archs.sdxl.fixture): SDXL's block structure, widths 32-64
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "input_blocks.0.0.weight": (32, 4, 3, 3),
-            "label_emb.0.0.weight": (128, 160),
-            "input_blocks.8.1.transformer_blocks.0.attn2.to_k.weight": (64, 96),
-            "input_blocks.8.1.transformer_blocks.1.attn2.to_k.weight": None,
-        },
-    ),
+    {"clip-l": ((49408, 768), None, UNCHECKED), "tiny": ((1088, 32), UNCHECKED, None)},
 )
-VAE_VARIANTS = (
-    Variant(  # the SDXL VAE and the fp16-fix one (same shapes)
-        "sdxl",
-        CONFIGS / "vae" / "sdxl",
-        {"encoder.conv_in.weight": (128, 3, 3, 3), "decoder.conv_in.weight": (512, 4, 3, 3)},
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {"encoder.conv_in.weight": (32, 3, 3, 3), "decoder.conv_in.weight": (64, 4, 3, 3)},
-    ),
-)
-CLIP_L_VARIANTS = (
-    Variant(
-        "clip-l",
-        CONFIGS / "clip_l" / "clip-l",
-        {"embeddings.token_embedding.weight": (49408, 768), "encoder.layers.12.mlp.fc1.weight": None},
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "clip_l" / "tiny",
-        {"embeddings.token_embedding.weight": (1088, 32), "encoder.layers.2.mlp.fc1.weight": None},
-    ),
-)
-CLIP_G_VARIANTS = (
-    Variant(
-        "bigg",
-        CONFIGS / "clip_g" / "bigg",
-        {
-            "text_model.embeddings.token_embedding.weight": (49408, 1280),
-            "text_projection.weight": (1280, 1280),
-            "text_model.encoder.layers.32.mlp.fc1.weight": None,
-        },  # fmt: skip
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "clip_g" / "tiny",
-        {
-            "text_model.embeddings.token_embedding.weight": (1088, 64),
-            "text_projection.weight": (64, 64),
-            "text_model.encoder.layers.2.mlp.fc1.weight": None,
-        },  # fmt: skip
-    ),
-)
+CLIP_G_VARIANTS = variant_table(
+    CONFIGS / "clip_g",
+    ("text_model.embeddings.token_embedding.weight", "text_projection.weight",
+     "text_model.encoder.layers.32.mlp.fc1.weight", "text_model.encoder.layers.2.mlp.fc1.weight"),
+    {"bigg": ((49408, 1280), (1280, 1280), None, UNCHECKED), "tiny": ((1088, 64), (64, 64), UNCHECKED, None)},
+)  # fmt: skip
 
 _UNET_MARKERS = ("input_blocks.0.0.weight", "out.2.weight")
 _VAE_MARKERS = ("encoder.down.0.block.0.conv1.weight", "decoder.up.0.block.0.conv1.weight")
@@ -162,42 +116,6 @@ _VAE_DIFFUSERS_MARKERS = (
     "decoder.up_blocks.0.resnets.0.conv1.weight",
 )
 _OPEN_CLIP_MARKERS = ("token_embedding.weight", "transformer.resblocks.0.attn.in_proj_weight")
-
-
-_unet_keys = diffusers_keys("UNet2DConditionModel", unet_key_to_original)
-
-
-_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
-
-
-UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS)
-VAE_SPEC = SingleFileSpec("SDXL VAE", VAE_VARIANTS, _vae_keys, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS,
-                          vae_key_to_original)  # fmt: skip
-# CLIP files are identified in transformers' names (`_clip_g_entries` converts OpenCLIP's)
-CLIP_L_SPEC = SingleFileSpec("CLIP ViT-L text encoder", CLIP_L_VARIANTS, model_keys("CLIPTextModel"),
-                             (next(iter(CLIP_L_VARIANTS[0].signature)),))  # fmt: skip
-CLIP_G_SPEC = SingleFileSpec("OpenCLIP ViT-bigG text encoder", CLIP_G_VARIANTS,
-                             model_keys("CLIPTextModelWithProjection"), (next(iter(CLIP_G_VARIANTS[0].signature)),))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------
-# Single files: one component of a bundled checkpoint, or a file of its own
-# ---------------------------------------------------------------------------------------------------
-
-
-def _identify(
-    shapes: Mapping[str, tuple[int, ...]], spec: SingleFileSpec, path: Path
-) -> tuple[Variant, bool]:
-    """(variant, whether the file uses the original layout) of one component's shapes."""
-    if all(k in shapes for k in spec.original_markers):
-        original, is_original = dict(shapes), True
-    elif spec.diffusers_markers and all(k in shapes for k in spec.diffusers_markers):
-        original, is_original = {spec.to_original(k): v for k, v in shapes.items()}, False
-    else:
-        raise wrong_architecture(path, shapes, spec.what, spec.original_markers + spec.diffusers_markers)
-    variant = pick_variant(original, spec.variants, path, spec.what)
-    check_keys(spec.expected_keys(variant), original, path, f"{spec.what} {variant.name}")
-    return variant, is_original
 
 
 def check_not_sd1_or_sd2(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
@@ -216,6 +134,27 @@ def check_not_sd1_or_sd2(shapes: Mapping[str, tuple[int, ...]], path: Path) -> N
         )
 
 
+_unet_keys = diffusers_keys("UNet2DConditionModel", unet_key_to_original)
+
+
+_vae_keys = diffusers_keys("AutoencoderKL", vae_key_to_original)
+
+
+UNET_SPEC = SingleFileSpec("SDXL UNet", UNET_VARIANTS, _unet_keys, _UNET_MARKERS, refuse=check_not_sd1_or_sd2)
+VAE_SPEC = SingleFileSpec("SDXL VAE", VAE_VARIANTS, _vae_keys, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS,
+                          vae_key_to_original)  # fmt: skip
+# CLIP files are identified in transformers' names (`_clip_g_entries` converts OpenCLIP's)
+CLIP_L_SPEC = SingleFileSpec("CLIP ViT-L text encoder", CLIP_L_VARIANTS, model_keys("CLIPTextModel"),
+                             (next(iter(CLIP_L_VARIANTS[0].signature)),))  # fmt: skip
+CLIP_G_SPEC = SingleFileSpec("OpenCLIP ViT-bigG text encoder", CLIP_G_VARIANTS,
+                             model_keys("CLIPTextModelWithProjection"), (next(iter(CLIP_G_VARIANTS[0].signature)),))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# Single files: one component of a bundled checkpoint, or a file of its own
+# ---------------------------------------------------------------------------------------------------
+
+
 def is_v_prediction(path: str | Path) -> bool:
     """Whether a single file carries the `v_pred` marker key (diffusers folders do not say)."""
     path = Path(path)
@@ -224,34 +163,16 @@ def is_v_prediction(path: str | Path) -> bool:
 
 def load_unet(path: str | Path, dtype: torch.dtype) -> UNet2DConditionModel:
     """Load the SDXL UNet from a diffusers folder or a single file (bundled or alone), in eval mode."""
-    from diffusers import UNet2DConditionModel
-
-    folder = resolve_folder(path, "unet")
-    if folder is not None:
-        return load_diffusers_folder(UNet2DConditionModel, folder, dtype, "UNet2DConditionModel")
-    path = Path(path)
-    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), (UNET_PREFIX, "diffusion_model.")))
-    check_not_sd1_or_sd2(shapes, path)
-    variant, _ = _identify(shapes, UNET_SPEC, path)
-    state_dict = component_entries(load_tensors(path), (UNET_PREFIX, "diffusion_model."))
-    state_dict = unet_to_diffusers(normalize_state_dict(state_dict, dtype))
-    return from_state_dict(UNet2DConditionModel, state_dict, variant.config_dir, dtype, path)
+    to_diffusers, bundled = lambda sd, _: unet_to_diffusers(sd), (UNET_PREFIX, "diffusion_model.")
+    return load_component(
+        path, dtype, "UNet2DConditionModel", "unet", UNET_SPEC, to_diffusers, bundled=bundled
+    )
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKL:
     """Load the SDXL VAE from a diffusers folder or a single file (bundled, LDM or diffusers layout)."""
-    from diffusers import AutoencoderKL
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKL, folder, dtype, "AutoencoderKL")
-    path = Path(path)
-    shapes = normalize_shapes(component_entries(read_tensor_shapes(path), (VAE_PREFIX,)))
-    variant, is_original = _identify(shapes, VAE_SPEC, path)
-    state_dict = normalize_state_dict(component_entries(load_tensors(path), (VAE_PREFIX,)), dtype)
-    if is_original:
-        state_dict = vae_to_diffusers(state_dict)
-    return from_state_dict(AutoencoderKL, state_dict, variant.config_dir, dtype, path)
+    to_diffusers = ldm_vae_to_diffusers  # FLUX.1's layout
+    return load_component(path, dtype, "AutoencoderKL", "vae", VAE_SPEC, to_diffusers, bundled=(VAE_PREFIX,))
 
 
 class TextEncoders(NamedTuple):
@@ -281,17 +202,12 @@ def load_tokenizers(path: str | Path, path_2: str | Path | None, tokenizer: str 
     """Both tokenizers alone (what text-encoder training caches with): given, or beside the encoders'
     folders in a diffusers layout."""
     path_2 = path_2 or path
-    found = [_tokenizer_folder(p, sub, name) for p, sub, name in ((path, "text_encoder", "tokenizer"),
+    found = [beside(p, sub, name) for p, sub, name in ((path, "text_encoder", "tokenizer"),
                                                                   (path_2, "text_encoder_2", "tokenizer_2"))]  # fmt: skip
     return (
         load_tokenizer(tokenizer or found[0], path, "CLIP ViT-L tokenizer (the tokenizer/ folder of SDXL)"),
         load_tokenizer(tokenizer_2 or found[1], path_2, "OpenCLIP bigG tokenizer (the tokenizer_2/ folder of SDXL)"),
     )  # fmt: skip
-
-
-def _tokenizer_folder(path: str | Path, subfolder: str, tokenizer: str) -> Path | None:
-    folder = resolve_folder(path, subfolder)
-    return sibling(folder, tokenizer) if folder is not None else None
 
 
 def load_clip_l(path: str | Path, dtype: torch.dtype) -> CLIPTextModel:

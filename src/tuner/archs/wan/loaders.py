@@ -37,18 +37,12 @@ from tuner.archs.wan.keys import (
     vae_to_original,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
-from tuner.models.encoders import load_encoder
-from tuner.models.identify import (
-    SingleFileSpec,
-    Variant,
-    apply_aliases,
-    identify_single_file,
-)
+from tuner.models.component import component_spec, load_component
+from tuner.models.encoders import T5_COLUMNS, load_encoder, model_keys
+from tuner.models.identify import UNCHECKED, SingleFileSpec, identify_single_file, variant_table
 from tuner.models.loading import (
     load_diffusers_folder,
     load_diffusers_single_file,
-    load_tensors,
     load_tensors_of,
     load_tokenizer,
     normalize_state_dict,
@@ -84,129 +78,33 @@ CONFIGS = Path(__file__).parent / "configs"
 # Known variants. Signatures use original-layout names; `None` means the tensor must be absent (it pins
 # the number of blocks and tells text-to-video from image-to-video).
 # ---------------------------------------------------------------------------------------------------
-TRANSFORMER_VARIANTS = (
-    Variant(
-        "t2v-1.3B",
-        CONFIGS / "transformer" / "t2v-1.3B",
-        {
-            "patch_embedding.weight": (1536, 16, 1, 2, 2),
-            "text_embedding.0.weight": (1536, 4096),
-            "blocks.29.ffn.0.weight": (8960, 1536),
-            "blocks.30.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": None,
-        },
-    ),
-    Variant(
-        "t2v-14B",
-        CONFIGS / "transformer" / "t2v-14B",
-        {
-            "patch_embedding.weight": (5120, 16, 1, 2, 2),
-            "text_embedding.0.weight": (5120, 4096),
-            "blocks.39.ffn.0.weight": (13824, 5120),
-            "blocks.40.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": None,
-        },
-    ),
-    Variant(
-        "i2v-14B",
-        CONFIGS / "transformer" / "i2v-14B",
-        {
-            "patch_embedding.weight": (5120, 36, 1, 2, 2),
-            "text_embedding.0.weight": (5120, 4096),
-            "blocks.39.ffn.0.weight": (13824, 5120),
-            "blocks.40.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": (5120, 5120),
-            "img_emb.proj.1.weight": (1280, 1280),
-            "img_emb.emb_pos": None,  # present only in first-last-frame models
-        },
-    ),
-    Variant(  # Wan 2.1 FLF2V 14B: I2V's network plus a position embedding over the two frames' CLIP tokens
-        "flf2v-14B",
-        CONFIGS / "transformer" / "flf2v-14B",
-        {
-            "patch_embedding.weight": (5120, 36, 1, 2, 2),
-            "blocks.39.ffn.0.weight": (13824, 5120),
-            "blocks.40.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": (5120, 5120),
-            "img_emb.emb_pos": (1, 514, 1280),
-        },
-    ),
-    Variant(  # either Wan 2.2 I2V A14B expert: noise + conditioning latents + mask in, no CLIP image layers
-        "i2v-A14B",
-        CONFIGS / "transformer" / "i2v-A14B",
-        {
-            "patch_embedding.weight": (5120, 36, 1, 2, 2),
-            "text_embedding.0.weight": (5120, 4096),
-            "blocks.39.ffn.0.weight": (13824, 5120),
-            "blocks.40.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": None,
-        },
-    ),
-    Variant(  # Wan 2.2 TI2V-5B: the 48-channel latents of the Wan 2.2 VAE
-        "ti2v-5B",
-        CONFIGS / "transformer" / "ti2v-5B",
-        {
-            "patch_embedding.weight": (3072, 48, 1, 2, 2),
-            "text_embedding.0.weight": (3072, 4096),
-            "blocks.29.ffn.0.weight": (14336, 3072),
-            "blocks.30.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": None,
-        },
-    ),
-    Variant(  # the TI2V test fixture (tuner.archs.wan.fixture_ti2v): the tiny network on 48 channels
-        "tiny-ti2v",
-        CONFIGS / "transformer" / "tiny-ti2v",
-        {
-            "patch_embedding.weight": (64, 48, 1, 2, 2),
-            "text_embedding.0.weight": (64, 64),
-            "blocks.1.ffn.0.weight": (128, 64),
-            "blocks.2.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": None,
-        },
-    ),
-    Variant(  # the test fixture (tuner.archs.wan.fixture): 2 heads of 32, 2 blocks
-        "tiny",
-        CONFIGS / "transformer" / "tiny",
-        {
-            "patch_embedding.weight": (64, 16, 1, 2, 2),
-            "text_embedding.0.weight": (64, 64),
-            "blocks.1.ffn.0.weight": (128, 64),
-            "blocks.2.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": None,
-        },
-    ),
-    Variant(  # the I2V test fixture: the tiny network with 36 input channels and the tiny CLIP's width 32
-        "tiny-i2v",
-        CONFIGS / "transformer" / "tiny-i2v",
-        {
-            "patch_embedding.weight": (64, 36, 1, 2, 2),
-            "blocks.1.ffn.0.weight": (128, 64),
-            "blocks.2.ffn.0.weight": None,
-            "img_emb.proj.1.weight": (32, 32),
-            "img_emb.emb_pos": None,
-        },
-    ),
-    Variant(  # the Wan 2.2 I2V A14B test fixture's experts: tiny-i2v without the CLIP image layers
-        "tiny-i2v-A14B",
-        CONFIGS / "transformer" / "tiny-i2v-A14B",
-        {
-            "patch_embedding.weight": (64, 36, 1, 2, 2),
-            "blocks.1.ffn.0.weight": (128, 64),
-            "blocks.2.ffn.0.weight": None,
-            "blocks.0.cross_attn.k_img.weight": None,
-        },
-    ),
-    Variant(  # the FLF2V test fixture: tiny-i2v plus the position embedding of two frames' 17 tokens
-        "tiny-flf2v",
-        CONFIGS / "transformer" / "tiny-flf2v",
-        {
-            "patch_embedding.weight": (64, 36, 1, 2, 2),
-            "blocks.1.ffn.0.weight": (128, 64),
-            "blocks.2.ffn.0.weight": None,
-            "img_emb.emb_pos": (1, 34, 32),
-        },
-    ),
-)
+TRANSFORMER_VARIANTS = variant_table(
+    CONFIGS / "transformer",
+    ("patch_embedding.weight", "text_embedding.0.weight", "blocks.{}.ffn.0.weight",
+     "blocks.0.cross_attn.k_img.weight", "img_emb.proj.1.weight", "img_emb.emb_pos"),
+    {
+        "t2v-1.3B": ((1536, 16, 1, 2, 2), (1536, 4096), (30, (8960, 1536)), None, UNCHECKED, UNCHECKED),
+        "t2v-14B": ((5120, 16, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED),
+        # img_emb.emb_pos is present only in first-last-frame models
+        "i2v-14B": ((5120, 36, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), (5120, 5120), (1280, 1280), None),
+        # Wan 2.1 FLF2V 14B: I2V's network plus a position embedding over the two frames' CLIP tokens
+        "flf2v-14B": ((5120, 36, 1, 2, 2), UNCHECKED, (40, (13824, 5120)), (5120, 5120), UNCHECKED, (1, 514, 1280)),
+        # either Wan 2.2 I2V A14B expert: noise + conditioning latents + mask in, no CLIP image layers
+        "i2v-A14B": ((5120, 36, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED),
+        # Wan 2.2 TI2V-5B: the 48-channel latents of the Wan 2.2 VAE
+        "ti2v-5B": ((3072, 48, 1, 2, 2), (3072, 4096), (30, (14336, 3072)), None, UNCHECKED, UNCHECKED),
+        # the TI2V test fixture (tuner.archs.wan.fixture_ti2v): the tiny network on 48 channels
+        "tiny-ti2v": ((64, 48, 1, 2, 2), (64, 64), (2, (128, 64)), None, UNCHECKED, UNCHECKED),
+        # the test fixture (tuner.archs.wan.fixture): 2 heads of 32, 2 blocks
+        "tiny": ((64, 16, 1, 2, 2), (64, 64), (2, (128, 64)), None, UNCHECKED, UNCHECKED),
+        # the I2V test fixture: the tiny network with 36 input channels and the tiny CLIP's width 32
+        "tiny-i2v": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), UNCHECKED, (32, 32), None),
+        # the Wan 2.2 I2V A14B test fixture's experts: tiny-i2v without the CLIP image layers
+        "tiny-i2v-A14B": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), None, UNCHECKED, UNCHECKED),
+        # the FLF2V test fixture: tiny-i2v plus the position embedding of two frames' 17 tokens
+        "tiny-flf2v": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), UNCHECKED, UNCHECKED, (1, 34, 32)),
+    },
+)  # fmt: skip
 
 # What each transformer variant is, and the architectures (`model.architecture`) that train it, first the
 # one to suggest. Names that are not registered yet are suggested as "not supported yet".
@@ -224,79 +122,39 @@ VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tiny-i2v-A14B": ("the tiny Wan 2.2 I2V A14B test expert (image-to-video)", ("wan22_i2v",)),
 }
 
-VAE_VARIANTS = (
-    Variant(
-        "wan2.1",
-        CONFIGS / "vae" / "wan2.1",
-        {"encoder.conv1.weight": (96, 3, 3, 3, 3), "decoder.conv1.weight": (384, 16, 3, 3, 3)},
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "vae" / "tiny",
-        {"encoder.conv1.weight": (16, 3, 3, 3, 3), "decoder.conv1.weight": (64, 16, 3, 3, 3)},
-    ),
+VAE_VARIANTS = variant_table(
+    CONFIGS / "vae",
+    ("encoder.conv1.weight", "decoder.conv1.weight"),
+    {"wan2.1": ((96, 3, 3, 3, 3), (384, 16, 3, 3, 3)), "tiny": ((16, 3, 3, 3, 3), (64, 16, 3, 3, 3))},
 )
 
-TEXT_ENCODER_VARIANTS = (
-    Variant(
-        "umt5-xxl",
-        CONFIGS / "text_encoder" / "umt5-xxl",
-        {
-            "shared.weight": (256384, 4096),
-            "encoder.block.23.layer.1.DenseReluDense.wi_0.weight": (10240, 4096),
-            "encoder.block.24.layer.1.DenseReluDense.wi_0.weight": None,
-        },
-    ),
-    Variant(
-        "tiny",
-        CONFIGS / "text_encoder" / "tiny",
-        {
-            "shared.weight": (512, 64),
-            "encoder.block.1.layer.1.DenseReluDense.wi_0.weight": (128, 64),
-            "encoder.block.2.layer.1.DenseReluDense.wi_0.weight": None,
-        },
-    ),
+TEXT_ENCODER_VARIANTS = variant_table(
+    CONFIGS / "text_encoder",
+    T5_COLUMNS,
+    {"umt5-xxl": ((256384, 4096), (24, (10240, 4096))), "tiny": ((512, 64), (2, (128, 64)))},
 )
 
+
+_ORIGINAL_MARKERS = ("head.modulation", "blocks.0.self_attn.q.weight")
+_DIFFUSERS_MARKERS = ("scale_shift_table", "blocks.0.attn1.to_q.weight")
+_VAE_MARKERS = ("encoder.conv1.weight", "decoder.conv1.weight", "encoder.middle.1.to_qkv.weight")
+_VAE_DIFFUSERS_MARKERS = ("encoder.conv_in.weight", "decoder.conv_in.weight", "quant_conv.weight")
 
 # The encoder's embedding is tied to `shared`; ComfyUI's files store only `shared.weight`.
 _TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
-_transformer_keys = diffusers_keys("WanTransformer3DModel", original_module_name)
-
-
-_vae_keys = diffusers_keys("AutoencoderKLWan", vae_key_to_original)
-
-
-def _text_encoder_keys(variant: Variant) -> list[str]:
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    with torch.device("meta"):
-        model = UMT5EncoderModel(UMT5Config.from_pretrained(variant.config_dir))
-    return list(apply_aliases(model.state_dict(), _TIED_EMBEDDING))
-
-
-TRANSFORMER_SPEC = SingleFileSpec(
-    what="Wan 2.1 transformer",
-    variants=TRANSFORMER_VARIANTS,
-    expected_keys=_transformer_keys,
-    original_markers=("head.modulation", "blocks.0.self_attn.q.weight"),
-    diffusers_markers=("scale_shift_table", "blocks.0.attn1.to_q.weight"),
-    to_original=original_module_name,
-)
-VAE_SPEC = SingleFileSpec(
-    what="Wan 2.1 VAE",
-    variants=VAE_VARIANTS,
-    expected_keys=_vae_keys,
-    original_markers=("encoder.conv1.weight", "decoder.conv1.weight", "encoder.middle.1.to_qkv.weight"),
-    diffusers_markers=("encoder.conv_in.weight", "decoder.conv_in.weight", "quant_conv.weight"),
-    to_original=vae_key_to_original,
+TRANSFORMER_SPEC = component_spec(
+    "Wan 2.1 transformer", "WanTransformer3DModel", TRANSFORMER_VARIANTS, _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS,
+    original_module_name,
+)  # fmt: skip
+VAE_SPEC = component_spec(
+    "Wan 2.1 VAE", "AutoencoderKLWan", VAE_VARIANTS, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS, vae_key_to_original
 )
 TEXT_ENCODER_SPEC = SingleFileSpec(
     what="UMT5 text encoder",
     variants=TEXT_ENCODER_VARIANTS,
-    expected_keys=_text_encoder_keys,
+    expected_keys=model_keys("UMT5EncoderModel", leave_out=tuple(_TIED_EMBEDDING)),
     original_markers=("shared.weight", "encoder.block.0.layer.0.SelfAttention.q.weight"),
     aliases=_TIED_EMBEDDING,
 )
@@ -398,14 +256,7 @@ def load_vae(
     check_vae_generation(path, generation, architecture)
     if generation == "2.2":
         return load_vae22(path, dtype)
-    from diffusers import AutoencoderKLWan
-
-    folder = resolve_folder(path, "vae")
-    if folder is not None:
-        return load_diffusers_folder(AutoencoderKLWan, folder, dtype, "AutoencoderKLWan")
-    variant = identify_single_file(path, VAE_SPEC)
-    state_dict = normalize_state_dict(load_tensors(path), dtype)
-    return load_diffusers_single_file(AutoencoderKLWan, state_dict, variant.config_dir, dtype, Path(path))
+    return load_component(path, dtype, "AutoencoderKLWan", "vae", VAE_SPEC, diffusers_converter=True)
 
 
 def load_text_encoder(

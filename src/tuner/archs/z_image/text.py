@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.models.encoders import load_encoder_file_on_meta, model_keys
-from tuner.models.identify import SingleFileSpec, Variant
+from tuner.models.encoders import CAUSAL_LM_COLUMNS, load_encoder_file_on_meta, model_keys
+from tuner.models.identify import SingleFileSpec, variant_table
 from tuner.models.loading import (
     load_tokenizer,
     load_transformers_folder,
@@ -38,26 +38,15 @@ TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 """Qwen3's chat template for one user message with `add_generation_prompt=True, enable_thinking=True`
 (ZImagePipeline's call): no system prompt, no empty think block."""
 
-VARIANTS = (
-    Variant(
-        "qwen3-4b",
-        CONFIGS / "qwen3-4b",
-        {
-            "model.embed_tokens.weight": (151936, 2560),
-            "model.layers.35.mlp.gate_proj.weight": (9728, 2560),
-            "model.layers.36.mlp.gate_proj.weight": None,
-        },
-    ),
-    Variant(  # the test fixture: 2 layers of width 64
-        "tiny",
-        CONFIGS / "tiny",
-        {
-            "model.embed_tokens.weight": (2048, 64),
-            "model.layers.1.mlp.gate_proj.weight": (128, 64),
-            "model.layers.2.mlp.gate_proj.weight": None,
-        },
-    ),
-)
+VARIANTS = variant_table(
+    CONFIGS,
+    CAUSAL_LM_COLUMNS,
+    {
+        "qwen3-4b": ((151936, 2560), (36, (9728, 2560))),
+        # the test fixture: 2 layers of width 64
+        "tiny": ((2048, 64), (2, (128, 64))),
+    },
+)  # fmt: skip
 
 _LM_HEAD = "lm_head.weight"
 
@@ -70,7 +59,7 @@ def original_key(key: str) -> str:
 SPEC = SingleFileSpec(
     what="Qwen3 text encoder",
     variants=VARIANTS,
-    expected_keys=model_keys("Qwen3Model", prefix="model."),  # in the checkpoint's layout (`original_key`)
+    expected_keys=model_keys("Qwen3Model", to_original=original_key),
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_norm.weight"),
     aliases={_LM_HEAD: "model.embed_tokens.weight"},  # tied in Qwen3-4B; unused here
 )
