@@ -19,7 +19,9 @@ from tuner.errors import ConfigError
 from tuner.fixtures import write_fixture
 from tuner.models.loading import load_tensors, read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
+from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.factory import apply_adapter_file
+from tuner.networks.formats import layout_state
 from tuner.networks.loha import LoHaNetwork
 from tuner.registry import ARCHITECTURES
 from tuner.tools.merge import merge_adapters
@@ -171,6 +173,54 @@ def test_adapters_in_tencent_names_still_read(model, tmp_path, layout):
         all(torch.equal(got[name], delta) for name, delta in expected.items())
         and got.keys() == expected.keys()
     )
+
+
+def musubi_adapter_names(tencent_file_keys) -> set[str]:
+    """Every adapter stem musubi-tuner's HunyuanVideo 1.5 LoRA names: `lora_unet_` + its model's module name
+    with "_", its model holding Tencent's names (a ComfyUI file's `*_attn_qkv` split on load)."""
+    return {"lora_unet_" + k.removesuffix(".weight").replace(".", "_") for k in tencent_file_keys
+            if k.endswith(".weight")}  # fmt: skip
+
+
+def test_musubi_file_names_modules_of_musubis_model(model, paths, tmp_path):
+    """`musubi` writes Tencent's separate q/k/v and `img_mlp_fc1` (musubi-tuner would drop ComfyUI's fused
+    `img_attn_qkv` silently), and reads back to the same adapters."""
+    network = _network(model)
+    try:
+        path = tmp_path / "musubi.safetensors"
+        network.save(path, HUNYUAN_VIDEO15_LAYOUT, format="musubi")
+        expected = _deltas(network)
+    finally:
+        network.remove()
+    stems = _stems(path)
+    assert len(stems) == 12  # img/txt: q, k, v, proj, mlp in and out
+    assert stems <= musubi_adapter_names(read_tensor_shapes(paths["tencent_transformer_file"])), sorted(stems)
+    assert {"lora_unet_double_blocks_0_img_attn_q", "lora_unet_double_blocks_0_txt_attn_v",
+            "lora_unet_double_blocks_0_img_mlp_fc1"} <= stems  # fmt: skip
+    loaded = apply_adapter_file(model, path, name_map=HUNYUAN_VIDEO15_LAYOUT)
+    try:
+        got = _deltas(loaded)
+    finally:
+        loaded.remove()
+    assert got.keys() == expected.keys()
+    for name, delta in expected.items():
+        torch.testing.assert_close(got[name], delta, atol=1e-6, rtol=1e-5)
+
+
+def test_musubi_file_keeps_the_refiners_qkv_fused():
+    """musubi-tuner's model keeps the text refiner's `self_attn_qkv` fused (its loader splits only the double
+    blocks'): the `musubi` layout fuses it, and nothing else."""
+    refiner = "context_embedder.token_refiner.refiner_blocks.0.attn"
+    names = [f"{refiner}.{p}" for p in ("to_q", "to_k", "to_v")] + ["transformer_blocks.0.attn.to_q",
+             "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v"]  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    modules = {n: ModuleWeights(LORA, {"down": torch.randn(2, 8, generator=g), "up": torch.randn(8, 2, generator=g)},
+                                1.0) for n in names}  # fmt: skip
+    state, _ = layout_state(modules, "musubi", HUNYUAN_VIDEO15_LAYOUT)
+    stems = {k.split(".")[0] for k in state}
+    assert stems == {"lora_unet_txt_in_individual_token_refiner_blocks_0_self_attn_qkv"} | {
+        f"lora_unet_double_blocks_0_img_attn_{p}" for p in "qkv"
+    }
 
 
 def test_kohya_file_merges_like_the_default_one(model, paths, tmp_path):

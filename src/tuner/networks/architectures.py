@@ -48,6 +48,10 @@ class ArchitectureKeys:
     """musubi-tuner's model keeps diffusers' module names (Z-Image, FramePack), so its `lora_unet_` stems are
     those with "_", unfused (`layers_0_attention_to_q`): what the `musubi` layout writes (`stem`). Otherwise
     musubi's names are the release's, which the `musubi` layout writes without `kohya_names`' respelling."""
+    musubi: ArchitectureKeys | None = None
+    """musubi-tuner's own table where its model names or fuses modules otherwise than the release ComfyUI
+    loads (HunyuanVideo 1.5: Tencent's separate q/k/v where ComfyUI's files fuse them): the `musubi` layout
+    writes its stems (`for_layout`), fusing only its fused layers. None: this table's names."""
 
     @cached_property
     def _to_original(self) -> list[tuple[re.Pattern[str], str]]:
@@ -64,6 +68,10 @@ class ArchitectureKeys:
         pairs = [(_compile(o.replace(".", "_"), rest=False), d) for d, o in self.renames]
         diffusers = [d for d, _ in self.renames] + [p for layer in self.fused for p in layer.parts]
         return pairs + [(_compile(d.replace(".", "_"), rest=False), d) for d in diffusers]
+
+    def for_layout(self, layout: str) -> ArchitectureKeys:
+        """The table a layout's stems are written from: `musubi` in the `musubi` layout where there is one."""
+        return self.musubi if layout == "musubi" and self.musubi is not None else self
 
     def __call__(self, diffusers_name: str) -> str:
         """The original name of a diffusers module (or tensor key); `KeyError` outside the table."""

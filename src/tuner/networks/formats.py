@@ -29,8 +29,11 @@ zimage_model.py`, adapted by `networks/lora_zimage.py`) and FramePack model (`ne
 targets diffusers' block classes) keep diffusers' names: q, k and v unfused (`attention_to_q`,
 `attention_to_out_0`; `ArchitectureKeys.musubi_diffusers_names`), where ComfyUI's `kohya` names are the
 release's fused `attention_qkv` / `attention_out`. For HunyuanVideo musubi-tuner keeps the release's
-`img_mlp_fc1`, where ComfyUI's is `img_mlp_0` (`kohya_names`). Elsewhere `musubi` writes what `kohya`
-writes: the architectures musubi-tuner does not train as well, so one setting fits every run.
+`img_mlp_fc1`, where ComfyUI's is `img_mlp_0` (`kohya_names`). Where its model has names and fused layers of
+its own, the name map carries musubi's table (`ArchitectureKeys.musubi`, taken through `keys.layout_name_map`):
+HunyuanVideo 1.5's is Tencent's release, q, k and v apart (`img_attn_q`) where ComfyUI fuses them.
+Elsewhere `musubi` writes what `kohya` writes: the architectures musubi-tuner does not train as well, so
+one setting fits every run.
 
 Where the layouts load (measured; `save.format = "auto"` picks, per architecture, one that loads in
 both ComfyUI and diffusers' `load_lora_weights`, see `Architecture.save_format`):
@@ -78,6 +81,7 @@ from tuner.networks.keys import (
     NameMap,
     describe_source,
     identity_name_map,
+    layout_name_map,
     own_stem,
     read_safetensors,
     split_keys,
@@ -287,6 +291,7 @@ def layout_state(
         raise TunerError(f"unknown adapter layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     state: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
+    name_map = layout_name_map(name_map, layout)
     own = {name: stem for name in modules if (stem := own_stem(name_map, name, layout)) is not None}
     if layout == "diffusers":
         folded = {}

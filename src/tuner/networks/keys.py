@@ -15,7 +15,8 @@ which is what ComfyUI builds its key map from; diffusers renames modules (`block
 architecture supplies a *name map* (diffusers name -> original name) as data; the default is identity.
 
 musubi is kohya's spelling where musubi-tuner's model names modules otherwise than ComfyUI (Z-Image and
-FramePack keep diffusers' names there; see `formats.py`); the readers take it as kohya.
+FramePack keep diffusers' names there, HunyuanVideo 1.5 Tencent's separate q/k/v; see `formats.py`); the
+readers take it as kohya.
 
 Files are read the other way round: every stem must resolve to one module of the model. Rather than
 inverting the name map or parsing stems, `ModuleNameIndex` writes down every stem each candidate
@@ -39,13 +40,21 @@ NameMap = Callable[[str], str]
 """Maps a diffusers module name to the original-release module name. A name map may also name some
 modules' whole stems itself: a method `stem(name, layout) -> str | None` (None: the usual stem), and back,
 `name_of_stem(stem) -> str | None`. SDXL's does, for its text encoders (`lora_te1_...`) and diffusers'
-`unet.` prefix."""
+`unet.` prefix. And it may write a layout from another table: `for_layout(layout) -> NameMap`
+(`layout_name_map`)."""
 
 
 def own_stem(name_map: NameMap | None, name: str, layout: str) -> str | None:
     """The stem `name_map` gives module `name` in `layout` itself, or None (the layout's usual stem)."""
     stem = getattr(name_map, "stem", None)
     return stem(name, layout) if stem is not None else None
+
+
+def layout_name_map(name_map: NameMap | None, layout: str) -> NameMap | None:
+    """The name map `layout`'s stems are written from: the name map's own table for that layout (a method
+    `for_layout(layout)`; musubi-tuner's names, see `ArchitectureKeys.musubi`), else the name map itself."""
+    for_layout = getattr(name_map, "for_layout", None)
+    return for_layout(layout) if for_layout is not None else name_map
 
 
 def own_name(name_map: NameMap | None, stem: str) -> str | None:

@@ -71,6 +71,10 @@ class CheckpointLayout:
         """The stem the table names a module itself (`ArchitectureKeys.stem`), or None."""
         return self.keys.stem(name, layout)
 
+    def for_layout(self, layout: str) -> ArchitectureKeys:
+        """The table a layout's stems are written from (`ArchitectureKeys.for_layout`)."""
+        return self.keys.for_layout(layout)
+
     @cached_property
     def inverse(self) -> ToDiffusers:
         """original -> diffusers names (what loaders take as `name_map_inverse`), carrying this layout."""

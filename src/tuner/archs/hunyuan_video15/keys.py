@@ -26,6 +26,13 @@ files) still read. ComfyUI's `lora_unet_` names are its own module names, which 
 for the MLPs (`img_mlp.0` / `.2` for `img_mlp.fc1` / `.fc2`), as for 1.0: kohya stems spell them
 (`KOHYA_NAMES`, `ArchitectureKeys.kohya_names`; the release's spelling reads back); comfy stems keep Tencent's names, which ComfyUI maps too.
 
+musubi-tuner's model has Tencent's module names: it loads either file with `load_state_dict(strict=True)`
+after splitting only the double blocks' `*_attn_qkv` (`comfyui_hunyuan_video_1_5_weight_split_hook`), so
+it has `img_attn_q` / `_k` / `_v`, `img_mlp.fc1` and the refiner's fused `self_attn_qkv`, and its LoRA
+(`networks/lora_hv_1_5.py`: `lora_unet_` + those names with "_", in the `MMDoubleStreamBlock`s) would drop
+ComfyUI's fused `img_attn_qkv` silently. `save.format = "musubi"` writes Tencent's names
+(`TENCENT_KEYS`, `ArchitectureKeys.musubi`): `lora_unet_double_blocks_0_img_attn_q`, `..._img_mlp_fc1`.
+
 Shared with 1.0: the modulations, norms, the text refiner (`txt_in.*`, its q/k/v fused in every file as
 `self_attn_qkv`) and `final_layer.*`, whose modulation's two row halves are swapped. New in 1.5: the
 ByT5 glyph projection `byt5_in.*`, the SigLIP image projection `vision_in.proj.{0,1,3,4}` and
@@ -129,18 +136,19 @@ FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 KOHYA_NAMES = tuple((d, comfy_name(o)) for d, o in TRANSFORMER_RULES if comfy_name(o) != o)
 
 
+TENCENT_KEYS = ArchitectureKeys("hunyuan_video15 (Tencent's release)", TRANSFORMER_RULES, (_REFINER_QKV,))
+"""Tencent's names, q/k/v apart in the double blocks, the refiner's fused: musubi-tuner's model's too."""
+
 HUNYUAN_VIDEO15_KEYS = ArchitectureKeys(
-    "hunyuan_video15", TRANSFORMER_RULES, FUSED_LAYERS, kohya_names=KOHYA_NAMES
+    "hunyuan_video15", TRANSFORMER_RULES, FUSED_LAYERS, kohya_names=KOHYA_NAMES, musubi=TENCENT_KEYS
 )
-"""The adapter name map (diffusers module name -> Tencent's, q/k/v fused as ComfyUI's files hold them)."""
+"""The adapter name map (diffusers module name -> Tencent's, q/k/v fused as ComfyUI's files hold them;
+musubi-tuner's apart)."""
 
 HUNYUAN_VIDEO15_LAYOUT = CheckpointLayout(HUNYUAN_VIDEO15_KEYS, swapped_halves=(FINAL_MODULATION,))
 """The whole transformer checkpoint, both directions, at any size: reads both files, writes ComfyUI's."""
 
-TENCENT_LAYOUT = CheckpointLayout(
-    ArchitectureKeys("hunyuan_video15 (Tencent's release)", TRANSFORMER_RULES, (_REFINER_QKV,)),
-    swapped_halves=(FINAL_MODULATION,),
-)
+TENCENT_LAYOUT = CheckpointLayout(TENCENT_KEYS, swapped_halves=(FINAL_MODULATION,))
 """Tencent's release: separate q/k/v in the double blocks (the test fixture writes a file in it)."""
 
 transformer_key_to_original = HUNYUAN_VIDEO15_LAYOUT.key_to_original

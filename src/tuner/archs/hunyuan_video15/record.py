@@ -36,7 +36,10 @@ HUNYUAN_VIDEO15 = Architecture(
         "(q/k/v fused; kohya MLP names ComfyUI's `img_mlp_0` / `_2`), DoRA is refused; diffusers has no "
         "HunyuanVideo 1.5 LoRA loader"
     ),
-    save_format_loads="ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader",
+    save_format_loads=(
+        'ComfyUI; diffusers has no HunyuanVideo 1.5 LoRA loader; musubi-tuner needs `save.format = "musubi"` '
+        "(Tencent's separate q/k/v)"
+    ),
     title="HunyuanVideo 1.5 text-to-video (8.3B, 480p / 720p T2V)",
     family="HunyuanVideo15Model",
     block_lists=("transformer_blocks",),
