@@ -55,6 +55,13 @@ HUNYUAN_VIDEO = Architecture(
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
+    # ComfyUI's `HunyuanVideo` key map (FramePack's too) names Tencent's modules only (comfy/lora.py)
+    dora_refused=(
+        "ComfyUI's HunyuanVideo model keeps q, k and v in one linear (img_attn.qkv / txt_attn.qkv, the single "
+        "blocks' linear1, the refiner's self_attn_qkv) and maps adapter names onto it in Tencent's spelling "
+        "only; a column-wise DoRA of q, k or v alone has no fused form and is written under its diffusers "
+        "name (transformer.transformer_blocks.N.attn.to_q), which it would not load"
+    ),
     frame_multiple=4,
     frame_remainder=1,
     model_fps=24.0,

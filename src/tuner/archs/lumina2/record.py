@@ -31,6 +31,12 @@ LUMINA2 = Architecture(
     tokenizers=hub_tokenizers("Alpha-VLLM/Lumina-Image-2.0", "tokenizer"),  # Gemma 2
     hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
+    dora_refused=(
+        "ComfyUI's Lumina 2 model keeps q, k and v in one linear (layers.N.attention.qkv) and maps diffusers' "
+        "names onto its rows only as Z-Image spells them (attention.to_q, in equal thirds), not Lumina 2's "
+        "attn.to_q with its smaller k and v; a column-wise DoRA of q, k or v alone has no fused form and is "
+        "written under that name, which it would not load"
+    ),
     sample_shift=6.0,
     latent_patch=(2, 2),
 )

@@ -48,6 +48,11 @@ Z_IMAGE = Architecture(
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
     save_format="kohya",
+    dora_refused=(
+        "a column-wise DoRA of q, k or v alone has no fused form (attention.qkv) and the kohya file writes it "
+        "under lora_transformer_<diffusers name>, which ComfyUI's Z-Image key map lacks (it maps diffusers' "
+        "names under transformer. and diffusion_model. onto the fused rows)"
+    ),
     latent_patch=(2, 2),
 )
 
