@@ -44,14 +44,11 @@ class ArchitectureKeys:
     """(diffusers pattern, ComfyUI's module name) for modules ComfyUI names otherwise than the release
     (HunyuanVideo's `img_mlp.fc1` is its `img_mlp.0`): ComfyUI's `lora_unet_` key map is its own module
     names with "_", so their kohya stems spell those (`stem`); the release's spelling still reads back."""
-    musubi_diffusers_names: bool = False
-    """musubi-tuner's model keeps diffusers' module names (Z-Image, FramePack), so its `lora_unet_` stems are
-    those with "_", unfused (`layers_0_attention_to_q`): what the `musubi` layout writes (`stem`). Otherwise
-    musubi's names are the release's, which the `musubi` layout writes without `kohya_names`' respelling."""
     musubi: ArchitectureKeys | None = None
     """musubi-tuner's own table where its model names or fuses modules otherwise than the release ComfyUI
-    loads (HunyuanVideo 1.5: Tencent's separate q/k/v where ComfyUI's files fuse them): the `musubi` layout
-    writes its stems (`for_layout`), fusing only its fused layers. None: this table's names."""
+    loads: the `musubi` layout writes its stems (`for_layout`), fusing only its fused layers. HunyuanVideo
+    1.5: Tencent's separate q/k/v where ComfyUI's files fuse them; Z-Image and FramePack: diffusers' names,
+    unfused (`MUSUBI_DIFFUSERS_NAMES`). None: this table's names."""
 
     @cached_property
     def _to_original(self) -> list[tuple[re.Pattern[str], str]]:
@@ -97,11 +94,8 @@ class ArchitectureKeys:
         return ArchitectureKeys(f"{self.name} kohya", self.kohya_names)
 
     def stem(self, name: str, layout: str) -> str | None:
-        """The stem of a module the table names itself in a kohya-spelled layout: ComfyUI's name
-        (`kohya_names`) in `kohya`, diffusers' (`musubi_diffusers_names`) in `musubi`; None: the layout's
-        usual stem (`NameMap`)."""
-        if layout == "musubi" and self.musubi_diffusers_names:
-            return KOHYA_PREFIXES[0] + name.replace(".", "_")
+        """The stem of a module the table names itself in the `kohya` layout: ComfyUI's name (`kohya_names`);
+        None: the layout's usual stem (`NameMap`)."""
         if layout != "kohya" or not self.kohya_names:
             return None
         try:
@@ -124,6 +118,11 @@ class ArchitectureKeys:
             if (found := layer.resolve(body, kohya)) is not None:
                 return layer, *found
         return None
+
+
+MUSUBI_DIFFUSERS_NAMES = ArchitectureKeys("musubi-tuner (diffusers' names)", (), same_names=True)
+"""The `musubi` table of an architecture whose musubi-tuner model keeps diffusers' module names (Z-Image,
+FramePack): its `lora_unet_` stems are those with "_", unfused (`layers_0_attention_to_q`)."""
 
 
 def _compile(pattern: str, rest: bool = True) -> re.Pattern[str]:

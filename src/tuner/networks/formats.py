@@ -27,7 +27,7 @@ either reads back). musubi-tuner names an adapter `lora_unet_` + its model's mod
 so a key its model lacks is dropped without an error. Its Z-Image model (`musubi_tuner/zimage/
 zimage_model.py`, adapted by `networks/lora_zimage.py`) and FramePack model (`networks/lora_framepack.py`
 targets diffusers' block classes) keep diffusers' names: q, k and v unfused (`attention_to_q`,
-`attention_to_out_0`; `ArchitectureKeys.musubi_diffusers_names`), where ComfyUI's `kohya` names are the
+`attention_to_out_0`; `MUSUBI_DIFFUSERS_NAMES`), where ComfyUI's `kohya` names are the
 release's fused `attention_qkv` / `attention_out`. For HunyuanVideo musubi-tuner keeps the release's
 `img_mlp_fc1`, where ComfyUI's is `img_mlp_0` (`kohya_names`). Where its model has names and fused layers of
 its own, the name map carries musubi's table (`ArchitectureKeys.musubi`, taken through `keys.layout_name_map`):

@@ -18,13 +18,13 @@ FramePack file, which the loader reads as well as the release's diffusers-named 
 musubi-tuner's FramePack model is lllyasviel's class (`musubi_tuner/frame_pack/hunyuan_video_packed.py`;
 `networks/lora_framepack.py` targets its `HunyuanVideoTransformerBlock` / `HunyuanVideoSingleTransformerBlock`),
 so its adapters are named in diffusers' names, unfused (`lora_unet_transformer_blocks_0_attn_to_q`): what `save.format = "musubi"` writes
-(`musubi_diffusers_names`).
+(`MUSUBI_DIFFUSERS_NAMES`).
 """
 
 from __future__ import annotations
 
 from tuner.archs.hunyuan_video.keys import FINAL_MODULATION, FUSED_LAYERS, KOHYA_NAMES, TRANSFORMER_RULES
-from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.architectures import MUSUBI_DIFFUSERS_NAMES, ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
 # FramePack's own modules keep their names in both layouts
@@ -41,7 +41,7 @@ FRAMEPACK_KEYS = ArchitectureKeys(
     TRANSFORMER_RULES + tuple((m, m) for m in FRAMEPACK_MODULES),
     FUSED_LAYERS,
     kohya_names=KOHYA_NAMES,
-    musubi_diffusers_names=True,
+    musubi=MUSUBI_DIFFUSERS_NAMES,
 )
 """The adapter name map (diffusers module name -> HunyuanVideo's Tencent name), carrying the fused layers."""
 

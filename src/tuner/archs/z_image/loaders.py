@@ -43,7 +43,7 @@ from tuner.models.loading import (
     read_shapes_of,
     resolve_folder,
 )
-from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.architectures import MUSUBI_DIFFUSERS_NAMES, ArchitectureKeys
 from tuner.networks.fused import FusedLayer
 from tuner.networks.layouts import CheckpointLayout
 
@@ -94,7 +94,7 @@ _FUSED = tuple(
     for blocks in BLOCK_LISTS
 )
 
-Z_IMAGE_KEYS = ArchitectureKeys("z_image", _RENAMES, _FUSED, musubi_diffusers_names=True)
+Z_IMAGE_KEYS = ArchitectureKeys("z_image", _RENAMES, _FUSED, musubi=MUSUBI_DIFFUSERS_NAMES)
 """The adapter name map (diffusers module -> the release's), with the fused `attention.qkv` layers."""
 Z_IMAGE_LAYOUT = CheckpointLayout(Z_IMAGE_KEYS)
 """The whole transformer checkpoint both ways (`to_original` / `to_diffusers`), at any size."""
