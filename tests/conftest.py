@@ -12,6 +12,35 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+import isolation  # noqa: E402
+
+isolation.mark_environment()
+
+
+@pytest.fixture(autouse=True)
+def _leaves_nothing_behind(request):
+    """Fail a test that leaves a process running, a progress bar open or a diffusers class patched
+    (tests/isolation.py): what one test leaves behind changes what the next one sees."""
+    processes = isolation.running().keys()
+    bars = isolation.open_bars()
+    classes = isolation.diffusers_classes()
+    yield
+    isolation.close_worker_pools()
+    left = [p for pid, p in isolation.running().items() if pid not in processes]
+    open_bars = isolation.open_bars() - bars
+    patched = isolation.patched_classes(classes)
+    if left:
+        described = [isolation.describe(p) for p in left]
+        isolation.end(left)
+        pytest.fail(f"{request.node.nodeid} left processes running (killed now): {described}")
+    if open_bars:
+        described = [str(bar) for bar in open_bars]
+        for bar in open_bars:
+            bar.close()
+        pytest.fail(f"{request.node.nodeid} left progress bars open (closed now): {described}")
+    if patched:
+        pytest.fail(f"{request.node.nodeid} left diffusers classes patched: {patched}")
+
 
 @pytest.fixture(scope="session")
 def wan_model(tmp_path_factory):
