@@ -1,5 +1,6 @@
-"""What a test may not leave behind, checked around every test by conftest.py: a process still running,
-a progress bar open, or a diffusers class patched.
+"""What a test may not leave behind, checked by conftest.py: a child process still running or a progress
+bar open (around every test: the cheap checks), an orphaned process or a diffusers class patched (around
+every test file: these read every process and every class, a few hundredths of a second each).
 
 Every test must pass alone and in any order (`make test` shuffles them with pytest-randomly). Leaks of
 both kinds made tests pass or fail by what ran before them:
@@ -36,8 +37,15 @@ _CACHES = {"__slotnames__"}  # what Python itself stores on a class (copyreg, on
 
 
 def mark_environment() -> None:
-    """Tag this process's environment, so that everything it starts can be found again."""
-    os.environ.setdefault(ENV_MARK, str(os.getpid()))
+    """Tag this process's environment, so that everything it starts can be found again. Each pytest-xdist
+    worker marks its own (it inherits the controller's mark): a test must never take the processes of a
+    test running in another worker for its own."""
+    os.environ[ENV_MARK] = str(os.getpid())
+
+
+def children() -> dict[int, psutil.Process]:
+    """Live descendants of this process (the cheap check, around every test)."""
+    return _alive({p.pid: p for p in psutil.Process().children(recursive=True)})
 
 
 def running() -> dict[int, psutil.Process]:
@@ -54,6 +62,10 @@ def running() -> dict[int, psutil.Process]:
                 found[p.pid] = p
         except (psutil.Error, OSError):
             continue
+    return _alive(found)
+
+
+def _alive(found: dict[int, psutil.Process]) -> dict[int, psutil.Process]:
     alive = {}
     for pid, p in found.items():
         try:
