@@ -69,11 +69,24 @@ def _alive(found: dict[int, psutil.Process]) -> dict[int, psutil.Process]:
     alive = {}
     for pid, p in found.items():
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
+            if p.status() != psutil.STATUS_ZOMBIE and not _python_helper(p.cmdline()):
                 alive[pid] = p
         except psutil.Error:
             continue
     return alive
+
+
+# Python's own helper processes, started on first use and kept for the interpreter's life by design: the
+# multiprocessing resource tracker (one per process, after a first spawned worker or semaphore) and the
+# forkserver. Not a test's leftover.
+_PYTHON_HELPERS = (
+    "from multiprocessing.resource_tracker import main",
+    "from multiprocessing.forkserver import main",
+)
+
+
+def _python_helper(cmdline: list[str]) -> bool:
+    return any(helper in arg for arg in cmdline for helper in _PYTHON_HELPERS)
 
 
 def describe(p: psutil.Process) -> str:
