@@ -32,10 +32,16 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
+# The tests run in a random order (pytest-randomly), a new one each time: every test must pass alone and
+# after any other. The seed is printed; `make test SEED=N` (or pytest's `-p randomly --randomly-seed=N`)
+# repeats that order.
+SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+
 test: $(STAMP) browser
 	$(BIN)/python -m ruff check src tests scripts benchmarks
 	$(BIN)/python -m ruff format --check src tests scripts benchmarks
-	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
+	@echo "test order: --randomly-seed=$(SEED) (make test SEED=$(SEED) repeats it)"
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -p randomly --randomly-seed=$(SEED) tests
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" tests

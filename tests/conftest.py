@@ -12,6 +12,48 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+import isolation  # noqa: E402
+
+isolation.mark_environment()
+
+
+@pytest.fixture(autouse=True)
+def _leaves_nothing_behind(request):
+    """Fail a test that leaves a child process running or a progress bar open (tests/isolation.py):
+    what one test leaves behind changes what the next one sees. Cheap: it runs around every test."""
+    children = isolation.children().keys()
+    bars = isolation.open_bars()
+    yield
+    isolation.close_worker_pools()
+    left = [p for pid, p in isolation.children().items() if pid not in children]
+    open_bars = isolation.open_bars() - bars
+    if left:
+        described = [isolation.describe(p) for p in left]
+        isolation.end(left)
+        pytest.fail(f"{request.node.nodeid} left processes running (killed now): {described}")
+    if open_bars:
+        described = [str(bar) for bar in open_bars]
+        for bar in open_bars:
+            bar.close()
+        pytest.fail(f"{request.node.nodeid} left progress bars open (closed now): {described}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _file_leaves_nothing_behind(request):
+    """Fail a test file that leaves a diffusers class patched or an orphaned process of this session
+    running (tests/isolation.py): the checks that read every class and process, once per file."""
+    processes = isolation.running().keys()
+    classes = isolation.diffusers_classes()
+    yield
+    left = [p for pid, p in isolation.running().items() if pid not in processes]
+    patched = isolation.patched_classes(classes)
+    if left:
+        described = [isolation.describe(p) for p in left]
+        isolation.end(left)
+        pytest.fail(f"{request.node.nodeid} left processes running (killed now): {described}")
+    if patched:
+        pytest.fail(f"{request.node.nodeid} left diffusers classes patched: {patched}")
+
 
 @pytest.fixture(scope="session")
 def wan_model(tmp_path_factory):

@@ -47,6 +47,17 @@ def test_every_installed_backend_agrees_with_sdpa(name):
         torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)
 
 
+def test_a_backend_is_set_on_one_model_not_on_the_process():
+    """diffusers' `set_attention_backend` also makes its backend the process's default, which every other
+    model (a pipeline a user builds beside a tuner model) then uses: tuner sets the one model only."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    default = _AttentionBackendRegistry._active_backend
+    attention.set_backend(tiny_wan(), "sdpa_math")
+    assert _AttentionBackendRegistry._active_backend is default
+    assert backends_of(tiny_wan()) == {"None"}
+
+
 def test_override_restores_the_previous_backend():
     model = tiny_wan()
     attention.set_backend(model, "sdpa_math")

@@ -24,9 +24,22 @@ def fx(tmp_path_factory):
     return write_kandinsky5_fixture(tmp_path_factory.mktemp("kandinsky5"), seed=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pipe():
+    """Diffusers' pipeline as a user builds it, one per test: tests that want tuner's RoPE on its
+    transformer patch their own copy, and the next test sees upstream again."""
     return Kandinsky5T2VPipeline(**build_kandinsky5_components(seed=0))
+
+
+# tuner's one intended deviation from Kandinsky5T2VPipeline: RoPE rotated in fp32, not rounded to bf16
+# (`tuner.archs.kandinsky5.loaders`, "RoPE in fp32"). In fp32 the two outputs differ by that rounding
+# of q and k: a relative error (norm of the difference / norm of upstream's output) below bf16's unit
+# roundoff, 2^-9 (6e-4 on the fixture).
+ROPE_ROUNDING = 2**-9
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
 
 
 def _encoders(fx, layout: str) -> kandinsky5.TextEncoders:
@@ -241,7 +254,7 @@ def test_rope_in_compute_dtype_is_upstream_in_bf16(fx, dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     else:
         assert not torch.equal(got, want)
-        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+        assert _relative_error(got, want) < ROPE_ROUNDING, _relative_error(got, want)
 
 
 def test_ten_second_models_train_with_dense_attention(fx):
@@ -301,8 +314,11 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     with torch.no_grad():
         ours = kandinsky5.predict_velocity(model, noisy, t, cond)
         pipe.load_lora_weights(tmp_path / "lora.safetensors", adapter_name="tuner")
-        try:
-            theirs = kandinsky5.predict_velocity(pipe.transformer, noisy, t, cond)
-        finally:
-            pipe.delete_adapters("tuner")
+        upstream = kandinsky5.predict_velocity(pipe.transformer, noisy, t, cond)
+        kandinsky5.rotate_in_compute_dtype(pipe.transformer)  # tuner's RoPE, on purpose
+        theirs = kandinsky5.predict_velocity(pipe.transformer, noisy, t, cond)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    # diffusers as users run it: the same output up to the stated RoPE rounding, and not identical (the
+    # deviation is real in fp32; if it vanishes, upstream stopped rounding and the patch can go)
+    assert not torch.equal(upstream, ours)
+    assert _relative_error(ours, upstream) < ROPE_ROUNDING, _relative_error(ours, upstream)

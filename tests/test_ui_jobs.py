@@ -14,6 +14,7 @@ import pytest
 
 from tuner.demo import prepare
 from tuner.ui.jobs import JobError, JobQueue, UnknownJob, tail
+from tuner.ui.runner import runner_alive
 
 TUNER = [sys.executable, "-m", "tuner"]
 # stands in for `accelerate launch -m tuner`: says which stage and GPU it is, then sleeps; on SIGTERM it
@@ -56,11 +57,22 @@ def wait_for(queue: JobQueue, job_id: int, *states: str, timeout: float = 300, p
             queue.poll()
         job = queue.get(job_id)
         if job.state in states:
+            _runner_ended(job, deadline)
             return job
         time.sleep(0.1)
     raise AssertionError(
         f"job {job_id} still {queue.get(job_id).state}; log:\n" + "\n".join(queue.log_tail(job_id))
     )
+
+
+def _runner_ended(job, deadline: float) -> None:
+    """Until a job that reached its state has no runner left: the runner records the outcome, then exits
+    (a test that returned in between would leave it running)."""
+    if job.state in ("queued", "running", "stopping") or job.pid is None:
+        return
+    while runner_alive(job.pid, job.id):
+        assert time.monotonic() < deadline, f"job {job.id} is {job.state} but its runner still runs"
+        time.sleep(0.05)
 
 
 def wait_for_sleeper(queue: JobQueue, job_id: int) -> None:

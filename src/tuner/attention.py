@@ -178,10 +178,15 @@ def set_backend(model: nn.Module, name: str, device: torch.device | str | None =
         raise TunerError(f"{type(model).__name__} has no attention layers to set to {name!r}")
     _clear(model)
     if modules and hasattr(model, "set_attention_backend"):
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        process_default = _AttentionBackendRegistry._active_backend
         try:
             _quietly(model.set_attention_backend, backend.diffusers)
         except (RuntimeError, ValueError) as e:  # diffusers' own checks (e.g. a too old flash-attn)
             raise TunerError(f"attention backend {name!r} cannot be used: {e}") from None
+        finally:  # diffusers also makes it every other model's default: this sets one model
+            _AttentionBackendRegistry.set_active_backend(process_default)
     else:
         from diffusers.models.attention_dispatch import AttentionBackendName
 

@@ -51,8 +51,9 @@ class NetworkTrainer:
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
         """Train and return the path of the final adapter file."""
-        with _gc_frozen_while_training(), StopRequest() as stop:
+        with _gc_frozen_while_training(), StopRequest() as stop, contextlib.ExitStack() as cleanup:
             run = setup(self, resume, log)
+            cleanup.callback(run.progress.close)  # a run ended by an error too: an open bar redraws at exit
             stop.arm()  # from here SIGTERM / Ctrl-C end the run after its current step (trainers/stop.py)
             while run.pos.step < run.total_steps:
                 for batch in run.data.epoch(run.pos.epoch, start=run.pos.batch):
