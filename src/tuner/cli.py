@@ -340,10 +340,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     add_lora_commands(sub)
-    from tuner.ui.server import add_ui_command
-
-    add_ui_command(sub)
+    _add_ui_command(sub)
     return parser
+
+
+def _add_ui_command(sub: argparse._SubParsersAction) -> None:
+    """`tuner ui`'s arguments; `tuner.ui` itself is imported only when that command runs."""
+    p = sub.add_parser(
+        "ui", help="local web app: datasets, a config form, jobs, live loss and samples (extra: tuner[ui])"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on; other than loopback needs a token"
+    )
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument(
+        "--token", default=None, help="access token (default: generated when --host is not loopback)"
+    )
+    p.add_argument(
+        "--root", action="append", default=[], metavar="DIR",
+        help="a folder the UI may read and write (repeatable; default: the current folder)",
+    )  # fmt: skip
+    p.add_argument(
+        "--runs", default="tuner_runs", help="folder of the job queue and its runs (always allowed)"
+    )
+    p.set_defaults(func=_ui)
+
+
+def _ui(args) -> None:
+    from tuner.ui.server import serve
+
+    serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

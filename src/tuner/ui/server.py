@@ -1,4 +1,5 @@
-"""`tuner ui`: serve the web app (needs the `ui` extra: `pip install 'tuner[ui]'`).
+"""`tuner ui`: serve the web app (needs the `ui` extra: `pip install 'tuner[ui]'`). Its arguments are
+parsed in `tuner.cli`, so that no other command imports the UI.
 
     tuner ui --root /data --root /models            # http://127.0.0.1:7860/
     tuner ui --host 0.0.0.0 --root /data             # prints http://HOST:7860/?token=... (required)
@@ -15,31 +16,9 @@ from pathlib import Path
 
 from tuner.errors import ConfigError
 
-DEFAULT_PORT = 7860
 
-
-def add_ui_command(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "ui", help="local web app: datasets, a config form, jobs, live loss and samples (extra: tuner[ui])"
-    )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="interface to listen on; other than loopback needs a token"
-    )
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument(
-        "--token", default=None, help="access token (default: generated when --host is not loopback)"
-    )
-    p.add_argument(
-        "--root", action="append", default=[], metavar="DIR",
-        help="a folder the UI may read and write (repeatable; default: the current folder)",
-    )  # fmt: skip
-    p.add_argument(
-        "--runs", default="tuner_runs", help="folder of the job queue and its runs (always allowed)"
-    )
-    p.set_defaults(func=_serve)
-
-
-def _serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace) -> None:
+    """Run `tuner ui` with the arguments `tuner.cli` parsed (see the module docstring)."""
     try:
         import uvicorn
 
