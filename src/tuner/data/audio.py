@@ -27,7 +27,6 @@ import os
 from pathlib import Path
 from typing import NamedTuple
 
-import av
 import numpy as np
 import torch
 
@@ -77,6 +76,8 @@ def has_audio(path: str | os.PathLike) -> bool:
     path = Path(path)
     if path.is_dir():
         return False
+    import av  # here, not at the top: a run that trains from the cache never opens a file
+
     try:
         with av.open(str(path)) as container:
             return bool(container.streams.audio)
@@ -86,6 +87,8 @@ def has_audio(path: str | os.PathLike) -> bool:
 
 def read_audio(path: str | os.PathLike, sample_rate: int, channels: int) -> torch.Tensor:
     """The whole first audio stream of `path`, resampled: float32 [channels, samples] in [-1, 1]."""
+    import av
+
     layout = {1: "mono", 2: "stereo"}[channels]
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
     chunks = []

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-import av
 import numpy as np
 import torch
 from PIL import Image, ImageOps
@@ -159,6 +158,8 @@ def probe_video(path: str | os.PathLike) -> VideoInfo:
         return _probe_folder(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found.")
+    import av  # here, not at the top: a run that trains from the cache never opens a video
+
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
@@ -205,6 +206,8 @@ def read_video_frames(
     last = max(indices)
     got: dict[int, np.ndarray] = {}
     decoded = 0
+    import av
+
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]

@@ -94,7 +94,7 @@ class Checkpoints:
         adapter path. The state goes first: exporting converts names and fuses layers, and an export
         that fails must leave the run resumable (`--resume latest`), never lose it."""
         acc = self.accelerator
-        network = acc.unwrap_model(network)
+        network = self._unwrapped(network)
         _check_finite(network, pos.step)
         name = self.cfg.output_name if final else f"{self.cfg.output_name}-step{pos.step:06d}"
         adapter = self.out / f"{name}.safetensors"
@@ -179,10 +179,15 @@ class Checkpoints:
             total += sum(tree_bytes(part.state_dict()) for part in self.parts.values())
         return total
 
+    def _unwrapped(self, network):
+        """The network inside a strategy's wrapper. One process wraps nothing, and accelerate's
+        `unwrap_model` imports deepspeed (about 425 modules) wherever it is installed."""
+        return network if self.strategy.name == "single" else self.accelerator.unwrap_model(network)
+
     def space_note(self, network, free_bytes: int | None = None) -> str | None:
         """A warning, before step 1, when the output folder's disk cannot hold the saves this run keeps
         (one save's size from the network and state, times `keep_last`, or times two when it keeps all)."""
-        need = self._save_bytes(self.accelerator.unwrap_model(network)) * max(2, self.cfg.keep_last or 2)
+        need = self._save_bytes(self._unwrapped(network)) * max(2, self.cfg.keep_last or 2)
         free = shutil.disk_usage(self.out).free if free_bytes is None else free_bytes
         if free >= need:
             return None
