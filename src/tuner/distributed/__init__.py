@@ -93,7 +93,7 @@ class Strategy:
     def grad_norm(self, run, max_norm: float) -> float | None:
         """Clip the trained gradients to `max_norm` (if > 0) and return their total norm; None where an
         engine or a gradient scaler owns the check for non-finite gradients (it skips those steps)."""
-        params = [p for p in run.trained.parameters() if p.grad is not None]
+        params = [p for p in run.trained_params if p.grad is not None]
         accelerator = run.accelerator
         if max_norm > 0:
             norm = accelerator.clip_grad_norm_(params, max_norm)

@@ -111,7 +111,7 @@ class NetworkTrainer:
         step_loss = sum(run.recent[-(end - start) :]) / (end - start)
         if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
             if run.fused is None:  # fused: every parameter has stepped inside backward
-                run.optimizer.step()
+                run.optimizer_step()
             if run.ema:
                 run.ema.update()
         else:  # the update is skipped; the schedule and the data move on as if it had been taken

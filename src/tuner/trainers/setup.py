@@ -68,6 +68,9 @@ class Run:
     fused: Any = None  # `tuner.optimizers.fused_backward.FusedBackward` with train.fused_backward
     strategy: Any = None  # `tuner.distributed.Strategy`: how processes share the work
     metrics: Any = None  # `tuner.trainers.metrics.MetricsFile`: logs/metrics.jsonl
+    # `trained`'s parameters in its order, listed once: walking the modules costs ~0.5 ms a step
+    trained_params: list = field(default_factory=list)
+    optimizer_step: Any = None  # `_optimizer_step`: what steps the optimizer
 
 
 @dataclass
@@ -133,9 +136,30 @@ def setup(trainer, resume: str | None, log: Callable[[str], None]) -> Run:
         board.log_samples(accelerator, written, 0)
         run.metrics.samples(0, written, sc.prompts)
     run.ema, run.fused, run.strategy = parts.get("ema"), t.fused, strategy
+    run.trained_params, run.optimizer_step = (
+        list(trained.parameters()),
+        _optimizer_step(accelerator, optimizer),
+    )
     run.progress = _progress(t.total_steps, pos.step, accelerator.is_main_process)
     freeze_gc()  # the model, data plan and optimizer: long-lived, never garbage
     return run
+
+
+def _optimizer_step(accelerator, optimizer) -> Callable[[], Any]:
+    """`optimizer.step`, or the step of the optimizer it wraps where accelerate's wrapper would only call
+    that: no gradient scaler, not XLA, no other wrapper (DeepSpeed's steps in its engine), and gradients
+    always in sync (the loop accumulates by itself). `AcceleratedOptimizer.step` looks for the lomo_optim
+    package on the file system twice a call, about 0.5 ms a step."""
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.utils import DistributedType
+
+    if (
+        type(optimizer) is AcceleratedOptimizer
+        and accelerator.scaler is None
+        and accelerator.distributed_type != DistributedType.XLA
+    ):
+        return optimizer.optimizer.step
+    return optimizer.step
 
 
 def _accelerator(trainer, out: Path):
