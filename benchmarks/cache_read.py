@@ -10,8 +10,9 @@ the same consumer, which reads every byte as a training step's copy to the GPU w
 
 The baseline gets the best set-up such a tool can have: one DataLoader for the whole run with
 `persistent_workers`, started by an untimed warm-up read, so no timed pass pays for starting workers.
-The store is read as `TrainingData.epoch` reads it: `EntryReads.load` builds a loader per epoch, so each
-timed pass with workers includes starting them. The workers ratio is therefore a lower bound.
+The store is read as `TrainingData.epoch` reads it: `EntryReads.load` takes a loader from a pool kept for
+the process, so its workers persist from pass to pass as the baseline's do; only the store's first
+timed pass with workers includes starting them.
 
 This script writes `--n` entries both ways, reads each set in the same run without workers and with
 `--workers` workers, and prints items/s for both and the ratio store/files of each mode.
