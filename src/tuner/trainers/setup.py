@@ -96,7 +96,7 @@ def setup(trainer, resume: str | None, log: Callable[[str], None]) -> Run:
     model, trained, optimizer = strategy.prepare(trainer, accelerator, model, t.trained, t.optimizer)
     optimizer, scheduler = accelerator.prepare(optimizer, t.scheduler)
     checkpoints, parts = _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, scheduler,
-                                      t.total_steps)  # fmt: skip
+                                      t.total_steps, data)  # fmt: skip
     if accelerator.is_main_process and (note := checkpoints.space_note(trained)):
         log(f"warning: {note}")
     samples = None
@@ -231,9 +231,10 @@ def _build_trained(trainer, model, accelerator, data) -> _Trained:
     return _Trained(trained, optimizer, scheduler, fused, total_steps, steps_per_epoch, batches_per_epoch)
 
 
-def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, scheduler, total_steps):
-    """Where the run saves, with the parts of its state and the identity a resume must match."""
-    from tuner.trainers.checkpoints import Checkpoints
+def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, scheduler, total_steps, data):
+    """Where the run saves, with the parts of its state, the identity a resume must match and the
+    settings and data order a resume names the changes of."""
+    from tuner.trainers.checkpoints import Checkpoints, data_order
 
     tc, nc = trainer.cfg.train, trainer.cfg.network
     identity = {"architecture": trainer.architecture, **{f"network.{k}": v for k, v in asdict(nc).items()
@@ -247,7 +248,24 @@ def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, schedu
 
         parts["ema"] = WeightEMA(trained.parameters(), tc.ema_decay, tc.ema_warmup, tc.ema_on_host)
         identity["train.ema_decay"] = tc.ema_decay
-    return Checkpoints(out, trainer.cfg.save, accelerator, identity, parts, schedule, strategy), parts
+    settings = {k: v for k, v in run_settings(trainer.cfg).items() if k not in identity and k not in schedule}
+    checkpoints = Checkpoints(out, trainer.cfg.save, accelerator, identity, parts, schedule, strategy, settings,
+                              data_order(data))  # fmt: skip
+    return checkpoints, parts
+
+
+# settings of the train section that change how a run goes on, not what its steps compute (or that
+# are named elsewhere on resume: max_steps and epochs are the schedule's)
+_NOT_RESULTS = {"max_steps", "epochs", "validate_every_n_steps", "validation_timesteps", "gradient_checkpointing",
+                "compile", "ema_on_host", "max_nonfinite_steps"}  # fmt: skip
+
+
+def run_settings(cfg) -> dict:
+    """The settings that change a run's results (train and timesteps sections, the base model's dtype),
+    as `section.key` -> value: a state records them and a resume names each one that changed."""
+    values = {f"train.{k}": v for k, v in asdict(cfg.train).items() if k not in _NOT_RESULTS}
+    values |= {f"timesteps.{k}": v for k, v in asdict(cfg.timesteps).items()}
+    return values | {"model.dtype": cfg.model.dtype}
 
 
 def _resume(out, resume, checkpoints, strategy, trained, log) -> Position:
@@ -268,6 +286,8 @@ def _resume(out, resume, checkpoints, strategy, trained, log) -> Position:
     if changes := checkpoints.schedule_changes(path):
         log(f"note: the schedule changed since this state was saved ({'; '.join(changes)}); the "
             f"learning rate continues from step {pos.step} on the new schedule.")  # fmt: skip
+    for change in checkpoints.settings_changes(path, pos.step):
+        log(f"warning: {change}")
     return pos
 
 
