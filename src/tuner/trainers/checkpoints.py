@@ -45,7 +45,7 @@ import torch
 
 from tuner.distributed.accounting import tree_bytes
 from tuner.errors import CheckpointError
-from tuner.io import write_text
+from tuner.io import probe_writable, write_text
 from tuner.optimizers.build import averaged_weights
 from tuner.trainers import state
 
@@ -65,10 +65,7 @@ def check_output_dir(out: Path) -> None:
             f"save.output_dir {out} is a file, not a folder; choose another save.output_dir."
         )
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".tuner-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable(out)
     except OSError as e:
         raise CheckpointError(
             f"save.output_dir {out} is not writable ({e.strerror}); choose another save.output_dir or fix "
@@ -384,14 +381,24 @@ def data_order(data) -> Callable[[int], str]:
     return digest
 
 
+def first_nonfinite(module, frozen_only: bool = False) -> str | None:
+    """The name of the first floating-point parameter of `module` (of those not trained, with
+    `frozen_only`) holding NaN or infinity, or None."""
+    for name, param in module.named_parameters():
+        if frozen_only and param.requires_grad:
+            continue
+        if param.is_floating_point() and param.element_size() > 1 and not torch.isfinite(param).all():
+            return name  # (fp8 storage is skipped: torch has no isfinite for it)
+    return None
+
+
 def _check_finite(network, step: int) -> None:
     """Refuse to save weights that hold NaN or infinity (they would load and draw black images)."""
-    for name, param in network.named_parameters():
-        if param.is_floating_point() and not torch.isfinite(param).all():
-            raise CheckpointError(
-                f"step {step}: the trained weights hold NaN or infinite values (first: {name}); not saved. "
-                "Lower train.learning_rate or network.alpha, or use bf16 instead of fp16."
-            )
+    if name := first_nonfinite(network):
+        raise CheckpointError(
+            f"step {step}: the trained weights hold NaN or infinite values (first: {name}); not saved. "
+            "Lower train.learning_rate or network.alpha, or use bf16 instead of fp16."
+        )
 
 
 _SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
