@@ -138,3 +138,20 @@ def test_generate_checks_its_output_folder_before_sampling(project, tmp_path, ca
                     "--frames", "1", "--steps", "1", "--device", "cpu", "--out", out)  # fmt: skip
     assert code == 2 and f"--out {out}: cannot write to {folder} (Permission denied)" in log, log
     assert not sampled and not out.exists()
+
+
+def test_a_full_disk_while_generate_writes_is_one_line_and_leaves_no_file(
+    project, tmp_path, capsys, monkeypatch
+):
+    from PIL import Image
+
+    def full(self, fp, *args, **kwargs):
+        Path(fp).write_bytes(b"\x89PNG half")  # a part was written before the disk filled
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(fp))
+
+    monkeypatch.setattr(Image.Image, "save", full)
+    out = tmp_path / "gen" / "sample.png"
+    code, log = run(capsys, "generate", "--config", project, "--prompt", "a red circle", "--size", "64x48",
+                    "--frames", "1", "--steps", "1", "--device", "cpu", "--out", out)  # fmt: skip
+    assert code == 2 and f"--out {out}: writing it failed (No space left on device)" in log, log
+    assert "Traceback" not in log and list(out.parent.iterdir()) == [], log

@@ -239,7 +239,13 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         )
     del model
     _release_memory()
-    out = decode_and_write(family, cfg, latents, opts.out, device)
+    try:
+        out = decode_and_write(family, cfg, latents, opts.out, device)
+    except (OSError, av.error.FFmpegError) as e:  # the disk filled while writing: one line, no traceback
+        raise ConfigError(
+            f"--out {opts.out}: writing it failed ({getattr(e, 'strerror', None) or e}); nothing was written. "
+            "Free some space or choose another --out."
+        ) from None
     log(f"wrote {out}")
     return out
 
