@@ -37,7 +37,6 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -88,9 +87,9 @@ class Checkpoints:
         # "scheduler"); the random generators of every process are saved besides
         self.parts = parts or {}
         self.schedule = schedule or {}
-        # what changes results without changing the state's shapes (`run_settings`): named on resume
+        # what changes results without changing the state's shapes (`setup.run_settings`): named on resume
         self.settings = settings or {}
-        # epoch -> a hash of that epoch's batch order (`data_order`), or None
+        # epoch -> a hash of that epoch's batch order (`setup.data_order`), or None
         self.data_order = data_order
         # how processes hold the parts (`tuner.distributed`): a sharded state is gathered to be saved
         self.strategy = strategy or Strategy(None)
@@ -369,16 +368,6 @@ def _continue_on_new_schedule(scheduler, base_lrs: list[float]) -> None:
     for group, base, lr in zip(scheduler.optimizer.param_groups, base_lrs, lrs):
         group["initial_lr"], group["lr"] = base, lr
     scheduler.base_lrs, scheduler._last_lr = list(base_lrs), lrs
-
-
-def data_order(data) -> Callable[[int], str]:
-    """epoch -> a hash of the order of that epoch's batches (which cache entries, in which order)."""
-
-    def digest(epoch: int) -> str:
-        keys = [[entry[1:] for entry in batch] for batch in data.plan_epoch(epoch)]
-        return hashlib.sha256(json.dumps(keys).encode()).hexdigest()
-
-    return digest
 
 
 def first_nonfinite(module, frozen_only: bool = False) -> str | None:

@@ -6,7 +6,8 @@
     _open_data     the cached batches (stops, naming the command to run, if the cache is stale)
     _load_model    the base model: merged adapters, frozen, checkpointed, placed (fp8, block swap)
     _build_trained the adapter (or the weights of a full fine-tune), its optimizer and schedule
-    _checkpoints   where states and adapters are saved (with the EMA, part of the run's identity)
+    _checkpoints   where states and adapters are saved (with the EMA, part of the run's identity), and
+                   the settings and data order a resume names the changes of
     _resume        the position of a saved state, or a refusal to overwrite one
     then the summary and the `Run`.
 
@@ -16,6 +17,8 @@ adapter's initialization) draws in the same order in every run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -234,7 +237,7 @@ def _build_trained(trainer, model, accelerator, data) -> _Trained:
 def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, scheduler, total_steps, data):
     """Where the run saves, with the parts of its state, the identity a resume must match and the
     settings and data order a resume names the changes of."""
-    from tuner.trainers.checkpoints import Checkpoints, data_order
+    from tuner.trainers.checkpoints import Checkpoints
 
     tc, nc = trainer.cfg.train, trainer.cfg.network
     identity = {"architecture": trainer.architecture, **{f"network.{k}": v for k, v in asdict(nc).items()
@@ -266,6 +269,16 @@ def run_settings(cfg) -> dict:
     values = {f"train.{k}": v for k, v in asdict(cfg.train).items() if k not in _NOT_RESULTS}
     values |= {f"timesteps.{k}": v for k, v in asdict(cfg.timesteps).items()}
     return values | {"model.dtype": cfg.model.dtype}
+
+
+def data_order(data) -> Callable[[int], str]:
+    """epoch -> a hash of the order of that epoch's batches (which cache entries, in which order)."""
+
+    def digest(epoch: int) -> str:
+        keys = [[entry[1:] for entry in batch] for batch in data.plan_epoch(epoch)]
+        return hashlib.sha256(json.dumps(keys).encode()).hexdigest()
+
+    return digest
 
 
 def _resume(out, resume, checkpoints, strategy, trained, log) -> Position:
