@@ -98,6 +98,21 @@ def test_caching_into_a_read_only_empty_cache_is_one_line(tmp_path, wan_model, c
     assert "set cache_directory" in log, log
 
 
+def test_caching_into_a_read_only_filled_cache_is_one_line(project, capsys, monkeypatch):
+    cache = project.parent / "cache"
+    real = os.open
+
+    def read_only(path, flags, *args, **kwargs):  # its lock files cannot be created there
+        if Path(path).parent == cache and str(path).endswith(".lock") and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    code, log = run(capsys, "cache", "latents", "--config", project)
+    assert code == 2 and "Traceback" not in log, log
+    assert f"cannot write the cache store {cache}" in log and ".lock: Read-only file system" in log, log
+
+
 def test_a_cache_unreadable_for_permissions_is_not_called_broken(project, monkeypatch):
     root = project.parent / "cache"
     index = root / "index.sqlite"
@@ -114,7 +129,10 @@ def test_a_cache_unreadable_for_permissions_is_not_called_broken(project, monkey
         with pytest.raises(CacheError) as e:
             CacheStore(root, readonly=readonly)
         message = str(e.value)
-        assert "a permission problem, not damage" in message and "fix its permissions" in message, message
+        assert (
+            "a permission problem or a read-only mount, not damage" in message
+            and "fix its permissions" in message
+        ), message
         assert "delete" not in message, message
 
 

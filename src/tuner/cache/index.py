@@ -80,7 +80,7 @@ def _fix(root: Path) -> str:
     return f"delete {root} (or point to another cache directory) and run caching again"
 
 
-def _unwritable(root: Path, e: OSError) -> CacheError:
+def unwritable_error(root: Path, e: OSError) -> CacheError:
     """A store that cannot be created or written here (a read-only mount, another user's folder)."""
     where = e.filename or root
     return CacheError(
@@ -97,8 +97,8 @@ def _access_problem(root: Path, readonly: bool) -> str | None:
         if path.exists() and not os.access(path, mode):
             what = "read" if readonly else "read and write"
             return (
-                f"this user may not {what} {path} (a permission problem, not damage): fix its permissions "
-                "or owner, or run tuner as the user that wrote the cache"
+                f"this user may not {what} {path} (a permission problem or a read-only mount, not damage): "
+                "fix its permissions or owner, or run tuner as the user that wrote the cache"
             )
     return None
 
@@ -150,11 +150,12 @@ def _connect(root: Path, readonly: bool) -> sqlite3.Connection:
             conn.execute("PRAGMA synchronous=NORMAL")
         version = _read_version(conn)
     except OSError as e:  # creating the folder on a read-only mount or in another user's folder
-        raise _unwritable(root, e) from None
+        raise unwritable_error(root, e) from None
     except sqlite3.OperationalError as e:
         if "locked" in str(e):
             raise _Locked from None
-        fix = _access_problem(root, readonly) or _fix(root)
+        full = "full" in str(e)  # "database or disk is full"
+        fix = f"free some space on {root}" if full else _access_problem(root, readonly) or _fix(root)
         raise CacheError(f"cannot read the cache index {path}: {e}; {fix}") from None
     except sqlite3.DatabaseError as e:
         raise CacheError(f"cannot read the cache index {path}: {e}; {_fix(root)}") from None

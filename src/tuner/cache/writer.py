@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from tuner.cache.index import FORMAT_VERSION, SHARDS_DIR, connect, transaction
+from tuner.cache.index import FORMAT_VERSION, SHARDS_DIR, connect, transaction, unwritable_error
 from tuner.cache.keys import canonical_json
 from tuner.cache.shards import CHECKSUM, SUPPORTED_DTYPES, tensors_checksum
 from tuner.errors import CacheError
@@ -71,7 +71,10 @@ class WriterLock:
 
     def __init__(self, root: Path, name: str = LOCK_NAME):
         self.path = root / name
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only mount, another user's folder
+            raise unwritable_error(root, e) from None
 
     def try_exclusive(self) -> bool:
         """Take the lock alone if no one else holds it; never waits."""
