@@ -294,7 +294,7 @@ class Checkpoints:
         ]
 
     def _settings(self, epoch: int) -> dict:
-        values = json.loads(json.dumps(self.settings))  # tuples become lists, as in the file
+        values = json.loads(json.dumps(self.settings, default=str))  # tuples become lists, as in the file
         digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
         order = self.data_order(epoch) if self.data_order else None
         return {"values": values, "sha256": digest, "epoch": epoch, "data_order": order}
