@@ -29,6 +29,7 @@ from tuner.cache.plan import torch_device
 from tuner.diffusion.sampling import flow_sigmas
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError
+from tuner.io import atomic_path, probe_writable
 from tuner.networks.keys import nonfinite_keys, read_safetensors
 
 
@@ -202,6 +203,7 @@ def decode_and_write(family, cfg, latents, out: str | Path, device) -> Path:
 def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
     family = registry.architecture(cfg.model.architecture).family_model(cfg)
     check_options(family, opts)
+    _check_out(opts.out)
     two_experts = family.record.boundary is not None
     if opts.loras_2 and not two_experts:
         raise ConfigError(f"--lora-2: {family.architecture} has one transformer; give its LoRAs with --lora.")
@@ -237,9 +239,30 @@ def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> 
         )
     del model
     _release_memory()
-    out = decode_and_write(family, cfg, latents, opts.out, device)
+    try:
+        out = decode_and_write(family, cfg, latents, opts.out, device)
+    except (OSError, av.error.FFmpegError) as e:  # the disk filled while writing: one line, no traceback
+        raise ConfigError(
+            f"--out {opts.out}: writing it failed ({getattr(e, 'strerror', None) or e}); nothing was written. "
+            "Free some space or choose another --out."
+        ) from None
     log(f"wrote {out}")
     return out
+
+
+def _check_out(out: str | Path) -> None:
+    """Refuse, before anything is loaded or sampled, an --out that cannot be written (the drawing would
+    be lost after minutes of sampling)."""
+    out = Path(out)
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a folder; give a file name, e.g. --out {out / 'sample.png'}.")
+    try:
+        probe_writable(out.parent)
+    except OSError as e:
+        raise ConfigError(
+            f"--out {out}: cannot write to {out.parent} ({e.strerror}); choose another --out or make the "
+            "folder writable."
+        ) from None
 
 
 def load_control_image(path: str, width: int, height: int) -> torch.Tensor:
@@ -261,7 +284,8 @@ def write_media(pixels: torch.Tensor, out: str | Path, fps: float, audio=None) -
     )
     if out.suffix.lower() == ".png" or frames.shape[0] == 1:
         out = out.with_suffix(".png")
-        Image.fromarray(frames[0]).save(out)
+        with atomic_path(out) as tmp:  # never a half-written image
+            Image.fromarray(frames[0]).save(tmp, format="PNG")
         return out
     out = out.with_suffix(".mp4")
     tmp = out.with_name(f".{out.name}.tmp.mp4")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 
@@ -62,7 +64,23 @@ def save_safetensors(
         meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file(contiguous, str(tmp), metadata=meta)
+        try:
+            save_file(contiguous, str(tmp), metadata=meta)
+        except SafetensorError as e:  # its I/O errors as the OSError they are, so every caller handles them
+            code = re.search(r"os error (\d+)|code: (\d+)", str(e))
+            if code is None:
+                raise
+            number = int(code.group(1) or code.group(2))
+            raise OSError(number, os.strerror(number), str(path)) from e
+
+
+def probe_writable(folder: Path) -> None:
+    """Create `folder` if needed and write and remove an empty file in it; raises the `OSError` a later
+    write would meet (read-only mount, permissions, a file where the folder should be)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".tuner-write-test-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -80,6 +80,29 @@ def _fix(root: Path) -> str:
     return f"delete {root} (or point to another cache directory) and run caching again"
 
 
+def unwritable_error(root: Path, e: OSError) -> CacheError:
+    """A store that cannot be created or written here (a read-only mount, another user's folder)."""
+    where = e.filename or root
+    return CacheError(
+        f"cannot write the cache store {root}: {where}: {e.strerror}. Make {root} writable by this user, or "
+        "set cache_directory in the dataset config to a folder that is."
+    )
+
+
+def _access_problem(root: Path, readonly: bool) -> str | None:
+    """What this user may not do with the store's folder or index, if anything: a permission problem is
+    said as one (the store may be fine), never as damage to delete."""
+    need = os.R_OK if readonly else os.R_OK | os.W_OK
+    for path, mode in ((root, need | os.X_OK), (root / INDEX_NAME, need)):
+        if path.exists() and not os.access(path, mode):
+            what = "read" if readonly else "read and write"
+            return (
+                f"this user may not {what} {path} (a permission problem or a read-only mount, not damage): "
+                "fix its permissions or owner, or run tuner as the user that wrote the cache"
+            )
+    return None
+
+
 def connect(root: Path, readonly: bool) -> sqlite3.Connection:
     """Open the index of the store at `root`, creating it unless `readonly`, and check its version.
 
@@ -126,10 +149,14 @@ def _connect(root: Path, readonly: bool) -> sqlite3.Connection:
                 _create(conn)
             conn.execute("PRAGMA synchronous=NORMAL")
         version = _read_version(conn)
+    except OSError as e:  # creating the folder on a read-only mount or in another user's folder
+        raise unwritable_error(root, e) from None
     except sqlite3.OperationalError as e:
         if "locked" in str(e):
             raise _Locked from None
-        raise CacheError(f"cannot read the cache index {path}: {e}; {_fix(root)}") from None
+        full = "full" in str(e)  # "database or disk is full"
+        fix = f"free some space on {root}" if full else _access_problem(root, readonly) or _fix(root)
+        raise CacheError(f"cannot read the cache index {path}: {e}; {fix}") from None
     except sqlite3.DatabaseError as e:
         raise CacheError(f"cannot read the cache index {path}: {e}; {_fix(root)}") from None
     if version != FORMAT_VERSION:

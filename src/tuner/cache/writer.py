@@ -24,6 +24,10 @@ and then downgrades. A killed process releases its lock (flock locks die with th
 The caching commands also hold a lock of their own per kind of entry (`caching-latent.lock`), so that
 a second caching run waits for the first instead of encoding the same entries twice.
 
+A shard that cannot be written (a full disk, a folder made read-only) raises one `CacheError` naming it:
+the entries buffered for it are lost, every shard committed before stays readable and is reused by the
+next run.
+
 Each shard records a checksum per entry in its header (`tuner.cache.shards` explains the checksum).
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import sqlite3
@@ -41,9 +46,10 @@ from pathlib import Path
 
 import torch
 
-from tuner.cache.index import FORMAT_VERSION, SHARDS_DIR, connect, transaction
+from tuner.cache.index import FORMAT_VERSION, SHARDS_DIR, connect, transaction, unwritable_error
 from tuner.cache.keys import canonical_json
 from tuner.cache.shards import CHECKSUM, SUPPORTED_DTYPES, tensors_checksum
+from tuner.errors import CacheError
 from tuner.io import save_safetensors
 
 try:
@@ -65,7 +71,10 @@ class WriterLock:
 
     def __init__(self, root: Path, name: str = LOCK_NAME):
         self.path = root / name
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only mount, another user's folder
+            raise unwritable_error(root, e) from None
 
     def try_exclusive(self) -> bool:
         """Take the lock alone if no one else holds it; never waits."""
@@ -217,22 +226,40 @@ class ShardWriter:
             "checksum": CHECKSUM,
             "checksums": json.dumps(checksums, separators=(",", ":")),
         }
-        save_safetensors(tensors, path, metadata=metadata)
-        if _before_index_commit is not None:
-            _before_index_commit(path)
-        st = path.stat()
-        with transaction(self._conn):
-            self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
-            # its checksums were computed from the very tensors written: the file is known good as is
-            self._conn.execute(
-                "INSERT OR REPLACE INTO verified_shards VALUES (?, ?, ?, ?)",
-                (name, st.st_size, st.st_mtime_ns, st.st_ino),
-            )
+        try:
+            save_safetensors(tensors, path, metadata=metadata)
+            if _before_index_commit is not None:
+                _before_index_commit(path)
+            st = path.stat()
+            with transaction(self._conn):
+                self._conn.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                # its checksums were computed from the very tensors written: the file is known good as is
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO verified_shards VALUES (?, ?, ?, ?)",
+                    (name, st.st_size, st.st_mtime_ns, st.st_ino),
+                )
+        except (OSError, sqlite3.OperationalError) as e:  # a full disk, a folder made read-only meanwhile
+            raise self._write_failed(path, e) from None
         self.entries_written += len(rows)
         self.shards_written += 1
         self._pending.clear()
         self._pending_bytes = 0
         self._last_commit = time.monotonic()
+
+    def _write_failed(self, path: Path, e: OSError | sqlite3.OperationalError) -> CacheError:
+        """One line for a shard that could not be written: what is lost (the buffer), what is kept (every
+        commit before it), and what to do. The buffer is dropped, so closing does not try again."""
+        lost = len(self._pending)
+        self._pending.clear()
+        self._pending_bytes = 0
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        full = getattr(e, "errno", None) == errno.ENOSPC or "full" in why
+        fix = f"free some space on {self._shards_dir}" if full else f"make {self._shards_dir} writable"
+        return CacheError(
+            f"cannot write the cache shard {path} ({why}): the {lost} entries encoded since the last commit "
+            f"are not saved; the {self.entries_written} committed before them are kept. {fix.capitalize()} and run the "
+            "command again: it reuses what was kept."
+        )
 
     def close(self) -> None:
         """Flush what is buffered and release the connection and the lock."""

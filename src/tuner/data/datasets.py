@@ -205,7 +205,23 @@ def _pair_controls(
             problems.append(msg + "; item skipped.")
             continue
         paired.append(dataclasses.replace(item, control_paths=tuple(map(str, controls))))
+    _refuse_orphan_controls(spec, by_stem, paired)
     return paired
+
+
+def _refuse_orphan_controls(spec: DatasetSpec, by_stem: dict[str, list[Path]], paired: list[Item]) -> None:
+    """A control image no item takes is an error naming it, as an orphan mask is: a typo in its name
+    would otherwise train its item without it (or leave the item out) and say nothing."""
+    used = {Path(p).resolve() for item in paired for p in item.control_paths}
+    orphans = [paths[0] for _, paths in sorted(by_stem.items()) if paths[0].resolve() not in used]
+    if orphans:
+        stem = media_stem(orphans[0])
+        raise DataError(
+            f"{orphans[0]}: a control image for a missing item (no {spec.kind} named {stem}.* in "
+            f"{describe(spec)})"
+            + (f", and {len(orphans) - 1} more" if len(orphans) > 1 else "")
+            + ". Rename it to its item's file name (or <item>_0, <item>_1, ... for several) or remove it."
+        )
 
 
 # ---------------------------------------------------------------- entry point

@@ -235,6 +235,21 @@ def _jobs_for_item(
     ]
 
 
+def _resolution_note(spec: DatasetSpec, buckets: list[tuple[int, int]], step: int) -> str | None:
+    """What a bucketed `resolution` whose sides are not multiples of the model's step becomes (its buckets
+    are the sizes of at most its area with sides multiples of the step), with the nearest valid values."""
+    if spec.resolution[0] % step == 0 and spec.resolution[1] % step == 0:
+        return None
+    w, h = max(buckets, key=lambda b: b[0] * b[1])
+    area = spec.resolution[0] * spec.resolution[1]
+    nearest = [max(step, round(r / step) * step) for r in spec.resolution]
+    return (
+        f"{describe(spec)}: key 'resolution' {list(spec.resolution)} is not a multiple of the model's spatial "
+        f"step {step}; its buckets are the sizes of at most {area} pixels with sides multiples of {step}, the "
+        f"largest {w}×{h} ({w * h / area:.0%} of the area). Use {nearest} to train at the size you mean."
+    )
+
+
 def plan_latent_jobs(
     spec: DatasetSpec,
     items: list[Item],
@@ -264,7 +279,7 @@ def plan_latent_jobs(
         )
     buckets = dataset_buckets(spec.resolution, step, spec.enable_bucket)
     jobs: list[LatentJob] = []
-    problems: list[str] = []
+    problems: list[str] = [note] if (note := _resolution_note(spec, buckets, step)) else []
     mismatched_fps: set[float] = set()
     scales: list[float] = []  # per item: how much it is scaled to cover its bucket
     for item in items:

@@ -28,6 +28,7 @@ underscores cannot be split back (`blocks_0_self_attn_q` might be `blocks.0.self
 from __future__ import annotations
 
 import os
+import pickletools
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import torch
 from safetensors import safe_open
 
 from tuner.errors import CheckpointError
+from tuner.io import NotSafetensors, safetensors_header
 
 NameMap = Callable[[str], str]
 """Maps a diffusers module name to the original-release module name. A name map may also name some
@@ -89,7 +91,8 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
         raise CheckpointError(f"adapter file {path} does not exist")
     if is_pickle(path):
         raise CheckpointError(
-            f"{path} is a pickled PyTorch file. tuner does not load pickled files: loading one can run any "
+            f"{path}: not a safetensors file (it is a pickle: refused, never unpickled). tuner does not load "
+            "pickled files: loading one can run any "
             'code it contains. If you trust it, convert it once to .safetensors, e.g. python -c "import '
             "torch; from safetensors.torch import save_file; "
             f"save_file(torch.load('{path}', weights_only=True), '{Path(path).with_suffix('.safetensors')}')\""
@@ -99,8 +102,23 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], 
             metadata = dict(f.metadata() or {})
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except Exception as e:  # safetensors raises several unrelated types for a corrupt file
-        raise CheckpointError(f"cannot read adapter file {path} as safetensors: {e}") from e
+        raise CheckpointError(_unreadable(path, e)) from e
     return tensors, metadata
+
+
+def _unreadable(path: str | os.PathLike, error: Exception) -> str:
+    """Why `path` could not be read as safetensors, in words: not safetensors at all (random bytes, another
+    format), or a safetensors header whose data is damaged or cut short."""
+    try:
+        safetensors_header(path)
+    except NotSafetensors as why:
+        return (
+            f"{path}: not a safetensors file ({why}); it is damaged or not an adapter. Give the .safetensors "
+            "file the trainer saved."
+        )
+    except OSError as e:
+        return f"{path}: cannot read it ({e.strerror}); check its permissions."
+    return f"{path}: a safetensors file whose data is damaged or cut short ({error}); use another copy of it."
 
 
 def is_pickle(path: str | os.PathLike) -> bool:
@@ -113,7 +131,19 @@ def is_pickle(path: str | os.PathLike) -> bool:
         :4
     ] == b"PK\x03\x04"
     too_long = int.from_bytes(head.ljust(8, b"\0"), "little") + 8 > Path(path).stat().st_size
-    return Path(path).suffix.lower() in PICKLE_SUFFIXES or (marker and too_long)
+    if Path(path).suffix.lower() in PICKLE_SUFFIXES or (marker and too_long):
+        return True
+    return too_long and _parses_as_pickle(path)
+
+
+def _parses_as_pickle(path: str | os.PathLike) -> bool:
+    """Whether the file is a whole pickle of protocol 0 or 1 (no marker byte): its opcodes are read up to
+    STOP by `pickletools.genops`, which parses and never runs them."""
+    with open(path, "rb") as f:
+        try:
+            return any(opcode.name == "STOP" for opcode, _, _ in pickletools.genops(f))
+        except Exception:  # not a pickle: genops raises ValueError and others on the first bad opcode
+            return False
 
 
 def nonfinite_keys(tensors: Mapping[str, torch.Tensor]) -> list[str]:

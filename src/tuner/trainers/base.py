@@ -34,6 +34,7 @@ from tuner.config import Config
 from tuner.errors import TrainingError
 from tuner.optimizers.build import averaged_weights
 from tuner.trainers import board
+from tuner.trainers.checkpoints import first_nonfinite
 from tuner.trainers.setup import Run, end_run, setup
 from tuner.trainers.stop import StopRequest
 
@@ -142,6 +143,11 @@ class NetworkTrainer:
         states = run.checkpoints.complete_states()
         saved = f"the last saved state is {states[-1]}" if states else "no state was saved"
         nc = self.cfg.network
+        # a pass over the whole base model, made only now that training stops
+        if base := first_nonfinite(run.model, frozen_only=True):
+            raise TrainingError(f"step {step}: {what}; training stopped: the base model's weights hold NaN or "
+                                f"infinity (first: {base}; model.transformer = {self.cfg.model.transformer}). The "
+                                "checkpoint is damaged: download it again or use another copy.")  # fmt: skip
         raise TrainingError(
             f"step {step}: {what}; training stopped ({last}; {saved}). Likely causes: a learning rate too "
             f"high for {tc.optimizer} (train.learning_rate = {tc.learning_rate:g}), a large adapter scale "

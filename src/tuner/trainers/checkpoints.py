@@ -12,6 +12,8 @@ Layout of `save.output_dir`:
         position.json                  step, epoch, batch within the epoch
         run.json                       what a resumed run must share (architecture, adapter shape)
         schedule.json                  max_steps and the lr schedule (a change is noted on resume)
+        settings.json                  the seed, a hash of the epoch's data order and the other settings
+                                       that change results (each change is named on resume)
         manifest.json                  every file above with its size and SHA-256; written last
 
 The state is saved before the adapter (or full model) file: writing that file converts key names and
@@ -30,6 +32,7 @@ what is still intact), not a traceback.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -41,7 +44,7 @@ import torch
 
 from tuner.distributed.accounting import tree_bytes
 from tuner.errors import CheckpointError
-from tuner.io import write_text
+from tuner.io import probe_writable, write_text
 from tuner.optimizers.build import averaged_weights
 from tuner.trainers import state
 
@@ -49,6 +52,7 @@ STATE_DIR = "state"
 POSITION = "position.json"
 IDENTITY = "run.json"
 SCHEDULE = "schedule.json"
+SETTINGS = "settings.json"
 PROCESSES = "processes.json"  # how many processes saved it, and over how many the batches were shared
 _STEP = re.compile(r"step(\d+)$")
 
@@ -60,10 +64,7 @@ def check_output_dir(out: Path) -> None:
             f"save.output_dir {out} is a file, not a folder; choose another save.output_dir."
         )
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".tuner-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable(out)
     except OSError as e:
         raise CheckpointError(
             f"save.output_dir {out} is not writable ({e.strerror}); choose another save.output_dir or fix "
@@ -73,7 +74,8 @@ def check_output_dir(out: Path) -> None:
 
 class Checkpoints:
     def __init__(self, out_dir: Path, save_cfg, accelerator, identity: dict | None = None,
-                 parts: dict | None = None, schedule: dict | None = None, strategy=None):  # fmt: skip
+                 parts: dict | None = None, schedule: dict | None = None, strategy=None,
+                 settings: dict | None = None, data_order=None):  # fmt: skip
         from tuner.distributed import Strategy
 
         self.out = Path(out_dir)
@@ -85,6 +87,10 @@ class Checkpoints:
         # "scheduler"); the random generators of every process are saved besides
         self.parts = parts or {}
         self.schedule = schedule or {}
+        # what changes results without changing the state's shapes (`setup.run_settings`): named on resume
+        self.settings = settings or {}
+        # epoch -> a hash of that epoch's batch order (`setup.data_order`), or None
+        self.data_order = data_order
         # how processes hold the parts (`tuner.distributed`): a sharded state is gathered to be saved
         self.strategy = strategy or Strategy(None)
 
@@ -142,6 +148,7 @@ class Checkpoints:
                     (SCHEDULE, self.schedule),
                     (POSITION, asdict(pos)),
                     (PROCESSES, self._processes()),
+                    (SETTINGS, self._settings(pos.epoch)),
                 ):
                     write_text(tmp / file, json.dumps(data, sort_keys=True, indent=1))
                     names.append(file)
@@ -271,8 +278,12 @@ class Checkpoints:
                 f"--resume {path}: saved by {saved_by} process(es), resumed with {acc.num_processes}: process "
                 f"{acc.process_index} has no saved random state there. Resume with {saved_by} process(es)."
             )
+        scheduler = getattr(self.parts.get("scheduler"), "scheduler", self.parts.get("scheduler"))
+        new_base_lrs = list(getattr(scheduler, "base_lrs", []))  # the resumed run's config set them
         for part_name, part in self.parts.items():
             self.strategy.load_full_state_dict(part, state.load_tree(path, part_name))
+        if self.schedule_changes(path):
+            _continue_on_new_schedule(scheduler, new_base_lrs)
         if acc.scaler is not None and (path / "scaler.json").is_file():
             acc.scaler.load_state_dict(state.load_tree(path, "scaler"))
         state.set_rng_state(state.load_tree(path, f"rng_{acc.process_index}"))
@@ -286,6 +297,36 @@ class Checkpoints:
         return [
             f"{k} {saved.get(k)!r} → {v!r}" for k, v in sorted(self.schedule.items()) if saved.get(k) != v
         ]
+
+    def _settings(self, epoch: int) -> dict:
+        values = json.loads(json.dumps(self.settings, default=str))  # tuples become lists, as in the file
+        digest = hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+        order = self.data_order(epoch) if self.data_order else None
+        return {"values": values, "sha256": digest, "epoch": epoch, "data_order": order}
+
+    def settings_changes(self, path: Path, step: int) -> list[str]:
+        """Each difference between the settings, seed and data order the state at `path` was saved with
+        and this run's, one line each (states saved before settings.json: none)."""
+        if not (path / SETTINGS).is_file():
+            return []
+        saved = json.loads((path / SETTINGS).read_text())
+        now = self._settings(saved["epoch"])
+        if saved["sha256"] == now["sha256"] and saved["data_order"] == now["data_order"]:
+            return []
+        old, new = saved["values"], now["values"]
+        lines = []
+        for k in sorted(old.keys() | new.keys()):
+            if old.get(k) == new.get(k):
+                continue
+            if k == "train.seed":
+                lines.append(f"train.seed {old.get(k)!r} → {new.get(k)!r}: the noise, timesteps and data order "
+                             f"after step {step} differ from the saved run's; this is not an exact resume")  # fmt: skip
+            else:
+                lines.append(f"{k} {old.get(k)!r} → {new.get(k)!r} since this state was saved")
+        if saved["data_order"] != now["data_order"] and old.get("train.seed") == new.get("train.seed"):
+            lines.append(f"the data order of epoch {saved['epoch'] + 1} differs from the saved run's (the datasets "
+                         "or their settings changed): this is not an exact resume")  # fmt: skip
+        return lines
 
     def _fallback(self, bad: Path) -> str:
         """Name the newest state older than `bad` that checks out, if any."""
@@ -322,14 +363,36 @@ def _step_of(folder: Path) -> int:
     return int(_STEP.search(folder.name).group(1))
 
 
+def _continue_on_new_schedule(scheduler, base_lrs: list[float]) -> None:
+    """Loading a `LambdaLR` brings back the saved run's base learning rates (and each group's lr of its
+    schedule); a resume with another schedule means to continue on the new one: its base rates, and each
+    group's lr what the new schedule gives at the saved step."""
+    if not base_lrs or not hasattr(scheduler, "lr_lambdas"):
+        return
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, base, lr in zip(scheduler.optimizer.param_groups, base_lrs, lrs):
+        group["initial_lr"], group["lr"] = base, lr
+    scheduler.base_lrs, scheduler._last_lr = list(base_lrs), lrs
+
+
+def first_nonfinite(module, frozen_only: bool = False) -> str | None:
+    """The name of the first floating-point parameter of `module` (of those not trained, with
+    `frozen_only`) holding NaN or infinity, or None."""
+    for name, param in module.named_parameters():
+        if frozen_only and param.requires_grad:
+            continue
+        if param.is_floating_point() and param.element_size() > 1 and not torch.isfinite(param).all():
+            return name  # (fp8 storage is skipped: torch has no isfinite for it)
+    return None
+
+
 def _check_finite(network, step: int) -> None:
     """Refuse to save weights that hold NaN or infinity (they would load and draw black images)."""
-    for name, param in network.named_parameters():
-        if param.is_floating_point() and not torch.isfinite(param).all():
-            raise CheckpointError(
-                f"step {step}: the trained weights hold NaN or infinite values (first: {name}); not saved. "
-                "Lower train.learning_rate or network.alpha, or use bf16 instead of fp16."
-            )
+    if name := first_nonfinite(network):
+        raise CheckpointError(
+            f"step {step}: the trained weights hold NaN or infinite values (first: {name}); not saved. "
+            "Lower train.learning_rate or network.alpha, or use bf16 instead of fp16."
+        )
 
 
 _SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

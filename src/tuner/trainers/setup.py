@@ -6,7 +6,8 @@
     _open_data     the cached batches (stops, naming the command to run, if the cache is stale)
     _load_model    the base model: merged adapters, frozen, checkpointed, placed (fp8, block swap)
     _build_trained the adapter (or the weights of a full fine-tune), its optimizer and schedule
-    _checkpoints   where states and adapters are saved (with the EMA, part of the run's identity)
+    _checkpoints   where states and adapters are saved (with the EMA, part of the run's identity), and
+                   the settings and data order a resume names the changes of
     _resume        the position of a saved state, or a refusal to overwrite one
     then the summary and the `Run`.
 
@@ -16,6 +17,8 @@ adapter's initialization) draws in the same order in every run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -99,7 +102,7 @@ def setup(trainer, resume: str | None, log: Callable[[str], None]) -> Run:
     model, trained, optimizer = strategy.prepare(trainer, accelerator, model, t.trained, t.optimizer)
     optimizer, scheduler = accelerator.prepare(optimizer, t.scheduler)
     checkpoints, parts = _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, scheduler,
-                                      t.total_steps)  # fmt: skip
+                                      t.total_steps, data)  # fmt: skip
     if accelerator.is_main_process and (note := checkpoints.space_note(trained)):
         log(f"warning: {note}")
     samples = None
@@ -255,8 +258,9 @@ def _build_trained(trainer, model, accelerator, data) -> _Trained:
     return _Trained(trained, optimizer, scheduler, fused, total_steps, steps_per_epoch, batches_per_epoch)
 
 
-def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, scheduler, total_steps):
-    """Where the run saves, with the parts of its state and the identity a resume must match."""
+def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, scheduler, total_steps, data):
+    """Where the run saves, with the parts of its state, the identity a resume must match and the
+    settings and data order a resume names the changes of."""
     from tuner.trainers.checkpoints import Checkpoints
 
     tc, nc = trainer.cfg.train, trainer.cfg.network
@@ -271,7 +275,34 @@ def _checkpoints(trainer, out, accelerator, strategy, trained, optimizer, schedu
 
         parts["ema"] = WeightEMA(trained.parameters(), tc.ema_decay, tc.ema_warmup, tc.ema_on_host)
         identity["train.ema_decay"] = tc.ema_decay
-    return Checkpoints(out, trainer.cfg.save, accelerator, identity, parts, schedule, strategy), parts
+    settings = {k: v for k, v in run_settings(trainer.cfg).items() if k not in identity and k not in schedule}
+    checkpoints = Checkpoints(out, trainer.cfg.save, accelerator, identity, parts, schedule, strategy, settings,
+                              data_order(data))  # fmt: skip
+    return checkpoints, parts
+
+
+# settings of the train section that change how a run goes on, not what its steps compute (or that
+# are named elsewhere on resume: max_steps and epochs are the schedule's)
+_NOT_RESULTS = {"max_steps", "epochs", "validate_every_n_steps", "validation_timesteps", "gradient_checkpointing",
+                "compile", "ema_on_host", "max_nonfinite_steps"}  # fmt: skip
+
+
+def run_settings(cfg) -> dict:
+    """The settings that change a run's results (train and timesteps sections, the base model's dtype),
+    as `section.key` -> value: a state records them and a resume names each one that changed."""
+    values = {f"train.{k}": v for k, v in asdict(cfg.train).items() if k not in _NOT_RESULTS}
+    values |= {f"timesteps.{k}": v for k, v in asdict(cfg.timesteps).items()}
+    return values | {"model.dtype": cfg.model.dtype}
+
+
+def data_order(data) -> Callable[[int], str]:
+    """epoch -> a hash of the order of that epoch's batches (which cache entries, in which order)."""
+
+    def digest(epoch: int) -> str:
+        keys = [[entry[1:] for entry in batch] for batch in data.plan_epoch(epoch)]
+        return hashlib.sha256(json.dumps(keys).encode()).hexdigest()
+
+    return digest
 
 
 def _resume(out, resume, checkpoints, strategy, trained, log) -> Position:
@@ -292,6 +323,8 @@ def _resume(out, resume, checkpoints, strategy, trained, log) -> Position:
     if changes := checkpoints.schedule_changes(path):
         log(f"note: the schedule changed since this state was saved ({'; '.join(changes)}); the "
             f"learning rate continues from step {pos.step} on the new schedule.")  # fmt: skip
+    for change in checkpoints.settings_changes(path, pos.step):
+        log(f"warning: {change}")
     return pos
 
 
