@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from diffusers import (
     AutoencoderKLQwenImage,
     FlowMatchEulerDiscreteScheduler,
@@ -77,13 +78,29 @@ def build_krea2_components(seed: int = 0) -> dict:
         "the tiny vocabulary outgrew the tiny config"
     )
     return {
-        "transformer": tiny_model(Krea2Transformer2DModel, tiny_config("krea2", "transformer"), seed),
+        "transformer": _quiet_block_modulation_(
+            tiny_model(Krea2Transformer2DModel, tiny_config("krea2", "transformer"), seed)
+        ),
         "vae": tiny_model(AutoencoderKLQwenImage, tiny_config("qwen_image", "vae"), seed + 1),
         "text_encoder": text_encoder,
         "tokenizer": tokenizer,
         "scheduler": FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
         "text_encoder_select_layers": tapped_layers(text_encoder.config.text_config.num_hidden_layers),
     }
+
+
+@torch.no_grad()
+def _quiet_block_modulation_(transformer: Krea2Transformer2DModel) -> Krea2Transformer2DModel:
+    """Scale the blocks' modulation (the shared `time_mod_proj` and each block's table) by 1/4. Its gates
+    scale each block's update; a trained model's are small (zero-initialized as in DiT), a random one's
+    let every block replace the residual stream, and a few percent of fp8 rounding per weight then
+    compounds past the contract suite's 5% bound on the output."""
+    for name, param in transformer.named_parameters():
+        if name.startswith("time_mod_proj.") or (
+            name.startswith("transformer_blocks.") and "scale_shift" in name
+        ):
+            param.mul_(0.25)
+    return transformer
 
 
 def write_krea2_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
