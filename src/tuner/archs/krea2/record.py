@@ -21,8 +21,8 @@ KREA2 = Architecture(
         "training Turbo warns"
     ),
     save_format_loads=(
-        "ComfyUI; diffusers needs `diffusers` (its Krea 2 converter reads the release's names but not "
-        "the `alpha` tensors)"
+        'ComfyUI; diffusers needs `save.format = "diffusers"` (its Krea 2 converter reads the release\'s '
+        "names but refuses `.alpha` keys)"
     ),
     title="Krea 2 text-to-image (RAW, Turbo; 12B single-stream DiT, Qwen3-VL-4B)",
     family="Krea2Model",
