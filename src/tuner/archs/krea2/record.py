@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tuner.archs.record import Architecture, comfy
+from tuner.archs.record import Architecture, comfy, hub_tokenizers
 
 _BLOCKS = r"(transformer_blocks|text_fusion\.layerwise_blocks|text_fusion\.refiner_blocks)\.\d+"
 
@@ -34,7 +34,8 @@ KREA2 = Architecture(
         _BLOCKS + r"\.attn\.(to_q|to_k|to_v|to_out\.0|to_gate)",
         _BLOCKS + r"\.ff\.(gate|up|down)",
     ),
-    tokenizers=(("tokenizer", "Qwen/Qwen3-VL-4B-Instruct"),),
+    # Qwen3-VL's; diffusers' single-file loader takes its configs from this repository's folders
+    tokenizers=hub_tokenizers("krea/Krea-2-Raw", "tokenizer"),
     hub_repos=(("raw", "krea/Krea-2-Raw"), ("turbo", "krea/Krea-2-Turbo")),
     comfy_files=tuple(
         (
