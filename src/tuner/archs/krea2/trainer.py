@@ -15,7 +15,7 @@ from torch import nn
 
 from tuner.archs.krea2 import loaders as krea2
 from tuner.archs.krea2 import text as krea2_text
-from tuner.archs.model import ArchitectureModel
+from tuner.archs.model import ArchitectureModel, padded_prompts
 from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.memory import text_encoder_dtype
 
@@ -56,12 +56,7 @@ class Krea2Model(ArchitectureModel):
         return [{"prompt_embeds": e} for e in embeds]
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        rows = [entry["prompt_embeds"] for entry in entries]
-        embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        mask = torch.zeros(embeds.shape[:2], dtype=torch.bool)
-        for i, r in enumerate(rows):
-            mask[i, : r.shape[0]] = True
-        return {"prompt_embeds": embeds, "prompt_mask": mask}
+        return padded_prompts(entries)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return krea2.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.model import ArchitectureModel
+from tuner.archs.model import ArchitectureModel, padded_prompts
 from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.archs.qwen_image import text as qwen_image_text
 from tuner.memory import text_encoder_dtype
@@ -49,14 +49,7 @@ class QwenImageModel(ArchitectureModel):
         return [{"prompt_embeds": e} for e in embeds]
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        rows = [entry["prompt_embeds"] for entry in entries]
-        length = max(r.shape[0] for r in rows)
-        embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
-        mask = torch.zeros(len(rows), length, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            embeds[i, : r.shape[0]] = r
-            mask[i, : r.shape[0]] = True
-        return {"prompt_embeds": embeds, "prompt_mask": mask}
+        return padded_prompts(entries)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         controls = []
