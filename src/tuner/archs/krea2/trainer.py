@@ -15,8 +15,8 @@ from torch import nn
 
 from tuner.archs.krea2 import loaders as krea2
 from tuner.archs.krea2 import text as krea2_text
-from tuner.archs.model import ArchitectureModel, padded_prompts
-from tuner.archs.qwen_image import loaders as qwen_image
+from tuner.archs.model import padded_prompts
+from tuner.archs.qwen_vae import QwenVAEImageModel
 from tuner.memory import text_encoder_dtype
 
 
@@ -29,14 +29,11 @@ def turbo_warning(cfg) -> str:
             "Train on Krea 2 RAW (krea2_raw_bf16.safetensors); its adapters apply to Turbo as they are.")  # fmt: skip
 
 
-class Krea2Model(ArchitectureModel):
+class Krea2Model(QwenVAEImageModel):
     architecture = "krea2"
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return krea2.load_transformer(self.weights_path("transformer"), dtype)
-
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return qwen_image.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> krea2_text.TextEncoder:
         encoder = krea2_text.load_text_encoder(
@@ -44,12 +41,6 @@ class Krea2Model(ArchitectureModel):
         )
         self.place_text_encoders(dtype, device, encoder.model)
         return encoder
-
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        return qwen_image.encode_images(vae, pixels)
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return qwen_image.decode_latents(vae, latents)
 
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         embeds = krea2_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
@@ -60,7 +51,3 @@ class Krea2Model(ArchitectureModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return krea2.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
-
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        factor = qwen_image.VAE_FACTOR
-        return (qwen_image.LATENT_CHANNELS, 1, height // factor, width // factor)
