@@ -287,3 +287,35 @@ def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture
     with pytest.raises(ValueError, match="alpha"):
         pipe.load_lora_weights(str(tmp_path / "comfy.safetensors"))
     pipe.unload_lora_weights()
+
+
+def test_full_fine_tune_is_saved_in_the_release_layout(fixture, tmp_path):
+    """One step of full fine-tuning writes the release's keys and shapes (the modulation flattened), which
+    diffusers' own single-file loader reads, and tuner's loader reads back to the trained weights."""
+    from project import cfg, make_project
+    from tuner.cli import main
+    from tuner.trainers import trainer_class
+
+    config = make_project(tmp_path / "project", fixture["root"], architecture="krea2")
+    assert main(["cache", "latents", "--config", str(config)]) == 0
+    assert main(["cache", "text", "--config", str(config)]) == 0
+    overrides = (
+        "network.type='full'",
+        "train.max_steps=1",
+        "train.lr_warmup_steps=0",
+        "log.tensorboard=false",
+    )
+    trainer = trainer_class("krea2")(cfg(config, f"save.output_dir='{tmp_path / 'out'}'", *overrides))
+    trainer.train(log=lambda s: None)
+    saved = tmp_path / "out" / "demo_lora.safetensors"
+    shapes = {k: tuple(v.shape) for k, v in load_file(saved).items()}
+    assert shapes == {k: tuple(v.shape) for k, v in load_tensors(fixture["transformer_file"]).items()}
+    ours = krea2.load_transformer(saved, torch.float32)
+    theirs = Krea2Transformer2DModel.from_single_file(
+        str(saved), config=str(krea2.TRANSFORMER_VARIANTS[1].config_dir), torch_dtype=torch.float32,
+        local_files_only=True,
+    )  # fmt: skip
+    _equal_models(ours, theirs)
+    assert not torch.equal(
+        ours.img_in.weight, krea2.load_transformer(fixture["diffusers"], torch.float32).img_in.weight
+    )
