@@ -289,9 +289,10 @@ def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture
     pipe.unload_lora_weights()
 
 
-def test_full_fine_tune_is_saved_in_the_release_layout(fixture, tmp_path):
-    """One step of full fine-tuning writes the release's keys and shapes (the modulation flattened), which
-    diffusers' own single-file loader reads, and tuner's loader reads back to the trained weights."""
+def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_path):
+    """One step of full fine-tuning draws its guided sample and writes the release's keys and shapes (the
+    modulation flattened), which diffusers' own single-file loader reads, and tuner's loader reads back to
+    the trained weights."""
     from project import cfg, make_project
     from tuner.cli import main
     from tuner.trainers import trainer_class
@@ -299,14 +300,12 @@ def test_full_fine_tune_is_saved_in_the_release_layout(fixture, tmp_path):
     config = make_project(tmp_path / "project", fixture["root"], architecture="krea2")
     assert main(["cache", "latents", "--config", str(config)]) == 0
     assert main(["cache", "text", "--config", str(config)]) == 0
-    overrides = (
-        "network.type='full'",
-        "train.max_steps=1",
-        "train.lr_warmup_steps=0",
-        "log.tensorboard=false",
-    )
+    overrides = ("network.type='full'", "train.max_steps=1", "train.lr_warmup_steps=0", "log.tensorboard=false",
+                 "sample.prompts=['a cat']", "sample.every_n_steps=1", "sample.width=32", "sample.height=32",
+                 "sample.steps=2", "sample.guidance=4.5")  # fmt: skip
     trainer = trainer_class("krea2")(cfg(config, f"save.output_dir='{tmp_path / 'out'}'", *overrides))
     trainer.train(log=lambda s: None)
+    assert [p.suffix for p in (tmp_path / "out" / "samples").iterdir()] == [".png"]
     saved = tmp_path / "out" / "demo_lora.safetensors"
     shapes = {k: tuple(v.shape) for k, v in load_file(saved).items()}
     assert shapes == {k: tuple(v.shape) for k, v in load_tensors(fixture["transformer_file"]).items()}
