@@ -38,6 +38,7 @@ FAMILIES = (
     "kandinsky5",
     "ltx2",
     "ltx_video",
+    "krea2",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""

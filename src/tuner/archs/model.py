@@ -374,6 +374,17 @@ class ArchitectureModel:
         return math.prod(latents.shape[2:]) // math.prod(self.record.latent_patch)
 
 
+def padded_prompts(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A `collate_text` for entries kept at their caption's length (`prompt_embeds` [L, ...]): padded with
+    zeros to the batch's longest, and `prompt_mask` [B, L] marking each caption's real rows."""
+    rows = [entry["prompt_embeds"] for entry in entries]
+    embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.zeros(embeds.shape[:2], dtype=torch.bool)
+    for i, r in enumerate(rows):
+        mask[i, : r.shape[0]] = True
+    return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+
 def pipeline_architectures() -> list[str]:
     """The architectures whose model cuts its forward into `PipelineParts`."""
     from tuner import registry

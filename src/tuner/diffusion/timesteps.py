@@ -18,7 +18,7 @@ distribution that puts more mass in the middle or, for large images and videos, 
   t' = s·t / (1 + (s − 1)·t) with s = `discrete_flow_shift`. s > 1 moves mass towards noise, which
   large latents need: more pixels carry more redundant signal, so a given t destroys less of the
   image and the model must see noisier inputs to learn composition (Wan uses s = 3..12).
-- `flux_shift` / `qwen_shift`: the same shift, with s = exp(μ) chosen from the image-token count:
+- `flux_shift` / `qwen_shift` / `krea2_shift`: the same shift, with s = exp(μ) chosen from the image-token count:
   μ is linear in the number of tokens, through (base_seq_len, base_shift) and (max_seq_len,
   max_shift) (see `RESOLUTION_SHIFTS`), applied to sigmoid-normal t. Written as in FLUX's reference
   code this is t' = e^μ / (e^μ + (1/t − 1)), which is algebraically the shift above.
@@ -44,7 +44,7 @@ import torch
 from tuner.errors import ConfigError, did_you_mean
 from tuner.io import atomic_path
 
-MODES = ("uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift")
+MODES = ("uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift", "krea2_shift")
 SHIFT_FROM = ("uniform", "sigmoid")
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
@@ -67,10 +67,12 @@ class ResolutionShift:
 
 
 # Values from the models' published diffusers scheduler configs (FLUX.1-dev; Qwen/Qwen-Image, whose
-# `scheduler_config.json` has base 256 → 0.5 and max 8192 → 0.9).
+# `scheduler_config.json` has base 256 → 0.5 and max 8192 → 0.9; Krea 2's, per Krea2Pipeline's docstring:
+# base 256 → 0.5, max 6400 → 1.15, musubi-tuner's `krea2_shift`).
 RESOLUTION_SHIFTS = {
     "flux_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=4096, max_shift=1.15),
     "qwen_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=8192, max_shift=0.9),
+    "krea2_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=6400, max_shift=1.15),
 }
 
 
@@ -108,7 +110,7 @@ class TimestepSampler:
     mode: str
     """One of `MODES`."""
     sigmoid_scale: float = 1.0
-    """k in sigmoid(k · N(0, 1)); used by `sigmoid`, `shift` from sigmoid, `flux_shift`, `qwen_shift`."""
+    """k in sigmoid(k · N(0, 1)); used by `sigmoid`, `shift` from sigmoid and the resolution shifts."""
     logit_mean: float = 0.0
     """Mean of the normal inside `logit_normal`; the median of t is sigmoid(logit_mean)."""
     logit_std: float = 1.0
@@ -199,7 +201,7 @@ class TimestepSampler:
         """Draw `batch_size` timesteps in [min_timestep, max_timestep] as a float32 tensor on `device`.
 
         The uniform draw happens on the generator's device (so a CPU generator gives the same t on
-        any accelerator); `seq_len` is the image-token count, required by `flux_shift`/`qwen_shift`.
+        any accelerator); `seq_len` is the image-token count, required by the resolution shifts.
         """
         draw_device = generator.device if generator is not None else torch.device(device)
         u = torch.rand(batch_size, generator=generator, device=draw_device, dtype=torch.float32)

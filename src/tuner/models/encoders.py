@@ -98,14 +98,15 @@ def load_encoder_file_on_meta(
     spec: SingleFileSpec,
     rename: Callable[[StateDict], StateDict],
     what: str,
+    entries: Callable[[StateDict], StateDict] = dict,
 ) -> torch.nn.Module:
     """`load_encoder_file` for models `from_pretrained` cannot be handed a state dict of (Qwen2.5-VL, Qwen3):
     built on the meta device (rotary tables are real buffers) with SDPA attention (what `from_pretrained`
-    picks, so both layouts compute alike), given exactly the file's tensors `rename`d to its keys, and
-    cast the way `from_pretrained` casts. Not in eval mode."""
+    picks, so both layouts compute alike), given exactly the file's tensors (picked by `entries`, see
+    `read_single_file`) `rename`d to its keys, and cast the way `from_pretrained` casts. Not in eval mode."""
     from accelerate import init_empty_weights
 
-    variant, _, stored = read_single_file(path, dtype, spec)
+    variant, _, stored = read_single_file(path, dtype, spec, entries)
     config = model_cls.config_class.from_pretrained(variant.config_dir)
     config._attn_implementation = "sdpa"
     with init_empty_weights():

@@ -14,20 +14,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.model import ArchitectureModel
+from tuner.archs.model import padded_prompts
 from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.archs.qwen_image import text as qwen_image_text
+from tuner.archs.qwen_vae import QwenVAEImageModel
 from tuner.memory import text_encoder_dtype
 
 
-class QwenImageModel(ArchitectureModel):
+class QwenImageModel(QwenVAEImageModel):
     architecture = "qwen_image"
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return qwen_image.load_transformer(self.weights_path("transformer"), dtype)
-
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return qwen_image.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> qwen_image_text.QwenTextEncoder:
         encoder = qwen_image_text.load_text_encoder(
@@ -38,25 +36,12 @@ class QwenImageModel(ArchitectureModel):
         self.place_text_encoders(dtype, device, encoder.model)
         return encoder
 
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        return qwen_image.encode_images(vae, pixels)
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return qwen_image.decode_latents(vae, latents)
-
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         embeds = qwen_image_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
         return [{"prompt_embeds": e} for e in embeds]
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        rows = [entry["prompt_embeds"] for entry in entries]
-        length = max(r.shape[0] for r in rows)
-        embeds = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
-        mask = torch.zeros(len(rows), length, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            embeds[i, : r.shape[0]] = r
-            mask[i, : r.shape[0]] = True
-        return {"prompt_embeds": embeds, "prompt_mask": mask}
+        return padded_prompts(entries)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         controls = []
@@ -65,10 +50,6 @@ class QwenImageModel(ArchitectureModel):
         return qwen_image.predict_velocity(
             model, noisy, t, cond["prompt_embeds"], cond.get("prompt_mask"), controls
         )
-
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        factor = qwen_image.VAE_FACTOR
-        return (qwen_image.LATENT_CHANNELS, 1, height // factor, width // factor)
 
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Qwen-Image's "true CFG": the guided velocity is rescaled, token by token, to the norm of the

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tuner.archs.flux_vae import FluxVAEImageModel
+from tuner.archs.model import padded_prompts
 from tuner.archs.z_image import loaders as z_image
 from tuner.archs.z_image import text as z_image_text
 from tuner.memory import text_encoder_dtype
@@ -50,12 +51,7 @@ class ZImageModel(FluxVAEImageModel):
         return [{"prompt_embeds": e} for e in embeds]
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        rows = [entry["prompt_embeds"] for entry in entries]
-        embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        mask = torch.zeros(embeds.shape[:2], dtype=torch.bool)
-        for i, r in enumerate(rows):
-            mask[i, : r.shape[0]] = True
-        return {"prompt_embeds": embeds, "prompt_mask": mask}
+        return padded_prompts(entries)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return z_image.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
