@@ -61,8 +61,8 @@ def architecture(name: str) -> Architecture:
 
 
 def resolve_save_format(name: str, format: str) -> str:
-    """The key layout `format` means for architecture `name`: "auto" is the record's `save_format` (the
-    layout ComfyUI and diffusers both load); a layout stands for itself. `ConfigError` for an unknown
+    """The key layout `format` means for architecture `name`: "auto" is the record's `save_format` (a
+    layout ComfyUI loads, diffusers too only where `tuner.networks.receivers` says so); a layout stands for itself. `ConfigError` for an unknown
     architecture or format."""
     if format not in SAVE_FORMATS:
         raise ConfigError(f"unknown adapter format {format!r}; choose one of {', '.join(SAVE_FORMATS)}")

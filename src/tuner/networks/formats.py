@@ -35,8 +35,8 @@ HunyuanVideo 1.5's is Tencent's release, q, k and v apart (`img_attn_q`) where C
 Elsewhere `musubi` writes what `kohya` writes: the architectures musubi-tuner does not train as well, so
 one setting fits every run.
 
-Where the layouts load (measured; `save.format = "auto"` picks, per architecture, one that loads in
-both ComfyUI and diffusers' `load_lora_weights`, see `Architecture.save_format`):
+Where the layouts load (measured; `save.format = "auto"` picks, per architecture, one ComfyUI loads, see
+`Architecture.save_format`; every architecture's answer per tool is `receivers.py`'s table):
 
 - Wan 2.1: comfy in both (diffusers converts original-layout Wan files itself). ComfyUI does not map
   diffusers' Wan names.
