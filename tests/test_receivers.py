@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import run
+from project import cfg, make_project, run
 from tuner.fixtures import write_fixture
 from tuner.io import save_safetensors
 from tuner.models.loading import read_tensor_shapes
@@ -33,7 +33,7 @@ from tuner.networks.receivers import (
     read_by_tools,
     read_file,
 )
-from tuner.registry import ARCHITECTURES
+from tuner.registry import ARCHITECTURES, resolve_save_format
 
 pytest.importorskip("peft")
 
@@ -110,6 +110,32 @@ def test_comfyui_drops_what_the_issue_found(fixtures, tmp_path):
     )
     z = read_by_tools("z_image", export_stems("z_image", "kohya"))["musubi-tuner"]
     assert z.ignored and all("attention" in stem for stem in z.ignored)
+
+
+def test_the_default_loads_in_comfyui_and_in_diffusers_where_any_layout_does():
+    """`save.format = "auto"` loads whole in ComfyUI; where a layout loads whole in both ComfyUI and diffusers,
+    the default is one (no layout of ltx2, ltx_video, lumina2, the HunyuanVideo family does: the table says so)."""
+    both = {}
+    for name, record in ARCHITECTURES.items():
+        verdicts = {layout: read_by_tools(name, export_stems(name, layout)) for layout in LAYOUTS}
+        assert verdicts[record.save_format]["ComfyUI"].verdict == "loads", name
+        both[name] = [
+            layout
+            for layout, r in verdicts.items()
+            if r["ComfyUI"].verdict == r["diffusers"].verdict == "loads"
+        ]
+        assert not both[name] or record.save_format in both[name], (name, both[name])
+    assert not both["ltx2"] and not both["lumina2"] and not both["hunyuan_video"]
+    assert both["sd3"] == both["kandinsky5"] == ["diffusers"]
+
+
+def test_dora_never_saves_in_the_diffusers_layout_by_default(tmp_path):
+    """PEFT cannot hold tuner's column-wise DoRA: "auto" falls back to comfy where the default is diffusers."""
+    assert resolve_save_format("sd3", "auto") == "diffusers"
+    assert resolve_save_format("sd3", "auto", dora=True) == "comfy"
+    assert resolve_save_format("wan", "auto", dora=True) == "comfy"
+    config = make_project(tmp_path / "project", tmp_path / "model", architecture="sd3")
+    assert cfg(config).save.format == "diffusers" and cfg(config, "network.dora=true").save.format == "comfy"
 
 
 def test_loha_loads_in_no_diffusers_layout_but_its_own():

@@ -60,13 +60,17 @@ def architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def resolve_save_format(name: str, format: str) -> str:
+def resolve_save_format(name: str, format: str, dora: bool = False) -> str:
     """The key layout `format` means for architecture `name`: "auto" is the record's `save_format` (a
-    layout ComfyUI loads, diffusers too only where `tuner.networks.receivers` says so); a layout stands for itself. `ConfigError` for an unknown
-    architecture or format."""
+    layout ComfyUI loads, diffusers too only where `tuner.networks.receivers` says so); a layout stands
+    for itself. `ConfigError` for an unknown architecture or format. With `dora`, "auto" is never
+    `diffusers` (PEFT cannot hold tuner's column-wise DoRA, `networks/options.py`): `comfy` instead."""
     if format not in SAVE_FORMATS:
         raise ConfigError(f"unknown adapter format {format!r}; choose one of {', '.join(SAVE_FORMATS)}")
-    return architecture(name).save_format if format == "auto" else format
+    if format != "auto":
+        return format
+    layout = architecture(name).save_format
+    return "comfy" if dora and layout == "diffusers" else layout
 
 
 def describe_architectures() -> str:

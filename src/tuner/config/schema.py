@@ -332,9 +332,10 @@ class SaveConfig:
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "Dtype of saved adapter weights.")
     format: Literal["auto", "comfy", "diffusers", "kohya", "musubi"] = option(
         "auto",
-        "Key layout of saved adapters: auto (per architecture, one ComfyUI loads; diffusers reads it only where "
-        "docs/architectures.md#which-tool-loads-which-layout says so, and `save.format = \"diffusers\"` is then "
-        "what it loads; resolved when the config is read), comfy (original names with `diffusion_model.`), diffusers (PEFT, alpha folded in), kohya "
+        "Key layout of saved adapters: auto (per architecture, one ComfyUI loads; diffusers reads it only "
+        "where docs/architectures.md#which-tool-loads-which-layout says so, and `diffusers` is then what it "
+        "loads; never `diffusers` with network.dora; resolved when the config is read), comfy (original "
+        "names with `diffusion_model.`), diffusers (PEFT, alpha folded in), kohya "
         "(`lora_unet_` + original names, as ComfyUI names them), musubi (kohya's spelling of musubi-tuner's "
         "names: diffusers' for z_image and framepack, the release's `img_mlp_fc1` for hunyuan_video; "
         "elsewhere the same file as kohya). A full fine-tune writes the release's file for all but diffusers.",
@@ -489,7 +490,7 @@ class TrainingFile:
     def __post_init__(self) -> None:
         # "auto" becomes the architecture's layout here, so `tuner check`, training and the files agree
         try:
-            layout = resolve_save_format(self.model.architecture, self.save.format)
+            layout = resolve_save_format(self.model.architecture, self.save.format, dora=self.network.dora)
         except ConfigError as e:
             raise ConfigError(f"key 'model.architecture': {e}") from None
         if layout != self.save.format:

@@ -57,9 +57,11 @@ KOHYA = KOHYA_PREFIXES[0]
 COMFY_FORMS = ("diffusion_model.{c}", "lora_unet_{c_}")
 """Every ComfyUI model: its module name `c` (dots, or "_" in kohya's spelling)."""
 COMFY_EXTRA_FORMS: dict[str, tuple[str, ...]] = {
-    # `comfy.model_base.Flux` (FLUX.1, Kontext, Chroma): diffusers' names, onto the fused rows too
+    # `comfy.model_base.Flux` and its subclasses (FLUX.1, Kontext, Chroma, FLUX.2): diffusers' names
+    # (`flux_to_diffusers`), onto the fused rows too
     "flux": ("transformer.{d}", "lora_transformer_{d_}", "{d}"),
     "chroma": ("transformer.{d}", "lora_transformer_{d_}", "{d}"),
+    "flux2": ("transformer.{d}", "lora_transformer_{d_}", "{d}"),
     # `SD3`: `mmdit_to_diffusers`' names (diffusers', the fused qkv's rows too)
     "sd3": ("transformer.{d}", "base_model.model.{d}", "lora_transformer_{d_}"),
     # `HunyuanVideo` (and its 1.5, and FramePack files read as HunyuanVideo's): diffusion-pipe's release names
@@ -75,6 +77,12 @@ COMFY_EXTRA_FORMS: dict[str, tuple[str, ...]] = {
     "sdxl": ("lora_unet_{d_}", "unet.{dp}", "{dp}"),
 }
 """Per family folder, the extra stems `model_lora_keys_unet` maps (`o`: the release's name; `d`: diffusers')."""
+COMFY_MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    family: (("_attn_qkv", "_attn.qkv"), ("_attn_proj", "_attn.proj"))
+    for family in ("hunyuan_video", "hunyuan_video15", "framepack")
+}
+"""Per family folder, ComfyUI's module names beyond `kohya_names` (which spell the same in kohya's stems):
+HunyuanVideo's attention, as `HunyuanVideo.process_unet_state_dict` (`comfy/supported_models.py`) renames it."""
 
 DIFFUSERS_LOADERS: dict[str, str] = {
     "wan": "WanLoraLoaderMixin", "flux": "FluxLoraLoaderMixin", "chroma": "FluxLoraLoaderMixin",
@@ -226,22 +234,36 @@ def _split(readings: Mapping[str, tuple[list[str], str | None]], accepts) -> tup
 def comfy_stems(folder: str, keys: ArchitectureKeys, names: list[str], fused: str | None) -> set[str]:
     """Every stem ComfyUI maps onto the weight of `names` (one module, or the parts of `fused`)."""
     extras = COMFY_EXTRA_FORMS.get(folder, ())
+    values = _comfy_values(folder, keys, names, fused)
     if fused is not None:
-        values = {"c": fused, "o": fused}
         forms = COMFY_FORMS + tuple(f for f in extras if "{d" not in f)
     elif any(layer.part_of(names[0]) for layer in keys.fused):
-        values = {"d": names[0]}  # a fused layer's part: only diffusers-name maps cut rows
-        forms = tuple(f for f in extras if "{d" in f)
+        forms = tuple(
+            f for f in extras if "{d" in f
+        )  # a fused layer's part: only diffusers-name maps cut rows
+    else:
+        forms = COMFY_FORMS + extras
+    return {_fill(form, values) for form in forms if _fillable(form, values)}
+
+
+def _comfy_values(folder: str, keys: ArchitectureKeys, names: list[str], fused: str | None) -> dict[str, str]:
+    """The names a ComfyUI stem form is filled with: `c` its module's, `o` the release's, `d` diffusers'."""
+    if fused is not None:
+        values = {"c": fused, "o": fused}
+    elif any(layer.part_of(names[0]) for layer in keys.fused):
+        values = {"d": names[0]}
     else:
         values = {"d": names[0]}
         try:
             values |= {"c": keys.comfy_name(names[0]), "o": keys(names[0])}
         except KeyError:
             pass
-        forms = COMFY_FORMS + extras
     if "d" in values:
         values["dp"] = _processor_name(values["d"])
-    return {_fill(form, values) for form in forms if _fillable(form, values)}
+    if "c" in values:
+        for old, new in COMFY_MODULE_RENAMES.get(folder, ()):
+            values["c"] = values["c"].replace(old, new)
+    return values
 
 
 def comfy_key_map(architecture: str, checkpoint_keys) -> set[str]:
@@ -263,6 +285,8 @@ def comfy_key_map(architecture: str, checkpoint_keys) -> set[str]:
             pass  # a fused layer, or a weight adapters do not name
         if "d" in values:
             values["dp"] = _processor_name(values["d"])
+        for old, new in COMFY_MODULE_RENAMES.get(record.folder, ()):
+            values["c"] = values["c"].replace(old, new)
         stems |= {_fill(form, values) for form in COMFY_FORMS + extras if _fillable(form, values)}
     return stems
 
