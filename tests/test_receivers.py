@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import cfg, make_project, run
+from project import DiffusersWarnings, cfg, make_project, run
 from tuner.fixtures import write_fixture
 from tuner.io import save_safetensors
 from tuner.models.loading import read_tensor_shapes
@@ -151,15 +151,6 @@ def test_loha_loads_in_no_diffusers_layout_but_its_own():
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def diffusers_outcome(folder: str, model, path) -> tuple[str, int]:
     """("loads" | "ignores" | "refuses", layers injected) of the pipeline loader's `load_lora_weights`,
     run on a host holding only the denoiser (what the pipeline would hold under `transformer` / `unet`)."""
@@ -173,7 +164,7 @@ def diffusers_outcome(folder: str, model, path) -> tuple[str, int]:
             self.components = {"transformer": denoiser}
             self.text_encoder = self.text_encoder_2 = None
 
-    warnings, logger = _Warnings(), logging.getLogger("diffusers")
+    warnings, logger = DiffusersWarnings(), logging.getLogger("diffusers")
     logger.addHandler(warnings)
     try:
         Host(model).load_lora_weights(str(path))
