@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tuner.errors import TunerError
 from tuner.networks.architectures import (
     ArchitectureKeys,
     architecture_keys,
@@ -321,7 +322,7 @@ def musubi_stems(keys: ArchitectureKeys, names: list[str]) -> set[str]:
     table = keys.for_layout("musubi")
     try:
         groups, plain = group_parts(names, table.fused)
-    except Exception:  # a part of a fused layer alone: musubi-tuner has no name for it
+    except TunerError:  # a part of a fused layer alone: musubi-tuner has no name for it
         return set()
     stems = {KOHYA + original.replace(".", "_") for original in groups}
     for name in plain:
