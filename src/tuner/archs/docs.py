@@ -30,6 +30,7 @@ from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS
 REPO = Path(__file__).resolve().parents[3]
 _LAYOUT_TEXT = {
     "comfy": "the release's names under `diffusion_model.` with a per-module `alpha`",
+    "comfy_folded": "the release's names under `diffusion_model.`, alpha folded into `lora_B`",
     "kohya": "`lora_unet_` + the release's names with `lora_down` / `lora_up` / `alpha`",
     "diffusers": "the PEFT layout under `transformer.`, alpha folded in",
 }

@@ -330,12 +330,13 @@ class SaveConfig:
     keep_last: int = option(0, "Keep only the last K saves (adapters and states); 0 keeps all.", ge=0)
     save_state: bool = option(True, "Also save the full training state next to each adapter, for resume.")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "Dtype of saved adapter weights.")
-    format: Literal["auto", "comfy", "diffusers", "kohya", "musubi"] = option(
+    format: Literal["auto", "comfy", "comfy_folded", "diffusers", "kohya", "musubi"] = option(
         "auto",
         "Key layout of saved adapters: auto (per architecture, one ComfyUI loads; diffusers reads it only "
         "where docs/architectures.md#which-tool-loads-which-layout says so, and `diffusers` is then what it "
-        "loads; never `diffusers` with network.dora; resolved when the config is read), comfy (original "
-        "names with `diffusion_model.`), diffusers (PEFT, alpha folded in), kohya "
+        "loads; never one folding alpha with network.dora; resolved when the config is read), comfy (original "
+        "names with `diffusion_model.`), comfy_folded (the same, LoRA only, alpha folded into lora_B, no "
+        "`.alpha` keys: what diffusers' LTX loaders read too), diffusers (PEFT, alpha folded in), kohya "
         "(`lora_unet_` + original names, as ComfyUI names them), musubi (kohya's spelling of musubi-tuner's "
         "names: diffusers' for z_image and framepack, the release's `img_mlp_fc1` for hunyuan_video; "
         "elsewhere the same file as kohya). A full fine-tune writes the release's file for all but diffusers.",

@@ -44,7 +44,7 @@ from tuner.networks.architectures import (
     names_of_stem,
 )
 from tuner.networks.delta import LORA, ModuleWeights
-from tuner.networks.formats import LAYOUTS, layout_of, layout_state, parse_modules
+from tuner.networks.formats import FOLDED_ALPHA, LAYOUTS, layout_of, layout_state, parse_modules
 from tuner.networks.fused import group_parts
 from tuner.networks.keys import KOHYA_PREFIXES, KOHYA_TEXT_PREFIXES, describe_source, read_safetensors
 
@@ -98,30 +98,52 @@ Cosmos-Predict2's pipelines have none."""
 
 _ALPHA = "refuses: `.alpha` keys (its check wants 'lora' in every key)"
 _CHUNK = "refuses: its converter cuts the fused layers' `.alpha` (`chunk` of a scalar)"
-_LOADS = {"comfy": "loads", "kohya": "loads", "musubi": "loads", "diffusers": "loads"}
-_DIFFUSERS_ONLY = {"comfy": _ALPHA, "kohya": "ignores", "musubi": "ignores", "diffusers": "loads"}
+_SIZES = "refuses: its converter cuts the fused layers at the release's sizes (the tiny fixture's differ)"
+_LOADS = {
+    "comfy": "loads",
+    "comfy_folded": "loads",
+    "kohya": "loads",
+    "musubi": "loads",
+    "diffusers": "loads",
+}
+_DIFFUSERS_ONLY = {"comfy": _ALPHA, "comfy_folded": "ignores", "kohya": "ignores", "musubi": "ignores",
+                   "diffusers": "loads"}  # fmt: skip
+_CONVERTS = {**_DIFFUSERS_ONLY, "comfy_folded": "loads"}
 DIFFUSERS_READS: dict[str, dict[str, str]] = {
     "wan": _LOADS,
     "qwen_image": _LOADS,
-    "flux": {**_LOADS, "comfy": "ignores"},  # kohya: its FLUX.1 converter (at the release's width)
-    "chroma": {**_LOADS, "comfy": "ignores"},
-    "hunyuan_video": {"comfy": _CHUNK, "kohya": _CHUNK, "musubi": _CHUNK, "diffusers": "loads"},
-    "framepack": {"comfy": _CHUNK, "kohya": _CHUNK, "musubi": "ignores", "diffusers": "loads"},
-    "hidream": _DIFFUSERS_ONLY,
+    # kohya: its FLUX.1 converter, at the release's width (test_diffusers_interop.py)
+    "flux": {**_LOADS, "comfy": "ignores", "comfy_folded": "ignores"},
+    "chroma": {**_LOADS, "comfy": "ignores", "comfy_folded": "ignores"},
+    "hunyuan_video": {
+        "comfy": _CHUNK,
+        "comfy_folded": _SIZES,
+        "kohya": _CHUNK,
+        "musubi": _CHUNK,
+        "diffusers": "loads",
+    },  # fmt: skip
+    "framepack": {
+        "comfy": _CHUNK,
+        "comfy_folded": _SIZES,
+        "kohya": _CHUNK,
+        "musubi": "ignores",
+        "diffusers": "loads",
+    },  # fmt: skip
+    "hidream": _CONVERTS,
     "sd3": _DIFFUSERS_ONLY,
     "kandinsky5": _DIFFUSERS_ONLY,
-    "ltx2": _DIFFUSERS_ONLY,
-    "ltx_video": _DIFFUSERS_ONLY,
-    "lumina2": {
-        **_DIFFUSERS_ONLY,
-        "comfy": "refuses: its converter splits `qkv` at the 2.6B release's sizes",
-    },
+    "ltx2": _CONVERTS,
+    "ltx_video": _CONVERTS,
+    "lumina2": {**_DIFFUSERS_ONLY, "comfy": _SIZES, "comfy_folded": _SIZES},
     "flux2": {**_LOADS, "comfy": "refuses: its converter leaves the `.alpha` keys over"},
     "z_image": {**_LOADS, "comfy": "refuses: its converter leaves the `.alpha` keys over"},
-    "sdxl": {**_LOADS, "comfy": _ALPHA},
+    "sdxl": {**_LOADS, "comfy": _ALPHA, "comfy_folded": "ignores"},
 }
 """Per family folder and tuner layout, what the loader does with a LoRA file (measured on the fixtures,
 diffusers 0.42.1): "loads" every module, "ignores" (0 layers, only a warning), or "refuses: why" (raises)."""
+DIFFUSERS_DROPS: dict[tuple[str, str], str] = {("z_image", "comfy_folded"): ".attention."}
+"""(folder, layout) -> a fragment of the stems the loader drops silently though it loads the rest (its
+Z-Image converter takes the feed-forwards of a `diffusion_model.` file, not the fused `attention.qkv`)."""
 
 MUSUBI_TRAINS = (
     "wan", "wan22_t2v", "wan22_i2v", "wan22_ti2v", "wan_i2v", "wan_flf2v", "flux", "flux_kontext", "qwen_image",
@@ -169,9 +191,11 @@ class Reading:
         return bool(self.ignored) and not self.refused and not self.absent
 
 
-def read_by_tools(architecture: str, modules: Mapping[str, ModuleWeights]) -> dict[str, Reading]:
+def read_by_tools(
+    architecture: str, modules: Mapping[str, ModuleWeights], metadata: Mapping[str, str] | None = None
+) -> dict[str, Reading]:
     """What ComfyUI, diffusers and musubi-tuner do with a file of `architecture` holding `modules` (by
-    stem, as `parse_modules` reads them)."""
+    stem, as `parse_modules` reads them) and `metadata` (a comfy file folding alpha says so there)."""
     from tuner.registry import architecture as record_of
 
     record = record_of(architecture)
@@ -179,7 +203,7 @@ def read_by_tools(architecture: str, modules: Mapping[str, ModuleWeights]) -> di
     readings = {stem: _names(stem, keys) for stem in modules}
     return {
         "ComfyUI": _comfy(record.folder, keys, readings),
-        "diffusers": _diffusers(record.folder, keys, modules, readings),
+        "diffusers": _diffusers(record.folder, keys, modules, readings, FOLDED_ALPHA in (metadata or {})),
         "musubi-tuner": _musubi(architecture, keys, readings),
     }
 
@@ -191,10 +215,11 @@ def read_file(path: str | os.PathLike, arch: str | None = None) -> tuple[str, di
     modules = parse_modules(tensors, metadata, describe_source(path))
     arch = arch or metadata.get("tuner.architecture")
     arch = arch or detect_architecture(modules, metadata, describe_source(path)).name
-    return arch, read_by_tools(arch, modules)
+    return arch, read_by_tools(arch, modules, metadata)
 
 
-MEANT_FOR = {"comfy": "ComfyUI", "kohya": "ComfyUI", "musubi": "musubi-tuner", "diffusers": "diffusers"}
+MEANT_FOR = {"comfy": "ComfyUI", "comfy_folded": "ComfyUI", "kohya": "ComfyUI", "musubi": "musubi-tuner",
+             "diffusers": "diffusers"}  # fmt: skip
 """The tool each layout is written for."""
 
 
@@ -208,10 +233,12 @@ def describe(reading: Reading, shown: int = 3) -> str:
     return text
 
 
-def silent_loss_warning(architecture: str, modules: Mapping[str, ModuleWeights], layout: str) -> str:
+def silent_loss_warning(
+    architecture: str, modules: Mapping[str, ModuleWeights], metadata: Mapping[str, str], layout: str
+) -> str:
     """A one-line warning when the tool `layout` is meant for would drop modules of the file silently; else ""."""
     tool = MEANT_FOR.get(layout)
-    reading = read_by_tools(architecture, modules)[tool] if tool else None
+    reading = read_by_tools(architecture, modules, metadata)[tool] if tool else None
     if reading is None or not reading.silent_loss:
         return ""
     return f"warning: {tool} would load this {layout} file without {len(reading.ignored)} of its modules " \
@@ -341,21 +368,28 @@ def _musubi(architecture: str, keys: ArchitectureKeys, readings) -> Reading:
     )
 
 
-def _diffusers(folder: str, keys: ArchitectureKeys, modules, readings) -> Reading:
+def _diffusers(folder: str, keys: ArchitectureKeys, modules, readings, folded: bool) -> Reading:
     if folder not in DIFFUSERS_LOADERS:
         return Reading("diffusers", absent="its pipeline has no LoRA loader")
     if other := [stem for stem, w in modules.items() if w.kind != LORA]:
         return Reading("diffusers", refused=f"LoRA only: {other[0]} is not (`hada_*` / `lokr_*` keys)")
-    outcome = {stem: DIFFUSERS_READS[folder].get(_layout(stem, keys, names), "ignores")
+    layouts = {stem: _layout(stem, keys, names, folded or modules[stem].alpha is None)
                for stem, (names, _) in readings.items()}  # fmt: skip
+    outcome = {stem: DIFFUSERS_READS[folder].get(layout, "ignores") for stem, layout in layouts.items()}
+    for stem, layout in layouts.items():
+        if (drops := DIFFUSERS_DROPS.get((folder, layout))) and drops in stem:
+            outcome[stem] = "ignores"
     if refused := next((o for o in outcome.values() if o.startswith("refuses")), None):
         return Reading("diffusers", refused=refused.removeprefix("refuses: "))
     return Reading("diffusers", *_split(readings, lambda stem, *_: outcome[stem] == "loads"))
 
 
-def _layout(stem: str, keys: ArchitectureKeys, names: list[str]) -> str:
-    """The tuner layout a stem is in; a kohya-spelled stem of musubi-tuner's own names is `musubi`."""
+def _layout(stem: str, keys: ArchitectureKeys, names: list[str], folded: bool) -> str:
+    """The tuner layout a stem is in; a kohya-spelled stem of musubi-tuner's own names is `musubi`, a comfy
+    stem without `.alpha` (`folded`) `comfy_folded`."""
     layout = layout_of(stem)
+    if layout == "comfy" and folded:
+        return "comfy_folded"
     if layout == "kohya" and keys.musubi is not None and stem in musubi_stems(keys, names):
         return "musubi"
     return layout
@@ -366,16 +400,16 @@ def _layout(stem: str, keys: ArchitectureKeys, names: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def export_stems(architecture: str, layout: str) -> dict[str, ModuleWeights]:
-    """The modules (by stem) of the LoRA training `architecture` with its default targets writes in
-    `layout`: the exporter run on its tiny fixture's module names (the model built without weights)."""
+def export_stems(architecture: str, layout: str) -> tuple[dict[str, ModuleWeights], dict[str, str]]:
+    """The modules (by stem) and metadata of the LoRA training `architecture` with its default targets
+    writes in `layout`: the exporter run on its tiny fixture's module names (a model without weights)."""
     record = _record(architecture)
     modules = {
         name: ModuleWeights(LORA, {"down": torch.zeros(1, fan_in), "up": torch.zeros(fan_out, 1)}, 1.0)
         for name, (fan_out, fan_in) in _targets(architecture).items()
     }
     state, metadata = layout_state(modules, layout, record.key_table())
-    return parse_modules(state, metadata, f"{architecture} {layout} export")
+    return parse_modules(state, metadata, f"{architecture} {layout} export"), metadata
 
 
 def _record(architecture: str):
@@ -410,7 +444,7 @@ def layout_table() -> str:
     lines = ["| `model.architecture` | `save.format` | " + " | ".join(TOOLS) + " |", "|---|---|---|---|---|"]
     for name, record in ARCHITECTURES.items():
         for layout in LAYOUTS:
-            readings = read_by_tools(name, export_stems(name, layout))
+            readings = read_by_tools(name, *export_stems(name, layout))
             mark = " (auto)" if layout == record.save_format else ""
             cells = " | ".join(readings[tool].verdict for tool in TOOLS)
             lines.append(f"| `{name}` | `{layout}`{mark} | {cells} |")

@@ -67,7 +67,7 @@ def convert_warning(dst: str | os.PathLike, layout: str) -> str:
 
     tensors, metadata = read_safetensors(dst)
     modules = parse_modules(tensors, metadata, describe_source(dst))
-    return silent_loss_warning(metadata["tuner.architecture"], modules, layout)
+    return silent_loss_warning(metadata["tuner.architecture"], modules, metadata, layout)
 
 
 def _file_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:

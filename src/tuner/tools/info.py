@@ -58,7 +58,8 @@ def _tools(modules, metadata, where: str) -> dict[str, str]:
 
     try:
         arch = metadata.get("tuner.architecture") or detect_architecture(modules, metadata, where).name
-        return {tool: describe(reading) for tool, reading in read_by_tools(arch, modules).items()}
+        readings = read_by_tools(arch, modules, metadata)
+        return {tool: describe(reading) for tool, reading in readings.items()}
     except TunerError as e:
         return {"(unknown)": f"cannot tell which tools load it: {e}"}
 
