@@ -136,6 +136,11 @@ def test_dora_never_saves_in_the_diffusers_layout_by_default(tmp_path):
     assert resolve_save_format("sd3", "auto") == "diffusers"
     assert resolve_save_format("sd3", "auto", dora=True) == "comfy"
     assert resolve_save_format("wan", "auto", dora=True) == "comfy"
+    assert (
+        resolve_save_format("ltx2", "auto", full=True)
+        == resolve_save_format("sd3", "auto", full=True)
+        == "comfy"
+    )
     config = make_project(tmp_path / "project", tmp_path / "model", architecture="sd3")
     assert cfg(config).save.format == "diffusers" and cfg(config, "network.dora=true").save.format == "comfy"
 

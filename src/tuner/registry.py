@@ -60,17 +60,18 @@ def architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def resolve_save_format(name: str, format: str, dora: bool = False) -> str:
+def resolve_save_format(name: str, format: str, dora: bool = False, full: bool = False) -> str:
     """The key layout `format` means for architecture `name`: "auto" is the record's `save_format` (a
     layout ComfyUI loads, diffusers too only where `tuner.networks.receivers` says so); a layout stands
     for itself. `ConfigError` for an unknown architecture or format. With `dora`, "auto" is never
-    a layout that folds alpha (`diffusers`, `comfy_folded`: `networks/options.py`): `comfy` instead."""
+    a layout that folds alpha (`diffusers`, `comfy_folded`: `networks/options.py`), nor for a `full`
+    fine-tune, whose "auto" file is the release's single file: `comfy` instead."""
     if format not in SAVE_FORMATS:
         raise ConfigError(f"unknown adapter format {format!r}; choose one of {', '.join(SAVE_FORMATS)}")
     if format != "auto":
         return format
     layout = architecture(name).save_format
-    return "comfy" if dora and layout in ("diffusers", "comfy_folded") else layout
+    return "comfy" if (dora or full) and layout in ("diffusers", "comfy_folded") else layout
 
 
 def describe_architectures() -> str:

@@ -491,7 +491,9 @@ class TrainingFile:
     def __post_init__(self) -> None:
         # "auto" becomes the architecture's layout here, so `tuner check`, training and the files agree
         try:
-            layout = resolve_save_format(self.model.architecture, self.save.format, dora=self.network.dora)
+            layout = resolve_save_format(
+                self.model.architecture, self.save.format, self.network.dora, self.network.type == "full"
+            )
         except ConfigError as e:
             raise ConfigError(f"key 'model.architecture': {e}") from None
         if layout != self.save.format:
