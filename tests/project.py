@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -114,3 +115,14 @@ def killed_at_first_save(monkeypatch, train) -> None:
     with pytest.raises(Killed):
         train()
     monkeypatch.setattr(Checkpoints, "save", save)
+
+
+class DiffusersWarnings(logging.Handler):
+    """What diffusers' loggers say while loading (they do not propagate): add to `logging.getLogger("diffusers")`."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -30,6 +30,7 @@ from tuner.memory import apply_memory_settings
 from tuner.models.loading import load_tensors, normalize_state_dict, read_tensor_shapes
 from tuner.networks import FullNetwork, build_network
 from tuner.networks.layouts import diffusers_tensors, original_state_dict
+from tuner.registry import resolve_save_format
 from tuner.trainers import trainer_class
 
 COMFY_PREFIX = "model.diffusion_model."
@@ -71,8 +72,8 @@ def test_full_fine_tune_saves_the_default_layout_and_loads_back(case, tmp_path):
     trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     path = tmp_path / "full.safetensors"
-    assert trainer.cfg.save.format == trainer.record.save_format  # the default, "auto", resolved
-    network.save(path, trainer.layout, format=trainer.cfg.save.format)
+    layout = resolve_save_format(case[0], "auto", full=True)  # what "auto" means for a full fine-tune
+    network.save(path, trainer.layout, format=layout)
     assert original_shapes(path) == original_shapes(case[2]["transformer_file"])  # the release's layout
     fixture = {k.removeprefix(COMFY_PREFIX): v for k, v in load_tensors(case[2]["transformer_file"]).items()}
     assert any(not torch.equal(v, fixture[k]) for k, v in load_file(path).items())  # trained, not as loaded

@@ -20,7 +20,7 @@ import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 
-from project import output
+from project import DiffusersWarnings, output
 from tuner.archs.wan.loaders import original_module_name
 from tuner.errors import TunerError
 from tuner.networks import LoHaNetwork, LoKrNetwork, LoRANetwork, TargetSpec, apply_adapter_file
@@ -48,17 +48,6 @@ def fixture_pipeline(wan_model) -> WanPipeline:
     return pipe
 
 
-class _Warnings(logging.Handler):
-    """diffusers' loggers do not propagate; collect what they say while loading."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize(
     "cls, options",
     [(LoRANetwork, {}), (LoHaNetwork, {}), (LoKrNetwork, {}), (LoKrNetwork, {"full_matrix": True})],
@@ -82,7 +71,7 @@ def assert_loads_in_wan_pipeline(wan_model, path, network, expected) -> None:
     """`load_lora_weights` takes every module of `network` from `path`, says nothing about keys, and
     the transformer then computes `expected`."""
     pipe = fixture_pipeline(wan_model)
-    warnings = _Warnings()
+    warnings = DiffusersWarnings()
     logger = logging.getLogger("diffusers")
     logger.addHandler(warnings)
     try:

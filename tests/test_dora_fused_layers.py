@@ -21,7 +21,7 @@ import torch
 from project import make_project, run
 from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.formats import layout_state
-from tuner.registry import ARCHITECTURES
+from tuner.registry import ARCHITECTURES, resolve_save_format
 
 # architecture -> the diffusers-name stems ComfyUI maps onto fused rows for it ("" : none)
 COMFY_PART_PREFIXES = {
@@ -49,7 +49,7 @@ def _dora_part_stems(name: str) -> set[str]:
     parts = [p.replace("{i}", "0") for p in layer.parts]
     modules = {p: ModuleWeights(LORA, {"down": torch.ones(2, 8), "up": torch.ones(8, 2)}, 2.0, torch.ones(1, 8))
                for p in parts}  # fmt: skip
-    state, _ = layout_state(modules, record.save_format, record.key_table())
+    state, _ = layout_state(modules, resolve_save_format(name, "auto", dora=True), record.key_table())
     return {key.rsplit(".", 2)[0] if key.endswith(".weight") else key.rsplit(".", 1)[0] for key in state}
 
 

@@ -2,8 +2,8 @@
 
 Comfy-Org's repackaged files fuse each double block's q/k/v (`img_attn_qkv`), Tencent's release keeps
 them apart (`img_attn_q`); see `tuner.archs.hunyuan_video15.keys` for where these facts come from. The
-ComfyUI key rules below are those facts written as data (ComfyUI 0.8: `comfy/supported_models.py` renames
-a file's keys to its module names, `comfy/lora.py` maps adapter names onto them), not ComfyUI's code.
+ComfyUI key rules (ComfyUI 0.8: `comfy/supported_models.py` renames a file's keys to its module names,
+`comfy/lora.py` maps adapter names onto them) are `tuner.networks.receivers`' data, not ComfyUI's code.
 """
 
 import re
@@ -23,6 +23,7 @@ from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.factory import apply_adapter_file
 from tuner.networks.formats import layout_state
 from tuner.networks.loha import LoHaNetwork
+from tuner.networks.receivers import comfy_key_map
 from tuner.registry import ARCHITECTURES
 from tuner.tools.merge import merge_adapters
 
@@ -37,32 +38,12 @@ def model(paths):
     return hv.load_transformer(paths["diffusers"], torch.float32).requires_grad_(False)
 
 
-# ComfyUI's HunyuanVideo module names, from a file's (Tencent's) key fragments: the double blocks' part
-_COMFY_MODULE_NAMES = (
-    ("_attn_qkv.", "_attn.qkv."),
-    ("_attn_proj.", "_attn.proj."),
-    ("_mlp.fc1.", "_mlp.0."),
-    ("_mlp.fc2.", "_mlp.2."),
-    ("_mod.linear.", "_mod.lin."),
-)
-
-
 def comfy_adapter_names(file_keys) -> set[str]:
-    """Every adapter stem ComfyUI maps onto a weight of its HunyuanVideo model built from a file with
-    `file_keys`: `diffusion_model.` + its module name, `lora_unet_` + its module name with "_", and (the
-    format of diffusion-pipe, for every HunyuanVideo model) the file's own name under `diffusion_model.`
-    or `transformer.`. A file in Tencent's separate-q/k/v layout does not load into the model at all."""
-    names = set()
-    for key in file_keys:
-        if not key.endswith(".weight"):
-            continue
-        module = key.removesuffix("weight")
-        for tencent, comfy in _COMFY_MODULE_NAMES:
-            module = module.replace(tencent, comfy)
-        module, original = module.removesuffix("."), key.removesuffix(".weight")
-        names |= {f"diffusion_model.{module}", f"lora_unet_{module.replace('.', '_')}"}
-        names |= {f"diffusion_model.{original}", f"transformer.{original}"}
-    return names
+    """Every adapter stem ComfyUI maps onto a weight of its HunyuanVideo 1.5 model built from a file with
+    `file_keys` (`receivers.comfy_key_map`: its module names under `diffusion_model.` and `lora_unet_`, and
+    diffusion-pipe's release names under `diffusion_model.` / `transformer.`). A file in Tencent's
+    separate-q/k/v layout does not load into the model at all."""
+    return comfy_key_map("hunyuan_video15", file_keys)
 
 
 def _network(model, cls=LoRANetwork, seed=0, **options):

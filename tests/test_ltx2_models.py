@@ -192,10 +192,10 @@ def test_audio_vae_round_trip_shapes(fx):
 
 
 def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
-    """`save.format = "diffusers"` files load in diffusers' LTX-2 LoRA loader with the same result. The
-    default (comfy: `diffusion_model.` + the release's names, with `.alpha`, what ComfyUI reads) does
-    not: diffusers 0.42's LTX-2 converter keeps the `.alpha` keys and then refuses them as not LoRA
-    parameters (pinned below, so a diffusers that starts reading them shows up here)."""
+    """The default, `comfy_folded` (`diffusion_model.` + the release's names, alpha folded in, what ComfyUI
+    reads), loads in diffusers' LTX-2 LoRA loader with the same result. A `comfy` file does not: diffusers
+    0.42's LTX-2 converter keeps the `.alpha` keys and then refuses them as not LoRA parameters (pinned
+    below, so a diffusers that starts reading them shows up here)."""
     pytest.importorskip("peft")
     from tuner.networks.lora import LoRANetwork
     from tuner.networks.targets import TargetSpec
@@ -209,12 +209,14 @@ def test_saved_lora_loads_in_the_diffusers_pipeline(fx, pipe, tmp_path):
     gen = torch.Generator().manual_seed(0)
     for adapter in network:
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
-    network.save(tmp_path / "comfy.safetensors", format=resolve_save_format("ltx2", "auto"))
+    network.save(tmp_path / "comfy.safetensors", format="comfy")
     saved = load_file(tmp_path / "comfy.safetensors")
     assert "diffusion_model.transformer_blocks.0.audio_to_video_attn.to_q.alpha" in saved
     with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
         pipe.load_lora_weights(tmp_path / "comfy.safetensors", adapter_name="comfy")
-    network.save(tmp_path / "lora.safetensors", format="diffusers")
+    assert resolve_save_format("ltx2", "auto") == "comfy_folded"  # the default: no `.alpha` keys
+    network.save(tmp_path / "lora.safetensors", format="comfy_folded")
+    assert not any(k.endswith(".alpha") for k in load_file(tmp_path / "lora.safetensors"))
     noisy, audio, cond = _inputs(2)
     t = torch.tensor([0.5])
     trainer = _bare_trainer()

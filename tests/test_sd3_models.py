@@ -377,9 +377,9 @@ def _velocity(transformer) -> torch.Tensor:
 
 def test_diffusers_sd3_lora_loader(paths, pipe, tmp_path):
     """`StableDiffusion3Pipeline.load_lora_weights` reads only diffusers' names (its SD3 loader has no
-    converter of the release layout), so it refuses our default file (comfy: the release's names, qkv
-    fused, read by ComfyUI); the same adapter saved with save.format = "diffusers" loads there
-    and computes our output."""
+    converter of the release layout), so it refuses a comfy file (the release's names, qkv fused, read by
+    ComfyUI); the default, save.format = "diffusers" (which ComfyUI maps too), loads there and computes
+    our output."""
     ours = sd3.load_transformer(paths["transformer_file"], torch.float32)
     network = LoRANetwork.apply_to(
         ours, TargetSpec(ARCHITECTURES["sd3"].default_targets), 4, 2.0, name_map=SD3_LAYOUT
@@ -388,7 +388,7 @@ def test_diffusers_sd3_lora_loader(paths, pipe, tmp_path):
     for p in network.parameters():
         p.data.add_(torch.randn(p.shape, generator=g) * 0.05)
     expected = _velocity(ours)
-    assert resolve_save_format("sd3", "auto") == "comfy"
+    assert resolve_save_format("sd3", "auto") == "diffusers"
     network.save(tmp_path / "comfy.safetensors", format="comfy")
     assert "diffusion_model.joint_blocks.0.x_block.attn.qkv.lora_A.weight" in load_tensors(
         tmp_path / "comfy.safetensors"

@@ -16,7 +16,7 @@ from dataclasses import replace
 from tuner.archs.record import Architecture
 from tuner.errors import ConfigError
 
-SAVE_LAYOUTS = ("comfy", "diffusers", "kohya", "musubi")
+SAVE_LAYOUTS = ("comfy", "comfy_folded", "diffusers", "kohya", "musubi")
 SAVE_FORMATS = ("auto", *SAVE_LAYOUTS)
 """What `save.format` (and the file tools' `--to` / `--format`) accept: a layout, or "auto"."""
 
@@ -61,13 +61,18 @@ def architecture(name: str) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def resolve_save_format(name: str, format: str) -> str:
-    """The key layout `format` means for architecture `name`: "auto" is the record's `save_format` (the
-    layout ComfyUI and diffusers both load); a layout stands for itself. `ConfigError` for an unknown
-    architecture or format."""
+def resolve_save_format(name: str, format: str, dora: bool = False, full: bool = False) -> str:
+    """The key layout `format` means for architecture `name`: "auto" is the record's `save_format` (a
+    layout ComfyUI loads, diffusers too only where `tuner.networks.receivers` says so); a layout stands
+    for itself. `ConfigError` for an unknown architecture or format. With `dora`, "auto" is never
+    a layout that folds alpha (`diffusers`, `comfy_folded`: `networks/options.py`), nor for a `full`
+    fine-tune, whose "auto" file is the release's single file: `comfy` instead."""
     if format not in SAVE_FORMATS:
         raise ConfigError(f"unknown adapter format {format!r}; choose one of {', '.join(SAVE_FORMATS)}")
-    return architecture(name).save_format if format == "auto" else format
+    if format != "auto":
+        return format
+    layout = architecture(name).save_format
+    return "comfy" if (dora or full) and layout in ("diffusers", "comfy_folded") else layout
 
 
 def describe_architectures() -> str:

@@ -1,7 +1,7 @@
 """The documentation that depends on the records, generated from them.
 
 The README's architecture table, example list and `save.format = "auto"` summary, and
-`docs/architectures.md`'s variants and adapter-layout tables are written between markers
+`docs/architectures.md`'s variants, adapter-layout and tool tables are written between markers
 
     <!-- generated: NAME (python -m tuner.archs.docs --write) -->
     ...
@@ -30,6 +30,7 @@ from tuner.registry import ARCHITECTURES, SAVE_LAYOUTS
 REPO = Path(__file__).resolve().parents[3]
 _LAYOUT_TEXT = {
     "comfy": "the release's names under `diffusion_model.` with a per-module `alpha`",
+    "comfy_folded": "the release's names under `diffusion_model.`, alpha folded into `lora_B`",
     "kohya": "`lora_unet_` + the release's names with `lora_down` / `lora_up` / `alpha`",
     "diffusers": "the PEFT layout under `transformer.`, alpha folded in",
 }
@@ -134,6 +135,13 @@ def adapter_layouts() -> str:
     return "\n".join(lines)
 
 
+def tool_table() -> str:
+    """Per architecture and layout, what ComfyUI, diffusers and musubi-tuner do with the file."""
+    from tuner.networks.receivers import layout_table
+
+    return layout_table()
+
+
 FRAGMENTS: dict[str, tuple[str, Callable[[], str]]] = {
     "record-fields": ("docs/architectures.md", record_fields),
     "architectures": ("README.md", architecture_table),
@@ -142,6 +150,7 @@ FRAGMENTS: dict[str, tuple[str, Callable[[], str]]] = {
     "model-data": ("docs/architectures.md", model_data),
     "variants": ("docs/architectures.md", variants_table),
     "adapter-layouts": ("docs/architectures.md", adapter_layouts),
+    "tools": ("docs/architectures.md", tool_table),
 }
 """name -> (file relative to the repository, what renders it)."""
 

@@ -66,7 +66,8 @@ class Architecture:
     default_targets: tuple[str, ...]
     """Regexes over diffusers module names of the linear layers an adapter trains by default."""
     save_format: str
-    """The layout `save.format = "auto"` writes: one that ComfyUI and diffusers both load where one exists."""
+    """The layout `save.format = "auto"` writes: one ComfyUI loads, chosen to load in diffusers and musubi-tuner
+    too where a layout does; which tool loads which layout is `tuner.networks.receivers`' table."""
     save_format_loads: str
     """Which tools load the `save_format` file as saved, and what the others need (shown in the docs)."""
     variants: tuple[str, ...]

@@ -332,11 +332,13 @@ class SaveConfig:
     keep_last: int = option(0, "Keep only the last K saves (adapters and states); 0 keeps all.", ge=0)
     save_state: bool = option(True, "Also save the full training state next to each adapter, for resume.")
     precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "Dtype of saved adapter weights.")
-    format: Literal["auto", "comfy", "diffusers", "kohya", "musubi"] = option(
+    format: Literal["auto", "comfy", "comfy_folded", "diffusers", "kohya", "musubi"] = option(
         "auto",
-        "Key layout of saved adapters: auto (per architecture, the one ComfyUI loads and diffusers too where "
-        "its loader reads it: docs/architectures.md#adapter-layouts lists each; resolved when the config is "
-        "read), comfy (original names with `diffusion_model.`), diffusers (PEFT, alpha folded in), kohya "
+        "Key layout of saved adapters: auto (per architecture, one ComfyUI loads; diffusers reads it only "
+        "where docs/architectures.md#which-tool-loads-which-layout says so, and `diffusers` is then what it "
+        "loads; never one folding alpha with network.dora; resolved when the config is read), comfy (original "
+        "names with `diffusion_model.`), comfy_folded (the same, LoRA only, alpha folded into lora_B, no "
+        "`.alpha` keys: what diffusers' LTX loaders read too), diffusers (PEFT, alpha folded in), kohya "
         "(`lora_unet_` + original names, as ComfyUI names them), musubi (kohya's spelling of musubi-tuner's "
         "names: diffusers' for z_image and framepack, the release's `img_mlp_fc1` for hunyuan_video; "
         "elsewhere the same file as kohya). A full fine-tune writes the release's file for all but diffusers.",
@@ -491,7 +493,9 @@ class TrainingFile:
     def __post_init__(self) -> None:
         # "auto" becomes the architecture's layout here, so `tuner check`, training and the files agree
         try:
-            layout = resolve_save_format(self.model.architecture, self.save.format)
+            layout = resolve_save_format(
+                self.model.architecture, self.save.format, self.network.dora, self.network.type == "full"
+            )
         except ConfigError as e:
             raise ConfigError(f"key 'model.architecture': {e}") from None
         if layout != self.save.format:

@@ -103,6 +103,16 @@ class ArchitectureKeys:
         except KeyError:
             return None
 
+    def comfy_name(self, name: str) -> str:
+        """ComfyUI's module name of diffusers module `name`: `kohya_names`' where it lists one, else the
+        release's (`KeyError` outside the table)."""
+        if self.kohya_names:
+            try:
+                return self._kohya_table(name)
+            except KeyError:
+                pass
+        return self(name)
+
     def name_of_stem(self, stem: str) -> str | None:
         """The module a `stem` of `kohya_names` stands for, or None."""
         if not self.kohya_names or not stem.startswith(KOHYA_PREFIXES[0]):
@@ -195,7 +205,7 @@ def _reading(stems: list[str], keys: ArchitectureKeys) -> str:
     saves by default: two tables with the same reading convert the file the same way."""
     from tuner.registry import ARCHITECTURES
 
-    names = [repr(_names_of_stem(stem, replace(keys, same_names=False))) for stem in stems]
+    names = [repr(names_of_stem(stem, replace(keys, same_names=False))) for stem in stems]
     record = ARCHITECTURES.get(keys.name)
     return repr((names, record.save_format if record else None))
 
@@ -206,7 +216,7 @@ def _names_all(stems: list[str], keys: ArchitectureKeys) -> bool:
     keys = replace(keys, same_names=False)
     try:
         for stem in stems:
-            _names_of_stem(stem, keys)
+            names_of_stem(stem, keys)
     except KeyError:
         return False
     return True
@@ -221,7 +231,7 @@ def canonical_modules(
     out: dict[str, ModuleWeights] = {}
     for stem, weights in modules.items():
         try:
-            found = _names_of_stem(stem, keys)
+            found = names_of_stem(stem, keys)
         except KeyError as e:
             raise CheckpointError(f"{where}: module {stem!r} is not a module of {keys.name} ({e})") from None
         if isinstance(found, str):
@@ -236,7 +246,7 @@ def canonical_modules(
     return out
 
 
-def _names_of_stem(stem: str, keys: ArchitectureKeys) -> str | tuple[FusedLayer, str, list[str]]:
+def names_of_stem(stem: str, keys: ArchitectureKeys) -> str | tuple[FusedLayer, str, list[str]]:
     """The diffusers name a stem stands for, or (layer, original, parts) for a fused layer."""
     if (name := own_name(keys, stem)) is not None:  # stems the table names itself (SDXL's text encoders)
         return name

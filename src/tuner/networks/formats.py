@@ -14,6 +14,9 @@ The diffusers layout has no alpha (PEFT computes W + lora_B @ lora_A), so the sc
 multiplied into lora_B and every loader applies the same update. tuner records the alpha it folded in
 its metadata (`tuner.folded_alpha`), so converting back restores the original tensors: bit for bit when
 s is a power of two (alpha = rank, rank / 2, 1 with a power-of-two rank...), else to fp32 rounding.
+`comfy_folded` is the comfy layout written the same way (LoRA only, the scale in lora_B, no `.alpha`
+keys, which ComfyUI reads as scale 1): diffusers' loaders that refuse `.alpha` keys but convert the
+release's names (LTX-Video, LTX-2, HiDream, FLUX.2) read it too.
 PEFT knows only per-row DoRA magnitudes; a per-column DoRA (tuner's own, see `dora.py`) has no exact
 diffusers form and is refused there. In the comfy and kohya layouts the parts of a fused layer (FLUX's
 `qkv`, `linear1`) are written as one fused adapter, except when they carry per-column DoRA: then each
@@ -35,8 +38,8 @@ HunyuanVideo 1.5's is Tencent's release, q, k and v apart (`img_attn_q`) where C
 Elsewhere `musubi` writes what `kohya` writes: the architectures musubi-tuner does not train as well, so
 one setting fits every run.
 
-Where the layouts load (measured; `save.format = "auto"` picks, per architecture, one that loads in
-both ComfyUI and diffusers' `load_lora_weights`, see `Architecture.save_format`):
+Where the layouts load (measured; `save.format = "auto"` picks, per architecture, one ComfyUI loads, see
+`Architecture.save_format`; every architecture's answer per tool is `receivers.py`'s table):
 
 - Wan 2.1: comfy in both (diffusers converts original-layout Wan files itself). ComfyUI does not map
   diffusers' Wan names.
@@ -87,8 +90,9 @@ from tuner.networks.keys import (
     split_keys,
 )
 
-Layout = Literal["comfy", "diffusers", "kohya", "musubi"]
-LAYOUTS: tuple[str, ...] = ("comfy", "diffusers", "kohya", "musubi")
+Layout = Literal["comfy", "comfy_folded", "diffusers", "kohya", "musubi"]
+LAYOUTS: tuple[str, ...] = ("comfy", "comfy_folded", "diffusers", "kohya", "musubi")
+FOLDED = ("diffusers", "comfy_folded")  # LoRA only, alpha folded into lora_B: no `.alpha` keys
 KOHYA_SPELLED = ("kohya", "musubi")  # `lora_unet_` stems with "_", `lora_down` / `lora_up` / `alpha`
 FOLDED_ALPHA = "tuner.folded_alpha"
 KOHYA_PREFIX, KOHYA_TRANSFORMER_PREFIX = KOHYA_PREFIXES  # original names, diffusers names
@@ -171,6 +175,8 @@ def parse_modules(
             weights.dora_scale = dora.float().reshape(-1, 1) if dora.ndim == 1 else dora.float()
         if weights.alpha is None and stem.startswith(DIFFUSERS_PREFIXES):
             weights.alpha = _unfold(weights, folded, stem) if folded is not None else peft_alpha
+        elif weights.alpha is None and folded is not None and stem.startswith(COMFY_PREFIX):  # comfy_folded
+            weights.alpha = _unfold(weights, folded, stem)
         validate(weights, where, stem)
         modules[stem] = weights
     return modules
@@ -231,12 +237,12 @@ def module_tensors(weights: ModuleWeights, layout: str, dtype: torch.dtype) -> d
             else ("lora_A.weight", "lora_B.weight")
         )
         out = {down: weights.tensors["down"], up: weights.tensors["up"]}
-    elif layout == "diffusers":
-        raise TunerError(f"the diffusers layout stores LoRA only, not {KIND_NAMES[weights.kind]}")
+    elif layout in FOLDED:
+        raise TunerError(f"the {layout} layout stores LoRA only, not {KIND_NAMES[weights.kind]}")
     else:
         out = dict(weights.tensors)
     out = {k: v.detach().to(device="cpu", dtype=dtype) for k, v in out.items()}
-    if layout != "diffusers":
+    if layout not in FOLDED:
         # Every module gets an explicit alpha (LyCORIS's loader requires one): alpha / rank is the scale,
         # and a LoKr with two full factors has no rank and scale 1, which alpha 1 states.
         alpha = 1.0 if weights.rank is None else weights.alpha or float(weights.rank)
@@ -293,6 +299,8 @@ def layout_state(
     metadata: dict[str, str] = {}
     name_map = layout_name_map(name_map, layout)
     own = {name: stem for name in modules if (stem := own_stem(name_map, name, layout)) is not None}
+    if layout == "comfy_folded":
+        modules = {name: to_lora(weights) for name, weights in modules.items()}
     if layout == "diffusers":
         folded = {}
         for name, weights in modules.items():
@@ -307,10 +315,15 @@ def layout_state(
     for original, weights in originals.items():
         if isinstance(weights, FusedParts):
             stems |= {part_stem(name, layout): part for name, part in weights.parts.items()}
-        elif layout == "comfy":
+        elif layout in ("comfy", "comfy_folded"):
             stems[prefix + original] = weights
         else:
             stems[KOHYA_PREFIX + original.replace(".", "_")] = weights
+    if layout == "comfy_folded":  # as diffusers' layout: the scale in lora_B, the alpha in the metadata
+        metadata[FOLDED_ALPHA] = uniform_or_json(
+            {s.split(".", 1)[1]: w.scale * w.rank for s, w in stems.items()}
+        )
+        stems = {stem: _fold(weights, stem) for stem, weights in stems.items()}
     for stem, weights in stems.items():
         for suffix, tensor in module_tensors(weights, layout, dtype).items():
             state[f"{stem}.{suffix}"] = tensor
@@ -341,10 +354,10 @@ def _fold(lora: ModuleWeights, name: str) -> ModuleWeights:
 
 def describe_modules(modules: Mapping[str, ModuleWeights], layout: str = "comfy") -> dict[str, str]:
     """File metadata summarising the modules as `layout` stores them: adapter type, rank and alpha (one
-    value, or JSON per module), DoRA. The diffusers layout stores LoHa and LoKr as LoRA; the type they
+    value, or JSON per module), DoRA. The folded layouts store LoHa and LoKr as LoRA; the type they
     were trained as is kept in `tuner.trained_as`."""
     metadata = {}
-    if layout == "diffusers":
+    if layout in FOLDED:
         trained = _network_type(modules)
         modules = {name: to_lora(w) for name, w in modules.items()}
         if trained != LORA:

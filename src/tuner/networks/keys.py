@@ -70,7 +70,7 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 KOHYA_TEXT_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_")  # kohya's text encoders' (SD, SDXL)
 # diffusers' prefix of the denoiser (`unet.` in UNet pipelines) and of its text encoders' LoRA parts
 DIFFUSERS_PREFIXES = ("transformer.", "base_model.model.", "unet.", "text_encoder.", "text_encoder_2.")
-ADAPTER_LAYOUTS = ("comfy", "kohya", "musubi", "diffusers")
+ADAPTER_LAYOUTS = ("comfy", "comfy_folded", "kohya", "musubi", "diffusers")
 
 
 def identity_name_map(name: str) -> str:

@@ -35,10 +35,10 @@ def check_network_options(cfg: Any) -> None:
 
 
 def check_save_format(dora: bool, layout: str) -> None:
-    """tuner's DoRA normalises columns, which the diffusers (PEFT) layout cannot express. `layout` is the
-    resolved one (`tuner.registry.resolve_save_format`), never "auto"."""
-    if dora and layout == "diffusers":
+    """tuner's DoRA normalises columns, which the diffusers (PEFT) layout cannot express, nor `comfy_folded`
+    (written as diffusers' is). `layout` is the resolved one (`tuner.registry.resolve_save_format`), never "auto"."""
+    if dora and layout in ("diffusers", "comfy_folded"):
         raise ConfigError(
-            "network.dora = true cannot be saved with save.format = 'diffusers' (PEFT's DoRA normalises rows, "
+            f"network.dora = true cannot be saved with save.format = '{layout}' (PEFT's DoRA normalises rows, "
             "tuner's columns, as ComfyUI and LyCORIS files do); use 'auto', 'comfy' or 'kohya'"
         )

@@ -12,7 +12,7 @@ import argparse
 from tuner.errors import ConfigError
 from tuner.registry import SAVE_FORMATS
 
-_AUTO_HELP = "key layout; auto: the one training writes by default for the architecture (ComfyUI and diffusers load it)"
+_AUTO_HELP = "key layout; auto: the one training writes by default for the architecture (ComfyUI loads it; see `tuner lora info`)"
 DTYPE_CHOICES = ("fp32", "bf16", "fp16")
 
 
@@ -92,10 +92,12 @@ def _info(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from tuner.tools.convert import convert_adapter
+    from tuner.tools.convert import convert_adapter, convert_warning
 
     count, layout = convert_adapter(args.src, args.dst, args.to, arch=args.arch, dtype=args.dtype)
     print(f"wrote {args.dst}: {count} modules in the {layout} layout")
+    if warning := convert_warning(args.dst, layout):
+        print(warning)
 
 
 def _merge(args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
 """`tuner lora convert`: rewrite an adapter file in another key layout (comfy, diffusers, kohya, or auto:
-the one training writes by default for the file's architecture, which ComfyUI and diffusers both load).
+the one training writes by default for the file's architecture, which ComfyUI loads). It warns when the
+tool the target layout is meant for would drop modules of it silently (`tuner.networks.receivers`).
 
 The file is read in whatever layout it is in, renamed to diffusers module names with the architecture's
 table (`networks/architectures.py`; from `--arch`, the file's `tuner.architecture`, or the one table
@@ -58,6 +59,15 @@ def convert_adapter(
     }
     save_safetensors(state, dst, metadata=out_metadata)
     return len(canonical), layout
+
+
+def convert_warning(dst: str | os.PathLike, layout: str) -> str:
+    """What `receivers.silent_loss_warning` says of the converted file `dst` (written in `layout`)."""
+    from tuner.networks.receivers import silent_loss_warning
+
+    tensors, metadata = read_safetensors(dst)
+    modules = parse_modules(tensors, metadata, describe_source(dst))
+    return silent_loss_warning(metadata["tuner.architecture"], modules, metadata, layout)
 
 
 def _file_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:

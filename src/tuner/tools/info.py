@@ -2,7 +2,8 @@
 
 Layout, adapter type, rank and alpha are read from the tensors themselves, so files from any trainer
 are described the same way; tuner's own metadata (architecture, training settings) is shown as well.
-A full model file (tuner's full fine-tune) is described by its size. Tensors holding NaN or infinity are
+A full model file (tuner's full fine-tune) is described by its size. Which tools load the file, and which
+modules each would drop, comes from `tuner.networks.receivers`. Tensors holding NaN or infinity are
 flagged first: such a file loads without complaint everywhere else and draws black images.
 """
 
@@ -13,6 +14,7 @@ import re
 from collections import Counter
 from typing import Any
 
+from tuner.errors import TunerError
 from tuner.networks.delta import KIND_NAMES
 from tuner.networks.formats import layout_of, parse_modules
 from tuner.networks.keys import describe_source, nonfinite_keys, read_safetensors
@@ -37,6 +39,7 @@ def describe_adapter(path: str | os.PathLike) -> dict[str, Any]:
         KIND_NAMES[w.kind] + (" + DoRA" if w.dora_scale is not None else "") for w in modules.values()
     )
     targets = Counter(_BLOCK_INDEX.sub("N", stem) for stem in modules)
+    info["tools"] = _tools(modules, metadata, describe_source(path))
     return {
         **info,
         "format": "/".join(sorted(layouts)),
@@ -46,6 +49,19 @@ def describe_adapter(path: str | os.PathLike) -> dict[str, Any]:
         "alpha": _counted(w.alpha for w in modules.values() if w.rank is not None),
         "targets": dict(targets),
     }
+
+
+def _tools(modules, metadata, where: str) -> dict[str, str]:
+    """Per tool, whether it loads the file and which modules it would drop (`receivers.py`)."""
+    from tuner.networks.architectures import detect_architecture
+    from tuner.networks.receivers import describe, read_by_tools
+
+    try:
+        arch = metadata.get("tuner.architecture") or detect_architecture(modules, metadata, where).name
+        readings = read_by_tools(arch, modules, metadata)
+        return {tool: describe(reading) for tool, reading in readings.items()}
+    except TunerError as e:
+        return {"(unknown)": f"cannot tell which tools load it: {e}"}
 
 
 def _counted(values) -> str:
@@ -67,6 +83,9 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(
         f"  {'parameters':10s} {info['parameters']:,} ({', '.join(f'{k} ×{n}' for k, n in info['dtypes'].items())})"
     )
+    if info.get("tools"):
+        lines.append("  loads in")
+        lines += [f"    {tool}: {text}" for tool, text in info["tools"].items()]
     if info.get("targets"):
         lines.append("  targets")
         lines += [f"    {stem}" + (f"  ×{n}" if n > 1 else "") for stem, n in info["targets"].items()]

@@ -87,6 +87,7 @@ def adapter_metadata(trainer, data) -> dict[str, str]:
 # what each saved layout is loaded by (ModelSpec's `implementation`)
 _IMPLEMENTATIONS = {
     "comfy": "https://github.com/comfyanonymous/ComfyUI",
+    "comfy_folded": "https://github.com/comfyanonymous/ComfyUI",
     "diffusers": "https://github.com/huggingface/diffusers",
     "kohya": "https://github.com/kohya-ss/sd-scripts",
     "musubi": "https://github.com/kohya-ss/musubi-tuner",

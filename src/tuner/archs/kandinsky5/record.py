@@ -21,10 +21,11 @@ KANDINSKY5 = Architecture(
         "`tokenizer`, or `text_encoder/`), last hidden states after the template's 128 tokens; "
         "`text_encoder_2`: CLIP-L pooled (`clip_l.safetensors` + `tokenizer_2`, or `text_encoder_2/`). "
         "Loaders keep the time embedding and modulations fp32 (what makes bf16 work without autocast) and "
-        "rotate q/k in fp32 (upstream rounds them to bf16 in any dtype). Adapters: `comfy` by default; "
-        'diffusers\' Kandinsky loader reads `save.format = "diffusers"`'
+        "rotate q/k in fp32 (upstream rounds them to bf16 in any dtype). Adapters: `diffusers` by default (ComfyUI's "
+        "Kandinsky 5 key map takes `transformer.<name>` too); diffusers' Kandinsky loader refuses `comfy` files "
+        "(their `.alpha` keys)"
     ),
-    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its loader takes `transformer.` keys only)',
+    save_format_loads="ComfyUI (`transformer.<name>`); diffusers (`load_lora_weights`)",
     title="Kandinsky 5.0 Video Lite text-to-video (2B; sft, pretrain, nocfg, distilled, 5 s / 10 s)",
     family="Kandinsky5Model",
     layout="loaders:KANDINSKY5_LAYOUT",
@@ -45,7 +46,7 @@ KANDINSKY5 = Architecture(
     hub_repos=tuple(
         (f"lite-{d}", f"ai-forever/Kandinsky-5.0-T2V-Lite-sft-{d}-Diffusers") for d in ("5s", "10s")
     ),
-    save_format="comfy",
+    save_format="diffusers",
     frame_multiple=4,
     frame_remainder=1,
     model_fps=24.0,

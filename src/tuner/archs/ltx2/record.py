@@ -17,11 +17,11 @@ LTX2 = Architecture(
         "`audio_vae.*`; read alone, not the whole file) or the diffusers folder (`vae/`, and `audio_vae/` "
         "beside it); the file's or folders' fingerprint keys latent entries; `text_encoder`: the "
         "diffusers folder (`text_encoder/` Gemma 3 + `tokenizer/` + `connectors/`: text entries hold the "
-        "connectors' video and audio contexts). Adapters: `comfy` by default (ComfyUI; the blocks' "
-        "linears have the same names in both layouts); diffusers' LTX-2 loader reads `save.format = "
-        '"diffusers"` only (it refuses `.alpha` keys)'
+        "connectors' video and audio contexts). Adapters: `comfy_folded` by default (the release's "
+        "names with alpha folded into `lora_B`: ComfyUI's key map, and diffusers' LTX-2 loader, which "
+        "refuses `.alpha` keys, converts them)"
     ),
-    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
+    save_format_loads="ComfyUI; diffusers (`load_lora_weights` converts the release's names; no `.alpha` keys)",
     title="LTX-2 text-to-video with sound (19B; video and audio streams trained together)",
     family="LTX2Model",
     block_lists=("transformer_blocks",),
@@ -32,7 +32,7 @@ LTX2 = Architecture(
         r"\.(to_q|to_k|to_v|to_out\.0)",
         r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)",
     ),
-    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    save_format="comfy_folded",  # the release's names, no `.alpha` keys: ComfyUI and diffusers load it
     tokenizers=hub_tokenizers("Lightricks/LTX-2", "tokenizer"),  # Gemma 3
     hub_repos=(("19b", "Lightricks/LTX-2"),),
     spatial_step=32,

@@ -13,16 +13,17 @@ LTX_VIDEO = Architecture(
         "`patchify_proj`, `adaln_single`, `q_norm` / `k_norm`; an LTX-2 file is refused naming `ltx2`) or "
         "the diffusers folder; `vae`: the diffusers folder (`vae/`; the release's bundled `vae.*` is not "
         "read yet); `text_encoder`: T5-XXL as FLUX.1's (`text_encoder/` + `tokenizer/`, or a single file "
-        "+ `tokenizer`). Adapters: `comfy` by default; diffusers' LTX-Video loader reads `save.format = "
-        '"diffusers"` only. 0.9.5 / 0.9.7 and 13B are not shipped variants'
+        "+ `tokenizer`). Adapters: `comfy_folded` by default (the release's names, alpha "
+        "folded into `lora_B`: ComfyUI's key map, and diffusers' LTX-Video loader, which refuses `.alpha` "
+        "keys, converts them). 0.9.5 / 0.9.7 and 13B are not shipped variants"
     ),
-    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (it refuses `.alpha` keys)',
+    save_format_loads="ComfyUI; diffusers (`load_lora_weights` converts the release's names; no `.alpha` keys)",
     title="LTX-Video 0.9 text-to-video (2B)",
     family="LTXVideoModel",
     block_lists=("transformer_blocks",),
     # the self- and text attention and the feed-forward of every block
     default_targets=(SELF_AND_CROSS_ATTENTION, FEED_FORWARD),
-    save_format="comfy",  # the release's names (the blocks' linears are diffusers' names too)
+    save_format="comfy_folded",  # the release's names, no `.alpha` keys: ComfyUI and diffusers load it
     tokenizers=hub_tokenizers("Lightricks/LTX-Video", "tokenizer"),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
     first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)

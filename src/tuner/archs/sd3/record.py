@@ -18,10 +18,11 @@ SD3 = Architecture(
         "folders; bigG found beside CLIP-L or in the same file); `text_encoder_3`: T5-XXL "
         "(`t5xxl_*.safetensors`, `text_encoders.t5xxl.*`, `text_encoder_3/`), optional: unset, its "
         "features are zeros as in `StableDiffusion3Pipeline` (logged once). Tokenizers `tokenizer`, "
-        '`tokenizer_2` (bigG pads with "!"), `tokenizer_3`. Adapters: `comfy` by default (the release\'s '
-        'names, qkv fused); diffusers\' SD3 loader reads only `save.format = "diffusers"`'
+        '`tokenizer_2` (bigG pads with "!"), `tokenizer_3`. Adapters: `diffusers` by default (diffusers\' '
+        "names, which ComfyUI's SD3 key map cuts out of the release's fused qkv); `comfy` is the release's "
+        "names, qkv fused, which diffusers' SD3 loader does not read"
     ),
-    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (its SD3 loader has no converter)',
+    save_format_loads="ComfyUI (`transformer.<name>`, onto the fused qkv's rows); diffusers (`load_lora_weights`)",
     title="Stable Diffusion 3.5 text-to-image (Medium, Large, Large Turbo)",
     family="SD3Model",
     block_lists=("transformer_blocks",),
@@ -37,10 +38,10 @@ SD3 = Architecture(
         "stabilityai/stable-diffusion-3.5-medium", "tokenizer", "tokenizer_2", "tokenizer_3"
     ),
     hub_repos=tuple((v, f"stabilityai/stable-diffusion-3.5-{v}") for v in ("medium", "large", "large-turbo")),
-    # the release's names, qkv fused exactly: ComfyUI's key map, and full fine-tunes in the release's file
-    # layout. diffusers' SD3 loader reads only its own names (it has no converter): save.format =
-    # "diffusers" (or `tuner lora convert --to diffusers`) writes those, which ComfyUI maps as well
-    save_format="comfy",
+    # diffusers' SD3 loader reads only its own names (it has no converter), and ComfyUI's SD3 key map
+    # (`mmdit_to_diffusers`) maps them onto the fused qkv's rows: the one layout both load. `comfy` keeps
+    # the release's fused qkv (ComfyUI only); full fine-tunes are written in the release's file layout
+    save_format="diffusers",
     latent_patch=(2, 2),
 )
 
