@@ -41,10 +41,10 @@ test: $(STAMP) browser
 	$(BIN)/python -m ruff check src tests scripts benchmarks
 	$(BIN)/python -m ruff format --check src tests scripts benchmarks
 	@echo "test order: --randomly-seed=$(SEED) (make test SEED=$(SEED) repeats it)"
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -p randomly --randomly-seed=$(SEED) tests
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder -p randomly --randomly-seed=$(SEED) tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" tests
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests scripts benchmarks

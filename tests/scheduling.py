@@ -1,0 +1,82 @@
+"""How `make test` spreads the suite over its processes (pytest-xdist, `--dist loadgroup`), used by
+conftest.py: which tests go to one process together, and which groups start first.
+
+* **groups**: a test file is one group (its module fixtures are built once, its per-file leak check runs
+  once), except the contract suite (test_contract.py, test_contract_paths.py): there each architecture is
+  a group holding both files' tests of it, so its session fixture `contract` (the tiny model written,
+  its cache filled) is built by one process only, and 28 groups of seconds each replace two files of
+  minutes each.
+* **order**: with two processes, the run ends when the last group does, so the costliest groups start
+  first: a group's cost is its seconds in the last run on this checkout (kept in pytest's cache under
+  `tuner/group_seconds`), or, before there is one, a guess from its tests' `slow` marks. Costs are
+  compared within a factor of two only, so groups of about the same cost keep pytest-randomly's order:
+  the order still changes from run to run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import pytest
+
+CACHE_KEY = "tuner/group_seconds"
+CONTRACT_FILES = ("test_contract.py", "test_contract_paths.py")
+
+
+def group_of(item: pytest.Item) -> str:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if item.path.name in CONTRACT_FILES and "contract" in params:
+        return f"contract-{params['contract']}"
+    return item.nodeid.split("::")[0]
+
+
+def _guess(items: list[pytest.Item]) -> float:
+    """Seconds a group without a measurement may take: a few for a slow test, a tenth for the others."""
+    return sum(5.0 if item.get_closest_marker("slow") else 0.1 for item in items)
+
+
+def order(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the costliest groups first, in place, keeping the order within each group."""
+    measured = _cache(config).get(CACHE_KEY, {}) if _cache(config) else {}
+    groups: dict[str, list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        groups[group_of(item)].append(item)
+
+    def cost_class(group: str) -> int:
+        seconds = measured.get(group, _guess(groups[group]))
+        return -int(math.log2(1.0 + seconds))
+
+    items[:] = [item for group in sorted(groups, key=cost_class) for item in groups[group]]
+
+
+class GroupSeconds:
+    """Sums each group's seconds (setup, call and teardown) from the reports the main process sees, and
+    saves them in pytest's cache at the end, for the next run's order."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.group_of_test: dict[str, str] = {}
+
+    def collected(self, items: list[pytest.Item]) -> None:
+        self.group_of_test.update((item.nodeid, group_of(item)) for item in items)
+
+    def add(self, report: pytest.TestReport) -> None:
+        # xdist's loadgroup names the group after the last "@" of the test id
+        group = (
+            report.nodeid.rpartition("@")[2]
+            if "@" in report.nodeid
+            else self.group_of_test.get(report.nodeid)
+        )
+        if group:
+            self.seconds[group] += report.duration
+
+    def save(self, config: pytest.Config) -> None:
+        cache = _cache(config)
+        if cache is not None and self.seconds:
+            measured = cache.get(CACHE_KEY, {})
+            cache.set(CACHE_KEY, {**measured, **{k: round(v, 2) for k, v in self.seconds.items()}})
+
+
+def _cache(config: pytest.Config):
+    return getattr(config, "cache", None)  # None under `-p no:cacheprovider`
