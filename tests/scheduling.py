@@ -2,9 +2,10 @@
 conftest.py: which tests go to one process together, and which groups start first.
 
 * **groups**: a test file is one group (its module fixtures are built once, its per-file leak check runs
-  once), except the contract suite (test_contract.py, test_contract_paths.py): there each architecture is
-  a group holding both files' tests of it, so its session fixture `contract` (the tiny model written,
-  its cache filled) is built by one process only, and 28 groups of seconds each replace two files of
+  once), except the tests that use the session fixture `contract` (conftest.py: an architecture's tiny
+  model written and its cache filled; the contract suite, test_checkpoint_layouts.py, ...): each
+  architecture is a group of all of them, so one process builds its `contract` once (each file built
+  every architecture's in each process that ran it), and groups of seconds each replace files of
   minutes each.
 * **order**: with two processes, the run ends when the last group does, so the costliest groups start
   first: a group's cost is its seconds in the last run on this checkout (kept in pytest's cache under
@@ -21,12 +22,11 @@ from collections import defaultdict
 import pytest
 
 CACHE_KEY = "tuner/group_seconds"
-CONTRACT_FILES = ("test_contract.py", "test_contract_paths.py")
 
 
 def group_of(item: pytest.Item) -> str:
     params = getattr(getattr(item, "callspec", None), "params", {})
-    if item.path.name in CONTRACT_FILES and "contract" in params:
+    if "contract" in params:
         return f"contract-{params['contract']}"
     return item.nodeid.split("::")[0]
 

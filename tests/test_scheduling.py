@@ -1,4 +1,4 @@
-"""tests/scheduling.py: the contract suite is one group per architecture, the costliest groups start
+"""tests/scheduling.py: the tests using `contract` are one group per architecture, the costliest groups start
 first, and the seconds each group took are kept for the next run."""
 
 from pathlib import Path
@@ -25,14 +25,16 @@ class _Cache(dict):
         self[key] = value
 
 
-def test_the_contract_suite_is_grouped_by_architecture_across_both_files():
+def test_the_tests_using_contract_are_grouped_by_architecture_across_files():
     a = _item("tests/test_contract.py::test_forward_shape[wan]", contract="wan")
     b = _item("tests/test_contract_paths.py::test_lora_merge_and_extract[wan]", contract="wan")
     c = _item("tests/test_contract.py::test_forward_shape[flux]", contract="flux")
     d = _item("tests/test_contract.py::test_golden_losses_are_pinned_for_every_architecture")
     e = _item("tests/test_sdxl.py::test_x")
-    assert [scheduling.group_of(i) for i in (a, b, c, d, e)] == [
-        "contract-wan", "contract-wan", "contract-flux", "tests/test_contract.py", "tests/test_sdxl.py"
+    f = _item("tests/test_checkpoint_layouts.py::test_full_fine_tune[flux]", contract="flux")
+    assert [scheduling.group_of(i) for i in (a, b, c, d, e, f)] == [
+        "contract-wan", "contract-wan", "contract-flux", "tests/test_contract.py", "tests/test_sdxl.py",
+        "contract-flux",
     ]  # fmt: skip
 
 
