@@ -34,7 +34,9 @@ browser:
 
 # The tests run in a random order (pytest-randomly), a new one each time: every test must pass alone and
 # after any other. The seed is printed; `make test SEED=N` (or pytest's `-p randomly --randomly-seed=N`)
-# repeats that order.
+# repeats that order. Tests are spread over the processes in groups (a file, or one architecture's tests of
+# the contract fixture), the costliest first (tests/scheduling.py); `python benchmarks/test_time.py` shows
+# where the time goes.
 SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 
 test: $(STAMP) browser

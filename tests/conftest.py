@@ -21,14 +21,13 @@ _group_seconds = scheduling.GroupSeconds()
 
 def pytest_itemcollected(item):
     # before xdist's own collection hook reads the groups (tests/scheduling.py)
-    item.add_marker(pytest.mark.xdist_group(scheduling.group_of(item)))
+    scheduling.mark(item)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     # after pytest-randomly's shuffle and pytest's grouping by fixture: costliest groups first
     scheduling.order(config, items)
-    _group_seconds.collected(items)
 
 
 def pytest_runtest_logreport(report):

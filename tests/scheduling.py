@@ -22,6 +22,14 @@ from collections import defaultdict
 import pytest
 
 CACHE_KEY = "tuner/group_seconds"
+GROUP = "xdist_group"
+
+
+def mark(item: pytest.Item) -> None:
+    """Put the test in its group: the mark xdist's loadgroup reads, and a property its reports carry."""
+    group = group_of(item)
+    item.add_marker(pytest.mark.xdist_group(group))
+    item.user_properties.append((GROUP, group))
 
 
 def group_of(item: pytest.Item) -> str:
@@ -56,18 +64,9 @@ class GroupSeconds:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self.group_of_test: dict[str, str] = {}
-
-    def collected(self, items: list[pytest.Item]) -> None:
-        self.group_of_test.update((item.nodeid, group_of(item)) for item in items)
 
     def add(self, report: pytest.TestReport) -> None:
-        # xdist's loadgroup names the group after the last "@" of the test id
-        group = (
-            report.nodeid.rpartition("@")[2]
-            if "@" in report.nodeid
-            else self.group_of_test.get(report.nodeid)
-        )
+        group = dict(report.user_properties).get(GROUP)  # set by `mark`; xdist sends it with the report
         if group:
             self.seconds[group] += report.duration
 

@@ -57,10 +57,8 @@ def test_without_a_measurement_slow_tests_go_first():
 
 def test_group_seconds_are_summed_and_merged_into_the_last_runs():
     seconds = scheduling.GroupSeconds()
-    seconds.collected([_item("tests/test_a.py::t")])
-    for nodeid, duration in [("tests/test_a.py::t", 1.0), ("tests/test_a.py::t", 0.5),
-                             ("tests/test_contract.py::x[wan]@contract-wan", 2.0)]:  # fmt: skip
-        seconds.add(SimpleNamespace(nodeid=nodeid, duration=duration))
+    for group, duration in [("tests/test_a.py", 1.0), ("tests/test_a.py", 0.5), ("contract-wan", 2.0)]:
+        seconds.add(SimpleNamespace(user_properties=[("xdist_group", group)], duration=duration))
     cache = _Cache({scheduling.CACHE_KEY: {"tests/test_z.py": 9.0, "tests/test_a.py": 7.0}})
     seconds.save(SimpleNamespace(cache=cache))
     assert cache[scheduling.CACHE_KEY] == {
@@ -73,3 +71,4 @@ def test_group_seconds_are_summed_and_merged_into_the_last_runs():
 def test_every_test_of_this_run_has_its_group(request):
     marks = [m.args[0] for m in request.node.iter_markers("xdist_group")]
     assert marks == ["tests/test_scheduling.py"]
+    assert ("xdist_group", "tests/test_scheduling.py") in request.node.user_properties
