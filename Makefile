@@ -34,17 +34,19 @@ browser:
 
 # The tests run in a random order (pytest-randomly), a new one each time: every test must pass alone and
 # after any other. The seed is printed; `make test SEED=N` (or pytest's `-p randomly --randomly-seed=N`)
-# repeats that order.
+# repeats that order. Tests are spread over the processes in groups (a file, or one architecture's tests of
+# the contract fixture), the costliest first (tests/scheduling.py); `python benchmarks/test_time.py` shows
+# where the time goes.
 SEED := $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
 
 test: $(STAMP) browser
 	$(BIN)/python -m ruff check src tests scripts benchmarks
 	$(BIN)/python -m ruff format --check src tests scripts benchmarks
 	@echo "test order: --randomly-seed=$(SEED) (make test SEED=$(SEED) repeats it)"
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -p randomly --randomly-seed=$(SEED) tests
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder -p randomly --randomly-seed=$(SEED) tests
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" tests
+	$(BIN)/python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder -m "not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests scripts benchmarks

@@ -13,8 +13,30 @@ torch.set_num_threads(1)
 import pytest  # noqa: E402
 
 import isolation  # noqa: E402
+import scheduling  # noqa: E402
 
 isolation.mark_environment()
+_group_seconds = scheduling.GroupSeconds()
+
+
+def pytest_itemcollected(item):
+    # before xdist's own collection hook reads the groups (tests/scheduling.py)
+    scheduling.mark(item)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    # after pytest-randomly's shuffle and pytest's grouping by fixture: costliest groups first
+    scheduling.order(config, items)
+
+
+def pytest_runtest_logreport(report):
+    _group_seconds.add(report)
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the main process, which sees every report
+        _group_seconds.save(session.config)
 
 
 @pytest.fixture(autouse=True)

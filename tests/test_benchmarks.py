@@ -182,3 +182,24 @@ def test_report_replaces_sections_and_reruns_replace_them(bench, tmp_path):
     assert once.count("gpu-suite:") == DOC.read_text().count("gpu-suite:")
     report.main([str(doc), "--environment"])
     assert re.search(r"environment:begin -->\nMeasured \d{4}-\d\d-\d\d at commit \w+ on ", doc.read_text())
+
+
+def test_test_time_prints_the_slowest_tests_and_the_total_per_architecture(bench, tmp_path, capsys):
+    suite = tmp_path / "suite" / "test_tiny.py"
+    suite.parent.mkdir()
+    suite.write_text(
+        "import pytest\n\n\n@pytest.mark.parametrize('contract', ['wan', 'flux'])\n"
+        "def test_per_architecture(contract):\n    sum(range(10**6))\n\n\ndef test_other():\n    pass\n"
+    )
+    records = tmp_path / "records"
+    argv = ["--records", str(records), "-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(suite)]
+    assert bench("test_time").main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"suite: \d+ s wall, \d+ CPU-s", out), out
+    slowest = out.split("slowest 25 tests")[1].split("per architecture")[0]
+    assert slowest.count("test_tiny.py::") == 3
+    per_architecture = out.split("per architecture")[1].split("per file")[0]
+    assert {line.split()[-1] for line in per_architecture.splitlines()[1:] if line.strip()} == {
+        "wan", "flux", "(none)"
+    }  # fmt: skip
+    assert len((records / "main.jsonl").read_text().splitlines()) == 3
