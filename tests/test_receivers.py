@@ -30,7 +30,7 @@ from tuner.registry import ARCHITECTURES, resolve_save_format
 
 pytest.importorskip("peft")
 
-SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl"]
+SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl", "krea2"]
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +202,7 @@ DIFFUSERS_SAMPLE = [
     pytest.param("kandinsky5", marks=pytest.mark.slow), pytest.param("lumina2", marks=pytest.mark.slow),
     pytest.param("flux2", marks=pytest.mark.slow), pytest.param("sdxl", marks=pytest.mark.slow),
     pytest.param("ltx2", marks=pytest.mark.slow), pytest.param("flux", marks=pytest.mark.slow),
+    pytest.param("krea2", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 
