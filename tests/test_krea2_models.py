@@ -251,10 +251,11 @@ def test_default_targets_are_every_block_linear(parts):
 
 
 def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture, pipe, parts, tmp_path):
-    """The default (comfy) file's stems are `diffusion_model.` + release modules that exist in the release
-    file; diffusers' Krea2Pipeline.load_lora_weights loads the diffusers-layout file to our output (it
-    refuses the comfy file: its converter leaves the `alpha` tensors unread)."""
-    assert architecture("krea2").save_format == "comfy"
+    """The comfy file's stems (the default `comfy_folded`'s too, without `.alpha`) are `diffusion_model.` +
+    release modules that exist in the release file; diffusers' Krea2Pipeline.load_lora_weights loads the
+    diffusers-layout file to our output (it refuses the comfy file: its converter leaves the `alpha`
+    tensors unread)."""
+    assert architecture("krea2").save_format == "comfy_folded"
     model = parts["transformer"]
     layout = architecture("krea2").checkpoint_layout()
     release = set(load_tensors(fixture["transformer_file"]))

@@ -4,8 +4,8 @@
   `network.save` writes on the fixture, and the tools read both alike.
 - ComfyUI: the stems the table-based rule loads are exactly those of the file's stems that ComfyUI's key
   map, built from the fixture's release file (`comfy_key_map`), holds.
-- diffusers: `DIFFUSERS_READS` is what the real `load_lora_weights` of each pipeline's loader does with
-  each layout on the fixture's transformer (loads every module, 0 with a warning, or raises).
+- diffusers: each record's `diffusers_reads` is what the real `load_lora_weights` of its pipeline's loader
+  does with each layout on the fixture's transformer (loads every module, 0 with a warning, or raises).
 - `tuner lora info` and `tuner lora convert` say it.
 """
 
@@ -25,20 +25,12 @@ from tuner.models.loading import read_tensor_shapes
 from tuner.networks import LoRANetwork, TargetSpec
 from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.formats import LAYOUTS, layout_state, parse_modules
-from tuner.networks.receivers import (
-    DIFFUSERS_DROPS,
-    DIFFUSERS_LOADERS,
-    DIFFUSERS_READS,
-    comfy_key_map,
-    export_stems,
-    read_by_tools,
-    read_file,
-)
+from tuner.networks.receivers import comfy_key_map, export_stems, read_by_tools, read_file
 from tuner.registry import ARCHITECTURES, resolve_save_format
 
 pytest.importorskip("peft")
 
-SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl"]
+SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl", "krea2"]
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +169,10 @@ def test_loha_loads_in_no_diffusers_layout_but_its_own():
 # ---------------------------------------------------------------------------------------------------
 
 
-def diffusers_outcome(folder: str, model, path) -> tuple[str, set[str]]:
+def diffusers_outcome(loader: str, model, path) -> tuple[str, set[str]]:
     """("loads" | "ignores" | "refuses", the modules given a layer) of the pipeline loader's `load_lora_weights`,
     run on a host holding only the denoiser (what the pipeline would hold under `transformer` / `unet`)."""
-    mixin = getattr(diffusers.loaders.lora_pipeline, DIFFUSERS_LOADERS[folder])
+    mixin = getattr(diffusers.loaders.lora_pipeline, loader)
 
     class Host(mixin):
         hf_device_map = None
@@ -210,6 +202,7 @@ DIFFUSERS_SAMPLE = [
     pytest.param("kandinsky5", marks=pytest.mark.slow), pytest.param("lumina2", marks=pytest.mark.slow),
     pytest.param("flux2", marks=pytest.mark.slow), pytest.param("sdxl", marks=pytest.mark.slow),
     pytest.param("ltx2", marks=pytest.mark.slow), pytest.param("flux", marks=pytest.mark.slow),
+    pytest.param("krea2", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 
@@ -220,13 +213,15 @@ def test_diffusers_reads_each_layout_as_the_table_says(fixtures, arch, tmp_path)
     for layout in LAYOUTS:
         model = _model(arch, paths)
         names = _save(arch, model, tmp_path / f"{layout}.safetensors", layout)
-        expected = DIFFUSERS_READS[record.folder][layout]
+        expected = record.diffusers_reads[layout]
         if record.folder in ("flux", "chroma") and layout in ("kohya", "musubi"):
             continue  # its FLUX.1 converter hard-codes the release's width: test_diffusers_interop's real-width case
-        outcome, injected = diffusers_outcome(record.folder, model, tmp_path / f"{layout}.safetensors")
+        outcome, injected = diffusers_outcome(
+            record.diffusers_loader, model, tmp_path / f"{layout}.safetensors"
+        )
         assert outcome == expected.split(":")[0], (layout, outcome)
         if outcome == "loads":
-            drops = DIFFUSERS_DROPS.get((record.folder, layout))
+            drops = dict(record.diffusers_drops).get(layout)
             assert injected == {n for n in names if not (drops and drops in n)}, layout
 
 

@@ -5,8 +5,8 @@ lists the families, tells each record its `folder` and is the one view of all re
 data. Code it points to (the model class, the key layout, the fixture, ...) lives in its folder and is named
 relative to it: an attribute of the module the field reads by default (`trainer.py`, `keys.py`,
 `fixture.py`), or `"module:attribute"` for another module of the folder. It is imported only when asked
-for, so reading a config or printing `--help` loads no model code. The `default_targets` regexes several
-families share are named here once.
+for, so reading a config or printing `--help` loads no model code. The `default_targets` regexes and the
+`diffusers_reads` outcomes several families share are named here once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,22 @@ SELF_AND_CROSS_ATTENTION = r"transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|
 """q/k/v/out of the self-attention (`attn1`) and the cross-attention to the text (`attn2`)."""
 FEED_FORWARD = r"transformer_blocks\.\d+\.ff\.net\.(0\.proj|2)"
 """The MLP input and output."""
+
+# `diffusers_reads` shared by families: what a pipeline's `load_lora_weights` does with each tuner layout
+ALPHA_REFUSED = "refuses: `.alpha` keys (its check wants 'lora' in every key)"
+ALPHA_LEFT_OVER = "refuses: its converter leaves the `.alpha` keys over"
+ALPHA_CHUNKED = "refuses: its converter cuts the fused layers' `.alpha` (`chunk` of a scalar)"
+RELEASE_SIZES = (
+    "refuses: its converter cuts the fused layers at the release's sizes (the tiny fixture's differ)"
+)
+LOADS_EVERY_LAYOUT = {"comfy": "loads", "comfy_folded": "loads", "kohya": "loads", "musubi": "loads",
+                      "diffusers": "loads"}  # fmt: skip
+"""A loader that converts every layout tuner writes."""
+DIFFUSERS_ONLY = {"comfy": ALPHA_REFUSED, "comfy_folded": "ignores", "kohya": "ignores", "musubi": "ignores",
+                  "diffusers": "loads"}  # fmt: skip
+"""A loader that converts no foreign layout: diffusers' names load, the others name no `transformer.` one."""
+CONVERTS_FOLDED = {**DIFFUSERS_ONLY, "comfy_folded": "loads"}
+"""A loader that converts the release's names under `diffusion_model.`, without `.alpha` keys."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +187,20 @@ class Architecture:
     """Why `network.dora` is refused, where it is: tuner's DoRA normalises each column over the rows of one
     layer, so on the parts of a fused layer it is written apart, and the tool the layout is for may have no
     name for a part (ComfyUI maps diffusers' names onto row slices for FLUX only). Empty: DoRA saves."""
+
+    diffusers_loader: str = ""
+    """The LoRA loader mixin of its diffusers pipeline (`diffusers.loaders.lora_pipeline`), whose
+    `load_lora_weights` reads adapter files; empty: the pipeline has none (HunyuanVideo 1.5,
+    Cosmos-Predict2)."""
+    diffusers_reads: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Per tuner layout, what `diffusers_loader` does with a LoRA file (measured on the fixture, diffusers
+    0.42.1, by `tests/test_receivers.py`): "loads" every module, "ignores" (0 layers, only a warning), or
+    "refuses: why" (raises); a layout not listed: "ignores"."""
+    diffusers_drops: tuple[tuple[str, str], ...] = ()
+    """(layout, a fragment of the stems the loader drops silently though it loads the rest of the file)."""
+    musubi_trains: bool = False
+    """Whether musubi-tuner trains it (its `networks/lora_*.py`; HunyuanVideo in `lora.py`): its files are
+    read by musubi-tuner's key rules (`tuner.networks.receivers`); else musubi-tuner is n/a."""
 
     def family_class(self) -> type:
         """Its `ArchitectureModel` subclass."""

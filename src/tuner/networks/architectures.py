@@ -49,6 +49,14 @@ class ArchitectureKeys:
     loads: the `musubi` layout writes its stems (`for_layout`), fusing only its fused layers. HunyuanVideo
     1.5: Tencent's separate q/k/v where ComfyUI's files fuse them; Z-Image and FramePack: diffusers' names,
     unfused (`MUSUBI_DIFFUSERS_NAMES`). None: this table's names."""
+    comfy_forms: tuple[str, ...] = ()
+    """The stems ComfyUI's key map (`model_lora_keys_unet`) holds for this model beside every model's
+    `diffusion_model.<name>` and `lora_unet_<name>`, as `tuner.networks.receivers` forms (`{o}` the
+    release's name, `{c}` ComfyUI's, `{d}` diffusers', `{dp}` with `.processor.`; `_` after the letter:
+    dots as "_"); a form with `{d}` maps onto a fused layer's rows too."""
+    comfy_renames: tuple[tuple[str, str], ...] = ()
+    """(old, new) text replaced in ComfyUI's module names beyond `kohya_names` (which its kohya stems spell
+    the same): the renames its model makes as it loads the release (HunyuanVideo's `img_attn.qkv`)."""
 
     @cached_property
     def _to_original(self) -> list[tuple[re.Pattern[str], str]]:
@@ -133,6 +141,13 @@ class ArchitectureKeys:
 MUSUBI_DIFFUSERS_NAMES = ArchitectureKeys("musubi-tuner (diffusers' names)", (), same_names=True)
 """The `musubi` table of an architecture whose musubi-tuner model keeps diffusers' module names (Z-Image,
 FramePack): its `lora_unet_` stems are those with "_", unfused (`layers_0_attention_to_q`)."""
+
+COMFY_DIFFUSERS_FORMS = ("transformer.{d}", "lora_transformer_{d_}", "{d}")
+"""The `comfy_forms` of `comfy.model_base.Flux` and its subclasses (FLUX.1, Kontext, Chroma, FLUX.2):
+diffusers' names (`flux_to_diffusers`), onto the fused rows too."""
+COMFY_BARE_FORMS = ("{c}", "transformer.{c}")
+"""The `comfy_forms` of Qwen-Image's and Kandinsky 5's models: the module name, bare or under `transformer.`
+(`{c}` is the release's name: theirs are diffusers')."""
 
 
 def _compile(pattern: str, rest: bool = True) -> re.Pattern[str]:

@@ -2,26 +2,29 @@
 
 `read_by_tools(architecture, modules)` says, per tool, which modules (key stems) of a file it loads and
 which it drops, or that it refuses the file, or has no loader for the architecture. None of the tools is
-imported: each one's rules are written here as data, from their published loaders (facts, not code):
+imported: each one's rules are data, from their published loaders (facts, not code): the rules every model
+shares here, each model's in its family folder (its record and its key table, `ArchitectureKeys`):
 
 - **ComfyUI** (0.8, `model_lora_keys_unet` in `comfy/lora.py`, name tables in `comfy/utils.py`) builds a key
   map from its model's module names: `diffusion_model.<name>` and `lora_unet_<name with "_">`, with any of
   the suffixes `lora_A/B`, `lora_down/up`, `hada_*`, `lokr_*`, `.alpha` (absent: scale 1) and `dora_scale`,
-  plus per-model extras (`COMFY_EXTRA_FORMS`). Its module names are the release's, but for those
-  `ArchitectureKeys.kohya_names` lists (HunyuanVideo's `img_mlp.0`), and a fused layer (`img_attn.qkv`) has
-  no name for its parts unless an extra maps diffusers' names onto its rows (FLUX.1, Chroma, SD3, Z-Image).
-  A key outside the map is logged as "lora key not loaded" and dropped: the file loads partially.
+  plus per-model extras (`ArchitectureKeys.comfy_forms`). Its module names are the release's, but for those
+  `ArchitectureKeys.kohya_names` and `comfy_renames` change (HunyuanVideo's `img_mlp.0`), and a fused layer
+  (`img_attn.qkv`) has no name for its parts unless an extra maps diffusers' names onto its rows (FLUX.1,
+  Chroma, SD3, Z-Image). A key outside the map is logged as "lora key not loaded" and dropped: the file
+  loads partially.
 - **diffusers** (0.42, `loaders/lora_pipeline.py`, `loaders/lora_conversion_utils.py`): the pipeline's
-  `load_lora_weights` converts known foreign layouts, refuses a file with a key lacking "lora" (`.alpha`,
-  `hada_*`, `lokr_*`: "Invalid LoRA checkpoint") or one its converter cannot cut, and loads 0 layers with
-  only a warning when no key names a module under `transformer.`. What each loader does with each of
-  tuner's layouts was measured on every fixture (`DIFFUSERS_READS`); `tests/test_receivers.py` loads the
-  files into the real models to keep it true. It drops `dora_scale` with a warning.
-- **musubi-tuner** (`networks/lora.py` `create_modules` and its `networks/lora_<model>.py`) names an
-  adapter `lora_unet_` + its model's module name with "_" and loads with `strict=False`: a stem its model
-  lacks is dropped without a word. Its model's names are `ArchitectureKeys.musubi` where tuner knows them
-  apart from ComfyUI's (`keys.for_layout("musubi")`). Files of other layouts it reads only after its
-  `convert_lora.py`, so they count as dropped here.
+  `load_lora_weights` (`Architecture.diffusers_loader`) converts known foreign layouts, refuses a file with
+  a key lacking "lora" (`.alpha`, `hada_*`, `lokr_*`: "Invalid LoRA checkpoint") or one its converter
+  cannot cut, and loads 0 layers with only a warning when no key names a module under `transformer.`. What
+  each loader does with each of tuner's layouts was measured on every fixture (`Architecture.diffusers_reads`
+  and `diffusers_drops`); `tests/test_receivers.py` loads the files into the real models to keep it true.
+  It drops `dora_scale` with a warning.
+- **musubi-tuner** (`networks/lora.py` `create_modules` and its `networks/lora_<model>.py`; the models it
+  trains: `Architecture.musubi_trains`) names an adapter `lora_unet_` + its model's module name with "_"
+  and loads with `strict=False`: a stem its model lacks is dropped without a word. Its model's names are
+  `ArchitectureKeys.musubi` where tuner knows them apart from ComfyUI's (`keys.for_layout("musubi")`).
+  Files of other layouts it reads only after its `convert_lora.py`, so they count as dropped here.
 
 `layout_table()` renders, per architecture, what each tool does with each layout tuner writes
 (docs/architectures.md), from the stems `export_stems` gets out of the real exporter.
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tuner.archs.record import Architecture
 from tuner.errors import TunerError
 from tuner.networks.architectures import (
     ArchitectureKeys,
@@ -56,102 +60,8 @@ KOHYA = KOHYA_PREFIXES[0]
 # ---------------------------------------------------------------------------------------------------
 
 COMFY_FORMS = ("diffusion_model.{c}", "lora_unet_{c_}")
-"""Every ComfyUI model: its module name `c` (dots, or "_" in kohya's spelling)."""
-COMFY_EXTRA_FORMS: dict[str, tuple[str, ...]] = {
-    # `comfy.model_base.Flux` and its subclasses (FLUX.1, Kontext, Chroma, FLUX.2): diffusers' names
-    # (`flux_to_diffusers`), onto the fused rows too
-    "flux": ("transformer.{d}", "lora_transformer_{d_}", "{d}"),
-    "chroma": ("transformer.{d}", "lora_transformer_{d_}", "{d}"),
-    "flux2": ("transformer.{d}", "lora_transformer_{d_}", "{d}"),
-    # `SD3`: `mmdit_to_diffusers`' names (diffusers', the fused qkv's rows too)
-    "sd3": ("transformer.{d}", "base_model.model.{d}", "lora_transformer_{d_}"),
-    # `HunyuanVideo` (and its 1.5, and FramePack files read as HunyuanVideo's): diffusion-pipe's release names
-    "hunyuan_video": ("diffusion_model.{o}", "transformer.{o}"),
-    "hunyuan_video15": ("diffusion_model.{o}", "transformer.{o}"),
-    "framepack": ("diffusion_model.{o}", "transformer.{o}"),
-    "hidream": ("transformer.{c}",),
-    "qwen_image": ("{c}", "transformer.{c}"),
-    "kandinsky5": ("{c}", "transformer.{c}"),
-    # `Lumina2` maps `z_image_to_diffusers`' names: Z-Image's diffusers names (Lumina 2's differ)
-    "z_image": ("transformer.{d}", "diffusion_model.{d}", "{d}"),
-    # `unet_to_diffusers`: kohya's diffusers-named stems, and diffusers' attention under `.processor.`
-    "sdxl": ("lora_unet_{d_}", "unet.{dp}", "{dp}"),
-}
-"""Per family folder, the extra stems `model_lora_keys_unet` maps (`o`: the release's name; `d`: diffusers')."""
-COMFY_MODULE_RENAMES: dict[str, tuple[tuple[str, str], ...]] = {
-    family: (("_attn_qkv", "_attn.qkv"), ("_attn_proj", "_attn.proj"))
-    for family in ("hunyuan_video", "hunyuan_video15", "framepack")
-}
-"""Per family folder, ComfyUI's module names beyond `kohya_names` (which spell the same in kohya's stems):
-HunyuanVideo's attention, as `HunyuanVideo.process_unet_state_dict` (`comfy/supported_models.py`) renames it."""
-
-DIFFUSERS_LOADERS: dict[str, str] = {
-    "wan": "WanLoraLoaderMixin", "flux": "FluxLoraLoaderMixin", "chroma": "FluxLoraLoaderMixin",
-    "qwen_image": "QwenImageLoraLoaderMixin", "hunyuan_video": "HunyuanVideoLoraLoaderMixin",
-    "framepack": "HunyuanVideoLoraLoaderMixin", "hidream": "HiDreamImageLoraLoaderMixin",
-    "sd3": "SD3LoraLoaderMixin", "flux2": "Flux2LoraLoaderMixin", "z_image": "ZImageLoraLoaderMixin",
-    "lumina2": "Lumina2LoraLoaderMixin", "sdxl": "StableDiffusionXLLoraLoaderMixin",
-    "kandinsky5": "KandinskyLoraLoaderMixin", "ltx2": "LTX2LoraLoaderMixin", "ltx_video": "LTXVideoLoraLoaderMixin",
-}  # fmt: skip
-"""Per family folder, the LoRA loader of its diffusers pipeline (`load_lora_weights`); HunyuanVideo 1.5's and
-Cosmos-Predict2's pipelines have none."""
-
-_ALPHA = "refuses: `.alpha` keys (its check wants 'lora' in every key)"
-_CHUNK = "refuses: its converter cuts the fused layers' `.alpha` (`chunk` of a scalar)"
-_SIZES = "refuses: its converter cuts the fused layers at the release's sizes (the tiny fixture's differ)"
-_LOADS = {
-    "comfy": "loads",
-    "comfy_folded": "loads",
-    "kohya": "loads",
-    "musubi": "loads",
-    "diffusers": "loads",
-}
-_DIFFUSERS_ONLY = {"comfy": _ALPHA, "comfy_folded": "ignores", "kohya": "ignores", "musubi": "ignores",
-                   "diffusers": "loads"}  # fmt: skip
-_CONVERTS = {**_DIFFUSERS_ONLY, "comfy_folded": "loads"}
-DIFFUSERS_READS: dict[str, dict[str, str]] = {
-    "wan": _LOADS,
-    "qwen_image": _LOADS,
-    # kohya: its FLUX.1 converter, at the release's width (test_diffusers_interop.py)
-    "flux": {**_LOADS, "comfy": "ignores", "comfy_folded": "ignores"},
-    "chroma": {**_LOADS, "comfy": "ignores", "comfy_folded": "ignores"},
-    "hunyuan_video": {
-        "comfy": _CHUNK,
-        "comfy_folded": _SIZES,
-        "kohya": _CHUNK,
-        "musubi": _CHUNK,
-        "diffusers": "loads",
-    },  # fmt: skip
-    "framepack": {
-        "comfy": _CHUNK,
-        "comfy_folded": _SIZES,
-        "kohya": _CHUNK,
-        "musubi": "ignores",
-        "diffusers": "loads",
-    },  # fmt: skip
-    "hidream": _CONVERTS,
-    "sd3": _DIFFUSERS_ONLY,
-    "kandinsky5": _DIFFUSERS_ONLY,
-    "ltx2": _CONVERTS,
-    "ltx_video": _CONVERTS,
-    "lumina2": {**_DIFFUSERS_ONLY, "comfy": _SIZES, "comfy_folded": _SIZES},
-    "flux2": {**_LOADS, "comfy": "refuses: its converter leaves the `.alpha` keys over"},
-    "z_image": {**_LOADS, "comfy": "refuses: its converter leaves the `.alpha` keys over"},
-    "sdxl": {**_LOADS, "comfy": _ALPHA, "comfy_folded": "ignores"},
-}
-"""Per family folder and tuner layout, what the loader does with a LoRA file (measured on the fixtures,
-diffusers 0.42.1): "loads" every module, "ignores" (0 layers, only a warning), or "refuses: why" (raises)."""
-DIFFUSERS_DROPS: dict[tuple[str, str], str] = {("z_image", "comfy_folded"): ".attention."}
-"""(folder, layout) -> a fragment of the stems the loader drops silently though it loads the rest (its
-Z-Image converter takes the feed-forwards of a `diffusion_model.` file, not the fused `attention.qkv`)."""
-
-MUSUBI_TRAINS = (
-    "wan", "wan22_t2v", "wan22_i2v", "wan22_ti2v", "wan_i2v", "wan_flf2v", "flux", "flux_kontext", "qwen_image",
-    "qwen_image_edit", "hunyuan_video", "hunyuan_video15", "hunyuan_video15_i2v", "framepack", "framepack_1f",
-    "flux2", "flux2_klein", "z_image", "kandinsky5",
-)  # fmt: skip
-"""Architectures musubi-tuner trains (its `networks/lora_*.py`: wan, flux (Kontext), flux_2, qwen_image,
-hv_1_5, framepack, zimage, kandinsky; HunyuanVideo in `lora.py`); the others are n/a."""
+"""Every ComfyUI model: its module name `c` (dots, or "_" in kohya's spelling). A model's extra forms are
+its key table's `ArchitectureKeys.comfy_forms`."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -202,9 +112,9 @@ def read_by_tools(
     keys = architecture_keys(architecture)
     readings = {stem: _names(stem, keys) for stem in modules}
     return {
-        "ComfyUI": _comfy(record.folder, keys, readings),
-        "diffusers": _diffusers(record.folder, keys, modules, readings, FOLDED_ALPHA in (metadata or {})),
-        "musubi-tuner": _musubi(architecture, keys, readings),
+        "ComfyUI": _comfy(keys, readings),
+        "diffusers": _diffusers(record, keys, modules, readings, FOLDED_ALPHA in (metadata or {})),
+        "musubi-tuner": _musubi(record, keys, readings),
     }
 
 
@@ -259,10 +169,10 @@ def _split(readings: Mapping[str, tuple[list[str], str | None]], accepts) -> tup
     return loaded, tuple(stem for stem in readings if stem not in loaded)
 
 
-def comfy_stems(folder: str, keys: ArchitectureKeys, names: list[str], fused: str | None) -> set[str]:
+def comfy_stems(keys: ArchitectureKeys, names: list[str], fused: str | None) -> set[str]:
     """Every stem ComfyUI maps onto the weight of `names` (one module, or the parts of `fused`)."""
-    extras = COMFY_EXTRA_FORMS.get(folder, ())
-    values = _comfy_values(folder, keys, names, fused)
+    extras = keys.comfy_forms
+    values = _comfy_values(keys, names, fused)
     if fused is not None:
         forms = COMFY_FORMS + tuple(f for f in extras if "{d" not in f)
     elif any(layer.part_of(names[0]) for layer in keys.fused):
@@ -274,7 +184,7 @@ def comfy_stems(folder: str, keys: ArchitectureKeys, names: list[str], fused: st
     return {_fill(form, values) for form in forms if _fillable(form, values)}
 
 
-def _comfy_values(folder: str, keys: ArchitectureKeys, names: list[str], fused: str | None) -> dict[str, str]:
+def _comfy_values(keys: ArchitectureKeys, names: list[str], fused: str | None) -> dict[str, str]:
     """The names a ComfyUI stem form is filled with: `c` its module's, `o` the release's, `d` diffusers'."""
     if fused is not None:
         values = {"c": fused, "o": fused}
@@ -289,7 +199,7 @@ def _comfy_values(folder: str, keys: ArchitectureKeys, names: list[str], fused: 
     if "d" in values:
         values["dp"] = _processor_name(values["d"])
     if "c" in values:
-        for old, new in COMFY_MODULE_RENAMES.get(folder, ()):
+        for old, new in keys.comfy_renames:
             values["c"] = values["c"].replace(old, new)
     return values
 
@@ -298,8 +208,7 @@ def comfy_key_map(architecture: str, checkpoint_keys) -> set[str]:
     """Every stem ComfyUI's key map holds for its model of `architecture` loaded from a release file with
     `checkpoint_keys` (its `diffusion_model.<name>.weight` keys, before ComfyUI renames them): what
     `model_lora_keys_unet` builds, minus the diffusers-name slices of fused layers."""
-    record, keys = _record(architecture), architecture_keys(architecture)
-    extras = COMFY_EXTRA_FORMS.get(record.folder, ())
+    keys = architecture_keys(architecture)
     stems = set()
     for key in checkpoint_keys:
         if not key.endswith(".weight"):
@@ -313,9 +222,9 @@ def comfy_key_map(architecture: str, checkpoint_keys) -> set[str]:
             pass  # a fused layer, or a weight adapters do not name
         if "d" in values:
             values["dp"] = _processor_name(values["d"])
-        for old, new in COMFY_MODULE_RENAMES.get(record.folder, ()):
+        for old, new in keys.comfy_renames:
             values["c"] = values["c"].replace(old, new)
-        stems |= {_fill(form, values) for form in COMFY_FORMS + extras if _fillable(form, values)}
+        stems |= {_fill(form, values) for form in COMFY_FORMS + keys.comfy_forms if _fillable(form, values)}
     return stems
 
 
@@ -335,11 +244,11 @@ def _fill(form: str, values: Mapping[str, str]) -> str:
     return form
 
 
-def _comfy(folder: str, keys: ArchitectureKeys, readings) -> Reading:
+def _comfy(keys: ArchitectureKeys, readings) -> Reading:
     def accepts(stem: str, names: list[str], fused: str | None) -> bool:
         if stem.startswith(KOHYA_TEXT_PREFIXES + ("text_encoder.", "text_encoder_2.")):
             return True  # `model_lora_keys_clip`: kohya's and diffusers' text-encoder names
-        return bool(names) and stem in comfy_stems(folder, keys, names, fused)
+        return bool(names) and stem in comfy_stems(keys, names, fused)
 
     return Reading("ComfyUI", *_split(readings, accepts))
 
@@ -360,24 +269,24 @@ def musubi_stems(keys: ArchitectureKeys, names: list[str]) -> set[str]:
     return stems
 
 
-def _musubi(architecture: str, keys: ArchitectureKeys, readings) -> Reading:
-    if architecture not in MUSUBI_TRAINS:
-        return Reading("musubi-tuner", absent=f"musubi-tuner does not train {architecture}")
+def _musubi(record: Architecture, keys: ArchitectureKeys, readings) -> Reading:
+    if not record.musubi_trains:
+        return Reading("musubi-tuner", absent=f"musubi-tuner does not train {record.name}")
     return Reading(
         "musubi-tuner", *_split(readings, lambda stem, names, _: {stem} == musubi_stems(keys, names))
     )
 
 
-def _diffusers(folder: str, keys: ArchitectureKeys, modules, readings, folded: bool) -> Reading:
-    if folder not in DIFFUSERS_LOADERS:
+def _diffusers(record: Architecture, keys: ArchitectureKeys, modules, readings, folded: bool) -> Reading:
+    if not record.diffusers_loader:
         return Reading("diffusers", absent="its pipeline has no LoRA loader")
     if other := [stem for stem, w in modules.items() if w.kind != LORA]:
         return Reading("diffusers", refused=f"LoRA only: {other[0]} is not (`hada_*` / `lokr_*` keys)")
     layouts = {stem: _layout(stem, keys, names, folded or modules[stem].alpha is None)
                for stem, (names, _) in readings.items()}  # fmt: skip
-    outcome = {stem: DIFFUSERS_READS[folder].get(layout, "ignores") for stem, layout in layouts.items()}
+    outcome = {stem: record.diffusers_reads.get(layout, "ignores") for stem, layout in layouts.items()}
     for stem, layout in layouts.items():
-        if (drops := DIFFUSERS_DROPS.get((folder, layout))) and drops in stem:
+        if (drops := dict(record.diffusers_drops).get(layout)) and drops in stem:
             outcome[stem] = "ignores"
     if refused := next((o for o in outcome.values() if o.startswith("refuses")), None):
         return Reading("diffusers", refused=refused.removeprefix("refuses: "))

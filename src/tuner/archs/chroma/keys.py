@@ -17,7 +17,7 @@ The fused `qkv` / `linear1` layers are FLUX.1's, so adapters export exactly as F
 from __future__ import annotations
 
 from tuner.archs.flux.keys import FUSED_LAYERS, NORM_RULES, TRANSFORMER_RULES
-from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.architectures import COMFY_DIFFUSERS_FORMS, ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
 # FLUX.1 modules Chroma does not have: the per-block modulations and the embedders of time, pooled
@@ -45,7 +45,9 @@ NORM_RULES_CHROMA: tuple[tuple[str, str], ...] = NORM_RULES + (
     ("distilled_guidance_layer.norms.{i}.weight", "distilled_guidance_layer.norms.{i}.scale"),
 )
 
-CHROMA_KEYS = ArchitectureKeys("chroma", TRANSFORMER_RULES_CHROMA, FUSED_LAYERS)
+CHROMA_KEYS = ArchitectureKeys(
+    "chroma", TRANSFORMER_RULES_CHROMA, FUSED_LAYERS, comfy_forms=COMFY_DIFFUSERS_FORMS
+)
 """The adapter name map (diffusers module name -> release's), carrying FLUX.1's fused layers."""
 
 CHROMA_LAYOUT = CheckpointLayout(CHROMA_KEYS, NORM_RULES_CHROMA)

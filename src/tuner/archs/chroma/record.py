@@ -12,6 +12,7 @@ RECORDS = (
     replace(
         FLUX,
         name="chroma",
+        musubi_trains=False,  # musubi-tuner has no Chroma network
         variants=("chroma1",),
         checkpoints=(
             "Variants: `chroma1` (`chroma-unlocked-v*`, Chroma1-Base, Chroma1-HD: one network). "

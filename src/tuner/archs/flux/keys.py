@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
-from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.architectures import COMFY_DIFFUSERS_FORMS, ArchitectureKeys
 from tuner.networks.fused import FusedLayer
 from tuner.networks.layouts import CheckpointLayout
 
@@ -102,7 +102,7 @@ NORM_RULES: tuple[tuple[str, str], ...] = (
 # its up rows swapped too, so exporting one is refused (KeyError) rather than written wrong.
 FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 
-FLUX_KEYS = ArchitectureKeys("flux", TRANSFORMER_RULES, FUSED_LAYERS)
+FLUX_KEYS = ArchitectureKeys("flux", TRANSFORMER_RULES, FUSED_LAYERS, comfy_forms=COMFY_DIFFUSERS_FORMS)
 """The adapter name map (diffusers module name -> original), carrying the fused layers."""
 
 FLUX_LAYOUT = CheckpointLayout(FLUX_KEYS, NORM_RULES, (FINAL_MODULATION,))

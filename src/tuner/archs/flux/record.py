@@ -7,6 +7,7 @@ from dataclasses import replace
 from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     DUAL_STREAM_FEED_FORWARD,
+    LOADS_EVERY_LAYOUT,
     SINGLE_STREAM,
     Architecture,
     hub_tokenizers,
@@ -36,6 +37,10 @@ FLUX = Architecture(
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)
     save_format="kohya",
+    diffusers_loader="FluxLoraLoaderMixin",
+    # kohya: its FLUX.1 converter, at the release's width (test_diffusers_interop.py)
+    diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": "ignores", "comfy_folded": "ignores"},
+    musubi_trains=True,
     timestep_mode="flux_shift",
     sample_shift="flux_shift",
     latent_patch=(2, 2),

@@ -27,7 +27,7 @@ import torch
 from tuner.archs.flux.keys import vae_key_to_original as _ldm_vae_key_to_original
 from tuner.archs.flux.keys import vae_to_diffusers as _ldm_vae_to_diffusers
 from tuner.archs.flux.keys import vae_to_original as _ldm_vae_to_original
-from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.architectures import COMFY_DIFFUSERS_FORMS, ArchitectureKeys
 from tuner.networks.fused import FusedLayer
 from tuner.networks.layouts import CheckpointLayout
 
@@ -90,7 +90,7 @@ NORM_RULES: tuple[tuple[str, str], ...] = (
 # The final modulation: same matrix, row halves swapped (not an adapter target, see flux_keys).
 FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 
-FLUX2_KEYS = ArchitectureKeys("flux2", TRANSFORMER_RULES, FUSED_LAYERS)
+FLUX2_KEYS = ArchitectureKeys("flux2", TRANSFORMER_RULES, FUSED_LAYERS, comfy_forms=COMFY_DIFFUSERS_FORMS)
 """The adapter name map (diffusers module name -> original), carrying the fused layers."""
 
 FLUX2_LAYOUT = CheckpointLayout(FLUX2_KEYS, NORM_RULES, (FINAL_MODULATION,))

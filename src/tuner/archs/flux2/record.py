@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, hub_tokenizers
+from tuner.archs.record import (
+    ALPHA_LEFT_OVER,
+    DUAL_STREAM_ATTENTION,
+    LOADS_EVERY_LAYOUT,
+    Architecture,
+    hub_tokenizers,
+)
 
 FLUX2 = Architecture(
     name="flux2",
@@ -37,6 +43,9 @@ FLUX2 = Architecture(
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
+    diffusers_loader="Flux2LoraLoaderMixin",
+    diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": ALPHA_LEFT_OVER},
+    musubi_trains=True,
     control_images=(0, 10),
     timestep_mode="flux_shift",
     sample_shift="flux_shift",

@@ -23,7 +23,14 @@ so its adapters are named in diffusers' names, unfused (`lora_unet_transformer_b
 
 from __future__ import annotations
 
-from tuner.archs.hunyuan_video.keys import FINAL_MODULATION, FUSED_LAYERS, KOHYA_NAMES, TRANSFORMER_RULES
+from tuner.archs.hunyuan_video.keys import (
+    COMFY_ATTENTION_NAMES,
+    COMFY_FORMS,
+    FINAL_MODULATION,
+    FUSED_LAYERS,
+    KOHYA_NAMES,
+    TRANSFORMER_RULES,
+)
 from tuner.networks.architectures import MUSUBI_DIFFUSERS_NAMES, ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
@@ -42,6 +49,8 @@ FRAMEPACK_KEYS = ArchitectureKeys(
     FUSED_LAYERS,
     kohya_names=KOHYA_NAMES,
     musubi=MUSUBI_DIFFUSERS_NAMES,
+    comfy_forms=COMFY_FORMS,
+    comfy_renames=COMFY_ATTENTION_NAMES,
 )
 """The adapter name map (diffusers module name -> HunyuanVideo's Tencent name), carrying the fused layers."""
 

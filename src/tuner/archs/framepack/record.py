@@ -11,6 +11,8 @@ from tuner.archs.hunyuan_video.record import HUNYUAN_VIDEO
 FRAMEPACK = replace(
     HUNYUAN_VIDEO,
     name="framepack",
+    # diffusers' HunyuanVideo converter finds no Tencent name in musubi-tuner's (diffusers') names
+    diffusers_reads={**HUNYUAN_VIDEO.diffusers_reads, "musubi": "ignores"},
     variants=("i2v",),
     checkpoints=(
         "Variants: `i2v` (FramePackI2V_HY; the F1 file has the same shapes and loads, but sections are "

@@ -105,7 +105,12 @@ LINEAR_MODULES = (
     "p_embedder.pooled_embedder.linear_1", "p_embedder.pooled_embedder.linear_2",
     "caption_projection.{i}.linear", "final_layer.linear", "final_layer.adaLN_modulation.1",
 )  # fmt: skip
-HIDREAM_KEYS = ArchitectureKeys("hidream", tuple((name, name) for name in LINEAR_MODULES), same_names=True)
+HIDREAM_KEYS = ArchitectureKeys(
+    "hidream",
+    tuple((name, name) for name in LINEAR_MODULES),
+    same_names=True,
+    comfy_forms=("transformer.{c}",),
+)
 """The key table of HiDream-I1: the release's names are diffusers'."""
 HIDREAM_LAYOUT = CheckpointLayout(HIDREAM_KEYS)
 

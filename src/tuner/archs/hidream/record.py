@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, hub_tokenizers
 
 HIDREAM = Architecture(
     name="hidream",
@@ -43,6 +43,8 @@ HIDREAM = Architecture(
     # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
     # format); the release's names are diffusers' own
     save_format="diffusers",
+    diffusers_loader="HiDreamImageLoraLoaderMixin",
+    diffusers_reads=CONVERTS_FOLDED,
     latent_patch=(2, 2),
     # Full and Fast sample at 3 (`sample_shift`'s default), Dev at 6; only the file name tells them apart
     sample_shift_by_name=((r"i1[-_]dev", 6.0),),

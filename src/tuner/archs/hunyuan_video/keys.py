@@ -137,8 +137,20 @@ FUSED_LAYERS: tuple[FusedLayer, ...] = (
 # need its up rows swapped too, so exporting one is refused (KeyError) rather than written wrong.
 FINAL_MODULATION = ("norm_out.linear", "final_layer.adaLN_modulation.1")
 
+COMFY_FORMS = ("diffusion_model.{o}", "transformer.{o}")
+"""The extra stems ComfyUI's `HunyuanVideo` model maps (its 1.5's too, and FramePack files read as
+HunyuanVideo's): diffusion-pipe's release names."""
+COMFY_ATTENTION_NAMES = (("_attn_qkv", "_attn.qkv"), ("_attn_proj", "_attn.proj"))
+"""ComfyUI's names of the attention linears, as `HunyuanVideo.process_unet_state_dict`
+(`comfy/supported_models.py`) renames them (the kohya spelling is the same)."""
+
 HUNYUAN_VIDEO_KEYS = ArchitectureKeys(
-    "hunyuan_video", TRANSFORMER_RULES, FUSED_LAYERS, kohya_names=KOHYA_NAMES
+    "hunyuan_video",
+    TRANSFORMER_RULES,
+    FUSED_LAYERS,
+    kohya_names=KOHYA_NAMES,
+    comfy_forms=COMFY_FORMS,
+    comfy_renames=COMFY_ATTENTION_NAMES,
 )
 """The adapter name map (diffusers module name -> Tencent's), carrying the fused layers."""
 

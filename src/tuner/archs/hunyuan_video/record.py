@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from tuner.archs.record import (
+    ALPHA_CHUNKED,
     DUAL_STREAM_ATTENTION,
     DUAL_STREAM_FEED_FORWARD,
+    RELEASE_SIZES,
     SINGLE_STREAM,
     Architecture,
     comfy,
@@ -55,6 +57,15 @@ HUNYUAN_VIDEO = Architecture(
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
+    diffusers_loader="HunyuanVideoLoraLoaderMixin",
+    diffusers_reads={
+        "comfy": ALPHA_CHUNKED,
+        "comfy_folded": RELEASE_SIZES,
+        "kohya": ALPHA_CHUNKED,
+        "musubi": ALPHA_CHUNKED,
+        "diffusers": "loads",
+    },
+    musubi_trains=True,
     # ComfyUI's `HunyuanVideo` key map (FramePack's too) names Tencent's modules only (comfy/lora.py)
     dora_refused=(
         "ComfyUI's HunyuanVideo model keeps q, k and v in one linear (img_attn.qkv / txt_attn.qkv, the single "

@@ -42,7 +42,7 @@ blocks and no guidance embedder.
 
 from __future__ import annotations
 
-from tuner.archs.hunyuan_video.keys import comfy_name
+from tuner.archs.hunyuan_video.keys import COMFY_ATTENTION_NAMES, COMFY_FORMS, comfy_name
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.fused import FusedLayer
 from tuner.networks.layouts import CheckpointLayout
@@ -140,7 +140,13 @@ TENCENT_KEYS = ArchitectureKeys("hunyuan_video15 (Tencent's release)", TRANSFORM
 """Tencent's names, q/k/v apart in the double blocks, the refiner's fused: musubi-tuner's model's too."""
 
 HUNYUAN_VIDEO15_KEYS = ArchitectureKeys(
-    "hunyuan_video15", TRANSFORMER_RULES, FUSED_LAYERS, kohya_names=KOHYA_NAMES, musubi=TENCENT_KEYS
+    "hunyuan_video15",
+    TRANSFORMER_RULES,
+    FUSED_LAYERS,
+    kohya_names=KOHYA_NAMES,
+    musubi=TENCENT_KEYS,
+    comfy_forms=COMFY_FORMS,
+    comfy_renames=COMFY_ATTENTION_NAMES,
 )
 """The adapter name map (diffusers module name -> Tencent's, q/k/v fused as ComfyUI's files hold them;
 musubi-tuner's apart)."""

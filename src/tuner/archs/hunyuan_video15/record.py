@@ -67,6 +67,7 @@ HUNYUAN_VIDEO15 = Architecture(
     # Tencent names under `diffusion_model.`, q/k/v fused: ComfyUI's key map (diffusers has no HunyuanVideo
     # 1.5 LoRA loader)
     save_format="comfy",
+    musubi_trains=True,
     dora_refused=(
         "ComfyUI's model keeps each stream's q, k and v in one linear, img_attn.qkv / txt_attn.qkv, and maps "
         "no adapter name onto a part of it; a column-wise DoRA of q, k or v alone has no fused form"

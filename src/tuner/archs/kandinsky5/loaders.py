@@ -62,7 +62,7 @@ from tuner.errors import CheckpointError
 from tuner.models.component import component_spec, load_component
 from tuner.models.identify import Variant, variant_table
 from tuner.models.loading import load_tokenizer, resolve_folder, second_text_encoder, sibling
-from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.architectures import COMFY_BARE_FORMS, ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ KANDINSKY5_KEYS = ArchitectureKeys(
         )
     ),
     same_names=True,
+    comfy_forms=COMFY_BARE_FORMS,
 )  # fmt: skip
 """The key table of Kandinsky 5: the release's names are diffusers' (linear layers listed so kohya
 stems read back)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, hub_tokenizers
+from tuner.archs.record import DIFFUSERS_ONLY, Architecture, hub_tokenizers
 
 KANDINSKY5 = Architecture(
     name="kandinsky5",
@@ -47,6 +47,9 @@ KANDINSKY5 = Architecture(
         (f"lite-{d}", f"ai-forever/Kandinsky-5.0-T2V-Lite-sft-{d}-Diffusers") for d in ("5s", "10s")
     ),
     save_format="diffusers",
+    diffusers_loader="KandinskyLoraLoaderMixin",
+    diffusers_reads=DIFFUSERS_ONLY,
+    musubi_trains=True,
     frame_multiple=4,
     frame_remainder=1,
     model_fps=24.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tuner.archs.record import Architecture, comfy, hub_tokenizers
+from tuner.archs.record import ALPHA_LEFT_OVER, CONVERTS_FOLDED, Architecture, comfy, hub_tokenizers
 
 _BLOCKS = r"(transformer_blocks|text_fusion\.layerwise_blocks|text_fusion\.refiner_blocks)\.\d+"
 
@@ -21,8 +21,8 @@ KREA2 = Architecture(
         "training Turbo warns"
     ),
     save_format_loads=(
-        'ComfyUI; diffusers needs `save.format = "diffusers"` (its Krea 2 converter reads the release\'s '
-        "names but refuses `.alpha` keys)"
+        "ComfyUI; diffusers (its Krea 2 converter reads the release's names, refusing `.alpha` keys); "
+        'musubi-tuner needs `save.format = "kohya"`'
     ),
     title="Krea 2 text-to-image (RAW, Turbo; 12B single-stream DiT, Qwen3-VL-4B)",
     family="Krea2Model",
@@ -49,7 +49,12 @@ KREA2 = Architecture(
         )
         for variant in ("raw", "turbo")
     ),
-    save_format="comfy",  # the release's names under `diffusion_model.`, as ComfyUI and Krea's trainer write
+    # the release's names under `diffusion_model.`, as ComfyUI and Krea's trainer write, no `.alpha` keys:
+    # ComfyUI and diffusers load it
+    save_format="comfy_folded",
+    diffusers_loader="Krea2LoraLoaderMixin",
+    diffusers_reads={**CONVERTS_FOLDED, "comfy": ALPHA_LEFT_OVER},
+    musubi_trains=True,
     timestep_mode="krea2_shift",
     sample_shift="krea2_shift",
     # Turbo samples with Krea2Pipeline's fixed μ = 1.15 (`is_distilled`)

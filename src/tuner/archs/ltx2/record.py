@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, hub_tokenizers
 
 LTX2 = Architecture(
     name="ltx2",
@@ -33,6 +33,8 @@ LTX2 = Architecture(
         r"transformer_blocks\.\d+\.(ff|audio_ff)\.net\.(0\.proj|2)",
     ),
     save_format="comfy_folded",  # the release's names, no `.alpha` keys: ComfyUI and diffusers load it
+    diffusers_loader="LTX2LoraLoaderMixin",
+    diffusers_reads=CONVERTS_FOLDED,
     tokenizers=hub_tokenizers("Lightricks/LTX-2", "tokenizer"),  # Gemma 3
     hub_repos=(("19b", "Lightricks/LTX-2"),),
     spatial_step=32,

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture, hub_tokenizers
+from tuner.archs.record import (
+    CONVERTS_FOLDED,
+    FEED_FORWARD,
+    SELF_AND_CROSS_ATTENTION,
+    Architecture,
+    hub_tokenizers,
+)
 
 LTX_VIDEO = Architecture(
     name="ltx_video",
@@ -24,6 +30,8 @@ LTX_VIDEO = Architecture(
     # the self- and text attention and the feed-forward of every block
     default_targets=(SELF_AND_CROSS_ATTENTION, FEED_FORWARD),
     save_format="comfy_folded",  # the release's names, no `.alpha` keys: ComfyUI and diffusers load it
+    diffusers_loader="LTXVideoLoraLoaderMixin",
+    diffusers_reads=CONVERTS_FOLDED,
     tokenizers=hub_tokenizers("Lightricks/LTX-Video", "tokenizer"),  # T5-XXL
     hub_repos=(("0.9", "Lightricks/LTX-Video"),),
     first_frame=0.0,  # text-to-video unless asked: what training did before the key (one model, both tasks)

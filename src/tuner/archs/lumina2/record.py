@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, hub_tokenizers
+from tuner.archs.record import DIFFUSERS_ONLY, RELEASE_SIZES, Architecture, hub_tokenizers
 
 LUMINA2 = Architecture(
     name="lumina2",
@@ -31,6 +31,8 @@ LUMINA2 = Architecture(
     tokenizers=hub_tokenizers("Alpha-VLLM/Lumina-Image-2.0", "tokenizer"),  # Gemma 2
     hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
+    diffusers_loader="Lumina2LoraLoaderMixin",
+    diffusers_reads={**DIFFUSERS_ONLY, "comfy": RELEASE_SIZES, "comfy_folded": RELEASE_SIZES},
     dora_refused=(
         "ComfyUI's Lumina 2 model keeps q, k and v in one linear (layers.N.attention.qkv) and maps diffusers' "
         "names onto its rows only as Z-Image spells them (attention.to_q, in equal thirds), not Lumina 2's "

@@ -40,7 +40,7 @@ from tuner.archs.wan.keys import vae_key_to_original
 from tuner.models.component import component_spec, diffusers_class, diffusers_keys, load_component
 from tuner.models.identify import Variant, diffusers_meta_keys, variant_table
 from tuner.models.loading import normalize_shapes, read_tensor_shapes
-from tuner.networks.architectures import ArchitectureKeys
+from tuner.networks.architectures import COMFY_BARE_FORMS, ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
 
 # diffusers is imported where a model is built: importing it costs seconds (every diffusers model class,
@@ -109,7 +109,10 @@ LINEAR_MODULES = (
     "time_text_embed.timestep_embedder.linear_2", "norm_out.linear", "proj_out",
 )  # fmt: skip
 QWEN_IMAGE_KEYS = ArchitectureKeys(
-    "qwen_image", tuple((name, name) for name in LINEAR_MODULES), same_names=True
+    "qwen_image",
+    tuple((name, name) for name in LINEAR_MODULES),
+    same_names=True,
+    comfy_forms=COMFY_BARE_FORMS,
 )
 """The key table of Qwen-Image and Qwen-Image-Edit: the release's names are diffusers'."""
 QWEN_IMAGE_LAYOUT = CheckpointLayout(QWEN_IMAGE_KEYS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, Architecture, comfy, hub_tokenizers
+from tuner.archs.record import DUAL_STREAM_ATTENTION, LOADS_EVERY_LAYOUT, Architecture, comfy, hub_tokenizers
 
 QWEN_IMAGE = Architecture(
     name="qwen_image",
@@ -40,6 +40,9 @@ QWEN_IMAGE = Architecture(
         ),
     ),  # fmt: skip
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
+    diffusers_loader="QwenImageLoraLoaderMixin",
+    diffusers_reads=LOADS_EVERY_LAYOUT,
+    musubi_trains=True,
     timestep_mode="qwen_shift",
     sample_shift="qwen_shift",
 )

@@ -141,7 +141,13 @@ class MMDiTLayout(CheckpointLayout):
         return out
 
 
-SD3_KEYS = ArchitectureKeys("sd3", TRANSFORMER_RULES, FUSED_LAYERS)
+SD3_KEYS = ArchitectureKeys(
+    "sd3",
+    TRANSFORMER_RULES,
+    FUSED_LAYERS,
+    # ComfyUI's `SD3` maps `mmdit_to_diffusers`' names (diffusers', the fused qkv's rows too)
+    comfy_forms=("transformer.{d}", "base_model.model.{d}", "lora_transformer_{d_}"),
+)
 """The adapter name map (diffusers module name -> release's), carrying the fused qkv layers."""
 
 SD3_LAYOUT = MMDiTLayout(SD3_KEYS, TENSOR_RULES, (FINAL_MODULATION,))

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, Architecture, hub_tokenizers
+from tuner.archs.record import (
+    DIFFUSERS_ONLY,
+    DUAL_STREAM_ATTENTION,
+    DUAL_STREAM_FEED_FORWARD,
+    Architecture,
+    hub_tokenizers,
+)
 
 SD3 = Architecture(
     name="sd3",
@@ -42,6 +48,8 @@ SD3 = Architecture(
     # (`mmdit_to_diffusers`) maps them onto the fused qkv's rows: the one layout both load. `comfy` keeps
     # the release's fused qkv (ComfyUI only); full fine-tunes are written in the release's file layout
     save_format="diffusers",
+    diffusers_loader="SD3LoraLoaderMixin",
+    diffusers_reads=DIFFUSERS_ONLY,
     latent_patch=(2, 2),
 )
 

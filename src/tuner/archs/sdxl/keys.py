@@ -174,7 +174,8 @@ class SDXLKeys(ArchitectureKeys):
         return f"{BUNDLED_CLIP_G}{_OPEN_CLIP(inner)}.weight", 0, 1
 
 
-SDXL_KEYS = SDXLKeys("sdxl", unet_rules())
+# ComfyUI's `unet_to_diffusers`: kohya's diffusers-named stems, and diffusers' attention under `.processor.`
+SDXL_KEYS = SDXLKeys("sdxl", unet_rules(), comfy_forms=("lora_unet_{d_}", "unet.{dp}", "{dp}"))
 """The adapter name map (diffusers module name -> original); no fused layers."""
 
 

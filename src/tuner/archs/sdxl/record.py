@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, hub_tokenizers
+from tuner.archs.record import ALPHA_REFUSED, LOADS_EVERY_LAYOUT, Architecture, hub_tokenizers
 
 SDXL = Architecture(
     name="sdxl",
@@ -33,6 +33,8 @@ SDXL = Architecture(
     hub_repos=(("base", "stabilityai/stable-diffusion-xl-base-1.0"),),
     # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
     save_format="kohya",
+    diffusers_loader="StableDiffusionXLLoraLoaderMixin",
+    diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": ALPHA_REFUSED, "comfy_folded": "ignores"},
     spatial_step=64,
     timestep_mode="uniform",
     latent_patch=(1, 1),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import Architecture, comfy, hub_tokenizers
+from tuner.archs.record import LOADS_EVERY_LAYOUT, Architecture, comfy, hub_tokenizers
 
 _WAN21_COMFY, _WAN22_COMFY = "Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 
@@ -53,6 +53,9 @@ WAN = Architecture(
         r"blocks\.\d+\.ffn\.net\.(0\.proj|2)",
     ),
     save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
+    diffusers_loader="WanLoraLoaderMixin",
+    diffusers_reads=LOADS_EVERY_LAYOUT,
+    musubi_trains=True,
     tokenizers=hub_tokenizers("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "tokenizer"),  # UMT5, the same for 2.2
     hub_repos=(("1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
     comfy_files=tuple(

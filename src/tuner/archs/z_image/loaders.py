@@ -94,7 +94,14 @@ _FUSED = tuple(
     for blocks in BLOCK_LISTS
 )
 
-Z_IMAGE_KEYS = ArchitectureKeys("z_image", _RENAMES, _FUSED, musubi=MUSUBI_DIFFUSERS_NAMES)
+Z_IMAGE_KEYS = ArchitectureKeys(
+    "z_image",
+    _RENAMES,
+    _FUSED,
+    musubi=MUSUBI_DIFFUSERS_NAMES,
+    # ComfyUI's `Lumina2` maps `z_image_to_diffusers`' names: Z-Image's diffusers names (Lumina 2's differ)
+    comfy_forms=("transformer.{d}", "diffusion_model.{d}", "{d}"),
+)
 """The adapter name map (diffusers module -> the release's), with the fused `attention.qkv` layers."""
 Z_IMAGE_LAYOUT = CheckpointLayout(Z_IMAGE_KEYS)
 """The whole transformer checkpoint both ways (`to_original` / `to_diffusers`), at any size."""

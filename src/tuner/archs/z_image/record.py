@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, comfy, hub_tokenizers
+from tuner.archs.record import ALPHA_LEFT_OVER, LOADS_EVERY_LAYOUT, Architecture, comfy, hub_tokenizers
 
 Z_IMAGE = Architecture(
     name="z_image",
@@ -48,6 +48,12 @@ Z_IMAGE = Architecture(
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
     save_format="kohya",
+    diffusers_loader="ZImageLoraLoaderMixin",
+    diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": ALPHA_LEFT_OVER},
+    # its Z-Image converter takes the feed-forwards of a `diffusion_model.` file, not the fused
+    # `attention.qkv`
+    diffusers_drops=(("comfy_folded", ".attention."),),
+    musubi_trains=True,
     dora_refused=(
         "a column-wise DoRA of q, k or v alone has no fused form (attention.qkv) and the kohya file writes it "
         "under lora_transformer_<diffusers name>, which ComfyUI's Z-Image key map lacks (it maps diffusers' "
