@@ -39,6 +39,7 @@ FAMILIES = (
     "ltx2",
     "ltx_video",
     "krea2",
+    "aura_flow",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""

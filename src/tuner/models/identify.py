@@ -33,6 +33,7 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "HunyuanVideo 1.5 (architecture hunyuan_video15)",
         ("byt5_in.fc1.weight", "context_embedder_2.linear_1.weight"),
     ),
+    ("AuraFlow (architecture aura_flow)", ("double_layers.0.attn.w1q.", "joint_transformer_blocks.0.")),
     ("FLUX / HunyuanVideo (diffusers layout)", ("single_transformer_blocks.0.",)),
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
     ("Krea 2 (architecture krea2)", ("txtfusion.projector.", "text_fusion.projector.")),
