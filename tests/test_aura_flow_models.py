@@ -225,9 +225,9 @@ def test_default_targets_are_every_block_linear(parts):
 
 
 def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture, pipe, parts, tmp_path):
-    """The default (comfy) file's stems are `diffusion_model.` + release modules that exist in the release
-    file; AuraFlowPipeline.load_lora_weights loads the diffusers-layout file to our output."""
-    assert architecture("aura_flow").save_format == "comfy"
+    """The comfy file's stems are `diffusion_model.` + release modules that exist in the release file;
+    AuraFlowPipeline.load_lora_weights loads the diffusers-layout file (the default) to our output."""
+    assert architecture("aura_flow").save_format == "diffusers"
     model = parts["transformer"]
     layout = architecture("aura_flow").checkpoint_layout()
     release = set(load_tensors(fixture["transformer_file"]))

@@ -202,7 +202,7 @@ DIFFUSERS_SAMPLE = [
     pytest.param("kandinsky5", marks=pytest.mark.slow), pytest.param("lumina2", marks=pytest.mark.slow),
     pytest.param("flux2", marks=pytest.mark.slow), pytest.param("sdxl", marks=pytest.mark.slow),
     pytest.param("ltx2", marks=pytest.mark.slow), pytest.param("flux", marks=pytest.mark.slow),
-    pytest.param("krea2", marks=pytest.mark.slow),
+    pytest.param("krea2", marks=pytest.mark.slow), pytest.param("aura_flow", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 

@@ -56,7 +56,13 @@ _RENAMES = (
 FINAL_MODULATION = ("norm_out.linear", "modF.1")
 """The output head's modulation: (scale, shift) rows in diffusers, (shift, scale) in the release."""
 
-AURA_FLOW_KEYS = ArchitectureKeys("aura_flow", _RENAMES)
+AURA_FLOW_KEYS = ArchitectureKeys(
+    "aura_flow",
+    _RENAMES,
+    # ComfyUI's `model_lora_keys_unet` (`comfy/lora.py`, "Diffusers lora AuraFlow") maps `transformer.` +
+    # diffusers' names through `comfy.utils.auraflow_to_diffusers`
+    comfy_forms=("transformer.{d}",),
+)
 """The adapter name map (diffusers module -> release module): renames only, nothing fused."""
 
 AURA_FLOW_LAYOUT = CheckpointLayout(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, hub_tokenizers
+from tuner.archs.record import DIFFUSERS_ONLY, Architecture, hub_tokenizers
 
 _JOINT = r"joint_transformer_blocks\.\d+\."
 _SINGLE = r"single_transformer_blocks\.\d+\."
@@ -19,9 +19,7 @@ AURA_FLOW = Architecture(
         "names + `tokenizer`, or `text_encoder/`). Prompts are padded to `cache.text_max_length` tokens, "
         "which is part of the conditioning: set 256 as AuraFlowPipeline does"
     ),
-    save_format_loads=(
-        'ComfyUI; diffusers needs `save.format = "diffusers"` (its AuraFlow loader reads only its own names)'
-    ),
+    save_format_loads="ComfyUI (`transformer.<name>`, its diffusers key map); diffusers (`load_lora_weights`)",
     title="AuraFlow text-to-image (v0.1-v0.3; 6.8B MMDiT, Pile-T5-XL)",
     family="AuraFlowModel",
     block_lists=("joint_transformer_blocks", "single_transformer_blocks"),
@@ -46,7 +44,12 @@ AURA_FLOW = Architecture(
             ),
         ),
     ),
-    save_format="comfy",  # the release's names under `diffusion_model.`, which ComfyUI maps for every model
+    # diffusers' AuraFlow loader reads only its own names (no converter), and ComfyUI's AuraFlow key map
+    # reads them under `transformer.`: the one layout both load. `comfy` is the release's names under
+    # `diffusion_model.` (ComfyUI only); full fine-tunes are written in the release's file layout
+    save_format="diffusers",
+    diffusers_loader="AuraFlowLoraLoaderMixin",
+    diffusers_reads=DIFFUSERS_ONLY,
     timestep_mode="shift",
     sample_shift=1.73,  # the release's scheduler (fal/AuraFlow-v0.3 scheduler/), ComfyUI's default
 )
