@@ -2,34 +2,23 @@
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from launch import launch as launch_ranks
 from project import make_project
 from tuner.cli import main
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(workdir: Path, runs: list[dict], processes: int = 2, timeout: int = 600) -> None:
-    """Train `runs` (see tests/ddp_worker.py) in `processes` CPU processes under torchrun."""
+    """Train `runs` (see tests/ddp_worker.py) in `processes` CPU processes (tests/launch.py)."""
     spec = workdir / "runs.json"
     spec.write_text(json.dumps(runs))
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
     worker = Path(__file__).parent / "ddp_worker.py"
-    cmd = [str(torchrun), "--nproc_per_node", str(processes), "--master_port", str(_free_port()), str(worker),
-           str(spec)]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    result = launch_ranks([str(worker), str(spec)], processes, env, timeout)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
