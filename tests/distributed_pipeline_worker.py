@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed_pipeline.py under torchrun: train the project with pipeline stages.
+"""Run by tests/test_distributed_pipeline.py as two ranks: train the project with pipeline stages.
 
 argv: config, output folder, max_steps, "-" or the state to resume from, then config overrides. Each
 rank writes its loss history (`history<rank>.pt`), what it logged (`log<rank>.txt`) and its stage's

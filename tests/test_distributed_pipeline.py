@@ -4,14 +4,13 @@ saved adapter and state are a one-process run's (resume on two processes or on o
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import launch
 from project import cfg, make_cached_project, make_project, train_wan
 from tuner.archs.model import ArchitectureModel, pipeline_architectures
 from tuner.archs.stages import balanced_stages
@@ -132,17 +131,10 @@ def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
     assert "not available for wan_i2v" in message and "available for wan, flux, flux_kontext" in message
 
 
-def _torchrun(*args: str) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _two_processes(*args: str) -> None:
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
     worker = Path(__file__).parent / "distributed_pipeline_worker.py"
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    result = launch([str(worker), *args], env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
@@ -171,7 +163,7 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
     one = train_wan(config, tmp_path / "one", *steps)
 
     piped = tmp_path / "piped"
-    _torchrun(str(config), str(piped), "4", "-", "save.every_n_steps=2", "save.save_state=true")
+    _two_processes(str(config), str(piped), "4", "-", "save.every_n_steps=2", "save.save_state=true")
     histories = [torch.load(piped / f"history{r}.pt") for r in (0, 1)]
     assert histories[0] == histories[1]  # the last stage's loss reaches every process
     assert histories[0] == pytest.approx(one.history, rel=1e-5)
@@ -194,7 +186,7 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
 
     state = piped / "state" / "step000002"
     resumed = tmp_path / "resumed"
-    _torchrun(str(config), str(resumed), "4", str(state), "save.save_state=true")
+    _two_processes(str(config), str(resumed), "4", str(state), "save.save_state=true")
     _assert_same_adapter(resumed / "demo_lora.safetensors", piped / "demo_lora.safetensors")
     alone = train_wan(config, tmp_path / "alone", "train.max_steps=4", resume=str(state))
     assert alone.history == pytest.approx(one.history[2:], rel=1e-5)
@@ -210,7 +202,9 @@ def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cac
                 'train.optimizer="sgd"', "train.learning_rate=10")  # fmt: skip
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
     piped = tmp_path / "piped"
-    _torchrun(str(cached_project), str(piped), "2", "-", "distributed.pipeline_microbatches=1", *settings)
+    _two_processes(
+        str(cached_project), str(piped), "2", "-", "distributed.pipeline_microbatches=1", *settings
+    )
     assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
     _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
@@ -241,7 +235,7 @@ def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_pro
     settings = ("memory.fp8_base=true", "train.gradient_checkpointing=true", "train.lr_warmup_steps=0")
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
     piped = tmp_path / "piped"
-    _torchrun(str(cached_project), str(piped), "2", "-", *settings)
+    _two_processes(str(cached_project), str(piped), "2", "-", *settings)
     assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
     _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     log = (piped / "log0.txt").read_text()
@@ -264,7 +258,7 @@ def test_two_stages_of_flux_train_what_one_process_trains(tmp_path):
     )
     one.train(log=lambda s: None)
     piped = tmp_path / "piped"
-    _torchrun(str(config), str(piped), "3", "-", "train.lr_warmup_steps=0")
+    _two_processes(str(config), str(piped), "3", "-", "train.lr_warmup_steps=0")
     assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
     _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     assert "stage 1: blocks 1" in (piped / "log0.txt").read_text()
