@@ -1,7 +1,7 @@
 """`distributed.strategy = "ddp"` with two CPU processes (gloo) against one process with the same global
 batch: two processes with batch b each and one process accumulating two batches of b see the same
-batches, noise and timesteps, so after K steps their weights agree to fp32 rounding. One torchrun
-launch trains every two-process run (tests/ddp_worker.py); each test compares one of them."""
+batches, noise and timesteps, so after K steps their weights agree to fp32 rounding. One launch trains
+every two-process run (tests/ddp_worker.py); each test compares one of them."""
 
 from pathlib import Path
 
