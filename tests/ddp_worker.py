@@ -1,4 +1,4 @@
-"""Run under torchrun by the multi-process tests: train each run of a JSON list in turn (one process group,
+"""Run as ranks by the multi-process tests: train each run of a JSON list in turn (one process group,
 one start-up), and dump each rank's trained weights, loss history, the gradient buckets DDP reduced
 and (rank 0) the log lines.
 

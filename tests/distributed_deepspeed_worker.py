@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed_deepspeed.py, under torchrun (DeepSpeed) or alone (the one-process
+"""Run by tests/test_distributed_deepspeed.py, as two ranks (DeepSpeed) or alone (the one-process
 reference): train the Wan project, write the log and (DeepSpeed) each process's measured memory.
 
     python distributed_deepspeed_worker.py CONFIG OUT [--resume STATE] [key=value ...]

@@ -1,21 +1,24 @@
-"""Run by tests/test_distributed_pipeline.py under torchrun: train the project with pipeline stages.
+"""Run by tests/test_distributed_pipeline.py as two ranks: train each run of a JSON list in turn with
+pipeline stages (one process group, one start-up).
 
-argv: config, output folder, max_steps, "-" or the state to resume from, then config overrides. Each
-rank writes its loss history (`history<rank>.pt`), what it logged (`log<rank>.txt`) and its stage's
-bytes measured at the last save (`memory<rank>.json`)."""
+argv: a JSON file holding the runs: [{"config": TRAIN.toml, "out": folder, "steps": max_steps, "resume":
+state folder or null, "overrides": [...]}]. Each rank writes its loss history (`history<rank>.pt`), what
+it logged (`log<rank>.txt`) and its stage's bytes measured at the last save (`memory<rank>.json`) into
+the run's `out`."""
 
 import json
 import os
 import sys
 
 import torch
+from accelerate.state import PartialState
 
 from tuner.config import load_config
 from tuner.distributed import pipeline
 from tuner.trainers import base, trainer_class
 
-config, out, steps, resume, *overrides = sys.argv[1:]
 save = base.NetworkTrainer._save
+out = None  # the current run's folder
 
 
 def measure_and_save(self, run, final=False):
@@ -32,12 +35,19 @@ def measure_and_save(self, run, final=False):
 
 
 base.NetworkTrainer._save = measure_and_save
-cfg = load_config(config, ["log.tensorboard=false", f"save.output_dir='{out}'", f"train.max_steps={steps}",
-                           'distributed.strategy="pipeline"', *overrides])  # fmt: skip
-trainer = trainer_class(cfg.model.architecture)(cfg)
-lines = []
-trainer.train(resume=None if resume == "-" else resume, log=lines.append)
+# the process group outlives each run's `end_training` (which would destroy it): closed after the last
+PartialState.destroy_process_group = lambda self, group=None: None
 rank = os.environ["RANK"]
-torch.save(trainer.history, f"{out}/history{rank}.pt")
-with open(f"{out}/log{rank}.txt", "w") as f:
-    f.write("\n".join(lines))
+for spec in json.loads(open(sys.argv[1]).read()):
+    out = spec["out"]
+    cfg = load_config(spec["config"], ["log.tensorboard=false", f"save.output_dir='{out}'",
+                                       f"train.max_steps={spec['steps']}", 'distributed.strategy="pipeline"',
+                                       *spec["overrides"]])  # fmt: skip
+    trainer = trainer_class(cfg.model.architecture)(cfg)
+    lines = []
+    trainer.train(resume=spec.get("resume"), log=lines.append)
+    torch.save(trainer.history, f"{out}/history{rank}.pt")
+    with open(f"{out}/log{rank}.txt", "w") as f:
+        f.write("\n".join(lines))
+    torch.distributed.barrier()  # the next run may resume from what this one saved
+torch.distributed.destroy_process_group()

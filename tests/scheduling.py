@@ -41,7 +41,7 @@ def group_of(item: pytest.Item) -> str:
 
 def _guess(items: list[pytest.Item]) -> float:
     """Seconds a group without a measurement may take: half a minute for a slow test (most start
-    processes: a training run under torchrun costs about that), a tenth for the others."""
+    processes: a two-process training run costs about that), a tenth for the others."""
     return sum(30.0 if item.get_closest_marker("slow") else 0.1 for item in items)
 
 

@@ -1,7 +1,9 @@
-"""Run by tests/test_shared_swap_ddp.py under torchrun: train with block swap on the fake transfer device
-(the CPU has no copy engine) and dump each rank's trained weights and how it holds the swapped weights.
+"""Run by tests/test_shared_swap_ddp.py as two ranks: train with block swap on the fake transfer device
+(the CPU has no copy engine) twice, into OUT/private with a host copy per process and then into OUT/shared
+with the copy shared (one process group, one start-up), and dump each run's trained weights and how each
+rank holds the swapped weights.
 
-    shared_swap_worker.py CONFIG OUT true|false [OVERRIDE ...]
+    shared_swap_worker.py CONFIG OUT [OVERRIDE ...]
 """
 
 import json
@@ -9,6 +11,7 @@ import os
 import sys
 
 import torch
+from accelerate.state import PartialState
 
 from tuner import memory
 from tuner.config import load_config
@@ -16,7 +19,7 @@ from tuner.offload import FakeTransfer
 from tuner.offload.shared import mapped_segments, proportional_set_size
 from tuner.trainers import checkpoints, trainer_class
 
-config, out, share, *extra = sys.argv[1:]
+config, root, *extra = sys.argv[1:]
 rank = os.environ["RANK"]
 memory.transfer_for = lambda device: FakeTransfer()
 swaps = []  # one per transformer (two-expert models: two)
@@ -47,7 +50,14 @@ def save_and_dump(self, network, pos, *args, **kwargs):
 
 memory.BlockSwap = recorded_swap
 checkpoints.Checkpoints.save = save_and_dump
-overrides = ["log.tensorboard=false", f"save.output_dir='{out}'", "train.max_steps=3",
-             "memory.blocks_to_swap=2", f"memory.share_swapped_weights={share}", *extra]  # fmt: skip
-cfg = load_config(config, overrides)
-trainer_class(cfg.model.architecture)(cfg).train()
+# the process group outlives the first run's `end_training` (which would destroy it): closed after the last
+PartialState.destroy_process_group = lambda self, group=None: None
+for out, share in ((f"{root}/private", "false"), (f"{root}/shared", "true")):
+    os.makedirs(out, exist_ok=True)
+    swaps.clear()
+    overrides = ["log.tensorboard=false", f"save.output_dir='{out}'", "train.max_steps=3",
+                 "memory.blocks_to_swap=2", f"memory.share_swapped_weights={share}", *extra]  # fmt: skip
+    cfg = load_config(config, overrides)
+    trainer_class(cfg.model.architecture)(cfg).train()
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()

@@ -1,26 +1,22 @@
-"""Caching with two processes (torchrun, gloo on the CPU) writes what one process writes."""
+"""Caching with two processes (tests/launch.py, gloo on the CPU) writes what one process writes."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from launch import launch
 from project import make_project, run, summary
-from test_ddp import _free_port
 from tuner.cache.store import CacheStore
 
 
-def _torchrun(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "tuner", *argv]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+def _two_processes(*argv: str) -> subprocess.CompletedProcess:
+    return launch(["-m", "tuner", *argv], env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+                  timeout=300)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -31,7 +27,7 @@ def test_two_processes_cache_the_same_entries_as_one(tmp_path, wan_model, capsys
     for kind in ("latents", "text"):
         code, out = run(capsys, "cache", kind, "--config", one, "--batch-size", "1")
         assert code == 0, out
-        result = _torchrun("cache", kind, "--config", str(two / one.name), "--batch-size", "1")
+        result = _two_processes("cache", kind, "--config", str(two / one.name), "--batch-size", "1")
         assert result.returncode == 0, result.stderr[-3000:]
         # one summary, from process 0, counting both processes' work
         assert result.stdout.count("encoded ") == 1
@@ -44,5 +40,5 @@ def test_two_processes_cache_the_same_entries_as_one(tmp_path, wan_model, capsys
     # each process wrote shards of its own, into one index
     assert len(list((two / "cache" / "shards").glob("*.safetensors"))) >= 4  # 2 kinds × 2 processes
     # a second run with two processes finds everything cached
-    result = _torchrun("cache", "latents", "--config", str(two / one.name))
+    result = _two_processes("cache", "latents", "--config", str(two / one.name))
     assert result.returncode == 0 and summary(result.stdout)[0] == 0, result.stderr[-2000:]

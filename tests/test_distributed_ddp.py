@@ -1,16 +1,18 @@
 """`distributed.strategy = "ddp"` with two CPU processes (gloo) against one process with the same global
 batch: two processes with batch b each and one process accumulating two batches of b see the same
-batches, noise and timesteps, so after K steps their weights agree to fp32 rounding. One torchrun
-launch trains every two-process run (tests/ddp_worker.py); each test compares one of them."""
+batches, noise and timesteps, so after K steps their weights agree to fp32 rounding. One launch trains
+every two-process run (tests/ddp_worker.py); each test compares one of them."""
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import launch as launch_ranks
 from project import cfg, make_cached_project, run
-from test_ddp import launch, rank_weights
 from tuner import memory
 from tuner.archs.parts.experts import expert_file
 from tuner.errors import CheckpointError
@@ -38,6 +40,20 @@ STEPS = 3  # the demo data has 6 batches per epoch: 3 per process
 RESUME = ("train.max_steps=4", "save.every_n_steps=2")
 FUSED = ("train.fused_backward=true", "train.max_grad_norm=0")
 REFUSAL = "key 'train.fused_backward' with distributed.strategy = 'ddp' on 2 processes"
+
+
+def launch(workdir: Path, runs: list[dict], processes: int = 2, timeout: int = 600) -> None:
+    """Train `runs` (see tests/ddp_worker.py) in `processes` CPU processes (tests/launch.py)."""
+    spec = workdir / "runs.json"
+    spec.write_text(json.dumps(runs))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    worker = Path(__file__).parent / "ddp_worker.py"
+    result = launch_ranks([str(worker), str(spec)], processes, env, timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def rank_weights(out: Path) -> tuple[dict, dict]:
+    return torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +139,17 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(trained, tmp
     # the steps' losses agree too: each is the mean of the two processes' batch losses
     mean = [(a + b) / 2 for a, b in zip(torch.load(out / "history0.pt"), torch.load(out / "history1.pt"))]
     assert mean == pytest.approx(single.history, rel=1e-5)
+
+
+def test_the_final_state_holds_each_processs_generators_and_verifies(trained):
+    """The final state of a two-process run checks out against its manifest and holds each process's
+    random generators."""
+    from tuner.trainers.state import verify
+
+    root, _ = trained
+    (final_state,) = (root / "lora" / "state").iterdir()
+    verify(final_state)
+    assert {p.name for p in final_state.glob("rng_*.json")} == {"rng_0.json", "rng_1.json"}
 
 
 def test_accumulation_reduces_once_per_step(trained, tmp_path):

@@ -8,7 +8,6 @@ i * 2 + r; the loop draws each batch's noise by that place)."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import launch
 from project import make_cached_project, make_project
 from tuner.archs.parts.text_encoder_training import attach_to_denoiser
 from tuner.config import load_config
@@ -38,15 +38,9 @@ STEPS = ["train.max_steps=3", "save.every_n_steps=2"]  # a state at step 2 to re
 DEEPSPEED = "distributed.strategy='deepspeed'"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(config: Path, out: Path, *overrides: str, resume: Path | None = None, processes: int = 2,
             extra_env: dict | None = None, fails: bool = False) -> Path | str:  # fmt: skip
-    """Train `config` into `out` with `processes` processes (torchrun for two) and return `out` (with
+    """Train `config` into `out` with `processes` processes (tests/launch.py for two) and return `out` (with
     `fails`: the run must fail; return its output)."""
     out.mkdir(parents=True, exist_ok=True)
     src = str(Path(__file__).parents[1] / "src")
@@ -56,11 +50,9 @@ def _launch(config: Path, out: Path, *overrides: str, resume: Path | None = None
     env.update(extra_env or {})
     args = [str(WORKER), str(config), str(out), *(["--resume", str(resume)] if resume else []), *overrides]
     if processes == 1:
-        cmd = [sys.executable, *args]
+        result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
     else:
-        torchrun = Path(sys.executable).parent / "torchrun"
-        cmd = [str(torchrun), "--nproc_per_node", str(processes), "--master_port", str(_free_port()), *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        result = launch(args, processes, env, timeout=600)
     if fails:
         assert result.returncode != 0
         return result.stdout + result.stderr

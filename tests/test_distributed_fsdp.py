@@ -1,4 +1,4 @@
-"""strategy = "fsdp": two CPU processes (gloo) under torchrun train the tiny Wan with FSDP2, and end where
+"""strategy = "fsdp": two CPU processes (gloo; tests/launch.py) train the tiny Wan with FSDP2, and end where
 one process with the same global batch ends (two batches per step: gradient accumulation 2); the files
 they save are a one-process run's; a resumed run repeats the uninterrupted one; each process holds half
 of what a DDP process holds. The loop seeds each batch's draws by its global index
@@ -6,16 +6,13 @@ of what a DDP process holds. The loop seeds each batch's draws by its global ind
 
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import launch
 from project import cfg, make_project, output, train_wan
 from tuner.cli import main
 from tuner.errors import ConfigError
@@ -43,26 +40,39 @@ def project(tmp_path_factory, wan_model):
     return config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(config: Path, out: Path, overrides: list[str], **spec) -> list[dict[str, int]]:
-    """Train with two processes into `out` (one torchrun per run: accelerate's end_training closes the
-    process group, and a second run in the same processes would have none); return each process's
-    measured memory. The run's log (process 0's) is left in `<out>/log.txt`."""
-    out.mkdir(parents=True, exist_ok=True)
-    runs = out.parent / f"{out.name}.json"
-    runs.write_text(json.dumps({"out": str(out), "overrides": [FSDP, *overrides], **spec}))
+@pytest.fixture(scope="module")
+def runs(project, tmp_path_factory) -> dict[str, Path]:
+    """Every two-process run of this file, in one launch of tests/distributed_fsdp_worker.py (one
+    start-up of two processes instead of one per run): by name, the folder it trained into, holding
+    its log (process 0's) in `log.txt` and each process's measured memory. `resumed` continues the state
+    `lora` saved at step 2."""
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    step2 = "state/step000002"
+    specs = {
+        "lora": {"overrides": LORA},
+        "resumed": {
+            "overrides": LORA,
+            "copy": str(root / "lora" / step2),
+            "resume": str(root / "resumed" / step2),
+        },
+        "full": {"overrides": FULL},
+        "fp8": {"overrides": FP8},
+    }
+    file = root / "runs.json"
+    file.write_text(
+        json.dumps(
+            [{"out": str(root / n), **s, "overrides": [FSDP, *s["overrides"]]} for n, s in specs.items()]
+        )
+    )
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     worker = Path(__file__).parent / "distributed_fsdp_worker.py"
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(worker), str(config), str(runs)]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = launch([str(worker), str(project), str(file)], env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    (out / "log.txt").write_text(result.stdout)
+    return {name: root / name for name in specs}
+
+
+def _memory(out: Path) -> list[dict[str, int]]:
+    """What each process held after the run's last backward (tests/distributed_fsdp_worker.py)."""
     return [json.loads((out / f"memory_{r}.json").read_text()) for r in range(2)]
 
 
@@ -78,15 +88,15 @@ def _assert_close(file: Path, reference: Path, atol: float = 1e-6) -> None:
 
 
 @pytest.mark.slow
-def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, wan_model):
-    memory = _torchrun(project, tmp_path / "fsdp", LORA)
+def test_lora_equals_one_process_saves_its_files_and_resumes(project, runs, tmp_path, wan_model):
+    fsdp = runs["lora"]
+    memory = _memory(fsdp)
     one = tmp_path / "one"
     reference = _one_process(project, one, LORA)
-    fsdp = tmp_path / "fsdp"
     _assert_close(fsdp / "demo_lora-step000002.safetensors", one / "demo_lora-step000002.safetensors")
     _assert_close(fsdp / "demo_lora.safetensors", one / "demo_lora.safetensors")
     # validation runs on every process (the sharded forward needs them all) and finds the same losses
-    validation = json.loads((tmp_path / "fsdp" / "history_0.json").read_text())["validation"]
+    validation = json.loads((fsdp / "history_0.json").read_text())["validation"]
     assert [step for step, _ in validation] == [2, 4]
     assert [loss for _, loss in validation] == pytest.approx(
         [loss for _, loss in reference.val_history], abs=1e-6
@@ -105,11 +115,9 @@ def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, 
             (one_state / f"{part}.json").read_text()
         )
 
-    # resumed from the state at step 2 by two new processes: the same bits as the run that went on
-    resumed = tmp_path / "resumed"
-    copied = resumed / "state" / "step000002"
-    shutil.copytree(fsdp_state, copied)
-    _torchrun(project, resumed, LORA, resume=str(copied))
+    # resumed from the state at step 2 by a second run of the two processes: the same bits as the run that
+    # went on
+    resumed = runs["resumed"]
     for key, value in load_file(fsdp / "demo_lora.safetensors").items():
         assert torch.equal(load_file(resumed / "demo_lora.safetensors")[key], value), key
 
@@ -142,19 +150,19 @@ def test_lora_equals_one_process_saves_its_files_and_resumes(project, tmp_path, 
 
 
 @pytest.mark.slow
-def test_full_finetune_equals_one_process(project, tmp_path):
-    memory = _torchrun(project, tmp_path / "fsdp", FULL)
+def test_full_finetune_equals_one_process(project, runs, tmp_path):
+    memory = _memory(runs["full"])
     _one_process(project, tmp_path / "one", FULL)
-    _assert_close(tmp_path / "fsdp" / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_close(runs["full"] / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     assert memory[0]["frozen_full"] == 0 and memory[0]["trained"] < 0.51 * memory[0]["trained_full"]
     assert memory[0]["optimizer"] < 0.51 * memory[0]["optimizer_full"]
 
 
 @pytest.mark.slow
-def test_fp8_base_and_checkpointing_compose(project, tmp_path):
-    memory = _torchrun(project, tmp_path / "fsdp", FP8)
+def test_fp8_base_and_checkpointing_compose(project, runs, tmp_path):
+    memory = _memory(runs["fp8"])
     _one_process(project, tmp_path / "one", FP8)
-    _assert_close(tmp_path / "fsdp" / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_close(runs["fp8"] / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     # the fp8 weights themselves are sharded: half of the (already halved) base per process
     assert memory[0]["frozen"] < 0.51 * memory[0]["frozen_full"]
 

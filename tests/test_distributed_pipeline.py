@@ -4,14 +4,13 @@ saved adapter and state are a one-process run's (resume on two processes or on o
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import launch
 from project import cfg, make_cached_project, make_project, train_wan
 from tuner.archs.model import ArchitectureModel, pipeline_architectures
 from tuner.archs.stages import balanced_stages
@@ -132,20 +131,6 @@ def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
     assert "not available for wan_i2v" in message and "available for wan, flux, flux_kontext" in message
 
 
-def _torchrun(*args: str) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
-    worker = Path(__file__).parent / "distributed_pipeline_worker.py"
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(worker), *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-
-
 def _assert_same_adapter(a: Path, b: Path) -> None:
     """Equal within fp32 reduction order: micro-batches sum a gradient in another order than one batch,
     and Adam's normalization magnifies such differences where gradients are near zero (measured: at most
@@ -161,8 +146,50 @@ def cached_project(tmp_path_factory, wan_model):
     return make_cached_project(tmp_path_factory.mktemp("pipeline") / "p", wan_model)
 
 
+@pytest.fixture(scope="module")
+def flux_project(tmp_path_factory):
+    from tuner.fixtures import write_fixture
+
+    root = tmp_path_factory.mktemp("pipeline_flux")
+    write_fixture("flux", root / "model")
+    return make_cached_project(root / "p", root / "model", architecture="flux")
+
+
+# the two-stage runs' settings (besides the step count), each compared with a one-process run of them
+SAVES = ("save.every_n_steps=2", "save.save_state=true")
+# two batches per step, one micro-batch each (GPipe), a clipping threshold every step reaches, and SGD
+ACCUMULATE = ("train.gradient_accumulation_steps=2", "train.max_grad_norm=0.01", "train.lr_warmup_steps=0",
+              'train.optimizer="sgd"', "train.learning_rate=10")  # fmt: skip
+FP8 = ("memory.fp8_base=true", "train.gradient_checkpointing=true", "train.lr_warmup_steps=0")
+
+
+@pytest.fixture(scope="module")
+def runs(cached_project, flux_project, tmp_path_factory) -> dict[str, Path]:
+    """Every two-process run of this file, in one launch of tests/distributed_pipeline_worker.py (one
+    start-up of two processes instead of one per run): by name, the folder it trained into. `resumed`
+    continues the state `piped` saved at step 2."""
+    root = tmp_path_factory.mktemp("pipeline_runs")
+    wan, flux = str(cached_project), str(flux_project)
+    state = str(root / "piped" / "state" / "step000002")
+    specs = {
+        "piped": (wan, 4, None, SAVES),
+        "resumed": (wan, 4, state, ("save.save_state=true",)),
+        "accumulate": (wan, 2, None, ("distributed.pipeline_microbatches=1", *ACCUMULATE)),
+        "fp8": (wan, 2, None, FP8),
+        "flux": (flux, 3, None, ("train.lr_warmup_steps=0",)),
+    }
+    file = root / "runs.json"
+    file.write_text(json.dumps([{"config": c, "out": str(root / name), "steps": steps, "resume": resume,
+                                 "overrides": list(o)} for name, (c, steps, resume, o) in specs.items()]))  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    worker = Path(__file__).parent / "distributed_pipeline_worker.py"
+    result = launch([str(worker), str(file)], env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: root / name for name in specs}
+
+
 @pytest.mark.slow
-def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_project):
+def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_project, runs):
     """Stages 0 and 1 (one tiny Wan block each, two micro-batches on the two-image batches) end with the
     one-process adapter: same losses, same file. Their state at step 2 resumes on two processes and on one
     process to the same adapter, so the saved state is a one-process run's."""
@@ -170,8 +197,7 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
     steps = ("train.max_steps=4", "save.every_n_steps=2", "save.save_state=true")
     one = train_wan(config, tmp_path / "one", *steps)
 
-    piped = tmp_path / "piped"
-    _torchrun(str(config), str(piped), "4", "-", "save.every_n_steps=2", "save.save_state=true")
+    piped = runs["piped"]
     histories = [torch.load(piped / f"history{r}.pt") for r in (0, 1)]
     assert histories[0] == histories[1]  # the last stage's loss reaches every process
     assert histories[0] == pytest.approx(one.history, rel=1e-5)
@@ -193,8 +219,7 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
         assert f["planned_optimizer"] == pytest.approx(f["optimizer"], rel=0.01)  # the plan's probe
 
     state = piped / "state" / "step000002"
-    resumed = tmp_path / "resumed"
-    _torchrun(str(config), str(resumed), "4", str(state), "save.save_state=true")
+    resumed = runs["resumed"]
     _assert_same_adapter(resumed / "demo_lora.safetensors", piped / "demo_lora.safetensors")
     alone = train_wan(config, tmp_path / "alone", "train.max_steps=4", resume=str(state))
     assert alone.history == pytest.approx(one.history[2:], rel=1e-5)
@@ -202,15 +227,12 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
 
 
 @pytest.mark.slow
-def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cached_project):
+def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cached_project, runs):
     """Two batches per step, one micro-batch each (GPipe), and a clipping threshold every step reaches:
     the stages clip by the norm of all their gradients together, as one process clips by the whole. SGD,
     whose steps scale with the gradient (Adam's would hide a wrong clipping factor)."""
-    settings = ("train.gradient_accumulation_steps=2", "train.max_grad_norm=0.01", "train.lr_warmup_steps=0",
-                'train.optimizer="sgd"', "train.learning_rate=10")  # fmt: skip
-    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
-    piped = tmp_path / "piped"
-    _torchrun(str(cached_project), str(piped), "2", "-", "distributed.pipeline_microbatches=1", *settings)
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *ACCUMULATE)
+    piped = runs["accumulate"]
     assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
     _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
@@ -235,13 +257,11 @@ def test_stage_bytes_of_the_real_models_halve_with_each_doubling(monkeypatch, ca
 
 
 @pytest.mark.slow
-def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_project):
+def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_project, runs):
     """The case pipeline stages are for: fp8 base weights (each stage quantizes only its own blocks; the
     others are freed unquantized) and gradient checkpointing inside the stages' blocks."""
-    settings = ("memory.fp8_base=true", "train.gradient_checkpointing=true", "train.lr_warmup_steps=0")
-    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *settings)
-    piped = tmp_path / "piped"
-    _torchrun(str(cached_project), str(piped), "2", "-", *settings)
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *FP8)
+    piped = runs["fp8"]
     assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
     _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     log = (piped / "log0.txt").read_text()
@@ -251,20 +271,15 @@ def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_pro
 
 
 @pytest.mark.slow
-def test_two_stages_of_flux_train_what_one_process_trains(tmp_path):
+def test_two_stages_of_flux_train_what_one_process_trains(tmp_path, flux_project, runs):
     """FLUX.1: the dual-stream block and the embeddings on stage 0, the single-stream block and the output
     layers on stage 1; the streams, the conditioning and the rotary tables pass between them."""
-    from tuner.fixtures import write_fixture
-
-    write_fixture("flux", tmp_path / "model")
-    config = make_cached_project(tmp_path / "p", tmp_path / "model", architecture="flux")
     settings = ("train.max_steps=3", "train.lr_warmup_steps=0")
     one = trainer_class("flux")(
-        cfg(config, f"save.output_dir='{tmp_path / 'one'}'", "log.tensorboard=false", *settings)
+        cfg(flux_project, f"save.output_dir='{tmp_path / 'one'}'", "log.tensorboard=false", *settings)
     )
     one.train(log=lambda s: None)
-    piped = tmp_path / "piped"
-    _torchrun(str(config), str(piped), "3", "-", "train.lr_warmup_steps=0")
+    piped = runs["flux"]
     assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
     _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     assert "stage 1: blocks 1" in (piped / "log0.txt").read_text()

@@ -11,26 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch import launch
 from project import make_cached_project
-from test_ddp import _free_port
 from tuner.fixtures import write_fixture
 from tuner.offload.shared import PREFIX, SHM
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def train_two(config: Path, out: Path, share: bool, *overrides: str) -> tuple[list[dict], list[dict], str]:
-    """Train `config` in two processes; each rank's weights and memory report, and the run's output."""
-    out.mkdir()
+def train_two(config: Path, out: Path, *overrides: str) -> tuple[dict, dict, str]:
+    """Train `config` in two processes, with a host copy each and then sharing one (one launch, see
+    tests/shared_swap_worker.py); by "private" and "shared": each rank's weights and memory report; and
+    the two runs' output."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).parent / "torchrun"
     worker = Path(__file__).parent / "shared_swap_worker.py"
-    cmd = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), str(worker), str(config),
-           str(out), "true" if share else "false", *overrides]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = launch([str(worker), str(config), str(out), *overrides], env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    weights = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
-    reports = [json.loads((out / f"memory{r}.json").read_text()) for r in (0, 1)]
+    runs = ("private", "shared")
+    weights = {run: [torch.load(out / run / f"rank{r}.pt") for r in (0, 1)] for run in runs}
+    reports = {run: [json.loads((out / run / f"memory{r}.json").read_text()) for r in (0, 1)] for run in runs}
     return weights, reports, result.stdout + result.stderr
 
 
@@ -44,8 +43,8 @@ def test_two_processes_share_one_host_copy_and_train_the_same(tmp_path, architec
     write_fixture(architecture, tmp_path / "model")
     config = make_cached_project(tmp_path / "p", tmp_path / "model", architecture=architecture)
     before = set(SHM.glob(PREFIX + "*"))
-    private, private_reports, _ = train_two(config, tmp_path / "private", False, *overrides)
-    shared, reports, output = train_two(config, tmp_path / "shared", True, *overrides)
+    weights, reports, output = train_two(config, tmp_path / "out", *overrides)
+    (private, shared), (private_reports, reports) = weights.values(), reports.values()
 
     for rank in (0, 1):
         assert private[rank].keys() == shared[rank].keys() and shared[rank]

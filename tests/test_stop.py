@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch import free_port
 from project import cfg, make_cached_project, run, train_wan
-from test_ddp import _free_port
 from tuner.errors import TrainingStopped
 from tuner.trainers import state, trainer_class
 from tuner.trainers.checkpoints import Checkpoints
@@ -131,7 +131,7 @@ def test_with_two_processes_a_signal_to_one_stops_both_after_the_same_step(proje
     out.mkdir()
     worker = Path(__file__).parent / "stop_worker.py"
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(_free_port()), str(worker),
+    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker),
                str(project), str(out)]  # fmt: skip
     done = subprocess.run(command, env={**_env(), "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
