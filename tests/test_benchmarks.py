@@ -184,7 +184,10 @@ def test_report_replaces_sections_and_reruns_replace_them(bench, tmp_path):
     assert re.search(r"environment:begin -->\nMeasured \d{4}-\d\d-\d\d at commit \w+ on ", doc.read_text())
 
 
-def test_test_time_prints_the_slowest_tests_and_the_total_per_architecture(bench, tmp_path, capsys):
+def test_test_time_prints_the_slowest_tests_and_the_total_per_architecture(
+    bench, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # the inner run is not an xdist worker
     suite = tmp_path / "suite" / "test_tiny.py"
     suite.parent.mkdir()
     suite.write_text(
