@@ -126,3 +126,31 @@ class DiffusersWarnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def check_comfy_stems_and_diffusers_load(pipe, network, predict, release: set, layout, tmp_path: Path):
+    """`network`'s comfy file names `diffusion_model.` + modules of the `release` file's keys, and its
+    diffusers file, loaded by `pipe.load_lora_weights`, gives `predict()` what the network itself gave."""
+    import torch
+    from safetensors.torch import load_file
+
+    with torch.no_grad():
+        want = predict()
+    network.save(tmp_path / "comfy.safetensors", layout)
+    network.save(tmp_path / "diffusers.safetensors", layout, format="diffusers")
+    network.remove()
+    stems = {
+        k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0]
+        for k in load_file(tmp_path / "comfy.safetensors")
+    }
+    assert stems and all(
+        s.startswith("diffusion_model.") and f"{s.removeprefix('diffusion_model.')}.weight" in release
+        for s in stems
+    )
+    pipe.load_lora_weights(str(tmp_path / "diffusers.safetensors"))
+    try:
+        with torch.no_grad():
+            got = predict()
+    finally:
+        pipe.unload_lora_weights()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

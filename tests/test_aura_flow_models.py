@@ -11,6 +11,7 @@ import torch
 from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
 from safetensors.torch import load_file
 
+from project import check_comfy_stems_and_diffusers_load
 from tuner.archs.aura_flow import loaders as aura_flow
 from tuner.archs.aura_flow.fixture import build_aura_flow_components, write_aura_flow_fixture
 from tuner.archs.aura_flow.trainer import AuraFlowModel
@@ -233,27 +234,10 @@ def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture
     release = set(load_tensors(fixture["transformer_file"]))
     cond = {"prompt_embeds": torch.stack(aura_flow.encode_prompts(_encoder(parts), ["a cat"], 24))}
     noisy = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(3))
-    network = _lora(model)
-    with torch.no_grad():
-        want = _trainer().predict(model, noisy, torch.tensor([0.4]), cond)
-    network.save(tmp_path / "comfy.safetensors", layout)
-    network.save(tmp_path / "diffusers.safetensors", layout, format="diffusers")
-    network.remove()
-    stems = {
-        k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0]
-        for k in load_file(tmp_path / "comfy.safetensors")
-    }
-    assert stems and all(
-        s.startswith("diffusion_model.") and f"{s.removeprefix('diffusion_model.')}.weight" in release
-        for s in stems
-    )
-    pipe.load_lora_weights(str(tmp_path / "diffusers.safetensors"))
-    try:
-        with torch.no_grad():
-            got = _trainer().predict(model, noisy, torch.tensor([0.4]), cond)
-    finally:
-        pipe.unload_lora_weights()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    check_comfy_stems_and_diffusers_load(
+        pipe, _lora(model), lambda: _trainer().predict(model, noisy, torch.tensor([0.4]), cond), release,
+        layout, tmp_path,
+    )  # fmt: skip
 
 
 def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_path):

@@ -10,6 +10,7 @@ import torch
 from diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from safetensors.torch import load_file
 
+from project import check_comfy_stems_and_diffusers_load
 from tuner.archs.krea2 import loaders as krea2
 from tuner.archs.krea2 import text as krea2_text
 from tuner.archs.krea2.fixture import build_krea2_components, write_krea2_fixture
@@ -264,27 +265,10 @@ def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture
     )
     cond = _trainer().collate_text([{"prompt_embeds": embeds[0]}])
     noisy = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(3))
-    network = _lora(model)
-    with torch.no_grad():
-        want = _trainer().predict(model, noisy, torch.tensor([0.4]), cond)
-    network.save(tmp_path / "comfy.safetensors", layout)
-    network.save(tmp_path / "diffusers.safetensors", layout, format="diffusers")
-    network.remove()
-    stems = {
-        k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0]
-        for k in load_file(tmp_path / "comfy.safetensors")
-    }
-    assert stems and all(
-        s.startswith("diffusion_model.") and f"{s.removeprefix('diffusion_model.')}.weight" in release
-        for s in stems
-    )
-    pipe.load_lora_weights(str(tmp_path / "diffusers.safetensors"))
-    try:
-        with torch.no_grad():
-            got = _trainer().predict(model, noisy, torch.tensor([0.4]), cond)
-    finally:
-        pipe.unload_lora_weights()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    check_comfy_stems_and_diffusers_load(
+        pipe, _lora(model), lambda: _trainer().predict(model, noisy, torch.tensor([0.4]), cond), release,
+        layout, tmp_path,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="alpha"):
         pipe.load_lora_weights(str(tmp_path / "comfy.safetensors"))
     pipe.unload_lora_weights()
