@@ -70,18 +70,41 @@ SCHEDULER_CONFIG = {
 }
 
 
-def _tiny_mistral(seed: int) -> Mistral3ForConditionalGeneration:
-    """The tiny Mistral (`configs/text_encoder/tiny`) with a tiny Pixtral vision tower, as the release's."""
-    text_config = MistralConfig.from_pretrained(tiny_config("flux2", "text_encoder"))
+def tiny_mistral3_config(text_config) -> Mistral3Config:
+    """A Mistral3 config of `text_config` (a language model's config) and a one-layer Pixtral vision tower,
+    as the releases' Mistral-Small 3 (FLUX.2 dev) and Ministral 3 (ERNIE-Image) have."""
     vision_config = PixtralVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1, head_dim=32,
         image_size=64, patch_size=16,
     )  # fmt: skip
-    config = Mistral3Config(
+    return Mistral3Config(
         text_config=text_config.to_dict(), vision_config=vision_config.to_dict(), image_token_index=8,
         spatial_merge_size=2,
     )  # fmt: skip
-    return tiny_model(Mistral3ForConditionalGeneration, config, seed)
+
+
+def _tiny_mistral(seed: int) -> Mistral3ForConditionalGeneration:
+    """The tiny Mistral (`configs/text_encoder/tiny`) with a tiny Pixtral vision tower, as the release's."""
+    text_config = MistralConfig.from_pretrained(tiny_config("flux2", "text_encoder"))
+    return tiny_model(Mistral3ForConditionalGeneration, tiny_mistral3_config(text_config), seed)
+
+
+def tiny_flux2_vae(seed: int, stats_seed: int) -> AutoencoderKLFlux2:
+    """The tiny FLUX.2 VAE (`configs/vae/tiny`) filled with `seed`, its BatchNorm statistics drawn away from
+    0 / 1 with `stats_seed` so the normalization is exercised."""
+    vae = tiny_model(AutoencoderKLFlux2, tiny_config("flux2", "vae"), seed)
+    generator = torch.Generator().manual_seed(stats_seed)
+    channels = vae.bn.running_mean.shape[0]
+    vae.bn.running_mean.copy_(0.3 * torch.randn(channels, generator=generator))
+    vae.bn.running_var.copy_(0.5 + torch.rand(channels, generator=generator))
+    return vae
+
+
+def flux2_vae_file(vae: AutoencoderKLFlux2) -> dict[str, torch.Tensor]:
+    """The VAE as BFL's `ae.safetensors` / ComfyUI's `flux2-vae.safetensors` hold it (the LDM layout, no
+    BatchNorm training counter)."""
+    state_dict = {k: v for k, v in vae.state_dict().items() if k != "bn.num_batches_tracked"}
+    return vae_to_original(state_dict, len(vae.config.block_out_channels))
 
 
 def build_flux2_components(seed: int = 0, klein: bool = False) -> dict:
@@ -89,11 +112,7 @@ def build_flux2_components(seed: int = 0, klein: bool = False) -> dict:
     `Flux2Pipeline` (or, with `klein`, `Flux2KleinPipeline`): transformer, vae, text_encoder, tokenizer,
     scheduler."""
     transformer = tiny_config("flux2", "transformer", "tiny-klein" if klein else "tiny")
-    vae = tiny_model(AutoencoderKLFlux2, tiny_config("flux2", "vae"), seed + 1)
-    generator = torch.Generator().manual_seed(seed + 3)
-    channels = vae.bn.running_mean.shape[0]
-    vae.bn.running_mean.copy_(0.3 * torch.randn(channels, generator=generator))
-    vae.bn.running_var.copy_(0.5 + torch.rand(channels, generator=generator))
+    vae = tiny_flux2_vae(seed + 1, seed + 3)
     if klein:
         text_encoder = tiny_model(
             Qwen3ForCausalLM, tiny_config("flux2", "text_encoder", "tiny-qwen3"), seed + 2
@@ -128,13 +147,12 @@ def write_flux2_fixture(out_dir: str | Path, seed: int = 0, klein: bool = False)
             TEXT_ENCODER_FILE,
             prefixed("language_model.model.", text_encoder.model.language_model.state_dict()),
         )
-    vae = {k: v for k, v in parts["vae"].state_dict().items() if k != "bn.num_batches_tracked"}
     single = {
         "transformer_file": (
             KLEIN_FILE if klein else TRANSFORMER_FILE,
             transformer_to_original(parts["transformer"].state_dict()),
         ),
-        "vae_file": (VAE_FILE, vae_to_original(vae, len(parts["vae"].config.block_out_channels))),
+        "vae_file": (VAE_FILE, flux2_vae_file(parts["vae"])),
         "text_encoder_file": text_encoder_file,
     }
     pipeline = (Flux2KleinPipeline if klein else Flux2Pipeline)(**parts)

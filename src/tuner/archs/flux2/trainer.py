@@ -24,22 +24,17 @@ from torch import nn
 
 from tuner.archs.flux2 import loaders as flux2
 from tuner.archs.flux2 import text as flux2_text
-from tuner.archs.model import ArchitectureModel
+from tuner.archs.flux2_vae import Flux2VAEImageModel
 from tuner.memory import text_encoder_dtype
 
-LATENT_CHANNELS = 128  # 32 VAE channels × the 2×2 patch
 
-
-class Flux2Model(ArchitectureModel):
+class Flux2Model(Flux2VAEImageModel):
     architecture = "flux2"
     klein = False  # which family's transformer files it takes
     text_encoder_kind = flux2_text.MISTRAL
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return flux2.load_transformer(self.weights_path("transformer"), dtype, self.klein)
-
-    def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return flux2.load_vae(self.weights_path("vae"), dtype).to(device)
 
     def load_text_encoder(self, device: torch.device, dtype: str) -> flux2_text.TextEncoder:
         path, tokenizer = self.weights_path("text_encoder"), self.cfg.model.tokenizer or None
@@ -48,12 +43,6 @@ class Flux2Model(ArchitectureModel):
         )
         self.place_text_encoders(dtype, device, encoder.model)
         return encoder
-
-    def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        return flux2.encode_images(vae, self.single_images(pixels))
-
-    def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return flux2.decode_latents(vae, latents).unsqueeze(2)
 
     def encode_text(self, encoder: flux2_text.TextEncoder, captions: list[str], controls=None) -> list[dict]:
         embeds = flux2_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
@@ -66,9 +55,6 @@ class Flux2Model(ArchitectureModel):
         return flux2.predict_velocity(
             model, noisy, t, cond["prompt_embeds"], self.cfg.model.guidance, references
         )
-
-    def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
-        return (LATENT_CHANNELS, height // 16, width // 16)
 
 
 class Flux2KleinModel(Flux2Model):
