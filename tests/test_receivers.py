@@ -203,6 +203,7 @@ DIFFUSERS_SAMPLE = [
     pytest.param("flux2", marks=pytest.mark.slow), pytest.param("sdxl", marks=pytest.mark.slow),
     pytest.param("ltx2", marks=pytest.mark.slow), pytest.param("flux", marks=pytest.mark.slow),
     pytest.param("krea2", marks=pytest.mark.slow), pytest.param("aura_flow", marks=pytest.mark.slow),
+    pytest.param("ernie_image", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 

@@ -37,6 +37,7 @@ _ARCHITECTURE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("FLUX / HunyuanVideo (diffusers layout)", ("single_transformer_blocks.0.",)),
     ("Qwen-Image", ("transformer_blocks.0.img_mod.",)),
     ("Krea 2 (architecture krea2)", ("txtfusion.projector.", "text_fusion.projector.")),
+    ("ERNIE-Image (architecture ernie_image)", ("layers.0.adaLN_sa_ln.",)),
     ("HiDream-I1", ("double_stream_blocks.0.block.",)),
     ("Kandinsky 5 (architecture kandinsky5)", ("visual_transformer_blocks.0.visual_modulation.",)),
     ("Z-Image (architecture z_image)", ("x_pad_token", "cap_pad_token")),  # Lumina 2 has neither

@@ -58,6 +58,7 @@ class LanguageModel:
     variants: tuple[Variant, ...]
     layers: tuple[int, ...]  # hidden states stacked (the pipeline's `text_encoder_out_layers`)
     tokenizer_hint: str
+    chat: bool = True  # prompts are formatted with the tokenizer's chat template (ERNIE-Image's are not)
 
 
 MISTRAL = LanguageModel(
@@ -173,7 +174,7 @@ def load_text_encoder(
     model = model_class.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype).eval()
     tokenizer_dir = tokenizer or found
     loaded = load_tokenizer(tokenizer_dir, path, kind.tokenizer_hint)
-    if getattr(loaded, "chat_template", None) is None:
+    if kind.chat and getattr(loaded, "chat_template", None) is None:
         loaded.chat_template = processor_chat_template(Path(tokenizer_dir))
     return TextEncoder(model, loaded, kind)
 
