@@ -48,7 +48,8 @@ CONFIGS = Path(__file__).parent / "configs" / "text_encoder"
 
 @dataclass(frozen=True)
 class LanguageModel:
-    """One FLUX.2 text encoder: what it is, where its variants are, how it formats and reads prompts."""
+    """One text encoder this loader reads (FLUX.2's two; ERNIE-Image's Ministral 3 is a third kind, declared
+    in `tuner.archs.ernie_image.text`): what it is, where its variants are, how it formats and reads prompts."""
 
     what: str
     architecture: str  # the record that trains with it
