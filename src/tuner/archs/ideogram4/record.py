@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import Architecture, comfy, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, comfy, hub_tokenizers
 
 IDEOGRAM4 = Architecture(
     name="ideogram4",
     variants=("v4",),
     checkpoints=(
-        "Variants: `v4` (the conditional transformer; the unconditional one, the same shape, is refused by its "
-        "metadata `model_type` or name). `transformer`: ComfyUI's `ideogram4_fp8_scaled.safetensors` (the "
+        "Variants: `v4` (the conditional transformer; the unconditional one, "
+        "`ideogram4_unconditional_fp8_scaled.safetensors`, the same shape, is refused by its metadata "
+        "`model_type` or name, and not loaded: guided samples run the trained transformer for the "
+        "unconditional pass too). `transformer`: ComfyUI's `ideogram4_fp8_scaled.safetensors` (the "
         "release's keys: fused `layers.0.attention.qkv`, `attention.o`; dequantized), a bf16 file, or a diffusers folder; `vae`: FLUX.2's (`flux2-vae.safetensors` or `vae/`); "
         "`text_encoder`: Qwen3-VL-8B (`qwen3vl_8b_fp8_scaled.safetensors` + `tokenizer`, or `text_encoder/`), "
         "13 stacked layers"
     ),
-    save_format_loads="ComfyUI; diffusers (its Ideogram 4 converter reads the release's names and `.alpha`)",
+    save_format_loads=(
+        "ComfyUI; diffusers (its Ideogram 4 converter reads the release's names and folds `.alpha`); "
+        'musubi-tuner needs `save.format = "kohya"`'
+    ),
     title="Ideogram 4 text-to-image (single-stream DiT, Qwen3-VL-8B, FLUX.2 VAE)",
     family="Ideogram4Model",
     block_lists=("layers",),
@@ -24,8 +29,9 @@ IDEOGRAM4 = Architecture(
         r"layers\.\d+\.attention\.(to_q|to_k|to_v|to_out\.0)",
         r"layers\.\d+\.feed_forward\.(w1|w2|w3)",
     ),
-    tokenizers=hub_tokenizers("ideogram-ai/ideogram-v4", "tokenizer"),  # Qwen3-VL's
-    hub_repos=(("v4", "ideogram-ai/ideogram-v4"),),
+    # the release's diffusers repository (FP8 weights, gated); its tokenizer is Qwen3-VL's
+    tokenizers=hub_tokenizers("ideogram-ai/ideogram-4-fp8", "tokenizer"),
+    hub_repos=(("v4", "ideogram-ai/ideogram-4-fp8"),),
     comfy_files=(
         (
             "v4",
@@ -37,8 +43,12 @@ IDEOGRAM4 = Architecture(
             ),
         ),
     ),
+    # the release's names under `diffusion_model.` with `.alpha`: ComfyUI and diffusers both load it
     save_format="comfy",
     diffusers_loader="Ideogram4LoraLoaderMixin",
+    # its converter reads the release's names under `diffusion_model.` (splitting qkv, folding `.alpha`) and
+    # diffusers' own; kohya's `lora_unet_` names it does not know
+    diffusers_reads={**CONVERTS_FOLDED, "comfy": "loads"},
     musubi_trains=True,
     timestep_mode="ideogram4_shift",
     sample_shift=1.0,
