@@ -1,7 +1,8 @@
-"""Ideogram 4: the release's single file (ComfyUI's, fp8 too), and the diffusers folder load to the same weights; the unconditional transformer and other architectures' files are refused
-by name; prompts encode, the model is called and a guided generation steps exactly as diffusers'
-Ideogram4Pipeline does (its unconditional transformer being the trained one); `ideogram4_shift` draws
-musubi-tuner's logit-normal; adapter files name release tensors and load in diffusers."""
+"""Ideogram 4: the release's single file (ComfyUI's, fp8 too) and the diffusers folder load to the same
+weights; the unconditional transformer and other architectures' files are refused by name; prompts encode,
+the model is called and a guided generation steps exactly as diffusers' Ideogram4Pipeline does (its
+unconditional transformer being the trained one); `ideogram4_shift` draws musubi-tuner's logit-normal;
+adapter files name release tensors and load in diffusers; a full fine-tune is saved in the release layout."""
 
 import math
 from types import SimpleNamespace
@@ -179,3 +180,29 @@ def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture
         set(load_tensors(fixture["transformer_file"])), record.checkpoint_layout(), tmp_path,
     )  # fmt: skip
     pipe.unload_lora_weights()
+
+
+def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_path):
+    """One step of full fine-tuning draws its guided sample and writes the release's keys and shapes (fused
+    `attention.qkv`, `attention.o`), which tuner's loader reads back to the trained weights (diffusers has no
+    single-file converter for Ideogram 4: the release's layout is ComfyUI's)."""
+    from project import cfg, make_project
+    from tuner.cli import main
+    from tuner.trainers import trainer_class
+
+    config = make_project(tmp_path / "project", fixture["root"], architecture="ideogram4")
+    assert main(["cache", "latents", "--config", str(config)]) == 0
+    assert main(["cache", "text", "--config", str(config)]) == 0
+    overrides = ("network.type='full'", "train.max_steps=1", "train.lr_warmup_steps=0", "log.tensorboard=false",
+                 "sample.prompts=['a cat']", "sample.every_n_steps=1", "sample.width=32", "sample.height=32",
+                 "sample.steps=2", "sample.guidance=3.0")  # fmt: skip
+    trainer = trainer_class("ideogram4")(cfg(config, f"save.output_dir='{tmp_path / 'out'}'", *overrides))
+    trainer.train(log=lambda s: None)
+    assert [p.suffix for p in (tmp_path / "out" / "samples").iterdir()] == [".png"]
+    saved = load_tensors(tmp_path / "out" / "demo_lora.safetensors")
+    release = load_tensors(fixture["transformer_file"])
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in release.items()}
+    ours = ideogram4.load_transformer(tmp_path / "out" / "demo_lora.safetensors", torch.float32)
+    assert torch.equal(ours.layers[0].attention.to_k.weight, saved["layers.0.attention.qkv.weight"][64:128])
+    before = ideogram4.load_transformer(fixture["diffusers"], torch.float32)
+    assert not torch.equal(ours.layers[0].attention.to_k.weight, before.layers[0].attention.to_k.weight)
