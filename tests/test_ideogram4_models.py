@@ -74,6 +74,13 @@ def test_layouts_load_to_the_same_weights(fixture, tmp_path):
     )
 
 
+def test_a_file_in_diffusers_names_loads(fixture, parts, tmp_path):
+    """A single file of diffusers' keys (split q / k / v, `to_out.0`) is the same model as the release's."""
+    path = tmp_path / "diffusion_pytorch_model.safetensors"
+    save_safetensors(dict(parts["transformer"].state_dict()), path)
+    _equal_models(ideogram4.load_transformer(path, torch.float32), parts["transformer"])
+
+
 def test_prefixed_fp8_file_loads_dequantized(fixture, tmp_path):
     """ComfyUI's `model.diffusion_model.` prefix with a scaled fp8 qkv gives the fp8-rounded rows."""
     release = load_tensors(fixture["transformer_file"])

@@ -11,7 +11,9 @@ The transformer loads from either layout users have:
 
 * a diffusers folder (`transformer/` of an Ideogram 4 pipeline, or the pipeline root);
 * the release's single file (ComfyUI's `ideogram4_fp8_scaled.safetensors`, dequantized; bf16 too; with or
-  without `model.diffusion_model.`), converted by `tuner.archs.ideogram4.keys`.
+  without `model.diffusion_model.`), converted by `tuner.archs.ideogram4.keys`;
+* a single file in diffusers' names (split `to_q` / `to_k` / `to_v`: a diffusers folder's
+  `diffusion_pytorch_model.safetensors`, or a full fine-tune saved with `save.format = "diffusers"`), as is.
 
 The release has two transformers of one shape: the conditional one (trained) and an unconditional one
 that its pipeline runs for the guidance pass (asymmetric CFG). musubi-tuner tells them apart by the
@@ -43,12 +45,13 @@ CONFIGS = Path(__file__).parent / "configs"
 
 TRANSFORMER_VARIANTS = variant_table(
     CONFIGS / "transformer",
-    ("input_proj.weight", "llm_cond_proj.weight", "layers.{}.attention.qkv.weight", "layers.{}.feed_forward.w1.weight"),
+    # no fused tensor (`attention.qkv`): a file in diffusers' names has the same signature
+    ("input_proj.weight", "llm_cond_proj.weight", "layers.{}.attention.o.weight", "layers.{}.feed_forward.w1.weight"),
     {
         # Ideogram 4 (the conditional and unconditional transformers alike): 34 blocks of width 4608
-        "v4": ((4608, 128), (4608, 53248), (34, (13824, 4608)), (34, (12288, 4608))),
+        "v4": ((4608, 128), (4608, 53248), (34, (4608, 4608)), (34, (12288, 4608))),
         # the test fixture (tuner.archs.ideogram4.fixture): 2 heads of 32, 2 blocks, 13 taps of width 32
-        "tiny": ((64, 128), (64, 416), (2, (192, 64)), (2, (128, 64))),
+        "tiny": ((64, 128), (64, 416), (2, (64, 64)), (2, (128, 64))),
     },
 )  # fmt: skip
 

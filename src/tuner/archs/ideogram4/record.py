@@ -12,9 +12,10 @@ IDEOGRAM4 = Architecture(
         "`ideogram4_unconditional_fp8_scaled.safetensors`, the same shape, is refused by its metadata "
         "`model_type` or name, and not loaded: guided samples run the trained transformer for the "
         "unconditional pass too). `transformer`: ComfyUI's `ideogram4_fp8_scaled.safetensors` (the "
-        "release's keys: fused `layers.0.attention.qkv`, `attention.o`; dequantized), a bf16 file, or a diffusers folder; `vae`: FLUX.2's (`flux2-vae.safetensors` or `vae/`); "
-        "`text_encoder`: Qwen3-VL-8B (`qwen3vl_8b_fp8_scaled.safetensors` + `tokenizer`, or `text_encoder/`), "
-        "13 stacked layers"
+        "release's keys: fused `layers.0.attention.qkv`, `attention.o`; dequantized), a bf16 file, the same "
+        "network in diffusers' keys, or a diffusers folder; `vae`: FLUX.2's (`flux2-vae.safetensors` or "
+        "`vae/`); `text_encoder`: Qwen3-VL-8B (`qwen3vl_8b_fp8_scaled.safetensors` + `tokenizer`, or "
+        "`text_encoder/`), 13 stacked layers"
     ),
     save_format_loads=(
         "ComfyUI; diffusers (its Ideogram 4 converter reads the release's names and folds `.alpha`); "
