@@ -19,6 +19,7 @@ from tuner.archs.ideogram4.trainer import Ideogram4Model
 from tuner.diffusion.timesteps import TimestepSampler
 from tuner.errors import CheckpointError
 from tuner.io import save_safetensors
+from tuner.models import qwen3_vl
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
@@ -57,7 +58,7 @@ def _trainer(text_length: int = 2048) -> Ideogram4Model:
 
 
 def _encoder(parts):
-    return ideogram4_text.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"])
+    return qwen3_vl.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"])
 
 
 def test_layouts_load_to_the_same_weights(fixture, tmp_path):

@@ -10,26 +10,19 @@ A caption longer than `max_length` tokens is cut (the pipeline refuses it). The 
 all (zero rows): the pipeline's unconditional pass sees the image tokens alone, and so do tuner's guidance
 pass with the empty negative prompt and a caption dropped in training.
 
-Only text is encoded, so only the language model is loaded. Loading takes the diffusers folder
-(`text_encoder/`, a `Qwen3VLModel`, with `tokenizer/` beside it) or ComfyUI's single file
-(`qwen3vl_8b_fp8_scaled.safetensors`, dequantized): the Hugging Face checkpoint's keys
-(`model.language_model.layers.0...`; `model.visual.*` and `lm_head.weight` are skipped). A single file
-carries no tokenizer: pass the `tokenizer/` folder of the release (Qwen3-VL's).
+Only text is encoded, so only the language model is loaded (`tuner.models.qwen3_vl`): from the diffusers
+folder (`text_encoder/` with `tokenizer/` beside it) or ComfyUI's single file
+(`qwen3vl_8b_fp8_scaled.safetensors`, dequantized) with the `tokenizer/` folder of the release.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.models.encoders import load_encoder_file_on_meta, model_keys
-from tuner.models.identify import SingleFileSpec, variant_table
-from tuner.models.loading import load_tokenizer, load_transformers_folder, resolve_folder, sibling
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase, Qwen3VLTextModel
+from tuner.models.identify import variant_table
+from tuner.models.qwen3_vl import COLUMNS, TextEncoder, language_model_spec, load_language_model
 
 CONFIGS = Path(__file__).parent / "configs" / "text_encoder"
 
@@ -39,12 +32,9 @@ LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 35)
 PREFIX = "<|im_start|>user\n"
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 
-LANGUAGE_MODEL = "model.language_model."
-"""Where the Hugging Face Qwen3-VL checkpoint keeps the language model."""
-
 VARIANTS = variant_table(
     CONFIGS,
-    (f"{LANGUAGE_MODEL}embed_tokens.weight", LANGUAGE_MODEL + "layers.{}.mlp.gate_proj.weight"),
+    COLUMNS,
     {
         "qwen3-vl-8b": ((151936, 4096), (36, (12288, 4096))),
         # the test fixture: 36 layers (the pipeline reads the 36th) of width 32
@@ -52,50 +42,14 @@ VARIANTS = variant_table(
     },
 )  # fmt: skip
 
-SPEC = SingleFileSpec(
-    what="Qwen3-VL-8B text encoder",
-    variants=VARIANTS,
-    expected_keys=model_keys("Qwen3VLTextModel", to_original=lambda k: LANGUAGE_MODEL + k),
-    original_markers=(
-        f"{LANGUAGE_MODEL}embed_tokens.weight",
-        f"{LANGUAGE_MODEL}layers.0.self_attn.q_norm.weight",
-    ),
-)
-
-
-class TextEncoder(NamedTuple):
-    """Qwen3-VL's language model (eval mode) and its tokenizer."""
-
-    model: Qwen3VLTextModel
-    tokenizer: PreTrainedTokenizerBase
+SPEC = language_model_spec("Qwen3-VL-8B text encoder", VARIANTS)
 
 
 def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype) -> TextEncoder:
-    """Load Qwen3-VL's language model and its tokenizer. `tokenizer_path` may be None for a diffusers
-    pipeline root or its `text_encoder/` folder (the sibling `tokenizer/` is used); a single file needs it."""
-    from transformers import Qwen3VLModel, Qwen3VLTextModel
-
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        model = load_transformers_folder(Qwen3VLModel, folder, dtype, "qwen3_vl").language_model
-        tokenizer_path = tokenizer_path or sibling(folder, "tokenizer")
-    else:
-        model = load_encoder_file_on_meta(
-            path, dtype, Qwen3VLTextModel, SPEC, _model_keys, "Qwen3-VL", entries=_language_model
-        )
-    tokenizer = load_tokenizer(
-        tokenizer_path, path, "Qwen3-VL tokenizer (the tokenizer/ folder of Ideogram 4)"
+    """Qwen3-VL's language model and its tokenizer (`tuner.models.qwen3_vl.load_language_model`)."""
+    return load_language_model(
+        path, tokenizer_path, dtype, SPEC, "Qwen3-VL tokenizer (the tokenizer/ folder of Ideogram 4)"
     )
-    return TextEncoder(model.eval(), tokenizer)
-
-
-def _language_model(entries: dict) -> dict:
-    """The file's language-model entries (the vision tower and the LM head are not used)."""
-    return {k: v for k, v in entries.items() if k.startswith(LANGUAGE_MODEL)}
-
-
-def _model_keys(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k.removeprefix(LANGUAGE_MODEL): v for k, v in stored.items()}
 
 
 @torch.no_grad()

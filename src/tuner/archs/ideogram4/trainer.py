@@ -24,6 +24,7 @@ from tuner.archs.ideogram4 import loaders as ideogram4
 from tuner.archs.ideogram4 import text as ideogram4_text
 from tuner.archs.model import ArchitectureModel, padded_prompts
 from tuner.memory import text_encoder_dtype
+from tuner.models.qwen3_vl import TextEncoder
 
 LATENT_CHANNELS = 128  # 32 VAE channels x the 2x2 patch
 SCHEDULE_STD = 1.5  # Ideogram4Pipeline's `std`
@@ -51,7 +52,7 @@ class Ideogram4Model(ArchitectureModel):
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         return flux2.load_vae(self.weights_path("vae"), dtype).to(device)
 
-    def load_text_encoder(self, device: torch.device, dtype: str) -> ideogram4_text.TextEncoder:
+    def load_text_encoder(self, device: torch.device, dtype: str) -> TextEncoder:
         encoder = ideogram4_text.load_text_encoder(
             self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
