@@ -3,9 +3,10 @@
 The transformer (diffusers' `Ideogram4Transformer2DModel`, 34 blocks of width 4608) runs one sequence of
 [text tokens, image tokens]: each text token is a 53,248-wide stack of Qwen3-VL-8B states
 (`tuner.archs.ideogram4.text`), each image token a 2x2 patch of the FLUX.2 VAE's 32 channels (128 values).
-The VAE is FLUX.2's, loaded by `tuner.archs.flux2.loaders`. Latents are the VAE's mode, patchified with
-the token's values in (row, column, channel) order as the pipeline unpacks them, and normalized per
-value by the VAE's BatchNorm statistics; they are stored [128, H/16, W/16].
+The VAE is FLUX.2's, loaded and run by `tuner.archs.flux2.loaders` (`encode_images` / `decode_latents`):
+latents are the VAE's mode, patchified here (`patchify`) with the token's values in (row, column, channel)
+order as the pipeline unpacks them, and normalized per value by the VAE's BatchNorm statistics; they are
+stored [128, H/16, W/16].
 
 The transformer loads from either layout users have:
 
@@ -39,7 +40,7 @@ from tuner.models.component import component_spec, load_component
 from tuner.models.identify import variant_table
 
 if TYPE_CHECKING:
-    from diffusers import AutoencoderKLFlux2, Ideogram4Transformer2DModel
+    from diffusers import Ideogram4Transformer2DModel
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -103,12 +104,6 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> Ideogram4Transform
 # ---------------------------------------------------------------------------------------------------
 
 
-def _bn_stats(vae: AutoencoderKLFlux2, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = vae.bn.running_mean.view(1, -1, 1, 1)
-    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-    return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
-
-
 def patchify(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] -> [B, 4·C, H/2, W/2], each token's values in (row, column, channel) order."""
     b, c, h, w = latents.shape
@@ -121,27 +116,6 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     b, c4, h, w = latents.shape
     patches = latents.reshape(b, 2, 2, c4 // 4, h, w).permute(0, 3, 4, 1, 5, 2)
     return patches.reshape(b, c4 // 4, 2 * h, 2 * w)
-
-
-@torch.no_grad()
-def encode_images(vae: AutoencoderKLFlux2, pixels: torch.Tensor) -> torch.Tensor:
-    """Normalized latents [B, 128, H/16, W/16] of images [B, 3, H, W] in [-1, 1]: the mode, patchified, minus
-    the BatchNorm mean over its std (the inverse of the pipeline's decoding)."""
-    if pixels.shape[-1] % 16 or pixels.shape[-2] % 16:
-        raise ValueError(f"Ideogram 4 needs sides divisible by 16, got {tuple(pixels.shape)}")
-    param = next(vae.parameters())
-    latents = patchify(vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode())
-    mean, std = _bn_stats(vae, latents)
-    return (latents - mean) / std
-
-
-@torch.no_grad()
-def decode_latents(vae: AutoencoderKLFlux2, latents: torch.Tensor) -> torch.Tensor:
-    """Images [B, 3, H, W] in about [-1, 1] from normalized latents, as Ideogram4Pipeline decodes."""
-    param = next(vae.parameters())
-    latents = latents.to(param.device, param.dtype)
-    mean, std = _bn_stats(vae, latents)
-    return vae.decode(unpatchify(latents * std + mean)).sample
 
 
 # ---------------------------------------------------------------------------------------------------

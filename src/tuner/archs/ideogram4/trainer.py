@@ -60,10 +60,10 @@ class Ideogram4Model(ArchitectureModel):
         return encoder
 
     def encode_pixels(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        return ideogram4.encode_images(vae, self.single_images(pixels))
+        return flux2.encode_images(vae, self.single_images(pixels), ideogram4.patchify)
 
     def decode_latents(self, vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-        return ideogram4.decode_latents(vae, latents).unsqueeze(2)
+        return flux2.decode_latents(vae, latents, ideogram4.unpatchify).unsqueeze(2)
 
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
         embeds = ideogram4_text.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
