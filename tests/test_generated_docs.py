@@ -48,6 +48,11 @@ def test_every_example_is_listed_under_its_architecture():
             assert data["model"]["architecture"] in registry.ARCHITECTURES, path.name
 
 
+def test_every_architecture_has_an_example():
+    missing = [name for name in registry.ARCHITECTURES if name not in docs.examples()]
+    assert not missing, f"no examples/*.toml trains {missing}"
+
+
 @pytest.mark.parametrize("name", list(registry.ARCHITECTURES))
 def test_variants_are_shipped_configs(name):
     record = registry.ARCHITECTURES[name]

@@ -20,6 +20,7 @@ from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.diffusion.sampling import flow_sigmas
 from tuner.errors import CheckpointError
 from tuner.io import save_safetensors
+from tuner.models import qwen3_vl
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
 from tuner.networks.targets import TargetSpec
@@ -134,7 +135,7 @@ def test_raw_and_turbo_are_told_apart_by_name(monkeypatch):
             == "raw"
         )
     assert krea2.is_turbo("krea2_turbo_bf16.safetensors") and not krea2.is_turbo("krea2_raw_bf16.safetensors")
-    text = {krea2_text.LANGUAGE_MODEL + k: tuple(v.shape) for k, v in qwen.state_dict().items()}
+    text = {qwen3_vl.LANGUAGE_MODEL + k: tuple(v.shape) for k, v in qwen.state_dict().items()}
     monkeypatch.setattr(identify, "read_shapes_of", lambda files: text)
     assert identify.identify_single_file("qwen3vl_4b_bf16.safetensors", krea2_text.SPEC).name == "qwen3-vl-4b"
     cfg = SimpleNamespace(model=SimpleNamespace(transformer="models/krea2_turbo_bf16.safetensors"))
@@ -166,7 +167,7 @@ def test_another_architecture_is_refused_by_name(fixture, tmp_path):
 def test_prompts_encode_as_the_pipeline_does(pipe, parts):
     """Our true-length stacks are the pipeline's rows its mask keeps (fixed length 40 there)."""
     want, mask = pipe.encode_prompt(list(CAPTIONS), device="cpu", max_sequence_length=40)
-    encoder = krea2_text.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"])
+    encoder = qwen3_vl.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"])
     got = krea2_text.encode_prompts(encoder, CAPTIONS, max_length=40)
     for g, w, m in zip(got, want, mask, strict=True):
         assert g.shape == (int(m.sum()), 2, 64)
@@ -202,7 +203,7 @@ def test_two_guided_euler_steps_match_the_pipeline(pipe, parts):
     sin(1000·t·f)). The text rows agree to ~3e-6 (padding masked, not absent), which the random tiny model
     amplifies to ~2e-5 in two guided steps: hence 1e-4."""
     trainer = _trainer(24)
-    encoder = krea2_text.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"])
+    encoder = qwen3_vl.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"])
     cond, uncond = (trainer.collate_text(trainer.encode_text(encoder, [p])) for p in (CAPTIONS[0], ""))
     x = torch.randn(1, 16, 1, 8, 4, generator=torch.Generator().manual_seed(0))  # a 64x32 image
     out = pipe(CAPTIONS[0], height=64, width=32, num_inference_steps=2, guidance_scale=3.0, output_type="latent",
@@ -261,7 +262,7 @@ def test_comfy_file_names_release_tensors_and_diffusers_loads_its_layout(fixture
     layout = architecture("krea2").checkpoint_layout()
     release = set(load_tensors(fixture["transformer_file"]))
     embeds = krea2_text.encode_prompts(
-        krea2_text.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"]), ["a cat"]
+        qwen3_vl.TextEncoder(parts["text_encoder"].language_model, parts["tokenizer"]), ["a cat"]
     )
     cond = _trainer().collate_text([{"prompt_embeds": embeds[0]}])
     noisy = torch.randn(1, 16, 1, 4, 4, generator=torch.Generator().manual_seed(3))

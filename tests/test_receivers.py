@@ -30,7 +30,8 @@ from tuner.registry import ARCHITECTURES, resolve_save_format
 
 pytest.importorskip("peft")
 
-SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl", "krea2"]
+SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl", "krea2",
+          "ideogram4"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,7 @@ def test_the_default_loads_in_comfyui_and_in_diffusers_where_any_layout_does():
     assert not both["lumina2"] and not both["hunyuan_video"] and not both["hunyuan_video15"]
     assert both["sd3"] == both["kandinsky5"] == ["diffusers"]
     assert both["ltx2"] == both["ltx_video"] == ["comfy_folded"]
+    assert both["ideogram4"] == ["comfy", "comfy_folded"]
 
 
 def test_dora_never_saves_in_the_diffusers_layout_by_default(tmp_path):
@@ -204,6 +206,7 @@ DIFFUSERS_SAMPLE = [
     pytest.param("ltx2", marks=pytest.mark.slow), pytest.param("flux", marks=pytest.mark.slow),
     pytest.param("krea2", marks=pytest.mark.slow), pytest.param("aura_flow", marks=pytest.mark.slow),
     pytest.param("ernie_image", marks=pytest.mark.slow),
+    pytest.param("ideogram4", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 

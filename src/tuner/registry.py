@@ -41,6 +41,7 @@ FAMILIES = (
     "krea2",
     "aura_flow",
     "ernie_image",
+    "ideogram4",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""

@@ -153,8 +153,12 @@ class ArchitectureModel:
     def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
                     guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
         """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas`, in one pass over
-        the whole latent or in the parts the record's `flow_sampler` cuts it into (FramePack's sections)."""
+        the whole latent or in the parts the record's `flow_sampler` cuts it into (FramePack's sections);
+        a record's `flow_schedule` replaces `sigmas` by its own levels, as many steps."""
         from tuner.diffusion.sampling import euler_sample
+
+        if (schedule := self.record.flow_schedule_function()) is not None:
+            sigmas = schedule(len(sigmas) - 1, noise).to(sigmas.device)
 
         def denoise(noise: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
             return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,

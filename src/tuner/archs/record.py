@@ -152,6 +152,10 @@ class Architecture:
     """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's
     sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
     pass; empty: one pass over the whole latent."""
+    flow_schedule: str = ""
+    """`module:function` (in its folder) of generation's noise levels, called as `fn(steps, noise)` (the
+    initial noise [1, ...]) for `steps + 1` levels from 1 to 0, where the release samples along a schedule of
+    its own (Ideogram 4's logit-normal one); empty: the shifted linear ones (`sample_shift`)."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None
@@ -213,6 +217,10 @@ class Architecture:
     def flow_sampler_function(self) -> Any:
         """The `flow_sampler` function, or None for one pass."""
         return self._code(self.flow_sampler) if self.flow_sampler else None
+
+    def flow_schedule_function(self) -> Any:
+        """The `flow_schedule` function, or None for the shifted linear schedule."""
+        return self._code(self.flow_schedule) if self.flow_schedule else None
 
     def sound_stream_class(self) -> Any:
         """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""

@@ -193,11 +193,20 @@ class NetworkConfig:
 @dataclass(frozen=True)
 class TimestepConfig:
     mode: Literal[
-        "auto", "uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift", "krea2_shift"
+        "auto",
+        "uniform",
+        "sigmoid",
+        "logit_normal",
+        "shift",
+        "flux_shift",
+        "qwen_shift",
+        "krea2_shift",
+        "ideogram4_shift",
     ] = option(
         "auto",
         "How training timesteps t in [0, 1] are drawn; auto is the model's usual choice (shift for Wan, "
-        "flux_shift for FLUX.1, qwen_shift for Qwen-Image, krea2_shift for Krea 2, uniform for SDXL).",
+        "flux_shift for FLUX.1, qwen_shift for Qwen-Image, krea2_shift for Krea 2, ideogram4_shift for "
+        "Ideogram 4, uniform for SDXL).",
     )
     sigmoid_scale: float = option(
         1.0, "Scale of the normal inside the sigmoid (sigmoid and shift modes).", gt=0

@@ -22,6 +22,8 @@ distribution that puts more mass in the middle or, for large images and videos, 
   μ is linear in the number of tokens, through (base_seq_len, base_shift) and (max_seq_len,
   max_shift) (see `RESOLUTION_SHIFTS`), applied to sigmoid-normal t. Written as in FLUX's reference
   code this is t' = e^μ / (e^μ + (1/t − 1)), which is algebraically the shift above.
+- `ideogram4_shift`: `logit_normal` with mean 0.5·ln(pixels / 512²) and std 1.5 (musubi-tuner's mode for
+  Ideogram 4, the mean its pipeline's sampling schedule takes): a 1024² image centres t at sigmoid(ln 2).
 
 Every mode is a monotone function of one uniform draw u (`TimestepSampler.quantile`). That makes
 `min_timestep` / `max_timestep` exact and cheap: u is drawn between the CDF values of the two bounds,
@@ -44,7 +46,16 @@ import torch
 from tuner.errors import ConfigError, did_you_mean
 from tuner.io import atomic_path
 
-MODES = ("uniform", "sigmoid", "logit_normal", "shift", "flux_shift", "qwen_shift", "krea2_shift")
+MODES = (
+    "uniform",
+    "sigmoid",
+    "logit_normal",
+    "shift",
+    "flux_shift",
+    "qwen_shift",
+    "krea2_shift",
+    "ideogram4_shift",
+)
 SHIFT_FROM = ("uniform", "sigmoid")
 LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
@@ -166,10 +177,15 @@ class TimestepSampler:
     def _base_is_uniform(self) -> bool:
         return self.mode == "uniform" or (self.mode == "shift" and self.shift_from == "uniform")
 
-    def _normal_params(self) -> tuple[float, float]:
+    def _normal_params(self, seq_len: int | None = None) -> tuple[float, float]:
         """(mean, std) of the normal n in t = sigmoid(n) for the sigmoid-based modes."""
         if self.mode == "logit_normal":
             return self.logit_mean, self.logit_std
+        if self.mode == "ideogram4_shift":
+            if seq_len is None:
+                raise ValueError("timestep mode 'ideogram4_shift' needs seq_len (the image-token count).")
+            # one token is 16 x 16 pixels: 0.5·ln(256·tokens / 512²)
+            return 0.5 * math.log(seq_len / 1024), 1.5
         return 0.0, self.sigmoid_scale
 
     def quantile(self, u: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
@@ -177,7 +193,7 @@ class TimestepSampler:
         if self._base_is_uniform():
             t = u
         else:
-            mean, std = self._normal_params()
+            mean, std = self._normal_params(seq_len)
             t = torch.sigmoid(mean + std * torch.special.ndtri(u))
         shift = self.shift_for(seq_len)
         return t if shift == 1.0 else shift_timesteps(t, shift)
@@ -188,7 +204,7 @@ class TimestepSampler:
         base_t = t if shift == 1.0 else t / (shift - (shift - 1) * t)  # inverse shift = shift by 1/s
         if self._base_is_uniform():
             return base_t
-        mean, std = self._normal_params()
+        mean, std = self._normal_params(seq_len)
         return _normal_cdf((_logit_scalar(base_t) - mean) / std)
 
     def sample(

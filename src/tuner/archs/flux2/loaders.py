@@ -199,24 +199,25 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_images(vae: AutoencoderKLFlux2, pixels: torch.Tensor) -> torch.Tensor:
+def encode_images(vae: AutoencoderKLFlux2, pixels: torch.Tensor, patch=patchify) -> torch.Tensor:
     """Normalized latents [B, 128, H/16, W/16] of images [B, 3, H, W] in [-1, 1], as Flux2Pipeline encodes
-    reference images: the distribution's mode, patchified, minus the BatchNorm mean over its std."""
+    reference images: the distribution's mode, patchified (by `patch`: Ideogram 4 orders a token's values
+    otherwise), minus the BatchNorm mean over its std."""
     if pixels.shape[-1] % 16 or pixels.shape[-2] % 16:
-        raise ValueError(f"FLUX.2 needs sides divisible by 16, got {tuple(pixels.shape)}")
+        raise ValueError(f"the FLUX.2 VAE needs sides divisible by 16, got {tuple(pixels.shape)}")
     param = next(vae.parameters())
-    latents = patchify(vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode())
+    latents = patch(vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode())
     mean, std = _bn_stats(vae, latents)
     return (latents - mean) / std
 
 
 @torch.no_grad()
-def decode_latents(vae: AutoencoderKLFlux2, latents: torch.Tensor) -> torch.Tensor:
+def decode_latents(vae: AutoencoderKLFlux2, latents: torch.Tensor, unpatch=unpatchify) -> torch.Tensor:
     """Images [B, 3, H, W] in about [-1, 1] from normalized latents (the inverse of `encode_images`)."""
     param = next(vae.parameters())
     latents = latents.to(param.device, param.dtype)
     mean, std = _bn_stats(vae, latents)
-    return vae.decode(unpatchify(latents * std + mean)).sample
+    return vae.decode(unpatch(latents * std + mean)).sample
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:

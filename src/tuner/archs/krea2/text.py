@@ -9,26 +9,19 @@ count real tokens only (padding takes no position); tuner keeps each caption at 
 gives the same rows (causal attention, padding masked), and the transformer's text tokens carry no
 position, so their order past the caption does not matter.
 
-Only text is encoded, so only the language model is loaded (Qwen3-VL's vision tower is not used). Loading
-takes the diffusers folder (`text_encoder/`, a `Qwen3VLModel`, with `tokenizer/` beside it) or ComfyUI's
-single file (`qwen3vl_4b_bf16.safetensors`, fp8 too): the Hugging Face checkpoint's keys
-(`model.language_model.layers.0...`; `model.visual.*` and `lm_head.weight` are skipped). A single file
-carries no tokenizer: pass the `tokenizer/` folder of the release (Qwen3-VL's).
+Only text is encoded, so only the language model is loaded (`tuner.models.qwen3_vl`): from the diffusers
+folder (`text_encoder/` with `tokenizer/` beside it) or ComfyUI's single file (`qwen3vl_4b_bf16.safetensors`,
+fp8 too) with the `tokenizer/` folder of the release.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from tuner.models.encoders import load_encoder_file_on_meta, model_keys
-from tuner.models.identify import SingleFileSpec, variant_table
-from tuner.models.loading import load_tokenizer, load_transformers_folder, resolve_folder, sibling
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase, Qwen3VLTextModel
+from tuner.models.identify import variant_table
+from tuner.models.qwen3_vl import COLUMNS, TextEncoder, language_model_spec, load_language_model
 
 CONFIGS = Path(__file__).parent / "configs" / "text_encoder"
 
@@ -41,12 +34,9 @@ SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"
 PREFIX_TOKENS = 34
 SUFFIX_TOKENS = 5
 
-LANGUAGE_MODEL = "model.language_model."
-"""Where the Hugging Face Qwen3-VL checkpoint keeps the language model."""
-
 VARIANTS = variant_table(
     CONFIGS,
-    (f"{LANGUAGE_MODEL}embed_tokens.weight", LANGUAGE_MODEL + "layers.{}.mlp.gate_proj.weight"),
+    COLUMNS,
     {
         "qwen3-vl-4b": ((151936, 2560), (36, (9728, 2560))),
         # the test fixture: 6 layers of width 64
@@ -54,15 +44,7 @@ VARIANTS = variant_table(
     },
 )  # fmt: skip
 
-SPEC = SingleFileSpec(
-    what="Qwen3-VL text encoder",
-    variants=VARIANTS,
-    expected_keys=model_keys("Qwen3VLTextModel", to_original=lambda k: LANGUAGE_MODEL + k),
-    original_markers=(
-        f"{LANGUAGE_MODEL}embed_tokens.weight",
-        f"{LANGUAGE_MODEL}layers.0.self_attn.q_norm.weight",
-    ),
-)
+SPEC = language_model_spec("Qwen3-VL text encoder", VARIANTS)
 
 
 def tapped_layers(num_hidden_layers: int) -> tuple[int, ...]:
@@ -71,37 +53,11 @@ def tapped_layers(num_hidden_layers: int) -> tuple[int, ...]:
     return tuple(range(2, num_hidden_layers + 1, 3))
 
 
-class TextEncoder(NamedTuple):
-    """Qwen3-VL's language model (eval mode) and its tokenizer."""
-
-    model: Qwen3VLTextModel
-    tokenizer: PreTrainedTokenizerBase
-
-
 def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype) -> TextEncoder:
-    """Load Qwen3-VL's language model and its tokenizer. `tokenizer_path` may be None for a diffusers
-    pipeline root or its `text_encoder/` folder (the sibling `tokenizer/` is used); a single file needs it."""
-    from transformers import Qwen3VLModel, Qwen3VLTextModel
-
-    folder = resolve_folder(path, "text_encoder")
-    if folder is not None:
-        model = load_transformers_folder(Qwen3VLModel, folder, dtype, "qwen3_vl").language_model
-        tokenizer_path = tokenizer_path or sibling(folder, "tokenizer")
-    else:
-        model = load_encoder_file_on_meta(
-            path, dtype, Qwen3VLTextModel, SPEC, _model_keys, "Qwen3-VL", entries=_language_model
-        )
-    tokenizer = load_tokenizer(tokenizer_path, path, "Qwen3-VL tokenizer (the tokenizer/ folder of Krea 2)")
-    return TextEncoder(model.eval(), tokenizer)
-
-
-def _language_model(entries: dict) -> dict:
-    """The file's language-model entries (the vision tower and the tied LM head are not used)."""
-    return {k: v for k, v in entries.items() if k.startswith(LANGUAGE_MODEL)}
-
-
-def _model_keys(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k.removeprefix(LANGUAGE_MODEL): v for k, v in stored.items()}
+    """Qwen3-VL's language model and its tokenizer (`tuner.models.qwen3_vl.load_language_model`)."""
+    return load_language_model(
+        path, tokenizer_path, dtype, SPEC, "Qwen3-VL tokenizer (the tokenizer/ folder of Krea 2)"
+    )
 
 
 @torch.no_grad()

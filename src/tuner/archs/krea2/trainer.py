@@ -18,6 +18,7 @@ from tuner.archs.krea2 import text as krea2_text
 from tuner.archs.model import padded_prompts
 from tuner.archs.qwen_vae import QwenVAEImageModel
 from tuner.memory import text_encoder_dtype
+from tuner.models.qwen3_vl import TextEncoder
 
 
 def turbo_warning(cfg) -> str:
@@ -35,7 +36,7 @@ class Krea2Model(QwenVAEImageModel):
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return krea2.load_transformer(self.weights_path("transformer"), dtype)
 
-    def load_text_encoder(self, device: torch.device, dtype: str) -> krea2_text.TextEncoder:
+    def load_text_encoder(self, device: torch.device, dtype: str) -> TextEncoder:
         encoder = krea2_text.load_text_encoder(
             self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
