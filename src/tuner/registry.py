@@ -40,6 +40,7 @@ FAMILIES = (
     "ltx_video",
     "krea2",
     "aura_flow",
+    "hunyuan_image",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""
