@@ -12,13 +12,17 @@ tensors into its own `img_attn_q` / `linear1_q` / `linear1_mlp` / `linear2.fc` p
 the file (`convert_hunyuan_dict_for_tensor_parallel`, copied into diffusers'
 `scripts/convert_hunyuan_image_to_diffusers.py`, whose key map is the rest of this table); ComfyUI builds
 HunyuanImage 2.1 from its HunyuanVideo class (`comfy/ldm/hunyuan_video/model.py`, 2D patches, the ByT5
-mapper), so its renames and LoRA key map are 1.0's (`COMFY_RENAMES`, `COMFY_FORMS`).
+mapper), so it renames the release's modules as 1.0's (`COMFY_RENAMES`: `img_attn.qkv`, `img_mlp.0`,
+`img_mod.lin`). Its model class (`comfy.model_base.HunyuanImage21`) is no `HunyuanVideo` subclass, so the
+extra stems `comfy/lora.py` maps for HunyuanVideo (the release's names under `diffusion_model.` /
+`transformer.`) are not held for it: its key map is every model's, `diffusion_model.` and `lora_unet_`
+over its own module names (no `comfy_forms`). The kohya layout spells those, so it is the default.
 
 What 2.1 changes against HunyuanVideo 1.0: no pooled-CLIP `vector_in`; the ByT5 glyph mapper
 `byt5_in.{layernorm,fc1,fc2,fc3}` (diffusers' `context_embedder_2`, named as HunyuanVideo 1.5's); the
 distilled model's guidance embedder `guidance_in` and MeanFlow's second timestep embedder `time_r_in`;
 diffusers calls the time embedder `time_guidance_embed`. diffusers has no single-file converter and no
-HunyuanImage LoRA loader, so ComfyUI's layout is what tuner writes.
+HunyuanImage LoRA loader.
 """
 
 from __future__ import annotations
@@ -60,7 +64,6 @@ HUNYUAN_IMAGE_KEYS = ArchitectureKeys(
     TRANSFORMER_RULES,
     hunyuan_video.FUSED_LAYERS,
     kohya_names=KOHYA_NAMES,
-    comfy_forms=hunyuan_video.COMFY_FORMS,
     comfy_renames=hunyuan_video.COMFY_ATTENTION_NAMES,
 )
 """The adapter name map (diffusers module name -> Tencent's, q/k/v and `linear1` fused as the release)."""

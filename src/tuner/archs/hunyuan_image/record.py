@@ -34,7 +34,8 @@ HUNYUAN_IMAGE = Architecture(
         "distilled model warns"
     ),
     save_format_loads=(
-        "ComfyUI; diffusers has no HunyuanImage LoRA loader; musubi-tuner does not train HunyuanImage 2.1"
+        "ComfyUI (`lora_unet_` + its module names); diffusers has no HunyuanImage LoRA loader; musubi-tuner "
+        "does not train HunyuanImage 2.1"
     ),
     title="HunyuanImage 2.1 text-to-image (17B base / distilled; Qwen2.5-VL-7B + ByT5 glyphs)",
     family="HunyuanImageModel",
@@ -57,8 +58,10 @@ HUNYUAN_IMAGE = Architecture(
             comfy(_COMFY, transformer="diffusion_models/hunyuanimage2.1_bf16.safetensors", **_COMFY_PARTS),
         ),
     ),
-    # Tencent's names (fused q/k/v and linear1) under `diffusion_model.`: ComfyUI's HunyuanVideo key map
-    save_format="comfy",
+    # ComfyUI's module names with "_" under `lora_unet_` (q/k/v and linear1 fused): what its key map holds
+    # for HunyuanImage 2.1, whose model is no HunyuanVideo (the release's names under `diffusion_model.`,
+    # the comfy layout, are not)
+    save_format="kohya",
     dora_refused=(
         "ComfyUI's HunyuanImage 2.1 model (its HunyuanVideo class) keeps q, k and v in one linear "
         "(img_attn.qkv / txt_attn.qkv, the single blocks' linear1) and maps no adapter name onto a part of it; "
