@@ -165,6 +165,16 @@ def test_refiner_and_hunyuan_video_files_are_refused_by_name(tmp_path):
         hunyuan_image.load_transformer(video["transformer_file"], torch.float32)
 
 
+def test_hunyuan_video_loaders_refuse_a_hunyuan_image_file_by_name(fixture):
+    """Its blocks are HunyuanVideo's: both HunyuanVideo loaders name `hunyuan_image`."""
+    from tuner.archs.hunyuan_video import loaders as hunyuan_video
+    from tuner.archs.hunyuan_video15 import loaders as hunyuan_video15
+
+    for other in (hunyuan_video, hunyuan_video15):
+        with pytest.raises(CheckpointError, match='"hunyuan_image"'):
+            other.load_transformer(fixture["transformer_file"], torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Against HunyuanImagePipeline
 # ---------------------------------------------------------------------------------------------------

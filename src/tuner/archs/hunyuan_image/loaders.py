@@ -81,6 +81,17 @@ def _refuse_other_networks(shapes: Mapping[str, tuple[int, ...]], path: Path) ->
         )
 
 
+def refuse_hunyuan_image(shapes: Mapping[str, tuple[int, ...]], path: str | Path) -> None:
+    """Raise naming `hunyuan_image` for a HunyuanImage 2.1 transformer file (the ByT5 mapper beside single
+    blocks, in either naming): HunyuanVideo 1.0's and 1.5's loaders call it, their block names being its."""
+    byt5 = "byt5_in.fc1.weight" in shapes or "context_embedder_2.linear_1.weight" in shapes
+    if byt5 and any(k.startswith(("single_blocks.", "single_transformer_blocks.")) for k in shapes):
+        raise CheckpointError(
+            f"{path}: a HunyuanImage 2.1 transformer (a ByT5 mapper and single-stream blocks), another network. "
+            'Set model.architecture = "hunyuan_image" to train it.'
+        )
+
+
 TRANSFORMER_SPEC = component_spec(
     "HunyuanImage 2.1 transformer",
     "HunyuanImageTransformer2DModel",

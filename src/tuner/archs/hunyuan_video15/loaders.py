@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.archs.flux.loaders import t5_keys
+from tuner.archs.hunyuan_image.loaders import refuse_hunyuan_image
 from tuner.archs.hunyuan_video15.keys import (
     TENCENT_LAYOUT,
     transformer_key_to_original,
@@ -293,6 +294,7 @@ def load_transformer(
         other = read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel"
     else:
         keys = normalize_shapes(read_tensor_shapes(path))
+        refuse_hunyuan_image(keys, path)
         other = any(k in _HUNYUAN_VIDEO_1_MARKERS for k in keys)
         spec = TENCENT_TRANSFORMER_SPEC if _TENCENT_MARKER in keys else TRANSFORMER_SPEC
     if other:
