@@ -16,6 +16,7 @@ from tuner.archs.hunyuan_image import text as hunyuan_image_text
 from tuner.archs.hunyuan_image.fixture import build_hunyuan_image_components, write_hunyuan_image_fixture
 from tuner.archs.hunyuan_image.keys import HUNYUAN_IMAGE_LAYOUT
 from tuner.archs.hunyuan_image.trainer import HunyuanImageModel, distilled_warning
+from tuner.archs.hunyuan_video15.loaders import TextEncoders, load_text_encoders
 from tuner.diffusion.sampling import flow_sigmas
 from tuner.errors import CheckpointError
 from tuner.io import save_safetensors
@@ -59,8 +60,8 @@ def _trainer(text_length: int = 24, transformer: str = "hunyuanimage2.1.safetens
     return trainer
 
 
-def _encoders(parts) -> hunyuan_image_text.TextEncoders:
-    return hunyuan_image_text.TextEncoders(
+def _encoders(parts) -> TextEncoders:
+    return TextEncoders(
         parts["text_encoder"], parts["tokenizer"], parts["text_encoder_2"], parts["tokenizer_2"]
     )
 
@@ -83,11 +84,14 @@ def test_layouts_load_the_same_weights(fixture, tmp_path):
     _equal_models(hunyuan_image.load_vae(fixture["vae_file"], torch.float32), vae)
     save_safetensors(vae.state_dict(), tmp_path / "vae_diffusers.safetensors")
     _equal_models(hunyuan_image.load_vae(tmp_path / "vae_diffusers.safetensors", torch.float32), vae)
-    single = hunyuan_image_text.load_text_encoders(fixture["text_encoder_file"], fixture["text_encoder_2_file"],
-                                                   fixture["tokenizer"], fixture["tokenizer_2"], torch.float32)  # fmt: skip
-    both = hunyuan_image_text.load_text_encoders(fixture["diffusers"], None, None, None, torch.float32)
+    single = load_text_encoders(fixture["text_encoder_file"], fixture["text_encoder_2_file"], fixture["tokenizer"],
+                                fixture["tokenizer_2"], torch.float32)  # fmt: skip
+    both = load_text_encoders(fixture["diffusers"], None, None, None, torch.float32)
     _equal_models(single.qwen, both.qwen)
     _equal_models(single.byt5, both.byt5)
+    with pytest.raises(CheckpointError, match="HunyuanImage 2.1 needs a second text encoder"):
+        load_text_encoders(fixture["text_encoder_file"], None, fixture["tokenizer"], None, torch.float32,
+                           model="HunyuanImage 2.1")  # fmt: skip
 
 
 def test_release_keys_are_the_fused_layout(fixture):

@@ -1,9 +1,9 @@
 """HunyuanImage 2.1's text: Qwen2.5-VL-7B hidden states of the prompt, and ByT5 states of its quoted text.
 
-Both encoders load as HunyuanVideo 1.5's do (`tuner.archs.hunyuan_video15.loaders.load_qwen` /
-`load_byt5`): Qwen2.5-VL's language model from a diffusers `text_encoder/` or ComfyUI's
-`qwen_2.5_vl_7b*.safetensors` (+ `tokenizer`), Glyph-SDXL-v2's ByT5-small from `text_encoder_2/` or
-ComfyUI's `byt5_small_glyphxl_fp16.safetensors` (its tokenizer is byte-level).
+Both encoders load as HunyuanVideo 1.5's do (its `loaders.load_text_encoders`): Qwen2.5-VL's language
+model from a diffusers `text_encoder/` or ComfyUI's `qwen_2.5_vl_7b*.safetensors` (+ `tokenizer`),
+Glyph-SDXL-v2's ByT5-small from `text_encoder_2/` or ComfyUI's `byt5_small_glyphxl_fp16.safetensors` (its
+tokenizer is byte-level).
 
 What `HunyuanImagePipeline.encode_prompt` computes (diffusers 0.42.1,
 `pipelines/hunyuan_image/pipeline_hunyuanimage.py`):
@@ -22,13 +22,11 @@ masks padded rows, so padding to the pipeline's fixed lengths gives the same out
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import torch
 
-from tuner.archs.hunyuan_video15.loaders import TextEncoders, glyph_states, load_byt5, load_qwen
+from tuner.archs.hunyuan_video15.loaders import TextEncoders, glyph_states
 from tuner.archs.qwen_image.text import TEXT_TO_IMAGE_DROP, TEXT_TO_IMAGE_TEMPLATE
-from tuner.models.loading import load_tokenizer, second_text_encoder
 
 TEMPLATE = TEXT_TO_IMAGE_TEMPLATE.removesuffix("\n<|im_start|>assistant\n")
 DROP = TEXT_TO_IMAGE_DROP  # the pipeline's `prompt_template_encode_start_idx`
@@ -36,31 +34,6 @@ HIDDEN_LAYERS_TO_SKIP = 2  # hidden_states[-3]
 MAX_LENGTH = 1000  # the pipeline's `tokenizer_max_length`
 GLYPH_MAX_LENGTH = 128  # its `tokenizer_2_max_length`
 _QUOTES = (r"\'(.*?)\'", r"\"(.*?)\"", r"‘(.*?)’", r"“(.*?)”")
-
-
-def load_text_encoders(
-    qwen_path: str | Path,
-    byt5_path: str | Path | None,
-    qwen_tokenizer: str | Path | None,
-    byt5_tokenizer: str | Path | None,
-    dtype: torch.dtype,
-) -> TextEncoders:
-    """Qwen2.5-VL's language model and the ByT5 glyph encoder with their tokenizers, in eval mode.
-
-    `byt5_path` may be None when `qwen_path` is a diffusers pipeline root or its `text_encoder/` (the
-    sibling `text_encoder_2/` is used); tokenizer paths may be None for diffusers folders."""
-    qwen, found = load_qwen(qwen_path, dtype)
-    if byt5_path is None:
-        byt5_path = second_text_encoder(
-            qwen_path, "HunyuanImage 2.1", "the ByT5 glyph encoder", "byt5_small_glyphxl_fp16.safetensors"
-        )
-    byt5, found_2 = load_byt5(byt5_path, dtype)
-    return TextEncoders(
-        qwen,
-        load_tokenizer(qwen_tokenizer or found, qwen_path, "Qwen2.5-VL tokenizer (tokenizer/)"),
-        byt5,
-        load_tokenizer(byt5_tokenizer or found_2, byt5_path, "ByT5 tokenizer (tokenizer_2/)"),
-    )
 
 
 def glyph_text(caption: str) -> str | None:

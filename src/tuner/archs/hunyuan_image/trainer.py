@@ -18,7 +18,7 @@ from torch import nn
 
 from tuner.archs.hunyuan_image import loaders as hunyuan_image
 from tuner.archs.hunyuan_image import text as hunyuan_image_text
-from tuner.archs.hunyuan_video15.loaders import collate
+from tuner.archs.hunyuan_video15.loaders import TextEncoders, collate, load_text_encoders
 from tuner.archs.model import ArchitectureModel
 from tuner.memory import text_encoder_dtype
 
@@ -41,15 +41,12 @@ class HunyuanImageModel(ArchitectureModel):
     def load_vae(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         return hunyuan_image.load_vae(self.weights_path("vae"), dtype).to(device)
 
-    def load_text_encoder(self, device: torch.device, dtype: str) -> hunyuan_image_text.TextEncoders:
+    def load_text_encoder(self, device: torch.device, dtype: str) -> TextEncoders:
         m = self.cfg.model
-        encoders = hunyuan_image_text.load_text_encoders(
-            self.weights_path("text_encoder"),
-            m.text_encoder_2 or None,
-            m.tokenizer or None,
-            m.tokenizer_2 or None,
-            text_encoder_dtype(dtype),
-        )
+        encoders = load_text_encoders(
+            self.weights_path("text_encoder"), m.text_encoder_2 or None, m.tokenizer or None,
+            m.tokenizer_2 or None, text_encoder_dtype(dtype), model="HunyuanImage 2.1",
+        )  # fmt: skip
         self.place_text_encoders(dtype, device, encoders.qwen, encoders.byt5)
         return encoders
 

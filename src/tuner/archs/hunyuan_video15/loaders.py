@@ -67,6 +67,7 @@ from tuner.models.loading import (
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
+    second_text_encoder,
     sibling,
 )
 
@@ -334,22 +335,19 @@ def load_text_encoders(
     qwen_tokenizer: str | Path | None,
     byt5_tokenizer: str | Path | None,
     dtype: torch.dtype,
+    model: str = "HunyuanVideo 1.5",
 ) -> TextEncoders:
-    """Qwen2.5-VL's language model and the ByT5 glyph encoder with their tokenizers.
+    """Qwen2.5-VL's language model and the ByT5 glyph encoder with their tokenizers (`model`'s, for
+    messages: HunyuanImage 2.1 loads its text encoders here too).
 
     `byt5_path` may be None when `qwen_path` is a diffusers pipeline root or its `text_encoder/` (the
     sibling `text_encoder_2/` is used); tokenizer paths may be None for diffusers folders.
     """
     qwen, found = load_qwen(qwen_path, dtype)
     if byt5_path is None:
-        folder = resolve_folder(qwen_path, "text_encoder")
-        byt5_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if byt5_path is None:
-            raise CheckpointError(
-                f"{qwen_path}: HunyuanVideo 1.5 needs a second text encoder (the ByT5 glyph encoder). Set "
-                "model.text_encoder_2 to its single file (byt5_small_glyphxl_fp16.safetensors) or diffusers "
-                "folder, or point model.text_encoder at a HunyuanVideo 1.5 diffusers pipeline folder."
-            )
+        byt5_path = second_text_encoder(
+            qwen_path, model, "the ByT5 glyph encoder", "byt5_small_glyphxl_fp16.safetensors"
+        )
     byt5, found_2 = load_byt5(byt5_path, dtype)
     tokenizer = load_tokenizer(qwen_tokenizer or found, qwen_path, "Qwen2.5-VL tokenizer (tokenizer/)")
     if tokenizer.chat_template is None:
