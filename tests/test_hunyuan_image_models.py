@@ -225,21 +225,17 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, parts):
         torch.testing.assert_close(got, out, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("distilled", [False, True], ids=["base", "distilled"])
 @torch.no_grad()
-def test_two_euler_steps_match_the_pipeline(distilled):
-    """What `tuner generate` computes (our encoding, the variant's shift over tuner's evenly spaced sigmas,
-    the Euler steps of `sample_flow`: the base with CFG 3.5, the distilled without CFG and given MeanFlow's
-    next-step r) gives the latents HunyuanImagePipeline gives (its guider plain CFG) for the same noise,
-    steps, guidance and spacing."""
+def test_two_guided_euler_steps_match_the_pipeline(fixture):
+    """What `tuner generate` computes for the base model (our encoding, shift 5 over tuner's evenly spaced
+    sigmas, the Euler steps and CFG of `sample_flow`) gives the latents HunyuanImagePipeline gives (its
+    guider plain CFG) for the same noise, steps, guidance and spacing."""
     import numpy as np
 
-    parts = build_hunyuan_image_components(distilled=distilled)
+    parts = build_hunyuan_image_components()
     pipe = HunyuanImagePipeline(**parts)
     pipe.tokenizer_max_length = 24
-    trainer = _trainer(
-        24, "hunyuanimage2.1_distilled.safetensors" if distilled else "hunyuanimage2.1.safetensors"
-    )
+    trainer = _trainer(24)
     cond, uncond = (
         trainer.collate_text(trainer.encode_text(_encoders(parts), [p])) for p in (CAPTIONS[1], "")
     )
@@ -252,7 +248,7 @@ def test_two_euler_steps_match_the_pipeline(distilled):
     def model_fn(x, t, c):  # as `tuner generate` calls the family
         return trainer.predict(parts["transformer"], x, t / 1000, c)
 
-    x = trainer.sample_flow(model_fn, x, pipe.scheduler.sigmas, cond, uncond, 1.0 if distilled else 3.5)
+    x = trainer.sample_flow(model_fn, x, pipe.scheduler.sigmas, cond, uncond, 3.5)
     torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
 
 

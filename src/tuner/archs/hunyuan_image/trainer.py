@@ -8,8 +8,8 @@ text`; `cache.text_max_length` is the pipeline's `tokenizer_max_length`, 1000). 
 velocity noise − x0 at t × 1000, shifted timesteps as sd-scripts trains it (`timesteps.shift`; its
 recommended `discrete_flow_shift` is 5). Sampling: the base model with plain CFG (the release samples
 with APG at 3.5, tuner with CFG) at shift 5; the distilled one (8 steps, shift 4, no CFG) is given its
-embedded guidance 3.25 and MeanFlow's interval end r (the next step's time; in training r = t, the
-instantaneous velocity). Training the distilled model warns: it undoes the distillation.
+embedded guidance 3.25 and MeanFlow's r = t (the instantaneous velocity: HunyuanImagePipeline gives the
+next step's time, which the shared Euler sampler does not pass a model). Training the distilled model warns: it undoes the distillation.
 """
 
 from __future__ import annotations
@@ -65,18 +65,6 @@ class HunyuanImageModel(ArchitectureModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hunyuan_image.predict_velocity(model, noisy, t, cond)
-
-    def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
-                    guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
-        """The shared Euler steps, each call also given MeanFlow's interval end r, the next step's time
-        (`timestep_r`, 0 at the last), as HunyuanImagePipeline gives the distilled model (the base ignores it)."""
-        times = [t * 1000.0 for t in sigmas.double().tolist()]
-
-        def with_interval_end(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
-            step = min(range(len(times) - 1), key=lambda i: abs(times[i] - float(t[0])))
-            return model_fn(x, t, {**c, "timestep_r": torch.full_like(t, times[step + 1])})
-
-        return super().sample_flow(with_interval_end, noise, sigmas, cond, uncond, guidance_scale, progress)
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         factor = hunyuan_image.VAE_FACTOR
