@@ -3,13 +3,14 @@
 Latents: AutoencoderKLHunyuanImage, 64 channels 32× smaller, scaled by 0.75289 (no shift); the
 transformer's patch is 1×1, so pixel sides are multiples of 32 (the release runs at 2K). Text:
 Qwen2.5-VL-7B's third-to-last hidden states of the prompt in its system template and ByT5 states of the
-prompt's quoted text, each at its true length, padded with masks when batched (`tuner.archs.hunyuan_image.
-text`; `cache.text_max_length` is the pipeline's `tokenizer_max_length`, 1000). Objective: flow matching,
+prompt's quoted text, each at its true length, padded with masks when batched (`text.py`;
+`cache.text_max_length` is the pipeline's `tokenizer_max_length`, 1000). Objective: flow matching,
 velocity noise − x0 at t × 1000, shifted timesteps as sd-scripts trains it (`timesteps.shift`; its
 recommended `discrete_flow_shift` is 5). Sampling: the base model with plain CFG (the release samples
 with APG at 3.5, tuner with CFG) at shift 5; the distilled one (8 steps, shift 4, no CFG) is given its
 embedded guidance 3.25 and MeanFlow's r = t (the instantaneous velocity: HunyuanImagePipeline gives the
-next step's time, which the shared Euler sampler does not pass a model). Training the distilled model warns: it undoes the distillation.
+next step's time, which the shared Euler sampler does not pass a model). Training the distilled model
+warns: it undoes the distillation.
 """
 
 from __future__ import annotations
