@@ -10,7 +10,10 @@ a single block's q, k, v and MLP input in one `linear1` and its output in `linea
 Where that comes from (public code, read for the facts): Tencent's loader splits exactly those fused
 tensors into its own `img_attn_q` / `linear1_q` / `linear1_mlp` / `linear2.fc` parameters when it reads
 the file (`convert_hunyuan_dict_for_tensor_parallel`, copied into diffusers'
-`scripts/convert_hunyuan_image_to_diffusers.py`, whose key map is the rest of this table); ComfyUI builds
+`scripts/convert_hunyuan_image_to_diffusers.py`, whose key map is the rest of this table); sd-scripts'
+`library/hunyuan_image_models.py` loads the release file strictly into modules of exactly these fused
+names (`img_attn_qkv`, `linear1`, `linear2`, `img_mlp.fc1`), so its `lora_unet_` files spell the
+release's `img_mlp_fc1` (the musubi layout's spelling here; it reads back either way); ComfyUI builds
 HunyuanImage 2.1 from its HunyuanVideo class (`comfy/ldm/hunyuan_video/model.py`, 2D patches, the ByT5
 mapper), so it renames the release's modules as 1.0's (`COMFY_RENAMES`: `img_attn.qkv`, `img_mlp.0`,
 `img_mod.lin`). Its model class (`comfy.model_base.HunyuanImage21`) is no `HunyuanVideo` subclass, so the
