@@ -32,6 +32,7 @@ pytest.importorskip("peft")
 
 SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl", "krea2",
           "ideogram4"]  # fmt: skip
+          "hunyuan_image"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

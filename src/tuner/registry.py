@@ -42,6 +42,7 @@ FAMILIES = (
     "aura_flow",
     "ernie_image",
     "ideogram4",
+    "hunyuan_image",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""

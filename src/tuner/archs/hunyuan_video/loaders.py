@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import torch
 
 from tuner.archs.flux.loaders import CLIP_SPEC
+from tuner.archs.hunyuan_image.loaders import refuse_hunyuan_image
 from tuner.archs.hunyuan_video.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.errors import CheckpointError
 from tuner.models.component import component_spec, diffusers_keys, load_component
@@ -130,7 +131,8 @@ def _hunyuan_video_15(path: str | Path) -> CheckpointError:
 
 
 def _refuse_other_networks(shapes: Mapping[str, tuple[int, ...]], path: Path) -> None:
-    """HunyuanVideo 1.5 and FramePack files share block names with HunyuanVideo's."""
+    """HunyuanImage 2.1, HunyuanVideo 1.5 and FramePack files share block names with HunyuanVideo's."""
+    refuse_hunyuan_image(shapes, path)
     if any(name in _HUNYUAN_VIDEO_15_MARKERS for name in shapes):
         raise _hunyuan_video_15(path)
     if any(name.startswith("clean_x_embedder.") for name in shapes):

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from tuner.archs.flux.loaders import t5_keys
+from tuner.archs.hunyuan_image.loaders import refuse_hunyuan_image
 from tuner.archs.hunyuan_video15.keys import (
     TENCENT_LAYOUT,
     transformer_key_to_original,
@@ -66,6 +67,7 @@ from tuner.models.loading import (
     read_folder_config,
     read_tensor_shapes,
     resolve_folder,
+    second_text_encoder,
     sibling,
 )
 
@@ -293,6 +295,7 @@ def load_transformer(
         other = read_folder_config(folder).get("_class_name") == "HunyuanVideoTransformer3DModel"
     else:
         keys = normalize_shapes(read_tensor_shapes(path))
+        refuse_hunyuan_image(keys, path)
         other = any(k in _HUNYUAN_VIDEO_1_MARKERS for k in keys)
         spec = TENCENT_TRANSFORMER_SPEC if _TENCENT_MARKER in keys else TRANSFORMER_SPEC
     if other:
@@ -332,23 +335,20 @@ def load_text_encoders(
     qwen_tokenizer: str | Path | None,
     byt5_tokenizer: str | Path | None,
     dtype: torch.dtype,
+    model: str = "HunyuanVideo 1.5",
 ) -> TextEncoders:
-    """Qwen2.5-VL's language model and the ByT5 glyph encoder with their tokenizers.
+    """Qwen2.5-VL's language model and the ByT5 glyph encoder with their tokenizers (`model`'s, for
+    messages: HunyuanImage 2.1 loads its text encoders here too).
 
     `byt5_path` may be None when `qwen_path` is a diffusers pipeline root or its `text_encoder/` (the
     sibling `text_encoder_2/` is used); tokenizer paths may be None for diffusers folders.
     """
-    qwen, found = _load_qwen(qwen_path, dtype)
+    qwen, found = load_qwen(qwen_path, dtype)
     if byt5_path is None:
-        folder = resolve_folder(qwen_path, "text_encoder")
-        byt5_path = sibling(folder, "text_encoder_2") if folder is not None else None
-        if byt5_path is None:
-            raise CheckpointError(
-                f"{qwen_path}: HunyuanVideo 1.5 needs a second text encoder (the ByT5 glyph encoder). Set "
-                "model.text_encoder_2 to its single file (byt5_small_glyphxl_fp16.safetensors) or diffusers "
-                "folder, or point model.text_encoder at a HunyuanVideo 1.5 diffusers pipeline folder."
-            )
-    byt5, found_2 = _load_byt5(byt5_path, dtype)
+        byt5_path = second_text_encoder(
+            qwen_path, model, "the ByT5 glyph encoder", "byt5_small_glyphxl_fp16.safetensors"
+        )
+    byt5, found_2 = load_byt5(byt5_path, dtype)
     tokenizer = load_tokenizer(qwen_tokenizer or found, qwen_path, "Qwen2.5-VL tokenizer (tokenizer/)")
     if tokenizer.chat_template is None:
         tokenizer.chat_template = QWEN_CHAT_TEMPLATE
@@ -360,8 +360,9 @@ def load_text_encoders(
     )
 
 
-def _load_qwen(path: str | Path, dtype: torch.dtype) -> tuple[Qwen2_5_VLTextModel, Path | None]:
-    """The language model, and the tokenizer folder beside a diffusers folder (else None)."""
+def load_qwen(path: str | Path, dtype: torch.dtype) -> tuple[Qwen2_5_VLTextModel, Path | None]:
+    """Qwen2.5-VL's language model (HunyuanImage 2.1 loads it here too), and the tokenizer folder beside a
+    diffusers folder (else None)."""
     from transformers import Qwen2_5_VLTextModel
 
     from tuner.archs.qwen_image import text as qwen_image_text
@@ -377,8 +378,9 @@ def _load_qwen(path: str | Path, dtype: torch.dtype) -> tuple[Qwen2_5_VLTextMode
     return qwen_image_text.load_single_file(Path(path), dtype).language_model.eval(), None
 
 
-def _load_byt5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:
-    """The ByT5 encoder, and the tokenizer folder beside a diffusers folder (else None)."""
+def load_byt5(path: str | Path, dtype: torch.dtype) -> tuple[T5EncoderModel, Path | None]:
+    """The ByT5 glyph encoder (HunyuanImage 2.1's too), and the tokenizer folder beside a diffusers folder
+    (else None)."""
     from transformers import T5Config, T5EncoderModel
 
     path = Path(path)
@@ -428,19 +430,24 @@ def encode_prompts(
         input_ids=tokens["input_ids"].to(qwen.device), attention_mask=mask, output_hidden_states=True
     ).hidden_states[-(HIDDEN_LAYERS_TO_SKIP + 1)]
     hidden, mask = hidden[:, CROP_START:], mask[:, CROP_START:].bool()
-    out = []
-    for caption, h, m in zip(captions, hidden, mask):
-        text = glyph_text(caption)
-        glyph = h.new_zeros(0, byt5.config.d_model)
-        if text is not None:
-            ids = byt5_tokenizer(
-                text, padding="max_length", max_length=GLYPH_MAX_LENGTH, truncation=True, return_tensors="pt"
-            )
-            g_mask = ids.attention_mask.to(byt5.device)
-            states = byt5(input_ids=ids.input_ids.to(byt5.device), attention_mask=g_mask.float())[0]
-            glyph = states[0][g_mask[0].bool()]
-        out.append({"text": h[m], "glyph": glyph.to(h.dtype)})
-    return out
+    return [
+        {
+            "text": h[m],
+            "glyph": glyph_states(byt5, byt5_tokenizer, glyph_text(c), GLYPH_MAX_LENGTH).to(h.dtype),
+        }
+        for c, h, m in zip(captions, hidden, mask)
+    ]
+
+
+def glyph_states(byt5: T5EncoderModel, tokenizer, text: str | None, max_length: int) -> torch.Tensor:
+    """ByT5's last hidden state [g, D] of a caption's glyph text tokenized to `max_length`, at its true
+    length; [0, D] for None (no quoted text). HunyuanImage 2.1 encodes its glyph text so too."""
+    if text is None:
+        return torch.zeros(0, byt5.config.d_model, device=byt5.device)
+    ids = tokenizer(text, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+    mask = ids.attention_mask.to(byt5.device)
+    states = byt5(input_ids=ids.input_ids.to(byt5.device), attention_mask=mask.float())[0]
+    return states[0][mask[0].bool()]
 
 
 def _pad(rows: list[torch.Tensor], least: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
