@@ -31,8 +31,7 @@ from tuner.registry import ARCHITECTURES, resolve_save_format
 pytest.importorskip("peft")
 
 SAMPLE = ["wan", "hunyuan_video", "hunyuan_video15", "z_image", "sd3", "framepack", "sdxl", "krea2",
-          "ideogram4"]  # fmt: skip
-          "hunyuan_image"]  # fmt: skip
+          "ideogram4", "hunyuan_image"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
