@@ -142,7 +142,9 @@ def objective_from_config(kind: str, section: Any, architecture: str):
                 f"{', '.join(set_keys)}: options of DDPM models (sdxl); {architecture} is trained with flow "
                 "matching. Remove them."
             )
-        return FlowObjective(section.loss_weighting)
+        return FlowObjective(
+            section.loss_weighting, section.logit_mean, section.logit_std, section.mode_scale
+        )
     if section.loss_weighting != "none":
         raise ConfigError(
             f"timesteps.loss_weighting = {section.loss_weighting!r} weights flow-matching models; {architecture} "
