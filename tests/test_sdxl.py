@@ -309,6 +309,28 @@ def test_levels_timestep_limits_and_weights():
     assert torch.isfinite(eps.weights(t)).all()
 
 
+def test_debiased_estimation_is_sd_scripts_weight_for_each_prediction():
+    """sd-scripts' `apply_debiased_estimation`: 1/√SNR for epsilon, 1/(SNR + 1) for v, SNR capped at
+    1000; SNR from diffusers' own schedule here."""
+    ac = DDPMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear"
+    ).alphas_cumprod.double()
+    snr = (ac / (1 - ac)).clamp_max(1000)
+    t = torch.tensor([0.0, 0.25, 0.5, 0.999])
+    k = [0, 250, 500, 999]
+    eps = DDPMObjective("epsilon", debiased_estimation=True).weights(t)
+    v = DDPMObjective("v", debiased_estimation=True).weights(t)
+    torch.testing.assert_close(eps.double(), 1 / snr[k].sqrt(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(v.double(), 1 / (snr[k] + 1), rtol=1e-5, atol=0)
+    assert (eps[2].item(), v[2].item()) == (pytest.approx(1.62, abs=0.01), pytest.approx(0.72, abs=0.01))
+    # zero terminal SNR: v's pure-noise level weighs 1 (1 / (0 + 1)); epsilon's stays finite
+    ztsnr = torch.tensor([1.0])
+    assert DDPMObjective("v", zero_terminal_snr=True, debiased_estimation=True).weights(ztsnr).item() == 1.0
+    assert torch.isfinite(
+        DDPMObjective("epsilon", zero_terminal_snr=True, debiased_estimation=True).weights(ztsnr)
+    ).all()
+
+
 def test_noise_offset_adds_a_constant_per_sample_and_channel():
     noise = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     offset = offset_noise(noise, 0.1, torch.Generator().manual_seed(1)) - noise
