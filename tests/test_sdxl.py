@@ -160,6 +160,21 @@ def test_text_encoding_matches_the_pipeline(trainer, pipe):
     torch.testing.assert_close(ours["pooled"], pooled, rtol=0, atol=0)
 
 
+def test_a_dropped_caption_trains_on_the_empty_captions_encoding(trainer):
+    """Caption dropout trains on the encoding of "" (sd-scripts' and kohya's rule, `caption = ""` before
+    encoding), not on zeros as SDXL's own training did; see the trainer's docstring for why."""
+    from tuner.cache.plan import open_training_data
+    from tuner.cache.store import CacheStore
+
+    sample = open_training_data(trainer, trainer.cfg, log=lambda s: None).samples[0]
+    dropped = CacheStore(sample.cache_dir, readonly=True).get(sample.empty_text_key)
+    encoders = trainer.load_text_encoder(torch.device("cpu"), trainer.cfg.cache.text_encoder_dtype)
+    (empty,) = trainer.encode_text(encoders, [""])
+    assert dropped.keys() == empty.keys() and all(dropped[k].any() for k in dropped)
+    for name in dropped:
+        torch.testing.assert_close(dropped[name], empty[name].to(dropped[name].dtype), rtol=0, atol=0)
+
+
 def test_predict_matches_the_pipelines_unet_call(trainer, pipe):
     model = trainer.load_transformer(torch.float32)
     noisy, hidden, pooled = _unet_inputs()
