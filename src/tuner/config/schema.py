@@ -72,7 +72,11 @@ class ModelConfig:
         path=True,
     )
     guidance: float = option(
-        1.0, "Guidance-embedding value fed while training guidance-distilled models (FLUX.1-dev).", ge=0
+        1.0,
+        "Guidance-embedding value fed while training guidance-distilled models (FLUX.1-dev; HunyuanVideo "
+        "takes it × 1000 as its release's sampler and diffusion-pipe do, where musubi-tuner's training "
+        "passes it raw).",
+        ge=0,
     )
     dtype: Dtype = option("bf16", "Dtype the frozen base transformer is loaded in.")
     vae_dtype: Dtype = option("fp32", "Dtype of the VAE.")
