@@ -37,6 +37,21 @@ def test_check_and_timesteps_histogram(tmp_path, wan_model, capsys):
     assert code == 2 and "Did you mean 'logit_normal'" in out
 
 
+def test_timesteps_plots_every_mode(tmp_path, wan_model, capsys):
+    from tuner.diffusion.timesteps import MODES
+
+    config = make_project(tmp_path, wan_model)
+    for mode in MODES:
+        png = tmp_path / f"{mode}.png"
+        code, out = run(capsys, "timesteps", "--config", config, "--set", f"timesteps.mode={mode}",
+                        "--set", "timesteps.max_timestep=0.9", "--seq-len", "1024", "--out", png)  # fmt: skip
+        assert code == 0, out
+        with Image.open(png) as img:
+            assert img.format == "PNG" and img.width > 200 and img.height > 100
+            colors = dict((c, n) for n, c in img.convert("RGB").getcolors(maxcolors=100_000))
+        assert colors.get((70, 120, 190), 0) > 1000, mode  # the histogram's bars are drawn
+
+
 def test_fixtures_command_writes_both_layouts(tmp_path, capsys):
     code, out = run(capsys, "fixtures", "wan", tmp_path / "m")
     assert code == 0

@@ -85,18 +85,20 @@ def test_averaged_weights_are_the_eval_point_and_training_resumes_exactly():
 # -- Automagic ----------------------------------------------------------------------------------
 
 
-def test_automagic_rates_grow_while_the_sign_holds_and_shrink_when_it_flips():
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_automagic_rates_grow_while_the_sign_holds_and_shrink_when_it_flips(bias_correction):
     """Against a direct fp64 computation of the rule for a vector (full second moment); the optimizer
-    computes in fp32."""
+    computes in fp32. bias_correction = False is ai-toolkit's second moment (the raw average)."""
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64))
-    opt = Automagic([p], lr=1e-3, min_lr=9.99e-4, max_lr=1.0005e-3, lr_bump=1e-6, beta2=0.9, eps=0.0)
+    opt = Automagic([p], lr=1e-3, min_lr=9.99e-4, max_lr=1.0005e-3, lr_bump=1e-6, beta2=0.9, eps=0.0,
+                    bias_correction=bias_correction)  # fmt: skip
     grads = [[1.0, 1.0, 1.0], [2.0, -1.0, 1.0], [1.0, -1.0, 1.0]]
     w, v = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
     rate, last = torch.full((3,), 1e-3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
     for step, g in enumerate(grads, 1):
         g = torch.tensor(g, dtype=torch.float64)
         v = 0.9 * v + 0.1 * g * g
-        u = g / (v / (1 - 0.9**step)).sqrt()
+        u = g / (v / (1 - 0.9**step if bias_correction else 1.0)).sqrt()
         u = u / max(1.0, u.pow(2).mean().sqrt().item())
         rate = (rate + 1e-6 * torch.sign(u) * last).clamp(9.99e-4, 1.0005e-3)
         last = torch.sign(u)
@@ -108,6 +110,21 @@ def test_automagic_rates_grow_while_the_sign_holds_and_shrink_when_it_flips():
     # element 0 kept its sign twice (+2 bumps, clamped at max_lr), element 1 flipped then held
     assert rate.tolist() == pytest.approx([1.0005e-3, 1e-3, 1.0005e-3], abs=1e-10)
     assert opt.mean_lr() == pytest.approx(rate.mean().item(), abs=1e-10)
+
+
+def test_automagic_without_bias_correction_moves_the_first_steps_further():
+    """ai-toolkit's raw second moment is (1 − β2^t) too small early on: its first updates are larger
+    (here at the RMS clip) than the bias-corrected ones."""
+    moved = {}
+    for corrected in (True, False):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.zeros(8, 8))
+        opt = Automagic([p], lr=1e-3, bias_correction=corrected, clip_threshold=10.0)
+        for i in range(3):
+            p.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(i))
+            opt.step()
+        moved[corrected] = p.detach().abs().sum().item()
+    assert moved[False] > 2 * moved[True]
 
 
 def test_automagic_factors_the_second_moment_of_matrices():

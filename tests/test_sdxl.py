@@ -160,6 +160,21 @@ def test_text_encoding_matches_the_pipeline(trainer, pipe):
     torch.testing.assert_close(ours["pooled"], pooled, rtol=0, atol=0)
 
 
+def test_a_dropped_caption_trains_on_the_empty_captions_encoding(trainer):
+    """Caption dropout trains on the encoding of "" (sd-scripts' and kohya's rule, `caption = ""` before
+    encoding), not on zeros as SDXL's own training did; see the trainer's docstring for why."""
+    from tuner.cache.plan import open_training_data
+    from tuner.cache.store import CacheStore
+
+    sample = open_training_data(trainer, trainer.cfg, log=lambda s: None).samples[0]
+    dropped = CacheStore(sample.cache_dir, readonly=True).get(sample.empty_text_key)
+    encoders = trainer.load_text_encoder(torch.device("cpu"), trainer.cfg.cache.text_encoder_dtype)
+    (empty,) = trainer.encode_text(encoders, [""])
+    assert dropped.keys() == empty.keys() and all(dropped[k].any() for k in dropped)
+    for name in dropped:
+        torch.testing.assert_close(dropped[name], empty[name].to(dropped[name].dtype), rtol=0, atol=0)
+
+
 def test_predict_matches_the_pipelines_unet_call(trainer, pipe):
     model = trainer.load_transformer(torch.float32)
     noisy, hidden, pooled = _unet_inputs()
@@ -307,6 +322,28 @@ def test_levels_timestep_limits_and_weights():
     assert torch.isfinite(weights).all() and weights[-1] == 0  # v at SNR 0: min(0, γ) / (0 + 1)
     eps = DDPMObjective("epsilon", zero_terminal_snr=True, min_snr_gamma=5.0, debiased_estimation=True)
     assert torch.isfinite(eps.weights(t)).all()
+
+
+def test_debiased_estimation_is_sd_scripts_weight_for_each_prediction():
+    """sd-scripts' `apply_debiased_estimation`: 1/√SNR for epsilon, 1/(SNR + 1) for v, SNR capped at
+    1000; SNR from diffusers' own schedule here."""
+    ac = DDPMScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear"
+    ).alphas_cumprod.double()
+    snr = (ac / (1 - ac)).clamp_max(1000)
+    t = torch.tensor([0.0, 0.25, 0.5, 0.999])
+    k = [0, 250, 500, 999]
+    eps = DDPMObjective("epsilon", debiased_estimation=True).weights(t)
+    v = DDPMObjective("v", debiased_estimation=True).weights(t)
+    torch.testing.assert_close(eps.double(), 1 / snr[k].sqrt(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(v.double(), 1 / (snr[k] + 1), rtol=1e-5, atol=0)
+    assert (eps[2].item(), v[2].item()) == (pytest.approx(1.62, abs=0.01), pytest.approx(0.72, abs=0.01))
+    # zero terminal SNR: v's pure-noise level weighs 1 (1 / (0 + 1)); epsilon's stays finite
+    ztsnr = torch.tensor([1.0])
+    assert DDPMObjective("v", zero_terminal_snr=True, debiased_estimation=True).weights(ztsnr).item() == 1.0
+    assert torch.isfinite(
+        DDPMObjective("epsilon", zero_terminal_snr=True, debiased_estimation=True).weights(ztsnr)
+    ).all()
 
 
 def test_noise_offset_adds_a_constant_per_sample_and_channel():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tuner.diffusion.histogram import plot_histogram
 from tuner.diffusion.timesteps import (
     RESOLUTION_SHIFTS,
     TimestepSampler,
@@ -18,7 +19,6 @@ from tuner.diffusion.timesteps import (
     flow_loss,
     flow_target,
     loss_weight,
-    plot_histogram,
     sampler_from_config,
 )
 from tuner.errors import ConfigError

@@ -95,7 +95,7 @@ def _cache_verify(args) -> None:
 
 
 def _timesteps(args) -> None:
-    from tuner.diffusion.timesteps import plot_histogram
+    from tuner.diffusion.histogram import plot_histogram
     from tuner.trainers import trainer_class
 
     cfg = _load(args)

@@ -72,7 +72,11 @@ class ModelConfig:
         path=True,
     )
     guidance: float = option(
-        1.0, "Guidance-embedding value fed while training guidance-distilled models (FLUX.1-dev).", ge=0
+        1.0,
+        "Guidance-embedding value fed while training guidance-distilled models (FLUX.1-dev; HunyuanVideo "
+        "takes it × 1000 as its release's sampler and diffusion-pipe do, where musubi-tuner's training "
+        "passes it raw).",
+        ge=0,
     )
     dtype: Dtype = option("bf16", "Dtype the frozen base transformer is loaded in.")
     vae_dtype: Dtype = option("fp32", "Dtype of the VAE.")
@@ -190,34 +194,68 @@ class NetworkConfig:
         check_network_options(self)
 
 
+TIMESTEPS_GUIDE = """Flow-matching timestep sampling and loss (DDPM models, SDXL: the last four keys). Which t
+the model trains on (t = 0 clean, 1 pure noise; `tuner timesteps` draws the configured distribution as a
+PNG). Modes, with musubi-tuner's names and formulas (`tuner.diffusion.timesteps` has them written out):
+
+- `auto`: the model's usual one (below, in brackets). Start here.
+- `uniform` (SDXL): every t alike; DDPM models, and a baseline for comparing recipes.
+- `sigmoid`: a bump around 0.5 (`sigmoid_scale` widens it): the middle of the path without a shift.
+- `logit_normal` (Cosmos-Predict2): SD3's default, median sigmoid(`logit_mean`); a positive mean trains noisier t.
+- `mode`: SD3's heavy-tailed middle bump (`mode_scale`, −1 … 1.75; 0 is uniform). Like logit_normal
+  but keeps some mass at both ends.
+- `logsnr`: the log-SNR λ ~ N(`logit_mean`, `logit_std`), t = sigmoid(−λ/2); recipes from arXiv:2411.14793.
+- `shift` (Wan, HunyuanVideo and every model not named here): `shift_from` then the flow shift
+  `discrete_flow_shift` towards noise; large images and video need s = 3…12.
+- `flux_shift` (FLUX.1, FLUX.2), `qwen_shift` (Qwen-Image), `krea2_shift` (Krea 2): the shift chosen from the
+  token count as the model's own scheduler does; for training at several resolutions.
+- `flux2_shift` (musubi-tuner's FLUX.2 mode): FLUX.1's line on FLUX.2's tokens; in tuner the same as
+  `flux_shift`, which already counts each model's tokens.
+- `qinglong_flux` / `qinglong_qwen`: 80 % flux_shift / qwen_shift, 7.5 % logsnr, 12.5 % nearly clean
+  logsnr (λ ~ N(5.36, 1)): musubi-tuner's hybrid for fine detail on top of composition.
+
+`min_timestep` / `max_timestep` narrow any mode; `range_mode` says how: `truncate` keeps the shape inside
+the range (musubi-tuner's `--preserve_distribution_shape`), `scale` squeezes the whole distribution in
+(musubi-tuner's default). Loss weightings (`loss_weighting`): `none` (the usual choice), `sigma_sqrt`
+(1/t², stresses clean t), `cosmap` (cosine schedule), `logit_normal` / `mode` (the density of that mode as
+a weight, SD3 §3.1; musubi-tuner's `--weighting_scheme logit_normal` / `mode` instead *draws* t from it,
+which is `mode = "logit_normal"` / `"mode"` here)."""
+
+
 @dataclass(frozen=True)
 class TimestepConfig:
     mode: Literal[
-        "auto",
-        "uniform",
-        "sigmoid",
-        "logit_normal",
-        "shift",
-        "flux_shift",
-        "qwen_shift",
-        "krea2_shift",
-        "ideogram4_shift",
+        "auto", "uniform", "sigmoid", "logit_normal", "mode", "logsnr", "shift", "flux_shift", "flux2_shift",
+        "qwen_shift", "krea2_shift", "qinglong_flux", "qinglong_qwen", "ideogram4_shift",
     ] = option(
         "auto",
-        "How training timesteps t in [0, 1] are drawn; auto is the model's usual choice (shift for Wan, "
-        "flux_shift for FLUX.1, qwen_shift for Qwen-Image, krea2_shift for Krea 2, ideogram4_shift for "
-        "Ideogram 4, uniform for SDXL).",
-    )
+        "How training timesteps t in [0, 1] are drawn (see the list above); auto is the model's usual choice "
+        "(shift for Wan, flux_shift for FLUX.1, qwen_shift for Qwen-Image, krea2_shift for Krea 2, "
+        "ideogram4_shift for Ideogram 4, uniform for SDXL).",
+    )  # fmt: skip
     sigmoid_scale: float = option(
         1.0, "Scale of the normal inside the sigmoid (sigmoid and shift modes).", gt=0
     )
-    logit_mean: float = option(0.0, "Mean of the normal (logit_normal mode).")
-    logit_std: float = option(1.0, "Std of the normal (logit_normal mode).", gt=0)
+    logit_mean: float = option(
+        0.0, "Mean of the normal (logit_normal mode and weighting; of λ in logsnr and the Qinglong modes)."
+    )
+    logit_std: float = option(
+        1.0,
+        "Std of the normal (logit_normal mode and weighting; of λ in logsnr and the Qinglong modes).",
+        gt=0,
+    )
+    mode_scale: float = option(
+        1.29, "s of the mode mode and weighting, in [-1, 2/(π-2) ≈ 1.75]; 0 is uniform.", ge=-1, le=1.7519
+    )
     discrete_flow_shift: float = option(3.0, "Shift s of t' = s·t / (1 + (s-1)·t) (shift mode).", gt=0)
     min_timestep: float = option(0.0, "Smallest t drawn, in [0, 1].", ge=0, le=1)
     max_timestep: float = option(1.0, "Largest t drawn, in [0, 1].", ge=0, le=1)
-    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = option(
-        "none", "Per-timestep weighting of the MSE loss (flow-matching models)."
+    range_mode: Literal["truncate", "scale"] = option(
+        "truncate",
+        "How min/max_timestep narrow the mode: truncate (shape kept inside) or scale (squeezed in).",
+    )
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap", "logit_normal", "mode"] = option(
+        "none", "Per-timestep weighting of the MSE loss (flow-matching models; see the list above)."
     )
     noise_offset: float = option(
         0.0, "Add this times a per-channel constant to the noise (learns brightness; e.g. 0.0357).", ge=0
@@ -233,7 +271,9 @@ class TimestepConfig:
     min_snr_gamma: float = option(
         0.0, "DDPM models: min-SNR-γ loss weighting (5 is usual); 0 disables it.", ge=0
     )
-    debiased_estimation: bool = option(False, "DDPM models: weight the loss by 1/√SNR (debiased estimation).")
+    debiased_estimation: bool = option(
+        False, "DDPM models: sd-scripts' debiased estimation, weight 1/√SNR (epsilon) or 1/(SNR+1) (v)."
+    )
 
     def __post_init__(self) -> None:
         if self.min_timestep >= self.max_timestep:
@@ -484,9 +524,7 @@ class TrainingFile:
     data: DataConfig = option(doc="Where the data is.")
     cache: CacheConfig = option(factory=CacheConfig, doc="Caching commands' settings.")
     network: NetworkConfig = option(factory=NetworkConfig, doc="The adapter being trained.")
-    timesteps: TimestepConfig = option(
-        factory=TimestepConfig, doc="Flow-matching timestep sampling and loss."
-    )
+    timesteps: TimestepConfig = option(factory=TimestepConfig, doc=TIMESTEPS_GUIDE)
     train: TrainConfig = option(factory=TrainConfig, doc="Optimizer, schedule and loop.")
     save: SaveConfig = option(factory=SaveConfig, doc="What is saved and when.")
     log: LogConfig = option(factory=LogConfig, doc="Progress and TensorBoard logging.")

@@ -20,8 +20,12 @@ told k. The options users of this family expect:
 - `min_snr_gamma` γ (Hang et al. 2023): weight each sample by min(SNR, γ) / SNR (epsilon) or
   min(SNR, γ) / (SNR + 1) (v), so that nearly clean levels, whose loss is tiny but whose gradients
   dominate, count less. 5 is the paper's value; 0 turns it off;
-- `debiased_estimation`: weight by 1 / √SNR (SNR clamped to [1e-3, 1000]), the "debiased estimation
-  loss" of kohya's sd-scripts;
+- `debiased_estimation`: the "debiased estimation loss" of kohya's sd-scripts (`apply_debiased_estimation`
+  in `library/custom_train_functions.py`; diffusion-pipe the same): weight by 1 / √SNR (epsilon) or
+  1 / (SNR + 1) (v: 0.72 against 1.62 at k = 500), SNR capped at 1000 (and, for epsilon, floored at 1e-3
+  so that a zero-terminal-SNR schedule's pure-noise level stays finite). Note that 1 / (SNR + 1) is not
+  the epsilon weight carried over to v (a v error is an epsilon error times √((SNR + 1) / SNR), which
+  would give √SNR / (SNR + 1)); it is the community's form, kept so that recipes carry over;
 - `noise_offset` (drawn in the training step, see `offset_noise`): ε gets a per-channel constant added,
   so the model learns to change an image's mean brightness.
 
@@ -104,10 +108,11 @@ class DDPMObjective:
 
     def weights(self, t: torch.Tensor) -> torch.Tensor:
         """Per-sample loss weights: 1, times min(SNR, γ) / SNR (epsilon) or min(SNR, γ) / (SNR + 1) (v)
-        with min-SNR-γ, times 1 / √SNR with debiased estimation (which clamps SNR to [1e-3, 1000])."""
+        with min-SNR-γ, times 1 / √SNR (epsilon) or 1 / (SNR + 1) (v) with debiased estimation (which
+        caps SNR at 1000, and floors it at 1e-3 for epsilon)."""
         snr = self.snr(t)
-        if self.debiased_estimation:
-            snr = snr.clamp(*_SNR_RANGE)
+        if self.debiased_estimation:  # sd-scripts caps SNR at 1000; the floor keeps epsilon's 1 / √SNR finite
+            snr = snr.clamp(_SNR_RANGE[0] if self.prediction == "epsilon" else 0.0, _SNR_RANGE[1])
         weight = torch.ones_like(snr)
         if self.min_snr_gamma > 0:
             clipped = snr.clamp_max(self.min_snr_gamma)
@@ -116,7 +121,7 @@ class DDPMObjective:
             else:  # the pure-noise level of a zero-terminal-SNR schedule: min(0, γ) / 0 is taken as 1
                 weight = torch.where(snr > 0, clipped / snr.clamp_min(1e-12), weight)
         if self.debiased_estimation:
-            weight = weight / snr.sqrt()
+            weight = weight / (snr + 1 if self.prediction == "v" else snr.sqrt())
         return weight
 
     def loss(
@@ -142,7 +147,9 @@ def objective_from_config(kind: str, section: Any, architecture: str):
                 f"{', '.join(set_keys)}: options of DDPM models (sdxl); {architecture} is trained with flow "
                 "matching. Remove them."
             )
-        return FlowObjective(section.loss_weighting)
+        return FlowObjective(
+            section.loss_weighting, section.logit_mean, section.logit_std, section.mode_scale
+        )
     if section.loss_weighting != "none":
         raise ConfigError(
             f"timesteps.loss_weighting = {section.loss_weighting!r} weights flow-matching models; {architecture} "

@@ -8,26 +8,43 @@ and trains the model to predict the velocity of that line, dx_t/dt = ε − x0 (
 same velocity is the target at every t; what changes between recipes is *which* t the model sees
 during training. Uniform t spends as many steps on nearly clean latents (easy, little signal) as on
 the middle of the path, where the model decides layout and colour. So trainers draw t from a
-distribution that puts more mass in the middle or, for large images and videos, towards noise:
+distribution that puts more mass in the middle or, for large images and videos, towards noise. The
+modes (names and formulas as musubi-tuner's `--timestep_sampling`, `hv_train_network.py`, and
+diffusers' `training_utils.compute_density_for_timestep_sampling`; n ~ N(0, 1), u ~ U(0, 1)):
 
-- `uniform`: t ~ U(0, 1).
-- `sigmoid`: t = sigmoid(sigmoid_scale · n), n ~ N(0, 1). A bump around 0.5; a larger scale flattens it.
-- `logit_normal`: t = sigmoid(n), n ~ N(logit_mean, logit_std) (SD3's default; its median is
-  sigmoid(logit_mean)).
+- `uniform`: t = u.
+- `sigmoid`: t = sigmoid(sigmoid_scale · n). A bump around 0.5; a larger scale flattens it.
+- `logit_normal`: t = sigmoid(logit_mean + logit_std · n) (SD3's default; its median is sigmoid(logit_mean)).
+- `mode`: t = 1 − u − s · (cos²(πu/2) − 1 + u), s = `mode_scale` (SD3's "mode sampling with heavy
+  tails", Esser et al. 2024 §3.1): s > 0 puts mass in the middle, s < 0 at the ends, s = 0 is uniform.
+  Monotone only for −1 ≤ s ≤ 2/(π − 2) ≈ 1.75, so other values are refused.
+- `logsnr`: the log signal-to-noise ratio λ ~ N(logit_mean, logit_std) and t = sigmoid(−λ/2) (Kim et
+  al. 2024, arXiv:2411.14793): a logit-normal with mean −logit_mean/2 and std logit_std/2.
 - `shift`: draw t from `uniform` or `sigmoid` (`shift_from`), then apply the discrete flow shift
   t' = s·t / (1 + (s − 1)·t) with s = `discrete_flow_shift`. s > 1 moves mass towards noise, which
   large latents need: more pixels carry more redundant signal, so a given t destroys less of the
   image and the model must see noisier inputs to learn composition (Wan uses s = 3..12).
-- `flux_shift` / `qwen_shift` / `krea2_shift`: the same shift, with s = exp(μ) chosen from the image-token count:
-  μ is linear in the number of tokens, through (base_seq_len, base_shift) and (max_seq_len,
-  max_shift) (see `RESOLUTION_SHIFTS`), applied to sigmoid-normal t. Written as in FLUX's reference
-  code this is t' = e^μ / (e^μ + (1/t − 1)), which is algebraically the shift above.
+- `flux_shift` / `flux2_shift` / `qwen_shift` / `krea2_shift`: the same shift, with s = exp(μ) chosen
+  from the image-token count: μ is linear in the number of tokens, through (base_seq_len, base_shift)
+  and (max_seq_len, max_shift) (see `RESOLUTION_SHIFTS`), applied to sigmoid-normal t. Written as in
+  FLUX's reference code this is t' = e^μ / (e^μ + (1/t − 1)), which is algebraically the shift above.
+  `flux2_shift` is FLUX.1's line; musubi-tuner needs the second name because its `flux_shift` counts
+  (h/2)·(w/2) tokens of a FLUX.1 latent and FLUX.2's latents are already packed (h·w tokens). tuner
+  counts each model's own tokens (`ArchitectureModel.seq_len`), so here the two modes are one
+  distribution under two names.
+- `qinglong_flux` / `qinglong_qwen` (musubi-tuner's "Qinglong" hybrid): a mixture of 80 %
+  `flux_shift` / `qwen_shift`, 7.5 % `logsnr` (logit_mean, logit_std) and 12.5 % `logsnr` with λ ~
+  N(5.36, 1) (nearly clean t, for detail).
 - `ideogram4_shift`: `logit_normal` with mean 0.5·ln(pixels / 512²) and std 1.5 (musubi-tuner's mode for
   Ideogram 4, the mean its pipeline's sampling schedule takes): a 1024² image centres t at sigmoid(ln 2).
 
-Every mode is a monotone function of one uniform draw u (`TimestepSampler.quantile`). That makes
+Every mode is a monotone function of one uniform draw u (`TimestepSampler.quantile`; for the mixtures
+the inverse of their CDF, the weighted sum of the parts', found by bisection). That makes
 `min_timestep` / `max_timestep` exact and cheap: u is drawn between the CDF values of the two bounds,
-so the distribution is *truncated* to [min, max] keeping its shape inside, with no rejection loop.
+so the distribution is *truncated* to [min, max] keeping its shape inside, with no rejection loop (as
+musubi-tuner's `--preserve_distribution_shape`, which rejects draws outside). `range_mode = "scale"`
+instead squeezes the whole distribution into [min, max], t' = min + (max − min) · t (musubi-tuner's
+default without that flag).
 
 Units: tuner works with t in [0, 1] everywhere, including `min_timestep` / `max_timestep`. Models
 in diffusers take t · 1000; the trainer multiplies at the call site.
@@ -37,27 +54,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
 import torch
 
 from tuner.errors import ConfigError, did_you_mean
-from tuner.io import atomic_path
 
-MODES = (
-    "uniform",
-    "sigmoid",
-    "logit_normal",
-    "shift",
-    "flux_shift",
-    "qwen_shift",
-    "krea2_shift",
-    "ideogram4_shift",
-)
+MODES = ("uniform", "sigmoid", "logit_normal", "mode", "logsnr", "shift", "flux_shift", "flux2_shift", "qwen_shift", "krea2_shift", "qinglong_flux", "qinglong_qwen", "ideogram4_shift")  # fmt: skip
 SHIFT_FROM = ("uniform", "sigmoid")
-LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+RANGE_MODES = ("truncate", "scale")
+LOSS_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap", "logit_normal", "mode")
+MODE_SCALE_MAX = 2 / (math.pi - 2)  # the largest mode_scale for which `mode` is monotone
 
 
 @dataclass(frozen=True)
@@ -79,25 +87,25 @@ class ResolutionShift:
 
 # Values from the models' published diffusers scheduler configs (FLUX.1-dev; Qwen/Qwen-Image, whose
 # `scheduler_config.json` has base 256 → 0.5 and max 8192 → 0.9; Krea 2's, per Krea2Pipeline's docstring:
-# base 256 → 0.5, max 6400 → 1.15, musubi-tuner's `krea2_shift`).
+# base 256 → 0.5, max 6400 → 1.15, musubi-tuner's `krea2_shift`). FLUX.2's is FLUX.1's line (musubi-tuner's
+# `flux2_shift`).
+_FLUX_LINE = ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=4096, max_shift=1.15)
+_QWEN_LINE = ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=8192, max_shift=0.9)
 RESOLUTION_SHIFTS = {
-    "flux_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=4096, max_shift=1.15),
-    "qwen_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=8192, max_shift=0.9),
+    "flux_shift": _FLUX_LINE,
+    "flux2_shift": _FLUX_LINE,
+    "qwen_shift": _QWEN_LINE,
     "krea2_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=6400, max_shift=1.15),
 }
+# The Qinglong mixtures: the resolution-shifted part and its weight, then two logsnr parts
+# (weight, mean, std); None takes the configured logit_mean / logit_std (musubi-tuner's values).
+QINGLONG = {"qinglong_flux": "flux_shift", "qinglong_qwen": "qwen_shift"}
+_QINGLONG_PARTS = ((0.80, "shifted"), (0.075, None), (0.125, (5.36, 1.0)))
 
 
 def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
     """Discrete flow shift t' = s·t / (1 + (s − 1)·t). Keeps 0 → 0 and 1 → 1; s > 1 pushes t towards 1."""
     return shift * t / (1 + (shift - 1) * t)
-
-
-def _sigmoid_scalar(x: float) -> float:
-    if x == math.inf:
-        return 1.0
-    if x == -math.inf:
-        return 0.0
-    return 1.0 / (1.0 + math.exp(-x))
 
 
 def _logit_scalar(p: float) -> float:
@@ -114,6 +122,26 @@ def _normal_cdf(x: float) -> float:
     return NormalDist().cdf(x)
 
 
+def _bisect(f, y: torch.Tensor, iterations: int = 60) -> torch.Tensor:
+    """x ∈ [0, 1] with f(x) = y for a nondecreasing tensor function f (float64; 60 halvings: exact in float)."""
+    lo, hi = torch.zeros_like(y, dtype=torch.float64), torch.ones_like(y, dtype=torch.float64)
+    y = y.double()
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        below = f(mid) < y
+        lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+    return (lo + hi) / 2
+
+
+def mode_quantile(u: torch.Tensor, scale: float) -> torch.Tensor:
+    """SD3's mode sampling written increasing in u: t = u − s·(sin²(πu/2) − u) (its 1 − u' form with u' = 1 − u)."""
+    return u - scale * (torch.sin(math.pi * u / 2) ** 2 - u)
+
+
+def _logit_normal_cdf(t: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    return torch.special.ndtr((torch.logit(t.double()) - mean) / std)
+
+
 @dataclass(frozen=True)
 class TimestepSampler:
     """Draws training timesteps t ∈ [min_timestep, max_timestep] ⊆ [0, 1]; see the module docstring."""
@@ -123,35 +151,41 @@ class TimestepSampler:
     sigmoid_scale: float = 1.0
     """k in sigmoid(k · N(0, 1)); used by `sigmoid`, `shift` from sigmoid and the resolution shifts."""
     logit_mean: float = 0.0
-    """Mean of the normal inside `logit_normal`; the median of t is sigmoid(logit_mean)."""
+    """Mean of the normal inside `logit_normal` (the median of t is sigmoid(logit_mean)) and of λ in `logsnr`."""
     logit_std: float = 1.0
-    """Standard deviation of the normal inside `logit_normal`."""
+    """Standard deviation of the normal inside `logit_normal` and of λ in `logsnr`."""
+    mode_scale: float = 1.29
+    """s of mode `mode`, in [−1, 2/(π − 2)] (1.29 is SD3's and diffusers' default)."""
     discrete_flow_shift: float = 1.0
     """s in t' = s·t / (1 + (s − 1)·t) for mode `shift`; 1 leaves t unchanged."""
     shift_from: str = "sigmoid"
     """Distribution that mode `shift` draws before shifting: `uniform` or `sigmoid`."""
     min_timestep: float = 0.0
-    """Lower bound of t, in [0, 1] (not 0..1000). The distribution is truncated, not squeezed."""
+    """Lower bound of t, in [0, 1] (not 0..1000)."""
     max_timestep: float = 1.0
     """Upper bound of t, in [0, 1] (not 0..1000)."""
+    range_mode: str = "truncate"
+    """How [min, max] applies: `truncate` (the shape inside is kept) or `scale` (squeezed into the range)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(
-                f"timestep mode '{self.mode}' is not known; choose one of {', '.join(MODES)}."
-                + did_you_mean(self.mode, MODES)
-            )
-        if self.shift_from not in SHIFT_FROM:
-            raise ConfigError(
-                f"shift_from must be one of {', '.join(SHIFT_FROM)}, got '{self.shift_from}'."
-                + did_you_mean(self.shift_from, SHIFT_FROM)
-            )
+        for name, value, choices in (("mode", self.mode, MODES), ("shift_from", self.shift_from, SHIFT_FROM),
+                                     ("range_mode", self.range_mode, RANGE_MODES)):  # fmt: skip
+            if value not in choices:
+                raise ConfigError(
+                    f"timestep {name} '{value}' is not known; choose one of {', '.join(choices)}."
+                    + did_you_mean(value, choices)
+                )
         for name in ("sigmoid_scale", "logit_std", "discrete_flow_shift"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive number, got {value}.")
         if not math.isfinite(self.logit_mean):
             raise ConfigError(f"logit_mean must be a finite number, got {self.logit_mean}.")
+        if not -1.0 <= self.mode_scale <= MODE_SCALE_MAX:
+            raise ConfigError(
+                f"mode_scale must be in [-1, {MODE_SCALE_MAX:.4f}] (2/(pi-2); outside it mode sampling is not "
+                f"monotone), got {self.mode_scale}."
+            )
         for name in ("min_timestep", "max_timestep"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -165,13 +199,15 @@ class TimestepSampler:
     # -- the distribution, as a function of one uniform draw ------------------------------------
 
     def shift_for(self, seq_len: int | None = None) -> float:
-        """The shift s applied after the base draw (1.0 for modes without a shift)."""
+        """The shift s applied after the base draw (1.0 for modes without a shift; for a Qinglong
+        mixture, the shift of its resolution-shifted part)."""
         if self.mode == "shift":
             return self.discrete_flow_shift
-        if self.mode in RESOLUTION_SHIFTS:
+        line = RESOLUTION_SHIFTS.get(QINGLONG.get(self.mode, self.mode))
+        if line is not None:
             if seq_len is None:
                 raise ValueError(f"timestep mode '{self.mode}' needs seq_len (the image-token count).")
-            return math.exp(RESOLUTION_SHIFTS[self.mode].mu(seq_len))
+            return math.exp(line.mu(seq_len))
         return 1.0
 
     def _base_is_uniform(self) -> bool:
@@ -186,12 +222,37 @@ class TimestepSampler:
                 raise ValueError("timestep mode 'ideogram4_shift' needs seq_len (the image-token count).")
             # one token is 16 x 16 pixels: 0.5·ln(256·tokens / 512²)
             return 0.5 * math.log(seq_len / 1024), 1.5
+        if self.mode == "logsnr":
+            return -self.logit_mean / 2, self.logit_std / 2
         return 0.0, self.sigmoid_scale
+
+    def _mixture(self, seq_len: int | None) -> list[tuple[float, float, float, float]]:
+        """A Qinglong mode's parts as (weight, mean, std, shift) of shifted logit-normals."""
+        parts = []
+        for weight, params in _QINGLONG_PARTS:
+            if params == "shifted":
+                parts.append((weight, 0.0, self.sigmoid_scale, self.shift_for(seq_len)))
+            else:
+                mean, std = params or (self.logit_mean, self.logit_std)
+                parts.append((weight, -mean / 2, std / 2, 1.0))  # logsnr: logit-normal (−mean/2, std/2)
+        return parts
+
+    def _mixture_cdf(self, t: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+        t = t.double()
+        total = torch.zeros_like(t)
+        for weight, mean, std, shift in self._mixture(seq_len):
+            base_t = t / (shift - (shift - 1) * t)  # inverse shift = shift by 1/s
+            total = total + weight * _logit_normal_cdf(base_t, mean, std)
+        return total
 
     def quantile(self, u: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """Map u ∈ [0, 1] to t with P(t ≤ quantile(u)) = u, ignoring min/max. Monotone in u."""
+        if self.mode in QINGLONG:
+            return _bisect(lambda t: self._mixture_cdf(t, seq_len), u).to(u.dtype)
         if self._base_is_uniform():
             t = u
+        elif self.mode == "mode":
+            t = mode_quantile(u, self.mode_scale)
         else:
             mean, std = self._normal_params(seq_len)
             t = torch.sigmoid(mean + std * torch.special.ndtri(u))
@@ -199,11 +260,15 @@ class TimestepSampler:
         return t if shift == 1.0 else shift_timesteps(t, shift)
 
     def cdf(self, t: float, seq_len: int | None = None) -> float:
-        """P(t' ≤ t) before truncation to [min, max]: the inverse of `quantile`."""
+        """P(t' ≤ t) before min/max: the inverse of `quantile`."""
+        if self.mode in QINGLONG:
+            return self._mixture_cdf(torch.tensor(t), seq_len).item()
         shift = self.shift_for(seq_len)
         base_t = t if shift == 1.0 else t / (shift - (shift - 1) * t)  # inverse shift = shift by 1/s
         if self._base_is_uniform():
             return base_t
+        if self.mode == "mode":
+            return _bisect(lambda u: mode_quantile(u, self.mode_scale), torch.tensor(base_t)).item()
         mean, std = self._normal_params(seq_len)
         return _normal_cdf((_logit_scalar(base_t) - mean) / std)
 
@@ -221,27 +286,30 @@ class TimestepSampler:
         """
         draw_device = generator.device if generator is not None else torch.device(device)
         u = torch.rand(batch_size, generator=generator, device=draw_device, dtype=torch.float32)
-        lo, hi = self.cdf(self.min_timestep, seq_len), self.cdf(self.max_timestep, seq_len)
-        t = self.quantile(lo + (hi - lo) * u, seq_len)
+        if self.range_mode == "scale":
+            t = self.min_timestep + (self.max_timestep - self.min_timestep) * self.quantile(u, seq_len)
+        else:
+            lo, hi = self.cdf(self.min_timestep, seq_len), self.cdf(self.max_timestep, seq_len)
+            t = self.quantile(lo + (hi - lo) * u, seq_len)
         # Rounding in float32 can land a hair outside the bounds.
         return t.clamp(self.min_timestep, self.max_timestep).to(device)
 
     def describe(self, seq_len: int | None = None) -> str:
         """One line naming the mode and the parameters that affect it (for logs and plot titles)."""
         params: list[str] = []
-        if self.mode == "logit_normal":
+        if self.mode in ("logit_normal", "logsnr", *QINGLONG):
             params += [f"logit_mean={self.logit_mean:g}", f"logit_std={self.logit_std:g}"]
+        if self.mode == "mode":
+            params.append(f"mode_scale={self.mode_scale:g}")
         if self.mode == "shift":
             params += [f"discrete_flow_shift={self.discrete_flow_shift:g}", f"shift_from={self.shift_from}"]
-        uses_sigmoid = self.mode in ("sigmoid", *RESOLUTION_SHIFTS) or (
-            self.mode == "shift" and self.shift_from == "sigmoid"
-        )
-        if uses_sigmoid:
+        resolution = self.mode in RESOLUTION_SHIFTS or self.mode in QINGLONG
+        if self.mode == "sigmoid" or resolution or (self.mode == "shift" and self.shift_from == "sigmoid"):
             params.append(f"sigmoid_scale={self.sigmoid_scale:g}")
-        if self.mode in RESOLUTION_SHIFTS and seq_len is not None:
+        if resolution and seq_len is not None:
             params += [f"seq_len={seq_len}", f"shift={self.shift_for(seq_len):.3g}"]
         if (self.min_timestep, self.max_timestep) != (0.0, 1.0):
-            params.append(f"t in [{self.min_timestep:g}, {self.max_timestep:g}]")
+            params.append(f"t in [{self.min_timestep:g}, {self.max_timestep:g}] ({self.range_mode})")
         return f"{self.mode} ({', '.join(params)})" if params else self.mode
 
 
@@ -271,12 +339,21 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return noise - x0
 
 
-def loss_weight(t: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Per-sample loss weight for t[B] (the formulas of SD3, Esser et al. 2024, as in diffusers).
+def loss_weight(
+    t: torch.Tensor, scheme: str, logit_mean: float = 0.0, logit_std: float = 1.0, mode_scale: float = 1.29
+) -> torch.Tensor:
+    """Per-sample loss weight for t[B] (SD3's schemes, Esser et al. 2024 §3.1, named as in diffusers'
+    `training_utils.compute_loss_weighting_for_sd3` and musubi-tuner's `--weighting_scheme`).
 
     - `none`: 1.
     - `sigma_sqrt`: σ⁻² with σ = t. It explodes as t → 0, so t is floored at 1e-3 (weight ≤ 1e6).
     - `cosmap`: 2 / (π · (1 − 2t + 2t²)), the density that makes t follow a cosine schedule.
+    - `logit_normal` / `mode`: the density π(t) of that timestep mode (with logit_mean / logit_std, or
+      mode_scale). SD3 writes a sampling density as a loss weight: drawing t uniformly and weighting by
+      π(t) has the expectation of drawing t from π unweighted. diffusers and musubi-tuner use these two
+      names only to *draw* t (musubi's `--timestep_sampling sigma`, weight 1): there, set
+      `timesteps.mode` to `logit_normal` / `mode` instead. The weights are for a recipe that keeps its own
+      sampling and wants SD3's emphasis on top; they are ≈ 0 near t = 0 and 1 for logit_normal.
     """
     t = t.float()
     if scheme == "none":
@@ -285,6 +362,14 @@ def loss_weight(t: torch.Tensor, scheme: str) -> torch.Tensor:
         return t.clamp_min(1e-3) ** -2
     if scheme == "cosmap":
         return 2 / (math.pi * (1 - 2 * t + 2 * t**2))
+    if scheme == "logit_normal":
+        tc = t.double().clamp(1e-6, 1 - 1e-6)
+        z = (torch.logit(tc) - logit_mean) / logit_std
+        return (torch.exp(-z * z / 2) / (logit_std * math.sqrt(2 * math.pi) * tc * (1 - tc))).float()
+    if scheme == "mode":  # t = g(v) with v uniform: π(t) = 1 / g'(v), v = g⁻¹(t)
+        v = _bisect(lambda x: mode_quantile(x, mode_scale), t)
+        slope = 1 + mode_scale - mode_scale * math.pi / 2 * torch.sin(math.pi * v)
+        return (1 / slope.clamp_min(1e-3)).float()
     raise ConfigError(
         f"loss weighting '{scheme}' is not known; choose one of {', '.join(LOSS_WEIGHTINGS)}."
         + did_you_mean(scheme, LOSS_WEIGHTINGS)
@@ -326,6 +411,12 @@ class FlowObjective:
 
     weighting: str = "none"
     """One of `LOSS_WEIGHTINGS`."""
+    logit_mean: float = 0.0
+    """Of the `logit_normal` weighting's density."""
+    logit_std: float = 1.0
+    """Of the `logit_normal` weighting's density."""
+    mode_scale: float = 1.29
+    """Of the `mode` weighting's density."""
 
     def discretize(self, t: torch.Tensor) -> torch.Tensor:
         return t  # continuous time: every t is a level of its own
@@ -337,59 +428,5 @@ class FlowObjective:
         self, pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        return flow_loss(pred.float(), flow_target(x0, noise).float(), t, self.weighting, mask=mask)
-
-
-# -- histogram (Pillow only, so `tuner timesteps` works without matplotlib) --------------------
-
-
-def plot_histogram(
-    sampler: TimestepSampler,
-    out_png: str | Path,
-    n: int = 100_000,
-    bins: int = 50,
-    seq_len: int | None = None,
-) -> Path:
-    """Draw `n` timesteps (seed 0) and write their histogram as a PNG; returns the path written."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    t = sampler.sample(n, torch.Generator().manual_seed(0), seq_len=seq_len)
-    density = torch.histc(t, bins=bins, min=0.0, max=1.0) * bins / n  # integrates to 1 over [0, 1]
-    top = max(float(density.max()), 1e-12)
-
-    width, height = 720, 440
-    left, right, upper, lower = 70, 30, 60, 60  # margins around the plot area
-    plot_w, plot_h = width - left - right, height - upper - lower
-    x_axis_y = upper + plot_h
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    font = ImageFont.load_default(size=14)
-
-    def text(x: float, y: float, s: str, align: str = "center") -> None:
-        x0, y0, x1, y1 = draw.textbbox((0, 0), s, font=font)
-        dx = {"center": (x1 - x0) / 2, "right": x1 - x0, "left": 0}[align]
-        draw.text((x - dx, y - (y1 - y0) / 2), s, fill="black", font=font)
-
-    for i, value in enumerate(density.tolist()):
-        bar_h = value / top * plot_h
-        x0, x1 = left + i * plot_w / bins, left + (i + 1) * plot_w / bins
-        if bar_h > 0:
-            draw.rectangle([x0, x_axis_y - bar_h, max(x0, x1 - 1), x_axis_y], fill=(70, 120, 190))
-
-    draw.line([(left, upper), (left, x_axis_y), (left + plot_w, x_axis_y)], fill="black", width=2)
-    for frac, label in ((0.0, "0"), (0.5, "0.5"), (1.0, "1")):
-        x = left + frac * plot_w
-        draw.line([(x, x_axis_y), (x, x_axis_y + 6)], fill="black", width=2)
-        text(x, x_axis_y + 16, label)
-    for frac in (0.0, 1.0):
-        y = x_axis_y - frac * plot_h
-        draw.line([(left - 6, y), (left, y)], fill="black", width=2)
-        text(left - 10, y, f"{frac * top:.2f}", align="right")
-    text(left + plot_w / 2, height - 20, "t  (0 = clean, 1 = noise; the model sees t * 1000)")
-    text(left - 10, upper - 16, "density", align="left")
-    text(width / 2, 20, f"timesteps: {sampler.describe(seq_len)}  [n={n}]")
-
-    out = Path(out_png)
-    with atomic_path(out) as tmp:
-        image.save(tmp, format="PNG")
-    return out
+        weights = loss_weight(t, self.weighting, self.logit_mean, self.logit_std, self.mode_scale)
+        return weighted_mse(pred.float(), flow_target(x0, noise).float(), weights, mask)

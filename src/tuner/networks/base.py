@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -54,6 +55,13 @@ from tuner.networks.keys import (
 )
 
 _HOOK_ATTR = "_tuner_adapter_hook"
+
+
+def init_generator(seed: int, name: str) -> torch.Generator:
+    """The CPU generator one adapter module draws its initial values from, seeded from the run's seed and
+    the module's name: neither the global RNG (so nothing built before the network) nor the other modules
+    (so changing `network.include`) shift them, and a seed gives the same adapter on any device."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
 def check_probability(p: float, what: str) -> None:

@@ -59,8 +59,9 @@ def build_network(
     save_format: str | None = None,
 ) -> AdapterNetwork | FullNetwork:
     """The network the `[network]` section `cfg` describes, attached to `model` (adapters are fp32; the
-    base model is left as it is, except that a full fine-tune makes its weights trainable). `seed`
-    seeds stochastic rounding. With `save_format`, an adapter that could not be saved in that layout
+    base model is left as it is, except that a full fine-tune makes its weights trainable). `seed` (the
+    run's) seeds the adapters' initial values (`base.init_generator`) and a full fine-tune's stochastic
+    rounding. With `save_format`, an adapter that could not be saved in that layout
     is refused now rather than after training."""
     check_network_options(cfg)
     if cfg.type == "full":
@@ -72,6 +73,7 @@ def build_network(
         "module_dropout": cfg.module_dropout,
         "dora": cfg.dora,
         "name_map": name_map,
+        "seed": seed,
     }
     if cfg.type == "lokr":
         lokr = {"factor": cfg.factor, "decompose_both": cfg.decompose_both, "full_matrix": cfg.full_matrix}

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
-from tuner.networks.base import AdapterModule, AdapterNetwork, drop_output_channels
+from tuner.networks.base import AdapterModule, AdapterNetwork, drop_output_channels, init_generator
 from tuner.networks.delta import LOHA, ROLES, ModuleWeights
 from tuner.networks.dora import wrap_dora
 from tuner.networks.keys import COMFY_PREFIX, NameMap
@@ -71,6 +71,7 @@ class LoHaModule(AdapterModule):
         rank_dropout: float = 0.0,
         module_dropout: float = 0.0,
         dtype: torch.dtype = torch.float32,
+        seed: int = 0,
     ) -> None:
         super().__init__(name, base, module_dropout, dropout, rank_dropout)
         if rank < 1:
@@ -79,10 +80,15 @@ class LoHaModule(AdapterModule):
         self.alpha = float(alpha) if alpha else float(rank)
         out_features, in_features = base.out_features, base.in_features
         device = base.weight.device
-        self.hada_w1_a = nn.Parameter(torch.randn(out_features, rank, device=device, dtype=dtype) * 0.1)
-        self.hada_w1_b = nn.Parameter(torch.randn(rank, in_features, device=device, dtype=dtype))
+        gen = init_generator(seed, name)  # drawn on the CPU in fp32, then moved
+
+        def normal(rows: int, cols: int, std: float = 1.0) -> nn.Parameter:
+            return nn.Parameter((torch.randn(rows, cols, generator=gen) * std).to(device=device, dtype=dtype))
+
+        self.hada_w1_a = normal(out_features, rank, 0.1)
+        self.hada_w1_b = normal(rank, in_features)
         self.hada_w2_a = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
-        self.hada_w2_b = nn.Parameter(torch.randn(rank, in_features, device=device, dtype=dtype))
+        self.hada_w2_b = normal(rank, in_features)
 
     @property
     def scale(self) -> float:
@@ -140,11 +146,12 @@ class LoHaNetwork(AdapterNetwork):
         dtype: torch.dtype = torch.float32,
         name_map: NameMap | None = None,
         prefix: str = COMFY_PREFIX,
+        seed: int = 0,
     ) -> LoHaNetwork:
         """Attach a fresh LoHa to every linear layer `spec` selects (see `LoRANetwork.apply_to`)."""
         adapters = [
             wrap_dora(
-                LoHaModule(name, layer, rank, alpha, dropout, rank_dropout, module_dropout, dtype), dora
+                LoHaModule(name, layer, rank, alpha, dropout, rank_dropout, module_dropout, dtype, seed), dora
             )
             for name, layer in find_targets(model, spec).items()
         ]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
-from tuner.networks.base import AdapterModule, AdapterNetwork, drop_output_channels
+from tuner.networks.base import AdapterModule, AdapterNetwork, drop_output_channels, init_generator
 from tuner.networks.delta import LOKR, ModuleWeights, lokr_factor
 from tuner.networks.dora import wrap_dora
 from tuner.networks.keys import COMFY_PREFIX, NameMap
@@ -106,6 +106,7 @@ class LoKrModule(AdapterModule):
         module_dropout: float = 0.0,
         dtype: torch.dtype = torch.float32,
         layout: LoKrLayout | None = None,
+        seed: int = 0,
     ) -> None:
         """`layout` fixes the factor shapes directly (used when reading a file); otherwise they follow
         from `rank`, `factor`, `decompose_both` and `full_matrix`."""
@@ -122,17 +123,24 @@ class LoKrModule(AdapterModule):
         self.rank = layout.rank2 or layout.rank1  # the r of alpha / r (w2's when both are decomposed)
         self.alpha = float(alpha) if alpha else float(self.rank or 1)
         self.b_out, self.b_in = out_features // layout.a_out, in_features // layout.a_in
-        kw = {"device": base.weight.device, "dtype": dtype}
+        gen, kw = init_generator(seed, name), {"device": base.weight.device, "dtype": dtype}
+
+        def init(rows: int, cols: int, zero: bool) -> nn.Parameter:  # drawn on the CPU in fp32, then moved
+            tensor = torch.zeros(rows, cols)
+            if not zero:
+                nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=gen)
+            return nn.Parameter(tensor.to(**kw))
+
         self.factors = nn.ParameterDict()
         for which, (rows, cols), rank_, zero in (
             ("1", (layout.a_out, layout.a_in), layout.rank1, False),
             ("2", (self.b_out, self.b_in), layout.rank2, True),
         ):
             if rank_ is None:
-                self.factors[f"lokr_w{which}"] = _init(torch.empty(rows, cols, **kw), zero)
+                self.factors[f"lokr_w{which}"] = init(rows, cols, zero)
             else:
-                self.factors[f"lokr_w{which}_a"] = _init(torch.empty(rows, rank_, **kw), zero)
-                self.factors[f"lokr_w{which}_b"] = _init(torch.empty(rank_, cols, **kw), False)
+                self.factors[f"lokr_w{which}_a"] = init(rows, rank_, zero)
+                self.factors[f"lokr_w{which}_b"] = init(rank_, cols, False)
 
     @property
     def scale(self) -> float:
@@ -173,14 +181,6 @@ class LoKrModule(AdapterModule):
         self.alpha = weights.alpha if weights.alpha else float(self.rank or 1)
 
 
-def _init(tensor: torch.Tensor, zero: bool) -> nn.Parameter:
-    if zero:
-        nn.init.zeros_(tensor)
-    else:
-        nn.init.kaiming_uniform_(tensor, a=math.sqrt(5))
-    return nn.Parameter(tensor)
-
-
 class LoKrNetwork(AdapterNetwork):
     """LoKr adapters on the targeted linear layers of one model."""
 
@@ -202,6 +202,7 @@ class LoKrNetwork(AdapterNetwork):
         dtype: torch.dtype = torch.float32,
         name_map: NameMap | None = None,
         prefix: str = COMFY_PREFIX,
+        seed: int = 0,
     ) -> LoKrNetwork:
         """Attach a fresh LoKr to every linear layer `spec` selects (see `LoRANetwork.apply_to`)."""
         options = {"factor": factor, "decompose_both": decompose_both, "full_matrix": full_matrix}
@@ -217,6 +218,7 @@ class LoKrNetwork(AdapterNetwork):
                     rank_dropout=rank_dropout,
                     module_dropout=module_dropout,
                     dtype=dtype,
+                    seed=seed,
                 ),
                 dora,
             )  # fmt: skip

@@ -4,7 +4,8 @@ A frozen linear layer y = W x + b gets a trainable update of rank r, much smalle
 
     y = W x + b + multiplier * (alpha / r) * up(down(x))        down: [r, in], up: [out, r]
 
-`down` starts Kaiming-uniform (as nn.Linear initialises its weight) and `up` at zero, so at step 0 the
+`down` starts Kaiming-uniform (as nn.Linear initialises its weight; drawn from the module's own
+generator seeded from the run's seed, `base.init_generator`) and `up` at zero, so at step 0 the
 model's output is unchanged while gradients still reach `up`. `alpha` keeps the update's size from
 depending on r (alpha = r gives scale 1; alpha None or 0 means alpha = r). `multiplier` is the strength
 chosen at inference, 1 as trained.
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
-from tuner.networks.base import AdapterModule, AdapterNetwork
+from tuner.networks.base import AdapterModule, AdapterNetwork, init_generator
 from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.dora import wrap_dora
 from tuner.networks.formats import read_modules
@@ -76,6 +77,7 @@ class LoRAModule(AdapterModule):
         rank_dropout: float = 0.0,
         module_dropout: float = 0.0,
         dtype: torch.dtype = torch.float32,
+        seed: int = 0,
     ) -> None:
         super().__init__(name, base, module_dropout, dropout, rank_dropout)
         if rank < 1:
@@ -85,9 +87,10 @@ class LoRAModule(AdapterModule):
         # Created in the adapter dtype on the base's device, never in the base's dtype: a base
         # stored in fp8 would otherwise give fp8 adapter weights.
         device = base.weight.device
-        self.down = nn.Parameter(torch.empty(rank, base.in_features, device=device, dtype=dtype))
+        down = torch.empty(rank, base.in_features)  # drawn on the CPU in fp32 (`init_generator`)
+        nn.init.kaiming_uniform_(down, a=math.sqrt(5), generator=init_generator(seed, name))
+        self.down = nn.Parameter(down.to(device=device, dtype=dtype))
         self.up = nn.Parameter(torch.zeros(base.out_features, rank, device=device, dtype=dtype))
-        nn.init.kaiming_uniform_(self.down, a=math.sqrt(5))
 
     @property
     def scale(self) -> float:
@@ -146,12 +149,14 @@ class LoRANetwork(AdapterNetwork):
         dtype: torch.dtype = torch.float32,
         name_map: NameMap | None = None,
         prefix: str = COMFY_PREFIX,
+        seed: int = 0,
     ) -> LoRANetwork:
-        """Attach a fresh LoRA to every linear layer `spec` selects. The base model's parameters are
-        left as they are (freezing them is the trainer's call); move the network with `.to()`."""
+        """Attach a fresh LoRA to every linear layer `spec` selects, initialised from `seed` (the run's).
+        The base model's parameters are left as they are (freezing them is the trainer's call); move the
+        network with `.to()`."""
         adapters = [
             wrap_dora(
-                LoRAModule(name, layer, rank, alpha, dropout, rank_dropout, module_dropout, dtype), dora
+                LoRAModule(name, layer, rank, alpha, dropout, rank_dropout, module_dropout, dtype, seed), dora
             )
             for name, layer in find_targets(model, spec).items()
         ]

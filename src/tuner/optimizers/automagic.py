@@ -13,6 +13,16 @@ burns. Automagic (made popular by ai-toolkit) lets every weight find its own:
 3. The step is w ← w − lr_elem · s · (u + weight_decay · w), where s = group lr / initial lr is what a
    learning-rate schedule (warm-up, decay) says on top; with the constant schedule s = 1.
 
+Two deliberate differences from ai-toolkit's `toolkit/optimizers/automagic.py` (and diffusion-pipe's
+copy of it), each about 1-6 % of the weight movement over a run:
+
+- The second moment is bias-corrected as in Adam (v / (1 − β2^t)). ai-toolkit divides by the raw
+  average, which at step t is too small by 1 − β2^t (0.001 at step 1), so its early updates are inflated
+  up to 32× and all end at the RMS clip. `bias_correction = false` gives ai-toolkit's rule.
+- At the first step no rate changes: there is no previous sign to agree with. ai-toolkit compares the
+  first update with an all-"not positive" polarity, so each rate moves by ±lr_bump according to the
+  sign it happens to start with, a one-step artefact (at most lr_bump per element) kept out here.
+
 State per element: the learning rate (fp32, 4 bytes: in bf16 a bump of 1e-6 would vanish next to rates
 above ~2.5e-4) and the last update's sign (int8, 1 byte); a matrix's second moment is factored
 (negligible). About 5 bytes per trained parameter, against AdamW's 8.
@@ -39,6 +49,7 @@ class Automagic(PerParameter):
         eps: float = 1e-30,
         clip_threshold: float = 1.0,
         weight_decay: float = 0.0,
+        bias_correction: bool = True,
     ):
         if not 0 < min_lr <= lr <= max_lr:
             raise ValueError(f"Automagic needs 0 < min_lr <= lr <= max_lr, got {min_lr}, {lr}, {max_lr}")
@@ -47,7 +58,8 @@ class Automagic(PerParameter):
                 "Automagic needs lr_bump > 0, 0 < beta2 < 1, clip_threshold > 0, weight_decay >= 0"
             )
         defaults = dict(lr=lr, min_lr=min_lr, max_lr=max_lr, lr_bump=lr_bump, beta2=beta2, eps=eps,
-                        clip_threshold=clip_threshold, weight_decay=weight_decay)  # fmt: skip
+                        clip_threshold=clip_threshold, weight_decay=weight_decay,
+                        bias_correction=bias_correction)  # fmt: skip
         super().__init__(params, defaults)
         for group in self.param_groups:
             group.setdefault("start_lr", group["lr"])  # what the per-element rates start at
@@ -86,7 +98,8 @@ class Automagic(PerParameter):
             v = (row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)
         else:
             v = state["sq"].lerp_(g2, 1 - beta2)
-        debias = 1 - beta2 ** state["step"].item()
+        # `.get`: a state saved before the option existed resumes with the rule it was trained with
+        debias = 1 - beta2 ** state["step"].item() if group.get("bias_correction", True) else 1.0
         u = g / (v / debias).sqrt()
         u /= (u.pow(2).mean().sqrt() / group["clip_threshold"]).clamp_(min=1.0)
 

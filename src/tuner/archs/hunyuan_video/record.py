@@ -13,6 +13,8 @@ from tuner.archs.record import (
     hub_tokenizers,
 )
 
+# cfg-distilled: `model.guidance` feeds the embedded guidance × 1000 while training, as the release's own
+# sampler and diffusion-pipe do (musubi-tuner's training passes it raw); why: the trainer's docstring.
 HUNYUAN_VIDEO = Architecture(
     name="hunyuan_video",
     variants=("720p",),

@@ -8,6 +8,13 @@ their true length and padded with a mask when batched (`cache.text_max_length` i
 `max_sequence_length`, 256 in the release), and CLIP-L's pooled output. The model is cfg-distilled like
 FLUX.1-dev: `model.guidance` feeds its embedded guidance (1.0 is the usual training value; the release
 samples at 6.0).
+
+Guidance convention: the embedded guidance is passed × 1000 (`loaders.predict_velocity`), in training as in
+generation. That is the scale the distilled guidance embedder was trained on: Tencent's reference sampler,
+diffusers' HunyuanVideoPipeline, musubi-tuner's inference and diffusion-pipe's training all multiply by
+1000. musubi-tuner's *training* passes the raw value (1.0 reaches the embedder as 1.0, i.e. a guidance
+of 0.001 on the release's scale, which it never saw), so a `model.guidance` carried over from a musubi
+config means guidance g here, not g / 1000.
 """
 
 from __future__ import annotations

@@ -13,6 +13,13 @@ saves the bundled checkpoint (`bundled_layout`).
 The objective is DDPM's (`tuner.diffusion.ddpm`): t ∈ [0, 1] from the timestep sampler (uniform by default, within
 `min_timestep` / `max_timestep`) picks one of the 1000 noise levels, and the model predicts the noise or,
 with `timesteps.prediction = "v"`, the velocity.
+
+Caption dropout (`caption_dropout_rate`) trains on the encoding of the empty caption, as kohya's sd-scripts
+(it sets `caption = ""` before encoding) and every trainer users bring recipes from. SDXL's own training
+zeroed the dropped embeddings instead (generative-models' `ucg_rate`), which is why generation without a
+negative prompt guides against zeros (diffusers' `force_zeros_for_empty_prompt`, as here). Kept: a LoRA
+learns from a few per cent of dropped captions, the base model's zeros stay what it learned, and an
+adapter trained here behaves as one trained with sd-scripts.
 """
 
 from __future__ import annotations
