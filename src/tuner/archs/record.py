@@ -161,6 +161,10 @@ class Architecture:
     `tuner.archs.parts.audio.SoundStream` (how sound is encoded, predicted beside the video and decoded)."""
     first_frame_image: bool = False
     """Whether generation takes an optional first-frame image (`--image`; TI2V, LTX)."""
+    one_frame: str = ""
+    """One-frame models (one target frame from reference images at chosen time indices): what the config's
+    `[one_frame]` section (`tuner.config.schema.OneFrameConfig`) lays out, "framepack" (clean latents, a
+    zero post latent, 2× / 4× history) or "wan" (the frames' RoPE time indices only); empty: none."""
     objective: str = "flow"
     """"flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)."""
     cache_format_version: int = 1
