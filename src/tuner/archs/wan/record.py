@@ -180,6 +180,33 @@ RECORDS = (
         latent_encoders=("vae", "image_encoder"),
         sample_shift=5.0,
     ),
+    # one-frame Wan 2.1 (musubi-tuner's "one frame" training): the I2V 14B model making one target frame from
+    # a reference image placed at chosen RoPE time indices
+    replace(
+        WAN,
+        name="wan_1f",
+        variants=("i2v-14B",),
+        checkpoints=(
+            "the files of `wan_i2v` (the I2V 14B transformer, CLIP ViT-H, VAE, UMT5). Image datasets with one "
+            "control image (the reference) per item, placed with the target on the time axis by the "
+            "`[one_frame]` section (musubi-tuner's `target_index` / `control_index`, default 1 and [0]; `no_post` and `latent_window` do not apply); "
+            "`tuner generate --control REF --frames 1`. musubi's intermediate-frame mode (two references, "
+            "the FLF2V model) is not supported"
+        ),
+        hub_repos=(
+            ("480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
+            ("720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"),
+        ),
+        comfy_files=(("480p", _wan21_i2v("i2v_480p")), ("720p", _wan21_i2v("i2v_720p"))),
+        title="Wan 2.1 one-frame image editing (I2V 14B; one target frame from a reference image)",
+        family="trainer_1f:WanOneFrameModel",
+        fixture="fixture_i2v:ONE_FRAME_FIXTURE",
+        supports_video=False,
+        control_images=(1, 1),
+        one_frame="wan",
+        latent_encoders=("vae", "image_encoder"),
+        sample_shift=5.0,
+    ),
     replace(
         WAN,
         name="wan_flf2v",
