@@ -309,7 +309,7 @@ def test_good_one_frame_settings_load(tmp_path):
     body = "clean_indices = [0, 10]\ntarget_index = 5\nno_post = true"
     (tmp_path / "train.toml").write_text(ONE_FRAME_TOML.format(arch="framepack_1f", body=body))
     one = load_config(tmp_path / "train.toml").one_frame
-    assert (one.clean_indices, one.target("framepack"), one.no_post) == ((0, 10), 5, True)
+    assert (one.clean_indices, one.target("section"), one.no_post) == ((0, 10), 5, True)
 
 
 @torch.no_grad()

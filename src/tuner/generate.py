@@ -135,16 +135,15 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
         _release_memory()
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
     # image-to-video frames and one-frame references are conditions of both passes, as in training
-    if family.record.frame_images or family.record.one_frame:
+    references = family.record.one_frame == "frames"
+    if family.record.frame_images or references:
+        if references:
+            frames = [px[:, 0][None] for px in control_pixels]
+        else:
+            frames = [load_control_image(p, opts.width, opts.height)[:, 0][None] for p in opts.images]
         encoder = family.load_latent_encoder(device, DTYPES[cfg.model.vae_dtype]).eval()
         with torch.no_grad():
-            if family.record.one_frame:
-                given = family.encode_references(
-                    encoder, [px[:, 0][None].to(device) for px in control_pixels]
-                )
-            else:
-                frames = [load_control_image(p, opts.width, opts.height)[:, 0][None] for p in opts.images]
-                given = family.encode_frame_images(encoder, [f.to(device) for f in frames], opts.frames)
+            given = family.encode_frame_images(encoder, [f.to(device) for f in frames], opts.frames)
         del encoder
         _release_memory()
         cond, uncond = {**cond, **given}, {**uncond, **given}

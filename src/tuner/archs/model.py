@@ -97,19 +97,9 @@ class ArchitectureModel:
         self, encoder, images: list[torch.Tensor], frames: int
     ) -> dict[str, torch.Tensor]:
         """Image-to-video models (`frame_images` > 0): the latent-entry tensors other than `latents` that the
-        given frame images ([B, 3, H, W] in [-1, 1]) of a `frames`-frame video make; generation uses it."""
+        given frame images ([B, 3, H, W] in [-1, 1]) of a `frames`-frame video make; generation uses it.
+        One-frame models laid out as "frames" (`Architecture.one_frame`) take their reference images here."""
         raise NotImplementedError
-
-    def encode_references(self, encoder, images: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """One-frame models (`one_frame`): the latent-entry tensors other than `latents` that the reference
-        images ([B, 3, H, W] in [-1, 1]) make, given `load_latent_encoder`'s encoder; generation uses it.
-        None by default (the references' latents are the `control_<i>` entries)."""
-        return {}
-
-    def latent_settings(self) -> dict:
-        """Settings of the config that shape latent entries beyond the pixels and the encoders (part of their
-        cache key): one-frame Wan's frame order. None by default."""
-        return {}
 
     def encode_text(
         self, encoder, captions: list[str], controls: list[list[torch.Tensor]] | None

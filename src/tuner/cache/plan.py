@@ -167,9 +167,14 @@ def latent_encoder(model) -> EncoderIdentity:
         _fingerprint(model.weights_path(name), _LATENT_FOLDERS.get(name, (name,)))
         for name in model.record.latent_encoders
     ]
-    settings = model.latent_settings()  # e.g. one-frame Wan's time indices, which order its frames
+    order = ""  # one-frame models caching their frames in time order (`one_frame = "frames"`): that order
+    if model.record.one_frame == "frames":
+        one = cfg.one_frame
+        order = canonical_json(
+            {"clean_indices": list(one.clean_indices), "target_index": one.target("frames")}
+        )
     return EncoderIdentity(
-        architecture=f"{model.architecture}-vae" + (canonical_json(settings) if settings else ""),
+        architecture=f"{model.architecture}-vae{order}",
         weights_fingerprint="+".join(fingerprints),
         dtype=cfg.model.vae_dtype,
         format_version=model.record.cache_format_version,

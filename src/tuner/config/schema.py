@@ -393,7 +393,7 @@ class OneFrameConfig:
         """The target's time index: `target_index`, else the default of the record's `one_frame` layout."""
         if self.target_index is not None:
             return self.target_index
-        return 1 if layout == "wan" else self.latent_window
+        return 1 if layout == "frames" else self.latent_window
 
 
 @dataclass(frozen=True)
@@ -600,7 +600,7 @@ def _check_one_frame(file: TrainingFile) -> None:
         raise ConfigError(f"key 'one_frame.target_index': {target} is also a reference's index "
                           f"(one_frame.clean_indices = {list(one.clean_indices)}); choose another, e.g. "
                           f"{max(one.clean_indices) + 1}.")  # fmt: skip
-    if record.one_frame == "wan":
+    if record.one_frame == "frames":
         for key in ("no_post", "latent_window"):
             if getattr(one, key) != getattr(OneFrameConfig(), key):
                 raise ConfigError(f"key 'one_frame.{key}': {name} has no post latent or section window (they "

@@ -15,7 +15,8 @@ sampler (the pipeline's `inverted_anti_drifting`) generates the video from its e
 "history" of a section is the frames *after* it. The indices of one section are the pipeline's:
 `[prefix | padding | section | 1x | 2x | 4x]` numbered 0, 1, ... in that order, the prefix and the 1×
 frame both going to `latents_clean`. A clip trained as one section (the one the sampler makes last, next
-to the image: padding 0) is `section_indices`.
+to the image: padding 0) is `section_indices`. FramePack-F1 samples forwards instead, its history the frames
+*before* a section (`forward_section_indices`); the one-frame mode's indices are `one_frame_indices`.
 
 Loaders take either layout:
 

@@ -92,7 +92,7 @@ RECORDS = (
         text_extra_encoders=("image_encoder",),
         control_images=(1, 2),
         text_uses_controls=True,
-        one_frame="framepack",
+        one_frame="section",
         flow_sampler="",  # one section: one pass
     ),
 )

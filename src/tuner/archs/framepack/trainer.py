@@ -18,7 +18,8 @@ uses. The cache holds per clip:
 * `history` [16, 19, H, W] and `image_embeds` [tokens, 1152] (SigLIP's last hidden state).
 
 The latent key covers `model.vae` and `model.image_encoder`. `tuner generate --image` makes the video
-section by section (`tuner.archs.framepack.sections`), as the release's sampler.
+section by section (`tuner.archs.framepack.sections`), as the release's sampler. `FramePackF1Model` is
+FramePack-F1 (forward sections) and `FramePackOneFrameModel` the one-frame (image editing) mode.
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ class FramePackModel(HunyuanVideoModel):
         self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         clip = self.encode_pixels(encoders.vae, pixels)
-        window = min(framepack.LATENT_WINDOW, clip.shape[2] - 1)
         given = self.encode_frame_images(encoders, [pixels[:, :, 0]], pixels.shape[2])
-        after = clip[:, :, 1 + window :][:, :, : given["history"].shape[2]]
-        given["history"][:, :, : after.shape[2]] = after
-        return {"latents": clip[:, :, : 1 + window], **given}
+        window = min(framepack.LATENT_WINDOW, clip.shape[2] - 1)
+        return {"latents": self.trained_section(clip, window, given["history"]), **given}
+
+    def trained_section(self, clip: torch.Tensor, window: int, history: torch.Tensor) -> torch.Tensor:
+        """The image's slot and the section a clip's latents train (the first after the image), writing the
+        frames after it into `history` (zeros)."""
+        after = clip[:, :, 1 + window :][:, :, : history.shape[2]]
+        history[:, :, : after.shape[2]] = after
+        return clip[:, :, : 1 + window]
 
     def encode_frame_images(
         self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
@@ -103,15 +109,11 @@ class FramePackF1Model(FramePackModel):
 
     architecture = "framepack_f1"
 
-    def encode_latents(
-        self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        clip = self.encode_pixels(encoders.vae, pixels)
-        window = min(framepack.LATENT_WINDOW, clip.shape[2] - 1)
-        given = self.encode_frame_images(encoders, [pixels[:, :, 0]], pixels.shape[2])
-        before = clip[:, :, : clip.shape[2] - window][:, :, -given["history"].shape[2] :]
-        given["history"][:, :, given["history"].shape[2] - before.shape[2] :] = before
-        return {"latents": torch.cat([clip[:, :, :1], clip[:, :, -window:]], dim=2), **given}
+    def trained_section(self, clip: torch.Tensor, window: int, history: torch.Tensor) -> torch.Tensor:
+        """The image's slot and the clip's last section, writing the frames before it into `history`'s end."""
+        before = clip[:, :, : clip.shape[2] - window][:, :, -history.shape[2] :]
+        history[:, :, history.shape[2] - before.shape[2] :] = before
+        return torch.cat([clip[:, :, :1], clip[:, :, -window:]], dim=2)
 
     def predict_section(
         self, model: nn.Module, section: torch.Tensor, t: torch.Tensor, cond: dict

@@ -14,11 +14,11 @@ As musubi trains it, every frame of that sequence is noised and predicted (the r
 are their own latents), so the cache holds per item:
 
 * `latents` [16, F, H, W]: the frames in time order (F = references + 1);
-* `cond_latents` [16, F, H, W] and `clip` [tokens, width] (`encode_references`, also what `tuner generate
-  --control REF --frames 1` computes).
+* `cond_latents` [16, F, H, W] and `clip` [tokens, width] (`encode_frame_images` of the reference, also
+  what `tuner generate --control REF --frames 1` computes).
 
-The frame order depends on the indices, so they are part of the latent cache key (`latent_settings`):
-changing them encodes the entries anew. Generation denoises the whole sequence and decodes the target.
+The frame order depends on the indices, so they are part of the latent cache key (the record's
+`one_frame = "frames"`, `tuner.cache.plan.latent_encoder`): changing them encodes the entries anew. Generation denoises the whole sequence and decodes the target.
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ class WanOneFrameModel(WanI2VModel):
         """The time indices of the sequence's frames, ascending (references and the target)."""
         return sorted([*self.cfg.one_frame.clean_indices, self.target_index()])
 
-    def latent_settings(self) -> dict:
-        return {"clean_indices": list(self.cfg.one_frame.clean_indices), "target_index": self.target_index()}
-
     # ---- what the cache holds ----
     def encode_latents(
         self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
@@ -52,11 +49,11 @@ class WanOneFrameModel(WanI2VModel):
         references = [self.encode_pixels(encoders.vae, c[:, :, :1]) for c in controls]
         return {
             "latents": self._in_time_order(references, target),
-            **self.encode_references(encoders, [c[:, :, 0] for c in controls]),
+            **self.encode_frame_images(encoders, [c[:, :, 0] for c in controls], 1),
         }
 
-    def encode_references(
-        self, encoders: LatentEncoders, images: list[torch.Tensor]
+    def encode_frame_images(
+        self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
     ) -> dict[str, torch.Tensor]:
         """`cond_latents` [B, 16, F, H', W'] (each reference's latent at its index, an all-zero image's at the
         target's) and `clip` [B, tokens, width] of the reference images ([B, 3, H, W] in [-1, 1])."""
