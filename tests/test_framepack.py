@@ -13,7 +13,9 @@ from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.archs.framepack.trainer import FramePackModel
 from tuner.archs.hunyuan_video import loaders as hv
 from tuner.archs.wan.trainer_i2v import LatentEncoders
-from tuner.errors import CheckpointError
+from tuner.config import load_config
+from tuner.config.schema import OneFrameConfig
+from tuner.errors import CheckpointError, ConfigError
 from tuner.fixtures import write_fixture
 from tuner.io import save_safetensors
 from tuner.models.loading import load_tensors, read_tensor_shapes
@@ -253,15 +255,99 @@ def test_one_frame_indices_are_musubis_defaults():
     assert idx.history_2x.tolist() == [11, 12] and idx.history_4x.tolist() == list(range(13, 29))
 
 
+def test_one_frame_indices_follow_the_settings():
+    """musubi's kisekaeichi settings: two references at 0 and 10, the target at 5, no post latent; a
+    window of 5 moves the post latent and the history."""
+    idx = framepack.one_frame_indices(9, (0, 10), 5, no_post=True)
+    assert idx.latents.tolist() == [5] and idx.clean.tolist() == [0, 10]
+    assert idx.history_2x.tolist() == [11, 12] and idx.history_4x.tolist() == list(range(13, 29))
+    idx = framepack.one_frame_indices(5, (0,), 1)
+    assert idx.latents.tolist() == [1] and idx.clean.tolist() == [0, 6]
+    assert idx.history_2x.tolist() == [7, 8] and idx.history_4x.tolist() == list(range(9, 25))
+
+
+ONE_FRAME_TOML = """
+[model]
+architecture = "{arch}"
+transformer = "model.safetensors"
+[data]
+dataset_config = "dataset.toml"
+[one_frame]
+{body}
+"""
+
+
+@pytest.mark.parametrize(
+    "arch,body,match",
+    [
+        ("framepack_1f", "target_index = 0", r"key 'one_frame.target_index': 0 is also a reference's"),
+        (
+            "framepack_1f",
+            "clean_indices = [0, 3, 4]",
+            r"key 'one_frame.clean_indices': framepack_1f takes 1 to 2",
+        ),
+        ("framepack_1f", "clean_indices = []", r"key 'one_frame.clean_indices'"),
+        ("framepack_1f", "clean_indices = [-1]", r"key 'one_frame.clean_indices': \[-1\]: indices must be"),
+        ("framepack_1f", "clean_indices = [0, 10]", r"key 'one_frame.latent_window': the zero post latent"),
+        ("framepack_1f", "latent_window = 0", r"one_frame.latent_window.*out of range"),
+        ("framepack_1f", "target_indx = 3", r"one_frame.target_indx.*Did you mean 'target_index'"),
+        ("framepack", "target_index = 3", r"section 'one_frame': framepack has no one-frame mode"),
+    ],
+)
+def test_bad_one_frame_settings_are_one_line_errors_naming_the_key(tmp_path, arch, body, match):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "dataset.toml").write_text('[[datasets]]\nimage_directory = "imgs"\n')
+    (tmp_path / "train.toml").write_text(ONE_FRAME_TOML.format(arch=arch, body=body))
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(tmp_path / "train.toml")
+    assert "\n" not in str(e.value)
+
+
+def test_good_one_frame_settings_load(tmp_path):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "dataset.toml").write_text('[[datasets]]\nimage_directory = "imgs"\n')
+    body = "clean_indices = [0, 10]\ntarget_index = 5\nno_post = true"
+    (tmp_path / "train.toml").write_text(ONE_FRAME_TOML.format(arch="framepack_1f", body=body))
+    one = load_config(tmp_path / "train.toml").one_frame
+    assert (one.clean_indices, one.target("section"), one.no_post) == ((0, 10), 5, True)
+
+
+@torch.no_grad()
+def test_one_frame_predict_with_two_references_and_no_post(pipe):
+    """Two references (control_0, control_1) at clean indices [0, 10], the target at 5, no post latent: the
+    transformer gets both references as clean latents and an 18-frame zero history."""
+    from tuner.archs.framepack.trainer import FramePackOneFrameModel
+
+    one = OneFrameConfig(target_index=5, clean_indices=(0, 10), no_post=True)
+    trainer = FramePackOneFrameModel(SimpleNamespace(model=SimpleNamespace(guidance=10.0), one_frame=one))
+    gen = torch.Generator().manual_seed(5)
+    cond = {"text": torch.randn(1, 7, 64, generator=gen), "mask": torch.ones(1, 7, dtype=torch.long),
+            "pooled": torch.randn(1, 32, generator=gen), "image_embeds": torch.randn(1, 16, 32, generator=gen),
+            "control_0": torch.randn(1, 16, 1, 4, 6, generator=gen),
+            "control_1": torch.randn(1, 16, 1, 4, 6, generator=gen)}  # fmt: skip
+    noisy, t = torch.randn(1, 16, 1, 4, 6, generator=gen), torch.tensor([0.4])
+    zeros = torch.zeros(1, 16, 1, 4, 6)
+    expected = pipe.transformer(
+        hidden_states=noisy, timestep=t * 1000, encoder_hidden_states=cond["text"],
+        encoder_attention_mask=cond["mask"], pooled_projections=cond["pooled"], image_embeds=cond["image_embeds"],
+        indices_latents=torch.tensor([5]), guidance=torch.tensor([10000.0]),
+        latents_clean=torch.cat([cond["control_0"], cond["control_1"]], dim=2),
+        indices_latents_clean=torch.tensor([0, 10]),
+        latents_history_2x=zeros.repeat(1, 1, 2, 1, 1), indices_latents_history_2x=torch.tensor([11, 12]),
+        latents_history_4x=zeros.repeat(1, 1, 16, 1, 1), indices_latents_history_4x=torch.arange(13, 29),
+        return_dict=False,
+    )[0]  # fmt: skip
+    torch.testing.assert_close(trainer.predict(pipe.transformer, noisy, t, cond), expected, **TOLERANCE)
+
+
 @torch.no_grad()
 def test_one_frame_predict_and_text_entry(pipe):
     """The reference's SigLIP embedding rides in the text entry (the pipeline's `encode_image`), and
     `predict` is the transformer called with the reference and a zero post latent as clean latents."""
     from tuner.archs.framepack.trainer import FramePackOneFrameModel, OneFrameEncoders
 
-    trainer = FramePackOneFrameModel(
-        SimpleNamespace(model=SimpleNamespace(guidance=10.0), cache=SimpleNamespace(text_max_length=256))
-    )
+    trainer = FramePackOneFrameModel(SimpleNamespace(model=SimpleNamespace(guidance=10.0), one_frame=OneFrameConfig(),
+                                                     cache=SimpleNamespace(text_max_length=256)))  # fmt: skip
     reference = torch.rand(3, 1, 32, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
     encoders = OneFrameEncoders(
         hv.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2),
@@ -361,3 +447,92 @@ def test_comfyui_framepack_wrappers_converter_reads_the_diffusers_layout_only(pa
         else:
             with pytest.raises(RuntimeError, match="chunk"):
                 _convert_hunyuan_video_lora_to_diffusers(dict(state))
+
+
+# ---------------------------------------------------------------------------------------------------
+# FramePack-F1: forward sections
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_forward_section_indices_are_f1s():
+    """F1's vanilla split [prefix | 4x | 2x | 1x | section], the clean latents being the prefix and the 1x."""
+    idx = framepack.forward_section_indices(3)
+    assert idx.history_4x.tolist() == list(range(1, 17)) and idx.history_2x.tolist() == [17, 18]
+    assert idx.clean.tolist() == [0, 19] and idx.latents.tolist() == [20, 21, 22]
+
+
+@torch.no_grad()
+def test_f1_section_is_what_the_vanilla_pipeline_feeds(pipe):
+    """`HunyuanVideoFramepackPipeline(sampling_type="vanilla")` (F1's sampler): every transformer call of its
+    first section is F1's `predict` with the forward indices and the history its sampler starts from (18 zeros,
+    then the image's latent)."""
+    from tuner.archs.framepack.trainer import FramePackF1Model
+
+    image = Image.fromarray(
+        (torch.rand(32, 48, 3, generator=torch.Generator().manual_seed(1)) * 255).byte().numpy()
+    )
+    calls = []
+    hook = pipe.transformer.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append((kwargs, out[0])), with_kwargs=True
+    )
+    try:
+        pipe(image=image, prompt=CAPTIONS[1], height=32, width=48, num_frames=5, latent_window_size=2,
+             num_inference_steps=2, guidance_scale=6.0, output_type="latent", sampling_type="vanilla",
+             generator=torch.Generator().manual_seed(0))  # fmt: skip
+    finally:
+        hook.remove()
+    trainer = FramePackF1Model(SimpleNamespace(model=SimpleNamespace(guidance=6.0)))
+    text = hv.collate(hv.encode_prompts(
+        hv.TextEncoders(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2), CAPTIONS[1:]
+    ))  # fmt: skip
+    indices = framepack.forward_section_indices(2)
+    for kwargs, out in calls[:2]:
+        for name, ours in (("latents", indices.latents), ("latents_clean", indices.clean),
+                           ("latents_history_2x", indices.history_2x), ("latents_history_4x", indices.history_4x)):  # fmt: skip
+            assert torch.equal(kwargs[f"indices_{name}"], ours), name
+        first = kwargs["latents_clean"][:, :, :1]
+        history = torch.cat([kwargs["latents_history_4x"], kwargs["latents_history_2x"],
+                             kwargs["latents_clean"][:, :, 1:]], dim=2)  # fmt: skip
+        assert history[:, :, :18].abs().max() == 0 and torch.equal(history[:, :, 18:], first)
+        cond = {**text, "image_embeds": kwargs["image_embeds"], "first_frame": first, "history": history}
+        noisy = torch.cat([first, kwargs["hidden_states"]], dim=2)
+        pred = trainer.predict(pipe.transformer, noisy, kwargs["timestep"] / 1000, cond)
+        torch.testing.assert_close(pred[:, :, 1:], out, **TOLERANCE)
+
+
+def test_f1_sections_are_generated_forwards_with_the_earlier_ones_as_history():
+    """20 latent frames after the image: sections 0-8, 9-17, 18-19 in that order, each given the 19 frames
+    before it (zeros, the image's latent, then what was made) in time order."""
+    from tuner.archs.framepack.trainer import FramePackF1Model
+
+    trainer = FramePackF1Model(SimpleNamespace())
+    calls = []
+
+    def model_fn(x, t, c):  # every frame of the k-th section moves to k + 1
+        calls.append((x.shape[2], c["history"].clone()))
+        return -torch.full_like(x, float(len(calls)))
+
+    noise = torch.zeros(1, 2, 21, 1, 1)
+    cond = {"first_frame": torch.full((1, 2, 1, 1, 1), 7.0)}
+    out = trainer.sample_flow(model_fn, noise, torch.tensor([1.0, 0.0]), cond, dict(cond), 1.0)
+    assert [n for n, _ in calls] == [10, 10, 3]
+    assert out[0, 0, 1:, 0, 0].tolist() == [1.0] * 9 + [2.0] * 9 + [3.0] * 2
+    history = [h[0, 0, :, 0, 0].tolist() for _, h in calls]
+    assert history[0] == [0.0] * 18 + [7.0]
+    assert history[1] == [0.0] * 9 + [7.0] + [1.0] * 9
+    assert history[2] == [7.0] + [1.0] * 9 + [2.0] * 9
+
+
+def test_f1_latents_of_a_clip_are_its_last_section_and_the_frames_before(pipe):
+    """A 45-frame clip (12 latent frames): the image's slot and the last 9 frames (3-11); the history is 16
+    zeros then latent frames 0-2, oldest first."""
+    from tuner.archs.framepack.trainer import FramePackF1Model
+
+    trainer = FramePackF1Model(SimpleNamespace())
+    encoders = LatentEncoders(pipe.vae, framepack.ImageEncoder(pipe.image_encoder, pipe.feature_extractor))
+    pixels = torch.rand(1, 3, 45, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    entry = trainer.encode_latents(encoders, pixels, [])
+    clip = hv.encode_video(pipe.vae, pixels)
+    torch.testing.assert_close(entry["latents"], torch.cat([clip[:, :, :1], clip[:, :, 3:]], dim=2))
+    assert entry["history"].shape[2] == 19 and entry["history"][:, :, :16].abs().max() == 0
+    torch.testing.assert_close(entry["history"][:, :, 16:], clip[:, :, :3])

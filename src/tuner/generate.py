@@ -134,8 +134,13 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
         del vae
         _release_memory()
         cond, uncond = {**cond, **controls}, {**uncond, **controls}
-    if family.record.frame_images:  # image-to-video: the frames are conditions of both passes, as in training
-        frames = [load_control_image(p, opts.width, opts.height)[:, 0].unsqueeze(0) for p in opts.images]
+    # image-to-video frames and one-frame references are conditions of both passes, as in training
+    references = family.record.one_frame == "frames"
+    if family.record.frame_images or references:
+        if references:
+            frames = [px[:, 0][None] for px in control_pixels]
+        else:
+            frames = [load_control_image(p, opts.width, opts.height)[:, 0][None] for p in opts.images]
         encoder = family.load_latent_encoder(device, DTYPES[cfg.model.vae_dtype]).eval()
         with torch.no_grad():
             given = family.encode_frame_images(encoder, [f.to(device) for f in frames], opts.frames)

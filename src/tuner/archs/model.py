@@ -97,7 +97,8 @@ class ArchitectureModel:
         self, encoder, images: list[torch.Tensor], frames: int
     ) -> dict[str, torch.Tensor]:
         """Image-to-video models (`frame_images` > 0): the latent-entry tensors other than `latents` that the
-        given frame images ([B, 3, H, W] in [-1, 1]) of a `frames`-frame video make; generation uses it."""
+        given frame images ([B, 3, H, W] in [-1, 1]) of a `frames`-frame video make; generation uses it.
+        One-frame models laid out as "frames" (`Architecture.one_frame`) take their reference images here."""
         raise NotImplementedError
 
     def encode_text(

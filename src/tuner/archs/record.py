@@ -165,6 +165,12 @@ class Architecture:
     `tuner.archs.parts.audio.SoundStream` (how sound is encoded, predicted beside the video and decoded)."""
     first_frame_image: bool = False
     """Whether generation takes an optional first-frame image (`--image`; TI2V, LTX)."""
+    one_frame: str = ""
+    """One-frame models (one target frame from reference images at chosen time indices): what the config's
+    `[one_frame]` section (`tuner.config.schema.OneFrameConfig`) lays out: "section" (a FramePack section's
+    clean latents, a zero post latent and 2× / 4× history; entries hold the plain latents) or "frames"
+    (latent frames at RoPE time indices, cached in time order, so the indices are in the latent cache key);
+    empty: none."""
     objective: str = "flow"
     """"flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)."""
     cache_format_version: int = 1

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tuner.cache.index import INDEX_NAME
-from tuner.cache.keys import EncoderIdentity, entry_key, fingerprint_weights
+from tuner.cache.keys import EncoderIdentity, canonical_json, entry_key, fingerprint_weights
 from tuner.cache.store import CacheStore
 from tuner.config.dataset import DatasetSpec
 from tuner.data.datasets import discover_items
@@ -167,8 +167,14 @@ def latent_encoder(model) -> EncoderIdentity:
         _fingerprint(model.weights_path(name), _LATENT_FOLDERS.get(name, (name,)))
         for name in model.record.latent_encoders
     ]
+    order = ""  # one-frame models caching their frames in time order (`one_frame = "frames"`): that order
+    if model.record.one_frame == "frames":
+        one = cfg.one_frame
+        order = canonical_json(
+            {"clean_indices": list(one.clean_indices), "target_index": one.target("frames")}
+        )
     return EncoderIdentity(
-        architecture=f"{model.architecture}-vae",
+        architecture=f"{model.architecture}-vae{order}",
         weights_fingerprint="+".join(fingerprints),
         dtype=cfg.model.vae_dtype,
         format_version=model.record.cache_format_version,

@@ -417,6 +417,35 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class OneFrameConfig:
+    """One-frame training (records with `one_frame`: framepack_1f, wan_1f): where the target and the reference
+    images sit on the model's RoPE time axis, as musubi-tuner's `fp_latent_window_size` / `fp_1f_*` dataset
+    keys set them (its docs/framepack_1f.md and dataset_config.md)."""
+
+    target_index: int | None = option(
+        None,
+        "Time index of the generated frame; unset: latent_window (9) for framepack_1f, 1 for wan_1f (musubi's).",
+        ge=0,
+    )
+    clean_indices: tuple[int, ...] = option(
+        (0,),
+        "Time index of each reference (control) image, in the items' control order; one per control image.",
+    )
+    no_post: bool = option(
+        False, "Leave out the zero 'post' clean latent at index 1 + latent_window (musubi's fp_1f_no_post)."
+    )
+    latent_window: int = option(
+        9, "FramePack's latent window: the post latent's index is 1 + it, the 2x / 4x history follow.", ge=1
+    )
+
+    def target(self, layout: str) -> int:
+        """The target's time index: `target_index`, else the default of the record's `one_frame` layout."""
+        if self.target_index is not None:
+            return self.target_index
+        return 1 if layout == "frames" else self.latent_window
+
+
+@dataclass(frozen=True)
 class LogConfig:
     tensorboard: bool = option(True, "Write TensorBoard scalars to <output_dir>/logs.")
     every_n_steps: int = option(
@@ -529,6 +558,9 @@ class TrainingFile:
     save: SaveConfig = option(factory=SaveConfig, doc="What is saved and when.")
     log: LogConfig = option(factory=LogConfig, doc="Progress and TensorBoard logging.")
     sample: SampleConfig = option(factory=SampleConfig, doc="Images or videos drawn while training.")
+    one_frame: OneFrameConfig = option(
+        factory=OneFrameConfig, doc="One-frame mode's time indices (framepack_1f, wan_1f)."
+    )
     memory: MemorySettings = option(
         factory=MemorySettings,
         doc="Fitting big models in small GPUs: block swap, activation offload, fp8, attention.",
@@ -550,6 +582,7 @@ class TrainingFile:
         check_save_format(self.network.dora, layout)
         _check_experts(self)
         _check_first_frame(self)
+        _check_one_frame(self)
         _check_dora(self)
         _check_fused_backward(self.train)
         if self.sample.use_ema and not self.train.ema_decay:
@@ -586,6 +619,42 @@ def _check_first_frame(file: TrainingFile) -> None:
             f"key 'train.first_frame_conditioning_p': {name} cannot train without its first frame "
             f"({record.first_frame_required}); set 1 or remove the key."
         )
+
+
+def _check_one_frame(file: TrainingFile) -> None:
+    """[one_frame]: only for one-frame architectures (`Architecture.one_frame`); the target's index is not a
+    reference's, and there is one index per reference image the architecture takes."""
+    from tuner.registry import ARCHITECTURES, architecture
+
+    one, name = file.one_frame, file.model.architecture
+    record = architecture(name)
+    if not record.one_frame:
+        if one != OneFrameConfig():
+            modes = ", ".join(a.name for a in ARCHITECTURES.values() if a.one_frame)
+            raise ConfigError(
+                f"section 'one_frame': {name} has no one-frame mode; remove it (it is for {modes})."
+            )
+        return
+    low, high = record.control_images
+    if not low <= len(one.clean_indices) <= high:
+        raise ConfigError(f"key 'one_frame.clean_indices': {name} takes {low} to {high} reference images, one "
+                          f"index each; got {list(one.clean_indices)}.")  # fmt: skip
+    if any(i < 0 for i in one.clean_indices) or len(set(one.clean_indices)) < len(one.clean_indices):
+        raise ConfigError(f"key 'one_frame.clean_indices': {list(one.clean_indices)}: indices must be distinct "
+                          "and >= 0, e.g. [0] or [0, 10].")  # fmt: skip
+    target = one.target(record.one_frame)
+    if target in one.clean_indices:
+        raise ConfigError(f"key 'one_frame.target_index': {target} is also a reference's index "
+                          f"(one_frame.clean_indices = {list(one.clean_indices)}); choose another, e.g. "
+                          f"{max(one.clean_indices) + 1}.")  # fmt: skip
+    if record.one_frame == "frames":
+        for key in ("no_post", "latent_window"):
+            if getattr(one, key) != getattr(OneFrameConfig(), key):
+                raise ConfigError(f"key 'one_frame.{key}': {name} has no post latent or section window (they "
+                                  "are FramePack's); remove it.")  # fmt: skip
+    elif not one.no_post and 1 + one.latent_window in (*one.clean_indices, target):
+        raise ConfigError(f"key 'one_frame.latent_window': the zero post latent's index 1 + {one.latent_window} "
+                          "is taken by a reference or the target; change it or set one_frame.no_post = true.")  # fmt: skip
 
 
 def _check_dora(file: TrainingFile) -> None:

@@ -104,3 +104,8 @@ ONE_FRAME_FIXTURE = Fixture(
     write=write_framepack_fixture,
     model_section=FIXTURE.model_section.replace('"framepack"', '"framepack_1f"', 1),
 )
+
+F1_FIXTURE = Fixture(
+    write=write_framepack_fixture,
+    model_section=FIXTURE.model_section.replace('"framepack"', '"framepack_f1"', 1),
+)

@@ -15,7 +15,8 @@ sampler (the pipeline's `inverted_anti_drifting`) generates the video from its e
 "history" of a section is the frames *after* it. The indices of one section are the pipeline's:
 `[prefix | padding | section | 1x | 2x | 4x]` numbered 0, 1, ... in that order, the prefix and the 1×
 frame both going to `latents_clean`. A clip trained as one section (the one the sampler makes last, next
-to the image: padding 0) is `section_indices`.
+to the image: padding 0) is `section_indices`. FramePack-F1 samples forwards instead, its history the frames
+*before* a section (`forward_section_indices`); the one-frame mode's indices are `one_frame_indices`.
 
 Loaders take either layout:
 
@@ -187,6 +188,17 @@ def section_indices(window: int, padding: int = 0) -> SectionIndices:
     return SectionIndices(latents, torch.cat([prefix, one]), two, four)
 
 
+def forward_section_indices(window: int) -> SectionIndices:
+    """Indices of a `window`-frame section in F1's forward (vanilla) order, as FramePack-F1 trains and
+    samples it (diffusers' `FramepackSamplingType.VANILLA`, musubi-tuner's `fpack_cache_latents.py --f1`):
+    `[prefix | 4x | 2x | 1x | section]`, the history being the 19 frames *before* the section, oldest first."""
+    two, four = HISTORY_SIZES[1:]
+    prefix, history_4x, history_2x, one, latents = torch.arange(1 + sum(HISTORY_SIZES) + window).split(
+        [1, four, two, 1, window]
+    )
+    return SectionIndices(latents, torch.cat([prefix, one]), history_2x, history_4x)
+
+
 def section_paddings(sections: int, window: int = LATENT_WINDOW) -> list[int]:
     """The padding (frames between the image and the section) of each section in generation order, from
     the video's end to its start, as the release's sampler sets them: every section's own start, except
@@ -196,16 +208,38 @@ def section_paddings(sections: int, window: int = LATENT_WINDOW) -> list[int]:
     return [k * window for k in reversed(range(sections))]
 
 
-def one_frame_indices(window: int = LATENT_WINDOW) -> SectionIndices:
-    """musubi-tuner's default one-frame mode: the reference image at 0, the target frame alone at the end of
-    a `window`-frame section (index `window`), the empty 1× history (its zero "post" latent) after it."""
-    indices = section_indices(window)
-    return indices._replace(latents=indices.latents[-1:])
+def one_frame_indices(
+    window: int = LATENT_WINDOW,
+    clean: tuple[int, ...] = (0,),
+    target: int | None = None,
+    no_post: bool = False,
+) -> SectionIndices:
+    """The one-frame mode's indices, as musubi-tuner's `fp_1f_*` dataset keys set them (its
+    `fpack_cache_latents.py` one-frame cache, docs/framepack_1f.md): the target frame alone at `target`
+    (default `window`), the reference images at `clean`, followed (unless `no_post`) by the zero "post" latent
+    at 1 + `window`; the 2× and 4× history (zeros) at the indices after it. The defaults are its defaults."""
+    target = window if target is None else target
+    post = () if no_post else (1 + window,)
+    start = 2 + window
+    return SectionIndices(
+        torch.tensor([target]),
+        torch.tensor([*clean, *post]),
+        torch.arange(start, start + HISTORY_SIZES[1]),
+        torch.arange(start + HISTORY_SIZES[1], start + HISTORY_SIZES[1] + HISTORY_SIZES[2]),
+    )
 
 
-def split_history(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """History latents [B, C, 19, H, W] (the frames after a section, nearest first) as 1×, 2×, 4× parts."""
-    one, two, four = history.split(HISTORY_SIZES, dim=2)
+def split_history(
+    history: torch.Tensor, forward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """History latents [B, C, 19, H, W] (the frames after a section, nearest first) as 1×, 2×, 4× parts; a
+    history of 18 frames has no 1× part (the one-frame mode without its post latent). `forward` (F1): the
+    19 frames *before* a section in time order, 4× (oldest 16), 2×, then 1× (the latest)."""
+    two, four = HISTORY_SIZES[1:]
+    if forward:
+        four, two, one = history.split([four, two, 1], dim=2)
+        return one, two, four
+    one, two, four = history.split([history.shape[2] - two - four, two, four], dim=2)
     return one, two, four
 
 
@@ -216,15 +250,18 @@ def predict_section(
     cond: Mapping[str, torch.Tensor],
     guidance: float,
     indices: SectionIndices | None = None,
+    forward: bool = False,
 ) -> torch.Tensor:
     """The model's velocity for a noisy section [B, 16, F, H, W] at t ∈ [0, 1], given collated text
-    (`hunyuan_video.collate`), the image's latent frame `first_frame` [B, 16, 1, H, W], the clean
+    (`hunyuan_video.collate`), the image's latent frame `first_frame` [B, 16, 1, H, W] (the one-frame
+    mode: its reference images' frames), the clean
     `history` [B, 16, 19, H, W] and `image_embeds`; called as the pipeline calls it (timestep and embedded
     guidance × 1000). `indices` default to the section `cond["padding"]` frames after the image (0 when
-    absent: the section trained on a clip; generation sets it per section)."""
+    absent: the section trained on a clip; generation sets it per section). `forward`: F1's history, the
+    frames before the section oldest first (`split_history`)."""
     b, dtype = noisy.shape[0], noisy.dtype
     indices = indices if indices is not None else section_indices(noisy.shape[2], cond.get("padding", 0))
-    one, two, four = split_history(cond["history"].to(dtype))
+    one, two, four = split_history(cond["history"].to(dtype), forward)
     return model(
         hidden_states=noisy,
         timestep=t.float() * 1000,

@@ -53,14 +53,32 @@ FRAMEPACK = replace(
 
 RECORDS = (
     FRAMEPACK,
+    # FramePack-F1: the same network trained forwards (each section from the frames before it)
+    replace(
+        FRAMEPACK,
+        name="framepack_f1",
+        checkpoints=(
+            "Variants: `i2v` (`FramePack_F1_I2V_HY_20250503`: the same shapes as FramePackI2V_HY, so it is told "
+            'apart by the config key `model.architecture = "framepack_f1"`, not by its file; given the base '
+            "file it trains and samples, but in an order that model was not trained in). The files of "
+            "`framepack` otherwise. Video datasets only (5+ frames): a clip trains its last section with the "
+            "19 latent frames before it as history; `tuner generate --image FIRST` makes the sections forwards"
+        ),
+        title="FramePack-F1 image-to-video (forward next-section prediction, history before the section)",
+        family="FramePackF1Model",
+        fixture="F1_FIXTURE",
+        hub_repos=(("i2v", "lllyasviel/FramePack_F1_I2V_HY_20250503"),),
+        flow_sampler="sections:sample_sections_f1",
+    ),
     # FramePack's single-frame mode: one target image from one reference image (image editing)
     replace(
         FRAMEPACK,
         name="framepack_1f",
         variants=("i2v",),
         checkpoints=(
-            "the files of `framepack`. Image datasets with one control image (the reference) per item; `tuner "
-            "generate --control REF --frames 1`"
+            "the files of `framepack`. Image datasets with one or two control images (the references) per "
+            "item, placed on the time axis by the `[one_frame]` section (musubi-tuner's `fp_1f_*` keys); `tuner "
+            "generate --control REF [--control REF2] --frames 1`"
         ),
         title="FramePack single-frame image editing (one target frame from one reference image)",
         family="FramePackOneFrameModel",
@@ -72,8 +90,9 @@ RECORDS = (
         frame_images=0,
         latent_encoders=("vae",),
         text_extra_encoders=("image_encoder",),
-        control_images=(1, 1),
+        control_images=(1, 2),
         text_uses_controls=True,
+        one_frame="section",
         flow_sampler="",  # one section: one pass
     ),
 )

@@ -18,7 +18,8 @@ uses. The cache holds per clip:
 * `history` [16, 19, H, W] and `image_embeds` [tokens, 1152] (SigLIP's last hidden state).
 
 The latent key covers `model.vae` and `model.image_encoder`. `tuner generate --image` makes the video
-section by section (`tuner.archs.framepack.sections`), as the release's sampler.
+section by section (`tuner.archs.framepack.sections`), as the release's sampler. `FramePackF1Model` is
+FramePack-F1 (forward sections) and `FramePackOneFrameModel` the one-frame (image editing) mode.
 """
 
 from __future__ import annotations
@@ -52,11 +53,16 @@ class FramePackModel(HunyuanVideoModel):
         self, encoders: LatentEncoders, pixels: torch.Tensor, controls: list[torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         clip = self.encode_pixels(encoders.vae, pixels)
-        window = min(framepack.LATENT_WINDOW, clip.shape[2] - 1)
         given = self.encode_frame_images(encoders, [pixels[:, :, 0]], pixels.shape[2])
-        after = clip[:, :, 1 + window :][:, :, : given["history"].shape[2]]
-        given["history"][:, :, : after.shape[2]] = after
-        return {"latents": clip[:, :, : 1 + window], **given}
+        window = min(framepack.LATENT_WINDOW, clip.shape[2] - 1)
+        return {"latents": self.trained_section(clip, window, given["history"]), **given}
+
+    def trained_section(self, clip: torch.Tensor, window: int, history: torch.Tensor) -> torch.Tensor:
+        """The image's slot and the section a clip's latents train (the first after the image), writing the
+        frames after it into `history` (zeros)."""
+        after = clip[:, :, 1 + window :][:, :, : history.shape[2]]
+        history[:, :, : after.shape[2]] = after
+        return clip[:, :, : 1 + window]
 
     def encode_frame_images(
         self, encoders: LatentEncoders, images: list[torch.Tensor], frames: int
@@ -74,7 +80,7 @@ class FramePackModel(HunyuanVideoModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The section's velocity from the model; for the image's frame (frame 0) the straight line from
         x_t to the given latent, (x_t − x0) / t, which sampling follows to land on it."""
-        out = framepack.predict_section(model, noisy[:, :, 1:], t, cond, self.cfg.model.guidance)
+        out = self.predict_section(model, noisy[:, :, 1:], t, cond)
         first = cond["first_frame"].to(noisy)
         straight = (noisy[:, :, :1].float() - first.float()) / t.float().clamp_min(1e-3).view(-1, 1, 1, 1, 1)
         return torch.cat([straight.to(out.dtype), out], dim=2)
@@ -83,6 +89,39 @@ class FramePackModel(HunyuanVideoModel):
         mask = torch.ones(1, 1, x0.shape[2], 1, 1, device=x0.device)
         mask[:, :, 0] = 0
         return mask
+
+    def predict_section(
+        self, model: nn.Module, section: torch.Tensor, t: torch.Tensor, cond: dict
+    ) -> torch.Tensor:
+        """The velocity of the section's frames (the base model's inverted anti-drifting indices)."""
+        return framepack.predict_section(model, section, t, cond, self.cfg.model.guidance)
+
+
+class FramePackF1Model(FramePackModel):
+    """FramePack-F1 (`FramePack_F1_I2V_HY_20250503`): the same network trained to predict the video forwards,
+    each section from the frames *before* it (diffusers' vanilla sampling, musubi-tuner's `--f1` cache).
+
+    A clip trains its last section: `latents` is the image's slot (frame 0, out of the loss as in
+    `framepack`) followed by the clip's last `min(9, F' - 1)` latent frames, and `history` the 19 latent
+    frames before them in time order (the clip's own, its first frame included; zeros in front where the
+    clip is shorter), split 16 / 2 / 1 into 4× / 2× / 1× with `forward_section_indices`. Generation makes
+    the sections from the image on (`tuner.archs.framepack.sections.sample_sections_f1`)."""
+
+    architecture = "framepack_f1"
+
+    def trained_section(self, clip: torch.Tensor, window: int, history: torch.Tensor) -> torch.Tensor:
+        """The image's slot and the clip's last section, writing the frames before it into `history`'s end."""
+        before = clip[:, :, : clip.shape[2] - window][:, :, -history.shape[2] :]
+        history[:, :, history.shape[2] - before.shape[2] :] = before
+        return torch.cat([clip[:, :, :1], clip[:, :, -window:]], dim=2)
+
+    def predict_section(
+        self, model: nn.Module, section: torch.Tensor, t: torch.Tensor, cond: dict
+    ) -> torch.Tensor:
+        indices = framepack.forward_section_indices(section.shape[2])
+        return framepack.predict_section(
+            model, section, t, cond, self.cfg.model.guidance, indices, forward=True
+        )
 
 
 class OneFrameEncoders(NamedTuple):
@@ -96,10 +135,12 @@ class FramePackOneFrameModel(HunyuanVideoModel):
     """FramePack's single-frame mode (musubi-tuner's "one frame" training, used for image editing): one
     target image generated from one reference image, as a one-frame section.
 
-    An image item with one control image (the reference): the target is one latent frame at the end of a
-    9-frame section (index 9), the reference's latent is the clean prefix (index 0) followed by a zero
-    "post" latent (index 10, musubi's default `fp_1f_no_post = false`), and the 2× / 4× history is zeros at
-    the indices after it (musubi's zeros when `one_frame_no_2x` / `no_4x` are off). The reference's SigLIP
+    An image item with one or two control images (the references): the target is one latent frame at
+    `one_frame.target_index` (default the end of a 9-frame section, index 9), the references' latents are
+    clean latents at `one_frame.clean_indices` (default [0]) followed by a zero "post" latent at 1 +
+    `one_frame.latent_window` (10; left out with `one_frame.no_post`), and the 2× / 4× history is zeros at
+    the indices after it (musubi's zeros when `one_frame_no_2x` / `no_4x` are off). The indices are applied
+    when the model is called, so changing them needs no new cache. The reference's SigLIP
     embedding is computed with the caption (`text_uses_controls`), so `tuner generate --control REF`
     gets it as training does; the latent entry holds `latents` and `control_0`."""
 
@@ -130,12 +171,16 @@ class FramePackOneFrameModel(HunyuanVideoModel):
         }
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        reference = cond["control_0"]
-        history = reference.new_zeros(
-            *reference.shape[:2], sum(framepack.HISTORY_SIZES), *reference.shape[3:]
+        one = self.cfg.one_frame
+        references = [cond[f"control_{i}"] for i in range(len(one.clean_indices))]
+        reference = references[0]
+        post = 0 if one.no_post else 1
+        history = reference.new_zeros(*reference.shape[:2], post + sum(framepack.HISTORY_SIZES[1:]),
+                                      *reference.shape[3:])  # fmt: skip
+        inputs = {**cond, "first_frame": torch.cat(references, dim=2), "history": history}
+        indices = framepack.one_frame_indices(
+            one.latent_window, one.clean_indices, one.target(self.record.one_frame), one.no_post
         )
-        inputs = {**cond, "first_frame": reference, "history": history}
-        indices = framepack.one_frame_indices()
         return framepack.predict_section(model, noisy, t, inputs, self.cfg.model.guidance, indices)
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

@@ -87,3 +87,4 @@ FLF2V_FIXTURE = Fixture(
     write=partial(write_fixture, variant="tiny-flf2v"),
     model_section=_model_section("wan_flf2v", _FILES["tiny-flf2v"]),
 )
+ONE_FRAME_FIXTURE = Fixture(write=write_fixture, model_section=_model_section("wan_1f", _FILES["tiny-i2v"]))

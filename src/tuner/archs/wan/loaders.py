@@ -111,13 +111,13 @@ TRANSFORMER_VARIANTS = variant_table(
 VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "t2v-1.3B": ("a Wan 2.1 T2V 1.3B transformer", ("wan",)),
     "t2v-14B": ("a Wan 2.1 T2V 14B transformer or a Wan 2.2 T2V A14B expert", ("wan", "wan22_t2v")),
-    "i2v-14B": ("a Wan 2.1 I2V 14B transformer (480p or 720p)", ("wan_i2v",)),
+    "i2v-14B": ("a Wan 2.1 I2V 14B transformer (480p or 720p)", ("wan_i2v", "wan_1f")),
     "flf2v-14B": ("a Wan 2.1 FLF2V 14B transformer (first-last-frame)", ("wan_flf2v",)),
     "i2v-A14B": ("a Wan 2.2 I2V A14B expert (image-to-video)", ("wan22_i2v",)),
     "ti2v-5B": ("a Wan 2.2 TI2V-5B transformer", ("wan22_ti2v",)),
     "tiny": ("the tiny test transformer", ("wan", "wan22_t2v")),
     "tiny-ti2v": ("the tiny TI2V test transformer", ("wan22_ti2v",)),
-    "tiny-i2v": ("the tiny image-to-video test transformer", ("wan_i2v",)),
+    "tiny-i2v": ("the tiny image-to-video test transformer", ("wan_i2v", "wan_1f")),
     "tiny-flf2v": ("the tiny first-last-frame test transformer", ("wan_flf2v",)),
     "tiny-i2v-A14B": ("the tiny Wan 2.2 I2V A14B test expert (image-to-video)", ("wan22_i2v",)),
 }

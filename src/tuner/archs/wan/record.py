@@ -26,6 +26,13 @@ def _wan22_experts(task: str) -> tuple[tuple[str, str], ...]:
                   text_encoder=_UMT5)  # fmt: skip
 
 
+# Wan 2.1 I2V 14B (480p and 720p share the network): trained image-to-video (`wan_i2v`) and one-frame (`wan_1f`)
+_WAN21_I2V_HUB = (
+    ("480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
+    ("720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"),
+)
+_WAN21_I2V_COMFY = (("480p", _wan21_i2v("i2v_480p")), ("720p", _wan21_i2v("i2v_720p")))
+
 # Wan 2.1 I2V / FLF2V cross-attend to CLIP tokens of the given frame(s) in every block, and no pipeline runs
 # them without: diffusers' WanImageToVideoPipeline and the release require an image; ComfyUI, given no CLIP
 # output, hands the image attention the text tokens. Zeros or a blank image's tokens would be inputs the
@@ -165,11 +172,8 @@ RECORDS = (
             "unused) or the diffusers folder's `image_encoder/` (+ `image_processor/`; configs in "
             "`configs/clip_vision/`); VAE and text encoder as `wan`. Video datasets only"
         ),
-        hub_repos=(
-            ("480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"),
-            ("720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers"),
-        ),
-        comfy_files=(("480p", _wan21_i2v("i2v_480p")), ("720p", _wan21_i2v("i2v_720p"))),
+        hub_repos=_WAN21_I2V_HUB,
+        comfy_files=_WAN21_I2V_COMFY,
         title="Wan 2.1 image-to-video 14B (480p, 720p; first frame + CLIP ViT-H)",
         family="trainer_i2v:WanI2VModel",
         fixture="fixture_i2v:I2V_FIXTURE",
@@ -177,6 +181,30 @@ RECORDS = (
         first_frame_required=_WAN_CLIP_REQUIRED,
         supports_images=False,
         frame_images=1,
+        latent_encoders=("vae", "image_encoder"),
+        sample_shift=5.0,
+    ),
+    # one-frame Wan 2.1 (musubi-tuner's "one frame" training): the I2V 14B model making one target frame from
+    # a reference image placed at chosen RoPE time indices
+    replace(
+        WAN,
+        name="wan_1f",
+        variants=("i2v-14B",),
+        checkpoints=(
+            "the files of `wan_i2v` (the I2V 14B transformer, CLIP ViT-H, VAE, UMT5). Image datasets with one "
+            "control image (the reference) per item, placed with the target on the time axis by the "
+            "`[one_frame]` section (musubi-tuner's `target_index` / `control_index`, default 1 and [0]; `no_post` and `latent_window` do not apply); "
+            "`tuner generate --control REF --frames 1`. musubi's intermediate-frame mode (two references, "
+            "the FLF2V model) is not supported"
+        ),
+        hub_repos=_WAN21_I2V_HUB,
+        comfy_files=_WAN21_I2V_COMFY,
+        title="Wan 2.1 one-frame image editing (I2V 14B; one target frame from a reference image)",
+        family="trainer_1f:WanOneFrameModel",
+        fixture="fixture_i2v:ONE_FRAME_FIXTURE",
+        supports_video=False,
+        control_images=(1, 1),
+        one_frame="frames",
         latent_encoders=("vae", "image_encoder"),
         sample_shift=5.0,
     ),
