@@ -29,7 +29,8 @@ from tuner.trainers.base import NetworkTrainer
 log_step = NetworkTrainer._log_step
 def first_step(self, run):
     if not hasattr(first_step, "seen"):
-        first_step.seen = sorted({m if m.startswith(("tuner", "diffusers.")) else m.split(".")[0] for m in sys.modules})
+        kept = ("tuner", "diffusers.")  # whole names; of the rest, the top-level package
+        first_step.seen = sorted({m if m.startswith(kept) else m.split(".")[0] for m in sys.modules})
         print("MODULES " + json.dumps(first_step.seen), flush=True)
     log_step(self, run)
 NetworkTrainer._log_step = first_step
@@ -84,7 +85,8 @@ assert "FluxTransformer2DModel" in dir(transformers) and type(transformers) is t
 from diffusers.models.transformers import FluxTransformer2DModel, WanTransformer3DModel
 from diffusers import WanPipeline
 assert WanTransformer3DModel is wan and transformers.FluxTransformer2DModel is FluxTransformer2DModel
-assert transformers.__spec__.loader is transformers.__loader__ and type(transformers.__loader__).__module__ != "tuner.models.lazy_diffusers"
+loader = transformers.__loader__  # the package's own again, as is its spec's
+assert transformers.__spec__.loader is loader and not type(loader).__module__.startswith("tuner")
 assert not any(type(f).__module__.startswith("tuner") for f in sys.meta_path)
 try:
     transformers.NoSuchModel

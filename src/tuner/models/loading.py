@@ -12,7 +12,8 @@ normalizes their keys (ComfyUI prefixes, scaled-fp8 weights), picks one componen
 several (`component_entries`) and loads models through diffusers. A single file carries no config:
 `tuner.models.identify` recognises its variant from tensor shapes, and the variant's shipped config
 folder builds the model, never the hub. Everything that can go wrong (missing file, truncated download,
-another architecture's checkpoint, unknown variant, missing keys) raises `CheckpointError` naming the file and what to do.
+another architecture's checkpoint, unknown variant, missing keys) raises `CheckpointError` naming the
+file and what to do.
 """
 
 from __future__ import annotations
