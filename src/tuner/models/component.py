@@ -96,7 +96,8 @@ def load_component(
     A single file (the component alone, or a checkpoint holding it under the first of `bundled` it uses)
     is read by `read_single_file`, converted by `to_diffusers` when it holds `spec.original_markers` and
     built from the config folder `config` gives for the variant (default: the variant's own). With
-    `diffusers_converter`, diffusers' own converter (the one `from_single_file` uses) converts it instead."""
+    `diffusers_converter`, diffusers' own converter (the one `from_single_file` uses) converts it
+    instead."""
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_diffusers_folder(diffusers_class(class_name), folder, dtype, class_name)
