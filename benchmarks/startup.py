@@ -6,9 +6,11 @@ do, the time to the first training step, and the training loop's overhead with t
     interpreters and timed in CPU seconds, over the CPU seconds of `import torch` alone. The modules
     are the ones (b)'s runs held, not a list kept here, so nothing imported is left out: for
     `tuner train` when it logs step 1 (goal: at most 2.0), for a no-op `tuner cache latents` when it
-    ends (goal: at most 1.5). Beside the training ratio: what importing the diffusers model class
-    forces by itself (torch._dynamo, transformers, bitsandbytes, and peft where it is installed), each
-    with its cost, and what the rest of the modules cost.
+    ends (goal: at most 1.5). The training ratio is measured twice: in this `[dev]` install (with peft,
+    deepspeed, ...) and in a user install (`user_install`: tuner's dependencies only, linked from this
+    one). Beside each: what importing the diffusers model module forces by itself however tuner imports
+    it (`FORCED`: torch._dynamo, transformers, bitsandbytes, and peft where it is installed), each with
+    its cost and the diffusers module that imports it, and the ratio the rest would give without it.
 (b) per 1,000 items: wall time of a no-op `tuner cache latents` and of `tuner train` up to its first
     step, each from interpreter start, at the two item counts; the slope per 1,000 items and the fixed
     cost left at zero items. Goal: slope at most 0.15 s per 1,000 items.
@@ -38,9 +40,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
-# What importing a diffusers model class can pull in by itself, in the order it does: each is timed as
-# the next import after torch and those before it; the class's own modules come last.
-FORCED = ("torch._dynamo", "transformers", "bitsandbytes", "peft", "accelerate")
+# What importing a diffusers model module imports whatever tuner does (diffusers 0.42), and which of
+# diffusers' modules does it, in the order it does: each is timed as the next import after torch and
+# those before it; the model module comes last (diffusers' own modules, the single-file tables).
+FORCED = {
+    "torch._dynamo": "diffusers.utils.torch_utils, at `import diffusers`; with torch._inductor, sympy",
+    "transformers": "diffusers.quantizers.pipe_quant_config",
+    "bitsandbytes": "diffusers.quantizers.bitsandbytes, where installed (a tuner dependency)",
+    "peft": "diffusers.hooks.layerwise_casting, where installed ([dev])",
+    "accelerate": "diffusers.quantizers.bfl",
+}
 
 # Runs a command of the CLI and prints, as JSON, the seconds from interpreter start to its end and to
 # the first optimizer step (if it trains), and the modules it held then (at the step, else at the end).
@@ -72,86 +81,145 @@ start = time.process_time()
 import torch
 torch_s = time.process_time() - start
 failed = []
-for name in names:
-    if name not in sys.modules and not name.startswith("__"):
-        try:
-            importlib.import_module(name)
-        except Exception:
-            failed.append(name)
+from tuner.models.lazy_diffusers import deferred_packages
+with deferred_packages():  # as tuner imports diffusers: a package's __init__ runs only if the run ran it
+    for name in names:
+        if name not in sys.modules and not name.startswith("__"):
+            try:
+                importlib.import_module(name)
+            except Exception:
+                failed.append(name)
 print(json.dumps({"torch": torch_s, "all": time.process_time() - start, "failed": failed}))
 """
 
-# Imports torch, then `FORCED` (those named on stdin) one by one, then the model module (argv[1]).
+# Imports torch, then `FORCED` (those named on stdin) one by one, then the model module (argv[1]) as
+# tuner does; prints the CPU seconds of each.
 FORCED_COST = """
 import importlib, json, sys, time
 names = json.loads(sys.stdin.read())
 import torch
+from tuner.models.lazy_diffusers import deferred_packages
 costs = {}
 for name in names + [sys.argv[1]]:
     start = time.process_time()
-    importlib.import_module(name)
+    with deferred_packages():
+        importlib.import_module(name)
     costs[name] = time.process_time() - start
 print(json.dumps(costs))
 """
 
 
-def _python(code: str, *args: str, stdin: str | None = None) -> str:
-    """stdout of `code` run in a fresh interpreter that imports tuner from this checkout."""
+def _python(code: str, *args: str, stdin: str | None = None, python: str = sys.executable) -> str:
+    """stdout of `code` run in a fresh interpreter (`python`) that imports tuner from this checkout."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, input=stdin
-    )
+    out = subprocess.run([python, "-c", code, *args], capture_output=True, text=True, env=env, input=stdin)
     if out.returncode:
         raise RuntimeError(f"{code[:60]!r} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     return out.stdout
 
 
-def _last_json(code: str, *args: str, stdin: str | None = None):
-    return json.loads(_python(code, *args, stdin=stdin).strip().splitlines()[-1])
+def _last_json(code: str, *args: str, stdin: str | None = None, python: str = sys.executable):
+    return json.loads(_python(code, *args, stdin=stdin, python=python).strip().splitlines()[-1])
+
+
+def user_install(root: Path) -> str:
+    """A virtual environment holding what `pip install tuner` brings: tuner's dependencies and theirs,
+    no extras (so no peft, deepspeed, pytest), each linked from this interpreter's site-packages, so the
+    versions are the ones measured beside it. Returns its `python`."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    python = str(root / "bin" / "python")
+    site = Path(_python("import sysconfig; print(sysconfig.get_paths()['purelib'])", python=python).strip())
+    project = tomllib.loads((HERE.parent / "pyproject.toml").read_text())["project"]
+    todo, seen = [(Requirement(r), "") for r in project["dependencies"]], set()
+    while todo:
+        req, extra = todo.pop()
+        if (req.marker is not None and not req.marker.evaluate({"extra": extra})) or (
+            req.name,
+            extra,
+        ) in seen:
+            continue
+        seen.add((req.name, extra))
+        try:
+            dist = metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:  # a dependency of a dependency that is not installed here
+            continue
+        for entry in {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}:
+            if not (site / entry).exists():
+                (site / entry).symlink_to(dist.locate_file(entry))
+        todo += [(Requirement(r), e) for r in dist.requires or () for e in ("", *req.extras)]
+    return python
 
 
 # --- (a) imports ------------------------------------------------------------------------------------
 
 
-def replay_seconds(modules: list[str], repeats: int) -> tuple[float, float, int]:
+def replay_seconds(
+    modules: list[str], repeats: int, python: str = sys.executable
+) -> tuple[float, float, int]:
     """Median CPU seconds of `import torch` and of importing all of `modules` after it (torch
     included), in fresh interpreters; and how many of `modules` could not be imported alone."""
-    runs = [_last_json(REPLAY, stdin=json.dumps(modules)) for _ in range(repeats)]
+    runs = [_last_json(REPLAY, stdin=json.dumps(modules), python=python) for _ in range(repeats)]
     torch_s = statistics.median(r["torch"] for r in runs)
     return torch_s, statistics.median(r["all"] for r in runs), len(runs[0]["failed"])
 
 
-def forced_by(model_module: str, repeats: int) -> tuple[dict[str, float], set[str]]:
-    """What importing `model_module` after torch imports by itself: the CPU seconds of each of `FORCED`
-    it pulls in and of the rest (`model_module` itself, last), and every module it leaves loaded."""
-    probe = f"import json, sys, torch, {model_module}\nprint(json.dumps(list(sys.modules)))"
-    loaded = set(_last_json(probe))
+def forced_by(model_module: str, repeats: int, python: str) -> tuple[dict[str, float], set[str]]:
+    """What importing `model_module` after torch imports by itself, as tuner imports it: the CPU seconds
+    of each of `FORCED` it pulls in and of the rest (`model_module` itself, last), and every module it
+    leaves loaded."""
+    probe = (
+        "import json, sys, torch\nfrom tuner.models.lazy_diffusers import deferred_packages\n"
+        f"with deferred_packages():\n    import {model_module}\nprint(json.dumps(list(sys.modules)))"
+    )
+    loaded = set(_last_json(probe, python=python))
     forced = [name for name in FORCED if name in loaded]
-    runs = [_last_json(FORCED_COST, model_module, stdin=json.dumps(forced)) for _ in range(repeats)]
+    runs = [
+        _last_json(FORCED_COST, model_module, stdin=json.dumps(forced), python=python) for _ in range(repeats)
+    ]
     return {name: statistics.median(r[name] for r in runs) for name in runs[0]}, loaded
 
 
-def measure_imports(
-    train_modules: list[str], cache_modules: list[str], model_module: str, repeats: int
+def measure_train_imports(
+    install: str, python: str, modules: list[str], model_module: str, repeats: int
 ) -> None:
-    torch_s, total_s, failed = replay_seconds(train_modules, repeats)
+    """Prints the training ratio of one install, what importing `model_module` forces in it (each import
+    with its cost and the diffusers module that imports it) and the ratio without that."""
+    torch_s, total_s, failed = replay_seconds(modules, repeats, python)
     note = f"; {failed} not importable alone, left out" if failed else ""
-    print(f"(a) imports at step 1 of tuner train: {len(train_modules):,} modules, {total_s:.2f} s CPU over "
-          f"import torch's {torch_s:.2f} s: ratio {total_s / torch_s:5.2f}  (goal <= 2.0){note}")  # fmt: skip
-    costs, loaded = forced_by(model_module, repeats)
+    print(f"(a) imports at step 1 of tuner train, {install}: {len(modules):,} modules, {total_s:.2f} s CPU "
+          f"over import torch's {torch_s:.2f} s: ratio {total_s / torch_s:5.2f}  (goal <= 2.0){note}")  # fmt: skip
+    costs, loaded = forced_by(model_module, repeats, python)
     forced_s = sum(costs.values())
-    listed = ", ".join(
-        f"{name.split('.')[0] if name == model_module else name} {s:.2f} s" for name, s in costs.items()
+    print(f"    forced by importing {model_module} (as tuner does: alone), whatever tuner does: "
+          f"{forced_s:.2f} s ({forced_s / torch_s:.2f} x torch)")  # fmt: skip
+    for name, why in FORCED.items():
+        cost = f"{costs[name]:5.2f} s" if name in costs else "   --  "
+        print(f"      {name:<14} {cost}  {why}{'' if name in costs else ': not imported here'}")
+    print(
+        f"      {'diffusers':<14} {costs[model_module]:5.2f} s  the model module and diffusers' own modules"
     )
-    rest = [m for m in train_modules if m not in loaded]
+    rest = [m for m in modules if m not in loaded]
     packages = collections.Counter(m.split(".")[0] for m in rest).most_common(4)
-    print(f"    forced by importing {model_module}: {listed}; together {forced_s:.2f} s "
-          f"({forced_s / torch_s:.2f} x torch)")  # fmt: skip
     print(f"    the other {len(rest):,} modules ({', '.join(f'{p} {n}' for p, n in packages)}, ...): "
           f"about {total_s - torch_s - forced_s:.2f} s (the total less torch and the above: noisy)")  # fmt: skip
-    torch_s, total_s, failed = replay_seconds(cache_modules, repeats)
+    print(
+        f"    without what importing the model forces, the ratio would be {(total_s - forced_s) / torch_s:.2f}"
+    )
+
+
+def measure_cache_imports(modules: list[str], repeats: int) -> None:
+    torch_s, total_s, failed = replay_seconds(modules, repeats)
     note = f"; {failed} not importable alone, left out" if failed else ""
-    print(f"(a) imports of a no-op tuner cache latents: {len(cache_modules):,} modules, {total_s:.2f} s CPU "
+    print(f"(a) imports of a no-op tuner cache latents: {len(modules):,} modules, {total_s:.2f} s CPU "
           f"over import torch's {torch_s:.2f} s: ratio {total_s / torch_s:5.2f}  (goal <= 1.5){note}")  # fmt: skip
 
 
@@ -181,14 +249,16 @@ def make_project(root: Path, model: Path, items: int) -> Path:
     return config
 
 
-def run_marks(*argv: str) -> dict:
-    out = _python(DRIVER, *argv)
+def run_marks(*argv: str, python: str = sys.executable) -> dict:
+    out = _python(DRIVER, *argv, python=python)
     return json.loads(out.rsplit("MARKS ", 1)[1].splitlines()[0])
 
 
-def measure_items(root: Path, model: Path, counts: list[int], repeats: int) -> dict[str, list[str]]:
+def measure_items(
+    root: Path, model: Path, counts: list[int], repeats: int, user: str
+) -> dict[str, list[str]]:
     """Prints (b); returns the modules a no-op cache run held at its end and a training run at step 1
-    (at the smallest item count, for (a))."""
+    (at the smallest item count, for (a)), and those of one more training run in the user install."""
     cache, first, modules = {}, {}, {}
     for n in counts:
         config = str(make_project(root / f"items{n}", model, n))
@@ -201,7 +271,12 @@ def measure_items(root: Path, model: Path, counts: list[int], repeats: int) -> d
             for i in range(repeats)
         ]  # fmt: skip
         first[n] = statistics.median(r["first_step"] for r in runs)
-        modules.setdefault("train", runs[0]["modules"])
+        if "train" not in modules:
+            modules["train"] = runs[0]["modules"]
+            modules["user train"] = run_marks(
+                "train", "--config", config, "--set", "train.max_steps=1", "--set", "log.tensorboard=false",
+                "--set", "save.save_state=false", "--set", f"save.output_dir='{root / 'out_user'}'", python=user,
+            )["modules"]  # fmt: skip
     low, high = counts[0], counts[-1]
     for name, seconds in (("no-op cache latents", cache), ("time to first step", first)):
         slope = (seconds[high] - seconds[low]) / ((high - low) / 1000)
@@ -258,8 +333,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_fixture("wan", root / "model")
-        modules = measure_items(root, root / "model", args.items, args.repeats)
-    measure_imports(modules["train"], modules["cache"], WanTransformer3DModel.__module__, args.repeats)
+        user = user_install(root / "user")
+        modules = measure_items(root, root / "model", args.items, args.repeats, user)
+        model_module = WanTransformer3DModel.__module__
+        for install, python, held in (
+            ("[dev] install (this one)", sys.executable, modules["train"]),
+            ("user install (tuner's dependencies only)", user, modules["user train"]),
+        ):
+            measure_train_imports(install, python, held, model_module, args.repeats)
+    measure_cache_imports(modules["cache"], args.repeats)
     measure_overhead(args.steps, args.rounds, args.smoke)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tuner.models.identify import SingleFileSpec, Variant, apply_aliases, diffusers_meta_keys, identify_shapes
+from tuner.models.lazy_diffusers import diffusers_class
 from tuner.models.loading import (
     as_file_list,
     component_entries,
@@ -43,13 +44,6 @@ from tuner.models.loading import (
 StateDict = dict[str, torch.Tensor]
 ToDiffusers = Callable[[StateDict, Variant], StateDict]
 """(state dict in the original layout, identified variant) -> the same tensors under diffusers' keys."""
-
-
-def diffusers_class(name: str) -> type:
-    """The diffusers model class `name`, imported now (diffusers imports its classes lazily)."""
-    import diffusers
-
-    return getattr(diffusers, name)
 
 
 def diffusers_keys(
@@ -102,7 +96,8 @@ def load_component(
     A single file (the component alone, or a checkpoint holding it under the first of `bundled` it uses)
     is read by `read_single_file`, converted by `to_diffusers` when it holds `spec.original_markers` and
     built from the config folder `config` gives for the variant (default: the variant's own). With
-    `diffusers_converter`, diffusers' own `from_single_file` converts it instead."""
+    `diffusers_converter`, diffusers' own converter (the one `from_single_file` uses) converts it
+    instead."""
     folder = resolve_folder(path, subfolder)
     if folder is not None:
         return load_diffusers_folder(diffusers_class(class_name), folder, dtype, class_name)

@@ -213,8 +213,7 @@ def apply_aliases(tensors: Mapping[str, T], aliases: Mapping[str, str]) -> dict[
 def identify_single_file(files: str | Path | Sequence[Path], spec: SingleFileSpec) -> Variant:
     """Check that a single file (or the shards of one) is a complete `spec.what` of a known variant.
 
-    Reads only headers. Returns the variant, whose `config_dir` is what `from_single_file(config=...)`
-    needs.
+    Reads only headers. Returns the variant, whose `config_dir` is the config the model is built from.
     """
     files = as_file_list(files)
     path = files[0] if len(files) == 1 else files[0].parent

@@ -11,8 +11,9 @@ This module reads files (safetensors headers without the data, .pth through `tor
 normalizes their keys (ComfyUI prefixes, scaled-fp8 weights), picks one component of a file that bundles
 several (`component_entries`) and loads models through diffusers. A single file carries no config:
 `tuner.models.identify` recognises its variant from tensor shapes, and the variant's shipped config
-folder is handed to `from_single_file(..., config=<local dir>)`, never to the hub. Everything that can go wrong (missing file, truncated download, another architecture's checkpoint,
-unknown variant, missing keys) raises `CheckpointError` naming the file and what to do.
+folder builds the model, never the hub. Everything that can go wrong (missing file, truncated download,
+another architecture's checkpoint, unknown variant, missing keys) raises `CheckpointError` naming the
+file and what to do.
 """
 
 from __future__ import annotations
@@ -270,20 +271,28 @@ def load_diffusers_folder(
 def load_diffusers_single_file(
     model_cls: type, state_dict: dict[str, torch.Tensor], config_dir: Path, dtype: torch.dtype, path: Path
 ) -> torch.nn.Module:
-    """`model_cls.from_single_file` with a shipped local config (so it never looks at the hub).
+    """A diffusers model of the shipped config from a single file's tensors in the original release's
+    layout, converted by the function diffusers' `from_single_file` uses for `model_cls` (its
+    `SINGLE_FILE_LOADABLE_CLASSES` entry; a file already in diffusers' names is not converted, as there).
 
-    `state_dict` must already be checked to hold exactly the expected keys: diffusers only warns about
-    unexpected keys and leaves missing ones on the meta device. Weights are cast afterwards by the rule
-    `from_pretrained` uses, so both layouts give identical models (`from_single_file` itself would also
-    cast the model's `_keep_in_fp32_modules` to bf16).
+    Not `from_single_file` itself: to find that entry it imports every class it can load (some 20 model
+    modules a run does not use). `state_dict` must already be checked to hold the expected keys; it is
+    then built as `from_state_dict` builds, so both layouts give identical models.
     """
-    try:
-        model = model_cls.from_single_file(state_dict, config=str(config_dir), local_files_only=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
-    assert_materialized(model, path)
-    cast_like_from_pretrained_(model, dtype)
-    return model.eval()
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    entry = next(
+        SINGLE_FILE_LOADABLE_CLASSES[c.__name__]
+        for c in model_cls.__mro__
+        if c.__name__ in SINGLE_FILE_LOADABLE_CLASSES
+    )
+    model = _empty_model(model_cls, config_dir)
+    if set(model.state_dict()) != set(state_dict):
+        try:
+            state_dict = entry["checkpoint_mapping_fn"](checkpoint=state_dict, config=model.config)
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
+    return _fill(model, state_dict, dtype, path)
 
 
 def from_state_dict(
@@ -292,14 +301,21 @@ def from_state_dict(
     """A diffusers model of the shipped config holding exactly `state_dict` (diffusers keys), cast the
     way `from_pretrained` casts. Parameters are built on the meta device, so no memory goes to random
     init; buffers are real (Chroma computes its non-persistent `mod_proj` table at construction)."""
+    return _fill(_empty_model(model_cls, config_dir), state_dict, dtype, path)
+
+
+def _empty_model(model_cls: type, config_dir: Path) -> torch.nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights():
-        model = model_cls.from_config(model_cls.load_config(config_dir))
+        return model_cls.from_config(model_cls.load_config(config_dir))
+
+
+def _fill(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
     try:
         model.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as e:  # shapes or names that do not fit the identified variant
-        raise CheckpointError(f"{path}: cannot be loaded as a {model_cls.__name__}: {e}") from None
+        raise CheckpointError(f"{path}: cannot be loaded as a {type(model).__name__}: {e}") from None
     assert_materialized(model, path)
     cast_like_from_pretrained_(model, dtype)
     return model.eval()
