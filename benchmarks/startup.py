@@ -81,14 +81,12 @@ start = time.process_time()
 import torch
 torch_s = time.process_time() - start
 failed = []
-from tuner.models.lazy_diffusers import deferred_packages
-with deferred_packages():  # as tuner imports diffusers: a package's __init__ runs only if the run ran it
-    for name in names:
-        if name not in sys.modules and not name.startswith("__"):
-            try:
-                importlib.import_module(name)
-            except Exception:
-                failed.append(name)
+for name in names:
+    if name not in sys.modules and not name.startswith("__"):
+        try:
+            importlib.import_module(name)
+        except Exception:
+            failed.append(name)
 print(json.dumps({"torch": torch_s, "all": time.process_time() - start, "failed": failed}))
 """
 
@@ -98,12 +96,10 @@ FORCED_COST = """
 import importlib, json, sys, time
 names = json.loads(sys.stdin.read())
 import torch
-from tuner.models.lazy_diffusers import deferred_packages
 costs = {}
 for name in names + [sys.argv[1]]:
     start = time.process_time()
-    with deferred_packages():
-        importlib.import_module(name)
+    importlib.import_module(name)
     costs[name] = time.process_time() - start
 print(json.dumps(costs))
 """
@@ -173,13 +169,10 @@ def replay_seconds(
 
 
 def forced_by(model_module: str, repeats: int, python: str) -> tuple[dict[str, float], set[str]]:
-    """What importing `model_module` after torch imports by itself, as tuner imports it: the CPU seconds
+    """What importing `model_module` after torch imports by itself: the CPU seconds
     of each of `FORCED` it pulls in and of the rest (`model_module` itself, last), and every module it
     leaves loaded."""
-    probe = (
-        "import json, sys, torch\nfrom tuner.models.lazy_diffusers import deferred_packages\n"
-        f"with deferred_packages():\n    import {model_module}\nprint(json.dumps(list(sys.modules)))"
-    )
+    probe = f"import json, sys, torch\nimport {model_module}\nprint(json.dumps(list(sys.modules)))"
     loaded = set(_last_json(probe, python=python))
     forced = [name for name in FORCED if name in loaded]
     runs = [
@@ -199,7 +192,7 @@ def measure_train_imports(
           f"over import torch's {torch_s:.2f} s: ratio {total_s / torch_s:5.2f}  (goal <= 2.0){note}")  # fmt: skip
     costs, loaded = forced_by(model_module, repeats, python)
     forced_s = sum(costs.values())
-    print(f"    forced by importing {model_module} (as tuner does: alone), whatever tuner does: "
+    print(f"    forced by importing {model_module} after torch, whatever tuner does: "
           f"{forced_s:.2f} s ({forced_s / torch_s:.2f} x torch)")  # fmt: skip
     for name, why in FORCED.items():
         cost = f"{costs[name]:5.2f} s" if name in costs else "   --  "

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from tuner.models.identify import SingleFileSpec, Variant, apply_aliases, diffusers_meta_keys, identify_shapes
-from tuner.models.lazy_diffusers import diffusers_class
 from tuner.models.loading import (
     as_file_list,
     component_entries,
@@ -44,6 +43,13 @@ from tuner.models.loading import (
 StateDict = dict[str, torch.Tensor]
 ToDiffusers = Callable[[StateDict, Variant], StateDict]
 """(state dict in the original layout, identified variant) -> the same tensors under diffusers' keys."""
+
+
+def diffusers_class(name: str) -> type:
+    """The diffusers model class `name`, imported now (diffusers imports its classes lazily)."""
+    import diffusers
+
+    return getattr(diffusers, name)
 
 
 def diffusers_keys(

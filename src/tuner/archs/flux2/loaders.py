@@ -35,9 +35,8 @@ from tuner.archs.flux2.keys import (
     vae_to_diffusers,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import component_spec, diffusers_keys, load_component, vae_levels
+from tuner.models.component import component_spec, diffusers_class, diffusers_keys, load_component, vae_levels
 from tuner.models.identify import CHROMA_MARKER, SingleFileSpec, Variant, identify_single_file, variant_table
-from tuner.models.lazy_diffusers import diffusers_class
 from tuner.models.loading import (
     from_state_dict,
     load_diffusers_folder,

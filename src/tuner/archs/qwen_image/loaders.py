@@ -37,9 +37,8 @@ import torch
 
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.keys import vae_key_to_original
-from tuner.models.component import component_spec, diffusers_keys, load_component
+from tuner.models.component import component_spec, diffusers_class, diffusers_keys, load_component
 from tuner.models.identify import Variant, diffusers_meta_keys, variant_table
-from tuner.models.lazy_diffusers import diffusers_class
 from tuner.models.loading import normalize_shapes, read_tensor_shapes
 from tuner.networks.architectures import COMFY_BARE_FORMS, ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout

@@ -40,7 +40,6 @@ from tuner.errors import CheckpointError
 from tuner.models.component import component_spec, load_component
 from tuner.models.encoders import T5_COLUMNS, load_encoder, model_keys
 from tuner.models.identify import UNCHECKED, SingleFileSpec, identify_single_file, variant_table
-from tuner.models.lazy_diffusers import diffusers_class
 from tuner.models.loading import (
     load_diffusers_folder,
     load_diffusers_single_file,
@@ -172,7 +171,7 @@ def load_transformer(
     """Load a Wan transformer from a diffusers folder (its `subfolder` when `path` is a pipeline root) or a
     single file, in eval mode. A variant that `architecture` does not train is refused, naming the one
     that does."""
-    WanTransformer3DModel = diffusers_class("WanTransformer3DModel")
+    from diffusers import WanTransformer3DModel
 
     folder = resolve_folder(path, subfolder)
     if folder is None:

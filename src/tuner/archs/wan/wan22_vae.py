@@ -27,7 +27,6 @@ from tuner.archs.wan.keys import vae22_key_to_original
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
 from tuner.models.identify import SingleFileSpec, Variant, identify_single_file
-from tuner.models.lazy_diffusers import diffusers_class
 from tuner.models.loading import (
     assert_materialized,
     cast_like_from_pretrained_,
@@ -113,7 +112,7 @@ def check_vae_generation(path: str | Path, generation: str, architecture: str) -
 
 def load_vae22(path: str | Path, dtype: torch.dtype) -> AutoencoderKLWan:
     """The Wan 2.2 VAE from a diffusers folder or an original single file (.safetensors or .pth)."""
-    AutoencoderKLWan = diffusers_class("AutoencoderKLWan")
+    from diffusers import AutoencoderKLWan
 
     folder = resolve_folder(path, "vae")
     if folder is not None:
