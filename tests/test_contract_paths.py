@@ -41,10 +41,10 @@ def _fresh(trainer, transformer: Path | None = None):
     return trainer.load_transformer(torch.float32).eval().requires_grad_(False)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def trained(contract, tmp_path_factory):
     """A LoRA trained for 3 steps with a scale that is a power of two (alpha/rank = 1/2), so layout
-    round trips are bit-exact."""
+    round trips are bit-exact. Trained once per architecture (like `contract`); the tests only read it."""
     arch, config, paths = contract
     out = tmp_path_factory.mktemp(f"trained_{arch}")
     trainer = _train(config, out, "train.max_steps=3", "network.rank=4", "network.alpha=2")

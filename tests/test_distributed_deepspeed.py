@@ -3,12 +3,11 @@ train the weights one process trains on the same global batches, save the files 
 optimizer state consolidated into one process's state dict), and resume; bad settings are refused by name.
 
 The reference is one process accumulating two batches per step (process r's i-th batch is the plan's batch
-i * 2 + r; the loop draws each batch's noise by that place)."""
+i * 2 + r; the loop draws each batch's noise by that place). Every two-process run of this file is one
+launch of tests/distributed_deepspeed_worker.py (`runs`)."""
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch import launch
-from project import make_cached_project, make_project
+from project import make_cached_project, make_project, train_wan
 from tuner.archs.parts.text_encoder_training import attach_to_denoiser
 from tuner.config import load_config
 from tuner.errors import CheckpointError, ConfigError
@@ -35,29 +34,12 @@ needs_deepspeed = pytest.mark.skipif(
 
 WORKER = Path(__file__).parent / "distributed_deepspeed_worker.py"
 STEPS = ["train.max_steps=3", "save.every_n_steps=2"]  # a state at step 2 to resume from, the final at 3
+FULL = ["train.max_steps=2", "network.type='full'", "train.learning_rate=1e-4"]
 DEEPSPEED = "distributed.strategy='deepspeed'"
-
-
-def _launch(config: Path, out: Path, *overrides: str, resume: Path | None = None, processes: int = 2,
-            extra_env: dict | None = None, fails: bool = False) -> Path | str:  # fmt: skip
-    """Train `config` into `out` with `processes` processes (tests/launch.py for two) and return `out` (with
-    `fails`: the run must fail; return its output)."""
-    out.mkdir(parents=True, exist_ok=True)
-    src = str(Path(__file__).parents[1] / "src")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    env.pop("ACCELERATE_USE_CPU", None)  # it turns accelerate's DeepSpeed plugin off
-    env.update(extra_env or {})
-    args = [str(WORKER), str(config), str(out), *(["--resume", str(resume)] if resume else []), *overrides]
-    if processes == 1:
-        result = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
-    else:
-        result = launch(args, processes, env, timeout=600)
-    if fails:
-        assert result.returncode != 0
-        return result.stdout + result.stderr
-    assert result.returncode == 0, result.stderr[-4000:]
-    return out
+STEP2 = "state/step000002"
+# samples drawn by the main process (ZeRO-2 holds the whole model there) must not change the training
+SAMPLES = ("sample.prompts=['a red circle']", "sample.every_n_steps=2", "sample.width=64", "sample.height=48",
+           "sample.steps=2")  # fmt: skip
 
 
 def _assert_same_files(a: Path, b: Path, atol: float = 1e-6) -> None:
@@ -86,22 +68,62 @@ def project(tmp_path_factory, wan_model):
 def reference(project, tmp_path_factory):
     """One process, two batches accumulated per step: the global batch of two processes."""
     out = tmp_path_factory.mktemp("reference")
-    return _launch(project, out, *STEPS, "train.gradient_accumulation_steps=2", processes=1)
+    train_wan(project, out, *STEPS, "train.gradient_accumulation_steps=2")
+    return out
 
 
-# samples drawn by the main process (ZeRO-2 holds the whole model there) must not change the training
-SAMPLES = ("sample.prompts=['a red circle']", "sample.every_n_steps=2", "sample.width=64", "sample.height=48",
-           "sample.steps=2")  # fmt: skip
+def _user_json(path: Path, zero: dict) -> Path:
+    path.write_text(json.dumps({"zero_optimization": zero}))
+    return path
 
 
 @pytest.fixture(scope="module")
-def zero2(project, reference, tmp_path_factory):
-    return _launch(project, tmp_path_factory.mktemp("zero2"), *STEPS, DEEPSPEED, *SAMPLES)
+def runs(project, tmp_path_factory) -> dict[str, Path]:
+    """Every two-process run of this file, in one launch: by name, the folder it trained into (its log
+    and each process's measured memory in it). The resumed runs continue the state `zero2` saved at
+    step 2; `zero3` reads a user's JSON that picks stage 3 and partitions every weight, however small
+    (DeepSpeed may keep small ones whole on every process by default:
+    stage3_param_persistence_threshold); `cpu` is told by accelerate's variable to use the CPU."""
+    root = tmp_path_factory.mktemp("ds_runs")
+    zero3_json = _user_json(root / "zero3.json", {"stage": 3, "stage3_param_persistence_threshold": 0})
+    full_json = _user_json(root / "full.json", {"stage3_param_persistence_threshold": 0})
+    zero3 = [
+        DEEPSPEED,
+        f"distributed.deepspeed_config='{zero3_json}'",
+        "distributed.deepspeed_offload_optimizer=true",
+    ]
+    full = [DEEPSPEED, "distributed.deepspeed_stage=3", f"distributed.deepspeed_config='{full_json}'"]
+
+    def resumed(name: str) -> dict:
+        return {"copy": str(root / "zero2" / STEP2), "resume": str(root / name / STEP2)}
+
+    specs = {
+        "zero2": {"overrides": [*STEPS, DEEPSPEED, *SAMPLES]},
+        "zero2_resumed": {"overrides": [*STEPS, DEEPSPEED], **resumed("zero2_resumed")},
+        "zero3": {"overrides": [*STEPS, *zero3]},
+        "zero3_resumed": {"overrides": [*STEPS, *zero3], **resumed("zero3_resumed")},
+        "zero3_full": {"overrides": [*FULL, *full]},
+        "cpu": {
+            "overrides": ["train.max_steps=1", DEEPSPEED],
+            "env": {"ACCELERATE_USE_CPU": "true"},
+            "fails": True,
+        },
+    }
+    file = root / "runs.json"
+    file.write_text(json.dumps([{"out": str(root / name), **spec} for name, spec in specs.items()]))
+    src = str(Path(__file__).parents[1] / "src")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env.pop("ACCELERATE_USE_CPU", None)  # it turns accelerate's DeepSpeed plugin off
+    result = launch([str(WORKER), str(project), str(file)], env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {name: root / name for name in specs}
 
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_path, wan_model):
+def test_zero2_trains_as_one_process_and_resumes(project, reference, runs):
+    zero2 = runs["zero2"]
     for name in ("demo_lora-step000002.safetensors", "demo_lora.safetensors"):
         _assert_same_files(zero2 / name, reference / name)
     # the optimizer state is one process's: every partition gathered into whole per-parameter moments
@@ -111,10 +133,8 @@ def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_
     log = (zero2 / "log0.txt").read_text()
     assert "strategy: deepspeed ZeRO-2 over 2 processes; per process: parameters" in log
 
-    # resume the step-2 state on two processes: the same final weights as the uninterrupted run
-    resumed = tmp_path / "resumed"
-    shutil.copytree(zero2 / "state/step000002", resumed / "state/step000002")
-    _launch(project, resumed, *STEPS, DEEPSPEED, resume=resumed / "state/step000002")
+    # resumed from the step-2 state on two processes: the same final weights as the uninterrupted run
+    resumed = runs["zero2_resumed"]
     _assert_same_files(resumed / "demo_lora.safetensors", reference / "demo_lora.safetensors")
 
     # one process cannot continue it (a position counts each process's batches): refused by name
@@ -124,7 +144,7 @@ def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_
 
     cfg = load_config(project, [f"save.output_dir='{resumed}'", "log.tensorboard=false", *STEPS])
     with pytest.raises(CheckpointError, match="saved by 2 process"):
-        WanTrainer(cfg).train(resume=str(resumed / "state/step000002"), log=lambda s: None)
+        WanTrainer(cfg).train(resume=str(resumed / STEP2), log=lambda s: None)
 
     # the adapter file loads in a one-process model like any other
     trainer = WanTrainer(cfg)
@@ -137,17 +157,8 @@ def test_zero2_trains_as_one_process_and_resumes(project, reference, zero2, tmp_
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_zero3_from_a_user_json_with_offload(project, reference, zero2, tmp_path):
-    # the user's JSON picks stage 3 and partitions every weight, however small (DeepSpeed may keep small
-    # ones whole on every process by default: stage3_param_persistence_threshold)
-    user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    keys = (
-        DEEPSPEED,
-        f"distributed.deepspeed_config='{user}'",
-        "distributed.deepspeed_offload_optimizer=true",
-    )
-    out = _launch(project, tmp_path / "zero3", *STEPS, *keys)
+def test_zero3_from_a_user_json_with_offload(reference, runs):
+    out = runs["zero3"]
     _assert_same_files(out / "demo_lora.safetensors", reference / "demo_lora.safetensors")
     _assert_same_optimizer_state(out / "state/step000003", reference / "state/step000003")
     log = (out / "log0.txt").read_text()
@@ -155,27 +166,22 @@ def test_zero3_from_a_user_json_with_offload(project, reference, zero2, tmp_path
     assert "ZeRO-3 (optimizer offloaded to host) over 2 processes" in log
     # DeepSpeed's partitions: stage 3 holds half the weights stage 2 holds; both a half of the gradients
     # and optimizer state of what trains (22,528 fp32 elements: 45,056 bytes of master weights each)
-    z2, z3 = (json.loads((run / "memory0.json").read_text()) for run in (zero2, out))
+    z2, z3 = (json.loads((run / "memory0.json").read_text()) for run in (runs["zero2"], out))
     assert z3["parameters"] == pytest.approx(z2["parameters"] / 2, rel=0.01)
     assert z2["master"] == z3["master"] == 22_528 * 4 // 2
     assert z2["moments"] == z3["moments"] == 2 * z2["master"]  # AdamW: two moments per element
 
     # a ZeRO-2 state resumes under ZeRO-3 with offload: the consolidated state is the same file
-    resumed = tmp_path / "resumed"
-    shutil.copytree(zero2 / "state/step000002", resumed / "state/step000002")
-    _launch(project, resumed, *STEPS, *keys, resume=resumed / "state/step000002")
+    resumed = runs["zero3_resumed"]
     _assert_same_files(resumed / "demo_lora.safetensors", reference / "demo_lora.safetensors")
 
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_zero3_full_finetune_partitions_the_whole_model(project, tmp_path):
-    full = ["train.max_steps=2", "network.type='full'", "train.learning_rate=1e-4"]
-    reference = _launch(project, tmp_path / "one", *full, "train.gradient_accumulation_steps=2", processes=1)
-    user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
-    keys = (DEEPSPEED, "distributed.deepspeed_stage=3", f"distributed.deepspeed_config='{user}'")
-    out = _launch(project, tmp_path / "zero3", *full, *keys)
+def test_zero3_full_finetune_partitions_the_whole_model(project, runs, tmp_path):
+    reference = tmp_path / "one"
+    train_wan(project, reference, *FULL, "train.gradient_accumulation_steps=2")
+    out = runs["zero3_full"]
     # the saved model is whole (gathered from both processes' partitions) and as one process trains it
     _assert_same_files(out / "demo_lora.safetensors", reference / "demo_lora.safetensors")
     _assert_same_optimizer_state(out / "state/step000002", reference / "state/step000002")
@@ -188,10 +194,10 @@ def test_zero3_full_finetune_partitions_the_whole_model(project, tmp_path):
 
 @needs_deepspeed
 @pytest.mark.slow
-def test_told_to_use_the_cpu_accelerate_starts_no_deepspeed_and_says_so(project, tmp_path):
-    output = _launch(project, tmp_path / "out", "train.max_steps=1", DEEPSPEED,
-                     extra_env={"ACCELERATE_USE_CPU": "true"}, fails=True)  # fmt: skip
-    assert "accelerate did not start DeepSpeed" in output and "unset ACCELERATE_USE_CPU" in output
+def test_told_to_use_the_cpu_accelerate_starts_no_deepspeed_and_says_so(runs):
+    for rank in range(2):
+        error = (runs["cpu"] / f"error{rank}.txt").read_text()
+        assert "accelerate did not start DeepSpeed" in error and "unset ACCELERATE_USE_CPU" in error, error
 
 
 # ---- refusals (one process, no training) ----
