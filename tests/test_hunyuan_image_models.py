@@ -220,7 +220,7 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, parts):
         cond = {"text": kw["encoder_hidden_states"], "mask": kw["encoder_attention_mask"],
                 "glyph": kw["encoder_hidden_states_2"], "glyph_mask": kw["encoder_attention_mask_2"]}  # fmt: skip
         if kw["timestep_r"] is not None:
-            cond["timestep_r"] = kw["timestep_r"]
+            cond["t_next"] = kw["timestep_r"] / 1000
         got = _trainer().predict(parts["transformer"], kw["hidden_states"], kw["timestep"] / 1000, cond)
         torch.testing.assert_close(got, out, rtol=1e-6, atol=1e-6)
 
@@ -249,6 +249,30 @@ def test_two_guided_euler_steps_match_the_pipeline(fixture):
         return trainer.predict(parts["transformer"], x, t / 1000, c)
 
     x = trainer.sample_flow(model_fn, x, pipe.scheduler.sigmas, cond, uncond, 3.5)
+    torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_distilled_generation_matches_the_pipeline():
+    """The distilled model as `tuner generate` samples it (no CFG, shift 4, the record's `flow_next_time`
+    giving MeanFlow's interval end r) gives the latents HunyuanImagePipeline gives for the same noise and
+    steps: r is the next step's time, 0 at the last."""
+    parts = build_hunyuan_image_components(distilled=True)
+    pipe = HunyuanImagePipeline(**parts)
+    pipe.tokenizer_max_length = 24
+    trainer = _trainer(24, "hunyuanimage2.1-distilled.safetensors")
+    cond = trainer.collate_text(trainer.encode_text(_encoders(parts), [CAPTIONS[0]]))
+    x = torch.randn(1, 64, 2, 1, generator=torch.Generator().manual_seed(0))
+    out = pipe(
+        CAPTIONS[0], height=64, width=32, num_inference_steps=3, output_type="latent", latents=x
+    ).images
+    sigmas = flow_sigmas(3, trainer.default_sample_shift(x.shape[1:]))
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, rtol=1e-6, atol=1e-6)
+
+    def model_fn(x, t, c):  # as `tuner generate` calls the family
+        return trainer.predict(parts["transformer"], x, t / 1000, c)
+
+    x = trainer.sample_flow(model_fn, x, sigmas, cond, None, 1.0)
     torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
 
 

@@ -158,7 +158,8 @@ class ArchitectureModel:
 
         def denoise(noise: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
             return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
-                                combine=self.combine_guidance)  # fmt: skip
+                                combine=self.combine_guidance,
+                                next_time=self.record.flow_next_time)  # fmt: skip
 
         in_parts = self.record.flow_sampler_function()
         return denoise(noise, cond, uncond) if in_parts is None else in_parts(denoise, noise, cond, uncond)

@@ -152,6 +152,9 @@ class Architecture:
     """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's
     sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
     pass; empty: one pass over the whole latent."""
+    flow_next_time: bool = False
+    """Whether generation also gives the model the time its Euler step goes to, as `cond["t_next"]` in [0, 1]
+    (MeanFlow models, HunyuanImage 2.1 distilled: the interval's end r); training gives none (r = t)."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None

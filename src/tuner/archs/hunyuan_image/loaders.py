@@ -18,8 +18,8 @@ HunyuanImagePipeline does. The text encoders are `tuner.archs.hunyuan_image.text
 Calling the model (`predict_velocity`): latents [B, 64, H/32, W/32] (z · 0.75289), the timestep t × 1000
 in the latents' dtype, the Qwen states and ByT5 glyph states with their masks. The distilled model is
 also given its embedded guidance (the pipeline's `distilled_guidance_scale` 3.25, × 1000) and MeanFlow's
-interval end r (the pipeline's next timestep; `timestep_r` in `cond`, else r = t: the instantaneous
-velocity). It predicts the velocity noise − x0.
+interval end r (the pipeline's next timestep: `t_next` in `cond`, else r = t, the instantaneous velocity).
+It predicts the velocity noise − x0.
 """
 
 from __future__ import annotations
@@ -250,7 +250,9 @@ def predict_velocity(
     cond: Mapping[str, torch.Tensor],
 ) -> torch.Tensor:
     """The velocity for latents `noisy` [B, 64, h, w] at t ∈ [0, 1], given collated text (`text`, `mask`,
-    `glyph`, `glyph_mask`) and, for the distilled model, optionally `timestep_r` (× 1000, as the pipeline's)."""
+    `glyph`, `glyph_mask`). The distilled (MeanFlow) model is also given the end r of the interval it steps:
+    `t_next` in generation (the record's `flow_next_time`, as HunyuanImagePipeline passes the next step's
+    time), else r = t (training: the instantaneous velocity)."""
     dtype = noisy.dtype
     timestep = (t.float() * 1000).to(
         dtype
@@ -259,7 +261,8 @@ def predict_velocity(
     if model.config.guidance_embeds:
         extra["guidance"] = torch.full_like(timestep, DISTILLED_GUIDANCE * 1000.0)
     if model.config.use_meanflow:
-        extra["timestep_r"] = cond.get("timestep_r", timestep).to(dtype)
+        r = cond.get("t_next", t)
+        extra["timestep_r"] = (r.float() * 1000).to(dtype)
     return model(
         hidden_states=noisy,
         timestep=timestep,

@@ -72,6 +72,10 @@ HUNYUAN_IMAGE = Architecture(
     timestep_mode="shift",
     sample_shift=5.0,  # the base model; the distilled one samples at 4 (Tencent's pipeline config)
     sample_shift_by_name=(("(?i)distill", 4.0),),
+    # the distilled model is MeanFlow-distilled: generation gives it the step's end time r, as
+    # HunyuanImagePipeline does (the base model has no r and ignores it). Training gives r = t (the
+    # instantaneous velocity, the only target flow matching has) and warns (`training_warning`).
+    flow_next_time=True,
 )
 
 
