@@ -18,7 +18,7 @@ from tuner.archs.hunyuan_image.keys import HUNYUAN_IMAGE_LAYOUT
 from tuner.archs.hunyuan_image.trainer import HunyuanImageModel, distilled_warning
 from tuner.archs.hunyuan_video15.loaders import TextEncoders, load_text_encoders
 from tuner.diffusion.sampling import flow_sigmas
-from tuner.errors import CheckpointError
+from tuner.errors import CheckpointError, ConfigError
 from tuner.io import save_safetensors
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
@@ -226,30 +226,45 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, parts):
 
 
 @torch.no_grad()
-def test_two_guided_euler_steps_match_the_pipeline(fixture):
+@pytest.mark.parametrize("method", ["auto", "cfg"])
+def test_guided_generation_matches_the_pipeline(method):
     """What `tuner generate` computes for the base model (our encoding, shift 5 over tuner's evenly spaced
-    sigmas, the Euler steps and CFG of `sample_flow`) gives the latents HunyuanImagePipeline gives (its
-    guider plain CFG) for the same noise, steps, guidance and spacing."""
-    import numpy as np
+    sigmas, the Euler steps and guidance of `sample_flow`) gives the latents HunyuanImagePipeline gives for
+    the same noise, steps and guidance: by default with its release guider (`AdaptiveProjectedMixGuidance`
+    as constructed: CFG for 6 steps, then APG), with `cfg` with plain CFG. 8 steps reach APG."""
+    from diffusers import AdaptiveProjectedMixGuidance, ClassifierFreeGuidance
 
     parts = build_hunyuan_image_components()
-    pipe = HunyuanImagePipeline(**parts)
+    guider = (
+        AdaptiveProjectedMixGuidance() if method == "auto" else ClassifierFreeGuidance(guidance_scale=3.5)
+    )
+    pipe = HunyuanImagePipeline(**{**parts, "guider": guider})
     pipe.tokenizer_max_length = 24
     trainer = _trainer(24)
     cond, uncond = (
         trainer.collate_text(trainer.encode_text(_encoders(parts), [p])) for p in (CAPTIONS[1], "")
     )
     x = torch.randn(1, 64, 2, 1, generator=torch.Generator().manual_seed(0))  # a 64x32 image
-    out = pipe(CAPTIONS[1], height=64, width=32, num_inference_steps=2, output_type="latent", latents=x,
-               sigmas=np.linspace(1.0, 0.5, 2)).images  # fmt: skip
-    sigmas = flow_sigmas(2, trainer.default_sample_shift(x.shape[1:]))
+    out = pipe(
+        CAPTIONS[1], height=64, width=32, num_inference_steps=8, output_type="latent", latents=x
+    ).images
+    sigmas = flow_sigmas(8, trainer.default_sample_shift(x.shape[1:]))
     torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, rtol=1e-6, atol=1e-6)
 
     def model_fn(x, t, c):  # as `tuner generate` calls the family
         return trainer.predict(parts["transformer"], x, t / 1000, c)
 
-    x = trainer.sample_flow(model_fn, x, pipe.scheduler.sigmas, cond, uncond, 3.5)
+    x = trainer.sample_flow(model_fn, x, sigmas, cond, uncond, 3.5, guidance_method=method)
     torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
+
+
+def test_apg_is_refused_for_a_model_whose_release_guides_with_cfg():
+    from tuner.generate import GenerateOptions, check_options
+
+    flux = SimpleNamespace(architecture="flux", record=architecture("flux"))
+    with pytest.raises(ConfigError, match="--guidance-method apg: flux"):
+        check_options(flux, GenerateOptions(prompt="a", out="a.png", width=64, height=64, frames=1,
+                                            guidance_method="apg"))  # fmt: skip
 
 
 @torch.no_grad()

@@ -152,6 +152,10 @@ class Architecture:
     """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's
     sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
     pass; empty: one pass over the whole latent."""
+    sample_guidance: tuple[tuple[str, float], ...] = ()
+    """(setting, value) of the adaptive projected guidance its release samples with
+    (`tuner.diffusion.guidance.ProjectedGuidance`'s fields): generation's default guidance, plain CFG
+    still chosen by `--guidance-method cfg` / `sample.guidance_method`. Empty: CFG (or `combine_guidance`)."""
     flow_next_time: bool = False
     """Whether generation also gives the model the time its Euler step goes to, as `cond["t_next"]` in [0, 1]
     (MeanFlow models, HunyuanImage 2.1 distilled: the interval's end r); training gives none (r = t)."""
@@ -216,6 +220,14 @@ class Architecture:
     def flow_sampler_function(self) -> Any:
         """The `flow_sampler` function, or None for one pass."""
         return self._code(self.flow_sampler) if self.flow_sampler else None
+
+    def projected_guidance(self) -> Any:
+        """Its `sample_guidance` as a `tuner.diffusion.guidance.ProjectedGuidance`, or None for CFG."""
+        if not self.sample_guidance:
+            return None
+        from tuner.diffusion.guidance import ProjectedGuidance
+
+        return ProjectedGuidance(**dict(self.sample_guidance))
 
     def sound_stream_class(self) -> Any:
         """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""
