@@ -4,11 +4,12 @@ HunyuanVideo files are refused by name; prompts encode, the model is called and 
 exactly as diffusers' HunyuanImagePipeline does; adapter files name release tensors in ComfyUI's spelling;
 a full fine-tune is saved in the release layout."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
+from diffusers import AutoencoderKLHunyuanImageRefiner, HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from safetensors.torch import load_file
 
 from tuner.archs.hunyuan_image import loaders as hunyuan_image
@@ -164,6 +165,20 @@ def test_refiner_and_hunyuan_video_files_are_refused_by_name(tmp_path):
     save_safetensors(state, tmp_path / "hunyuanimage2.1_refiner_bf16.safetensors")
     with pytest.raises(CheckpointError, match="refiner"):
         hunyuan_image.load_transformer(tmp_path / "hunyuanimage2.1_refiner_bf16.safetensors", torch.float32)
+    folder = tmp_path / "refiner_diffusers" / "transformer"  # the same class: told apart by its 3D patch
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(
+        json.dumps({**dict(refiner.config), "_class_name": "HunyuanImageTransformer2DModel"})
+    )
+    with pytest.raises(CheckpointError, match="HunyuanImage 2.1 refiner"):
+        hunyuan_image.load_transformer(folder.parent, torch.float32)
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanImageRefiner(block_out_channels=(32,) * 5, layers_per_block=1)
+    save_safetensors(
+        {k: torch.zeros(v.shape) for k, v in vae.state_dict().items()}, tmp_path / "refiner_vae.safetensors"
+    )
+    with pytest.raises(CheckpointError, match="refiner's 3D VAE"):
+        hunyuan_image.load_vae(tmp_path / "refiner_vae.safetensors", torch.float32)
     video = write_hunyuan_video_fixture(tmp_path / "hunyuan_video")
     with pytest.raises(CheckpointError, match='"hunyuan_video"'):
         hunyuan_image.load_transformer(video["transformer_file"], torch.float32)
