@@ -273,6 +273,32 @@ def test_guided_generation_matches_the_pipeline(method):
     torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
 
 
+def _guidance_methods(monkeypatch) -> list[str]:
+    """The `guidance_method` of every `sample_flow` call from now on (the 8th argument or a keyword)."""
+    seen = []
+    sample_flow = HunyuanImageModel.sample_flow
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("guidance_method", args[7] if len(args) > 7 else "auto"))
+        return sample_flow(self, *args, **kwargs)
+
+    monkeypatch.setattr(HunyuanImageModel, "sample_flow", spy)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["auto", "cfg"])
+def test_generate_cli_passes_the_guidance_method(fixture, tmp_path, capsys, monkeypatch, method):
+    from project import make_project, run
+
+    seen = _guidance_methods(monkeypatch)
+    config = make_project(tmp_path / "project", fixture["root"], architecture="hunyuan_image")
+    code, log = run(capsys, "generate", "--config", config, "--prompt", "a cat", "--size", "32x32",
+                    "--frames", "1", "--steps", "2", "--guidance", "3.5", "--guidance-method", method,
+                    "--device", "cpu", "--out", tmp_path / "a.png")  # fmt: skip
+    assert code == 0, log
+    assert seen == [method]
+
+
 def test_apg_is_refused_for_a_model_whose_release_guides_with_cfg():
     from tuner.generate import GenerateOptions, check_options
 
@@ -351,9 +377,9 @@ def test_kohya_file_names_release_tensors_in_comfyuis_spelling(fixture, tmp_path
         assert body in release, stem
 
 
-def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_path):
-    """One step of full fine-tuning draws its guided sample and writes the release's keys and shapes, which
-    tuner's loader reads back to the trained weights."""
+def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_path, monkeypatch):
+    """One step of full fine-tuning draws its guided sample (plain CFG, as `sample.guidance_method` asks)
+    and writes the release's keys and shapes, which tuner's loader reads back to the trained weights."""
     from project import cfg, make_project
     from tuner.cli import main
     from tuner.trainers import trainer_class
@@ -363,10 +389,11 @@ def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_
     assert main(["cache", "text", "--config", str(config)]) == 0
     overrides = ("network.type='full'", "train.max_steps=1", "train.lr_warmup_steps=0", "log.tensorboard=false",
                  "sample.prompts=['a cat']", "sample.every_n_steps=1", "sample.width=32", "sample.height=32",
-                 "sample.steps=2", "sample.guidance=3.5")  # fmt: skip
+                 "sample.steps=2", "sample.guidance=3.5", "sample.guidance_method='cfg'")  # fmt: skip
+    seen = _guidance_methods(monkeypatch)
     trainer = trainer_class("hunyuan_image")(cfg(config, f"save.output_dir='{tmp_path / 'out'}'", *overrides))
     trainer.train(log=lambda s: None)
-    assert [p.suffix for p in (tmp_path / "out" / "samples").iterdir()] == [".png"]
+    assert [p.suffix for p in (tmp_path / "out" / "samples").iterdir()] == [".png"] and seen == ["cfg"]
     saved = tmp_path / "out" / "demo_lora.safetensors"
     shapes = {k: tuple(v.shape) for k, v in load_file(saved).items()}
     assert shapes == {k: tuple(v.shape) for k, v in load_tensors(fixture["transformer_file"]).items()}
