@@ -4,11 +4,12 @@ HunyuanVideo files are refused by name; prompts encode, the model is called and 
 exactly as diffusers' HunyuanImagePipeline does; adapter files name release tensors in ComfyUI's spelling;
 a full fine-tune is saved in the release layout."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
+from diffusers import AutoencoderKLHunyuanImageRefiner, HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from safetensors.torch import load_file
 
 from tuner.archs.hunyuan_image import loaders as hunyuan_image
@@ -18,7 +19,7 @@ from tuner.archs.hunyuan_image.keys import HUNYUAN_IMAGE_LAYOUT
 from tuner.archs.hunyuan_image.trainer import HunyuanImageModel, distilled_warning
 from tuner.archs.hunyuan_video15.loaders import TextEncoders, load_text_encoders
 from tuner.diffusion.sampling import flow_sigmas
-from tuner.errors import CheckpointError
+from tuner.errors import CheckpointError, ConfigError
 from tuner.io import save_safetensors
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
@@ -164,6 +165,20 @@ def test_refiner_and_hunyuan_video_files_are_refused_by_name(tmp_path):
     save_safetensors(state, tmp_path / "hunyuanimage2.1_refiner_bf16.safetensors")
     with pytest.raises(CheckpointError, match="refiner"):
         hunyuan_image.load_transformer(tmp_path / "hunyuanimage2.1_refiner_bf16.safetensors", torch.float32)
+    folder = tmp_path / "refiner_diffusers" / "transformer"  # the same class: told apart by its 3D patch
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(
+        json.dumps({**dict(refiner.config), "_class_name": "HunyuanImageTransformer2DModel"})
+    )
+    with pytest.raises(CheckpointError, match="HunyuanImage 2.1 refiner"):
+        hunyuan_image.load_transformer(folder.parent, torch.float32)
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanImageRefiner(block_out_channels=(32,) * 5, layers_per_block=1)
+    save_safetensors(
+        {k: torch.zeros(v.shape) for k, v in vae.state_dict().items()}, tmp_path / "refiner_vae.safetensors"
+    )
+    with pytest.raises(CheckpointError, match="refiner's 3D VAE"):
+        hunyuan_image.load_vae(tmp_path / "refiner_vae.safetensors", torch.float32)
     video = write_hunyuan_video_fixture(tmp_path / "hunyuan_video")
     with pytest.raises(CheckpointError, match='"hunyuan_video"'):
         hunyuan_image.load_transformer(video["transformer_file"], torch.float32)
@@ -220,35 +235,100 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, parts):
         cond = {"text": kw["encoder_hidden_states"], "mask": kw["encoder_attention_mask"],
                 "glyph": kw["encoder_hidden_states_2"], "glyph_mask": kw["encoder_attention_mask_2"]}  # fmt: skip
         if kw["timestep_r"] is not None:
-            cond["timestep_r"] = kw["timestep_r"]
+            cond["t_next"] = kw["timestep_r"] / 1000
         got = _trainer().predict(parts["transformer"], kw["hidden_states"], kw["timestep"] / 1000, cond)
         torch.testing.assert_close(got, out, rtol=1e-6, atol=1e-6)
 
 
 @torch.no_grad()
-def test_two_guided_euler_steps_match_the_pipeline(fixture):
+@pytest.mark.parametrize("method", ["auto", "cfg"])
+def test_guided_generation_matches_the_pipeline(method):
     """What `tuner generate` computes for the base model (our encoding, shift 5 over tuner's evenly spaced
-    sigmas, the Euler steps and CFG of `sample_flow`) gives the latents HunyuanImagePipeline gives (its
-    guider plain CFG) for the same noise, steps, guidance and spacing."""
-    import numpy as np
+    sigmas, the Euler steps and guidance of `sample_flow`) gives the latents HunyuanImagePipeline gives for
+    the same noise, steps and guidance: by default with its release guider (`AdaptiveProjectedMixGuidance`
+    as constructed: CFG for 6 steps, then APG), with `cfg` with plain CFG. 8 steps reach APG."""
+    from diffusers import AdaptiveProjectedMixGuidance, ClassifierFreeGuidance
 
     parts = build_hunyuan_image_components()
-    pipe = HunyuanImagePipeline(**parts)
+    guider = (
+        AdaptiveProjectedMixGuidance() if method == "auto" else ClassifierFreeGuidance(guidance_scale=3.5)
+    )
+    pipe = HunyuanImagePipeline(**{**parts, "guider": guider})
     pipe.tokenizer_max_length = 24
     trainer = _trainer(24)
     cond, uncond = (
         trainer.collate_text(trainer.encode_text(_encoders(parts), [p])) for p in (CAPTIONS[1], "")
     )
     x = torch.randn(1, 64, 2, 1, generator=torch.Generator().manual_seed(0))  # a 64x32 image
-    out = pipe(CAPTIONS[1], height=64, width=32, num_inference_steps=2, output_type="latent", latents=x,
-               sigmas=np.linspace(1.0, 0.5, 2)).images  # fmt: skip
-    sigmas = flow_sigmas(2, trainer.default_sample_shift(x.shape[1:]))
+    out = pipe(
+        CAPTIONS[1], height=64, width=32, num_inference_steps=8, output_type="latent", latents=x
+    ).images
+    sigmas = flow_sigmas(8, trainer.default_sample_shift(x.shape[1:]))
     torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, rtol=1e-6, atol=1e-6)
 
     def model_fn(x, t, c):  # as `tuner generate` calls the family
         return trainer.predict(parts["transformer"], x, t / 1000, c)
 
-    x = trainer.sample_flow(model_fn, x, pipe.scheduler.sigmas, cond, uncond, 3.5)
+    x = trainer.sample_flow(model_fn, x, sigmas, cond, uncond, 3.5, guidance_method=method)
+    torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
+
+
+def _guidance_methods(monkeypatch) -> list[str]:
+    """The `guidance_method` of every `sample_flow` call from now on (the 8th argument or a keyword)."""
+    seen = []
+    sample_flow = HunyuanImageModel.sample_flow
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("guidance_method", args[7] if len(args) > 7 else "auto"))
+        return sample_flow(self, *args, **kwargs)
+
+    monkeypatch.setattr(HunyuanImageModel, "sample_flow", spy)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["auto", "cfg"])
+def test_generate_cli_passes_the_guidance_method(fixture, tmp_path, capsys, monkeypatch, method):
+    from project import make_project, run
+
+    seen = _guidance_methods(monkeypatch)
+    config = make_project(tmp_path / "project", fixture["root"], architecture="hunyuan_image")
+    code, log = run(capsys, "generate", "--config", config, "--prompt", "a cat", "--size", "32x32",
+                    "--frames", "1", "--steps", "2", "--guidance", "3.5", "--guidance-method", method,
+                    "--device", "cpu", "--out", tmp_path / "a.png")  # fmt: skip
+    assert code == 0, log
+    assert seen == [method]
+
+
+def test_apg_is_refused_for_a_model_whose_release_guides_with_cfg():
+    from tuner.generate import GenerateOptions, check_options
+
+    flux = SimpleNamespace(architecture="flux", record=architecture("flux"))
+    with pytest.raises(ConfigError, match="--guidance-method apg: flux"):
+        check_options(flux, GenerateOptions(prompt="a", out="a.png", width=64, height=64, frames=1,
+                                            guidance_method="apg"))  # fmt: skip
+
+
+@torch.no_grad()
+def test_distilled_generation_matches_the_pipeline():
+    """The distilled model as `tuner generate` samples it (no CFG, shift 4, the record's `flow_next_time`
+    giving MeanFlow's interval end r) gives the latents HunyuanImagePipeline gives for the same noise and
+    steps: r is the next step's time, 0 at the last."""
+    parts = build_hunyuan_image_components(distilled=True)
+    pipe = HunyuanImagePipeline(**parts)
+    pipe.tokenizer_max_length = 24
+    trainer = _trainer(24, "hunyuanimage2.1-distilled.safetensors")
+    cond = trainer.collate_text(trainer.encode_text(_encoders(parts), [CAPTIONS[0]]))
+    x = torch.randn(1, 64, 2, 1, generator=torch.Generator().manual_seed(0))
+    out = pipe(
+        CAPTIONS[0], height=64, width=32, num_inference_steps=3, output_type="latent", latents=x
+    ).images
+    sigmas = flow_sigmas(3, trainer.default_sample_shift(x.shape[1:]))
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, rtol=1e-6, atol=1e-6)
+
+    def model_fn(x, t, c):  # as `tuner generate` calls the family
+        return trainer.predict(parts["transformer"], x, t / 1000, c)
+
+    x = trainer.sample_flow(model_fn, x, sigmas, cond, None, 1.0)
     torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
 
 
@@ -297,9 +377,9 @@ def test_kohya_file_names_release_tensors_in_comfyuis_spelling(fixture, tmp_path
         assert body in release, stem
 
 
-def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_path):
-    """One step of full fine-tuning draws its guided sample and writes the release's keys and shapes, which
-    tuner's loader reads back to the trained weights."""
+def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_path, monkeypatch):
+    """One step of full fine-tuning draws its guided sample (plain CFG, as `sample.guidance_method` asks)
+    and writes the release's keys and shapes, which tuner's loader reads back to the trained weights."""
     from project import cfg, make_project
     from tuner.cli import main
     from tuner.trainers import trainer_class
@@ -309,10 +389,11 @@ def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_
     assert main(["cache", "text", "--config", str(config)]) == 0
     overrides = ("network.type='full'", "train.max_steps=1", "train.lr_warmup_steps=0", "log.tensorboard=false",
                  "sample.prompts=['a cat']", "sample.every_n_steps=1", "sample.width=32", "sample.height=32",
-                 "sample.steps=2", "sample.guidance=3.5")  # fmt: skip
+                 "sample.steps=2", "sample.guidance=3.5", "sample.guidance_method='cfg'")  # fmt: skip
+    seen = _guidance_methods(monkeypatch)
     trainer = trainer_class("hunyuan_image")(cfg(config, f"save.output_dir='{tmp_path / 'out'}'", *overrides))
     trainer.train(log=lambda s: None)
-    assert [p.suffix for p in (tmp_path / "out" / "samples").iterdir()] == [".png"]
+    assert [p.suffix for p in (tmp_path / "out" / "samples").iterdir()] == [".png"] and seen == ["cfg"]
     saved = tmp_path / "out" / "demo_lora.safetensors"
     shapes = {k: tuple(v.shape) for k, v in load_file(saved).items()}
     assert shapes == {k: tuple(v.shape) for k, v in load_tensors(fixture["transformer_file"]).items()}

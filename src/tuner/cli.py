@@ -170,7 +170,7 @@ def _generate(args) -> None:
         loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), images=tuple(args.image),
         width=width, height=height, frames=args.frames,
         steps=args.steps, guidance_scale=args.guidance, shift=args.shift, sampler=args.sampler, seed=args.seed,
-        device=args.device,
+        device=args.device, guidance_method=args.guidance_method,
     )  # fmt: skip
     generate(_load(args), opts)
 
@@ -334,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sampler", choices=("euler", "dpm++2m"), default="euler", help="DDPM models (SDXL): the sampler"
     )
+    p.add_argument(
+        "--guidance-method", choices=("auto", "cfg", "apg"), default="auto",
+        help="auto: as the release guides (adaptive projected guidance for HunyuanImage 2.1, else CFG)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True, help="output .mp4 or .png")

@@ -50,6 +50,8 @@ class GenerateOptions:
     guidance_scale: float = 5.0
     shift: float | None = None  # None: the architecture's default (resolution-dependent for FLUX / Qwen)
     sampler: str = "euler"  # DDPM models (SDXL): "euler" or "dpm++2m"; flow models always use Euler
+    # "auto": as the release guides (its record's `sample_guidance` APG, else CFG); "cfg"; "apg"
+    guidance_method: str = "auto"
     seed: int = 0
     device: str = "auto"
 
@@ -72,6 +74,10 @@ def check_options(family, opts: GenerateOptions) -> None:
     if family.record.objective == "flow" and opts.sampler != "euler":
         raise ConfigError(
             f"--sampler {opts.sampler}: {arch} is a flow-matching model, sampled with Euler steps."
+        )
+    if opts.guidance_method == "apg" and family.record.projected_guidance() is None:
+        raise ConfigError(
+            f"--guidance-method apg: {arch}'s release samples with CFG and names no APG settings; use cfg."
         )
     if opts.steps < 1:
         raise ConfigError(f"--steps {opts.steps}: must be at least 1.")
@@ -181,7 +187,7 @@ def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dic
     shift = opts.shift if opts.shift is not None else family.default_sample_shift(shape)
     with torch.no_grad():
         latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
-                                      opts.guidance_scale, progress)  # fmt: skip
+                                      opts.guidance_scale, progress, opts.guidance_method)  # fmt: skip
     if sound_shape is None:
         return latents
     size = math.prod(shape)

@@ -152,18 +152,24 @@ class ArchitectureModel:
         return v_uncond + scale * (v_cond - v_uncond)
 
     def sample_flow(self, model_fn, noise: torch.Tensor, sigmas: torch.Tensor, cond: dict, uncond: dict,
-                    guidance_scale: float, progress: bool = False) -> torch.Tensor:  # fmt: skip
+                    guidance_scale: float, progress: bool = False,
+                    guidance_method: str = "auto") -> torch.Tensor:  # fmt: skip
         """Generation's denoising of a flow model: Euler steps from `noise` along `sigmas`, in one pass over
         the whole latent or in the parts the record's `flow_sampler` cuts it into (FramePack's sections);
-        a record's `flow_schedule` replaces `sigmas` by its own levels, as many steps."""
+        a record's `flow_schedule` replaces `sigmas` by its own levels, as many steps. `guidance_method`
+        "auto" guides as the release does (the record's `sample_guidance` APG, else CFG), "cfg" with
+        classifier-free guidance."""
+        from tuner.diffusion.guidance import AdaptiveProjectedGuidance
         from tuner.diffusion.sampling import euler_sample
 
         if (schedule := self.record.flow_schedule_function()) is not None:
             sigmas = schedule(len(sigmas) - 1, noise).to(sigmas.device)
+        apg = self.record.projected_guidance() if guidance_method != "cfg" else None
 
         def denoise(noise: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
+            combine = self.combine_guidance if apg is None else AdaptiveProjectedGuidance(apg)
             return euler_sample(model_fn, noise, sigmas, cond, uncond, guidance_scale, progress=progress,
-                                combine=self.combine_guidance)  # fmt: skip
+                                combine=combine, next_time=self.record.flow_next_time)  # fmt: skip
 
         in_parts = self.record.flow_sampler_function()
         return denoise(noise, cond, uncond) if in_parts is None else in_parts(denoise, noise, cond, uncond)

@@ -156,6 +156,13 @@ class Architecture:
     """`module:function` (in its folder) of generation's noise levels, called as `fn(steps, noise)` (the
     initial noise [1, ...]) for `steps + 1` levels from 1 to 0, where the release samples along a schedule of
     its own (Ideogram 4's logit-normal one); empty: the shifted linear ones (`sample_shift`)."""
+    sample_guidance: tuple[tuple[str, float], ...] = ()
+    """(setting, value) of the adaptive projected guidance its release samples with
+    (`tuner.diffusion.guidance.ProjectedGuidance`'s fields): generation's default guidance, plain CFG
+    still chosen by `--guidance-method cfg` / `sample.guidance_method`. Empty: CFG (or `combine_guidance`)."""
+    flow_next_time: bool = False
+    """Whether generation also gives the model the time its Euler step goes to, as `cond["t_next"]` in [0, 1]
+    (MeanFlow models, HunyuanImage 2.1 distilled: the interval's end r); training gives none (r = t)."""
     latent_patch: tuple[int, ...] = (1, 2, 2)
     """Latent elements per token along (F, H, W), or (H, W) for image latents."""
     audio_format: tuple[int, int] | None = None
@@ -227,6 +234,14 @@ class Architecture:
     def flow_schedule_function(self) -> Any:
         """The `flow_schedule` function, or None for the shifted linear schedule."""
         return self._code(self.flow_schedule) if self.flow_schedule else None
+
+    def projected_guidance(self) -> Any:
+        """Its `sample_guidance` as a `tuner.diffusion.guidance.ProjectedGuidance`, or None for CFG."""
+        if not self.sample_guidance:
+            return None
+        from tuner.diffusion.guidance import ProjectedGuidance
+
+        return ProjectedGuidance(**dict(self.sample_guidance))
 
     def sound_stream_class(self) -> Any:
         """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""

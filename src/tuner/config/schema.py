@@ -413,6 +413,10 @@ class SampleConfig:
     steps: int = option(20, "Sampling steps.", ge=1)
     guidance: float = option(1.0, "Classifier-free guidance scale; 1 disables the unconditional pass.", ge=0)
     shift: float = option(0.0, "Sampling flow shift; 0 uses the model's default.", ge=0)
+    guidance_method: Literal["auto", "cfg", "apg"] = option(
+        "auto",
+        "auto: guide as the release does (adaptive projected guidance for HunyuanImage 2.1, else CFG).",
+    )
     seed: int = option(0, "Seed of the samples' noise (the same every time, so samples compare).")
 
 

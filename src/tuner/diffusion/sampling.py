@@ -124,6 +124,7 @@ def euler_sample(
     *,
     batch_cfg: bool = True,
     combine: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None,
+    next_time: bool = False,
 ) -> torch.Tensor:
     """Integrate from `noise` (the latent at sigmas[0]) to sigmas[-1]; returns latents in noise's dtype.
 
@@ -131,7 +132,8 @@ def euler_sample(
     unconditional pass runs only when `guidance_scale != 1`; it shares a call with the conditional
     one unless `batch_cfg` is False or the two cannot be stacked (see `_stack`). No randomness is
     drawn: the same noise gives the same latents. `combine(v_cond, v_uncond, scale)` replaces the plain
-    guidance formula for models whose pipelines rescale it (Qwen-Image).
+    guidance formula for models whose pipelines rescale it (Qwen-Image). `next_time`: dict conditionings
+    also hold `t_next` [B], the time σ_{i+1} the step goes to (MeanFlow models are given their interval).
     """
     use_cfg = guidance_scale != 1.0
     if use_cfg and uncond is None:
@@ -145,6 +147,15 @@ def euler_sample(
     times = sigmas.double().tolist()
     for i in tqdm(range(len(times) - 1), disable=not progress, desc="sampling"):
         t = torch.full((batch,), times[i] * 1000.0, device=x.device, dtype=torch.float32)
-        v = guided(model_fn, x.to(noise.dtype), t, cond, uncond, guidance_scale, combine, batch_cfg).float()
+        c, u = _with_next_time(cond, uncond, times[i + 1], t) if next_time else (cond, uncond)
+        v = guided(model_fn, x.to(noise.dtype), t, c, u, guidance_scale, combine, batch_cfg).float()
         x = x + (times[i + 1] - times[i]) * v
     return x.to(noise.dtype)
+
+
+def _with_next_time(
+    cond: dict, uncond: dict | None, time: float, t: torch.Tensor
+) -> tuple[dict, dict | None]:
+    """`cond` and `uncond` with `t_next`: the step's end time in [0, 1], one per sample (like `t`)."""
+    t_next = torch.full_like(t, time)
+    return {**cond, "t_next": t_next}, (None if uncond is None else {**uncond, "t_next": t_next})

@@ -27,7 +27,7 @@ class TrainingSamples:
             GenerateOptions(
                 prompt=prompt, out="", negative_prompt=sc.negative_prompt, controls=sc.controls, images=sc.images, width=sc.width,
                 height=sc.height, frames=sc.frames, steps=sc.steps, guidance_scale=sc.guidance,
-                shift=sc.shift or None, seed=sc.seed,
+                shift=sc.shift or None, seed=sc.seed, guidance_method=sc.guidance_method,
             )
             for prompt in sc.prompts
         ]  # fmt: skip

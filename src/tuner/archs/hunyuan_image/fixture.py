@@ -58,7 +58,7 @@ GUIDANCE = 3.5  # the base model's guidance scale
 
 def build_hunyuan_image_components(seed: int = 0, distilled: bool = False) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments of
-    `HunyuanImagePipeline`, its guider plain CFG (the release's is APG, which tuner does not sample with)."""
+    `HunyuanImagePipeline`, its guider plain CFG (the release's mixes in APG: `AdaptiveProjectedMixGuidance`)."""
     family = "hunyuan_image"
     qwen = tiny_qwen_vl(seed + 2)
     tokenizer = build_qwen2_tokenizer([TEMPLATE.replace("{}", "\n"), "system\nuser\n"])

@@ -18,8 +18,8 @@ HunyuanImagePipeline does. The text encoders are `tuner.archs.hunyuan_image.text
 Calling the model (`predict_velocity`): latents [B, 64, H/32, W/32] (z · 0.75289), the timestep t × 1000
 in the latents' dtype, the Qwen states and ByT5 glyph states with their masks. The distilled model is
 also given its embedded guidance (the pipeline's `distilled_guidance_scale` 3.25, × 1000) and MeanFlow's
-interval end r (the pipeline's next timestep; `timestep_r` in `cond`, else r = t: the instantaneous
-velocity). It predicts the velocity noise − x0.
+interval end r (the pipeline's next timestep: `t_next` in `cond`, else r = t, the instantaneous velocity).
+It predicts the velocity noise − x0.
 """
 
 from __future__ import annotations
@@ -68,17 +68,21 @@ def _refuse_other_networks(shapes: Mapping[str, tuple[int, ...]], path: Path) ->
     """The refiner and HunyuanVideo 1.0 / 1.5 share block names with HunyuanImage 2.1."""
     img_in = shapes.get("img_in.proj.weight") or shapes.get("x_embedder.proj.weight") or ()
     if len(img_in) == 5 and "byt5_in.fc1.weight" not in shapes and "vector_in.in_layer.weight" not in shapes:
-        raise CheckpointError(
-            f"{path}: the HunyuanImage 2.1 refiner (a 3D-patch network without the ByT5 mapper), which tuner "
-            "does not train. Point model.transformer at the base (hunyuanimage2.1_bf16.safetensors) or "
-            "distilled model."
-        )
+        _refuse_refiner(path)
     if "vector_in.in_layer.weight" in shapes or "vision_in.proj.0.weight" in shapes:
         other = "hunyuan_video" if "vector_in.in_layer.weight" in shapes else "hunyuan_video15"
         raise CheckpointError(
             f"{path}: a HunyuanVideo transformer, another network than HunyuanImage 2.1's. Set "
             f'model.architecture = "{other}" to train it.'
         )
+
+
+def _refuse_refiner(path: str | Path) -> None:
+    raise CheckpointError(
+        f"{path}: the HunyuanImage 2.1 refiner (a 3D-patch network without the ByT5 mapper), which tuner "
+        "does not train. Point model.transformer at the base (hunyuanimage2.1_bf16.safetensors) or "
+        "distilled model."
+    )
 
 
 def refuse_hunyuan_image(shapes: Mapping[str, tuple[int, ...]], path: str | Path) -> None:
@@ -118,7 +122,10 @@ def is_distilled(path: str | Path) -> bool:
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HunyuanImageTransformer2DModel:
     """The HunyuanImage 2.1 transformer (base or distilled) from a diffusers folder or a single file, in
-    eval mode."""
+    eval mode. The refiner's folder (the same class, a 3D patch) is refused by name."""
+    folder = resolve_folder(path, "transformer")
+    if folder is not None and len(read_folder_config(folder).get("patch_size", ())) == 3:
+        _refuse_refiner(folder)
     return load_component(
         path,
         dtype,
@@ -211,10 +218,15 @@ def vae_to_original(state_dict: Mapping[str, torch.Tensor], variant: str = "tiny
 
 
 def load_vae(path: str | Path, dtype: torch.dtype) -> AutoencoderKLHunyuanImage:
-    """The VAE from a diffusers folder or a single file (Tencent's or diffusers' names), in eval mode."""
-    if Path(path).is_file() and all(
-        k in normalize_shapes(read_tensor_shapes(path)) for k in _DIFFUSERS_VAE_MARKERS
-    ):
+    """The VAE from a diffusers folder or a single file (Tencent's or diffusers' names), in eval mode. The
+    refiner's 3D VAE (5-D convolutions) is refused by name."""
+    shapes = normalize_shapes(read_tensor_shapes(path)) if Path(path).is_file() else {}
+    if any(len(shape) == 5 for name, shape in shapes.items() if name.startswith(("encoder.", "decoder."))):
+        raise CheckpointError(
+            f"{path}: the HunyuanImage 2.1 refiner's 3D VAE (AutoencoderKLHunyuanImageRefiner), which tuner "
+            "does not use. Point model.vae at the base model's VAE (hunyuan_image_2.1_vae_fp16.safetensors)."
+        )
+    if shapes and all(k in shapes for k in _DIFFUSERS_VAE_MARKERS):
         return load_component(path, dtype, "AutoencoderKLHunyuanImage", "vae", DIFFUSERS_VAE_SPEC)
     return load_component(path, dtype, "AutoencoderKLHunyuanImage", "vae", VAE_SPEC, _vae_to_diffusers)
 
@@ -250,7 +262,9 @@ def predict_velocity(
     cond: Mapping[str, torch.Tensor],
 ) -> torch.Tensor:
     """The velocity for latents `noisy` [B, 64, h, w] at t ∈ [0, 1], given collated text (`text`, `mask`,
-    `glyph`, `glyph_mask`) and, for the distilled model, optionally `timestep_r` (× 1000, as the pipeline's)."""
+    `glyph`, `glyph_mask`). The distilled (MeanFlow) model is also given the end r of the interval it steps:
+    `t_next` in generation (the record's `flow_next_time`, as HunyuanImagePipeline passes the next step's
+    time), else r = t (training: the instantaneous velocity)."""
     dtype = noisy.dtype
     timestep = (t.float() * 1000).to(
         dtype
@@ -259,7 +273,8 @@ def predict_velocity(
     if model.config.guidance_embeds:
         extra["guidance"] = torch.full_like(timestep, DISTILLED_GUIDANCE * 1000.0)
     if model.config.use_meanflow:
-        extra["timestep_r"] = cond.get("timestep_r", timestep).to(dtype)
+        r = cond.get("t_next", t)
+        extra["timestep_r"] = (r.float() * 1000).to(dtype)
     return model(
         hidden_states=noisy,
         timestep=timestep,

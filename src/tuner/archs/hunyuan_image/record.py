@@ -72,6 +72,20 @@ HUNYUAN_IMAGE = Architecture(
     timestep_mode="shift",
     sample_shift=5.0,  # the base model; the distilled one samples at 4 (Tencent's pipeline config)
     sample_shift_by_name=(("(?i)distill", 4.0),),
+    # the distilled model is MeanFlow-distilled: generation gives it the step's end time r, as
+    # HunyuanImagePipeline does (the base model has no r and ignores it). Training gives r = t (the
+    # instantaneous velocity, the only target flow matching has) and warns (`training_warning`).
+    flow_next_time=True,
+    # the base model samples as Tencent's pipeline (`cfg_mode = "MIX_mode_0"`) and diffusers'
+    # `AdaptiveProjectedMixGuidance` do: CFG at the user's scale (3.5) up to step 5, then APG at 10
+    # (`tuner.diffusion.guidance`). Their prompts with quoted text start APG at step 38 instead: not done.
+    sample_guidance=(
+        ("scale", 10.0),
+        ("momentum", -0.5),
+        ("norm_threshold", 10.0),
+        ("eta", 0.0),
+        ("start_step", 5),
+    ),
 )
 
 

@@ -6,11 +6,12 @@ Qwen2.5-VL-7B's third-to-last hidden states of the prompt in its system template
 prompt's quoted text, each at its true length, padded with masks when batched (`text.py`;
 `cache.text_max_length` is the pipeline's `tokenizer_max_length`, 1000). Objective: flow matching,
 velocity noise − x0 at t × 1000, shifted timesteps as sd-scripts trains it (`timesteps.shift`; its
-recommended `discrete_flow_shift` is 5). Sampling: the base model with plain CFG (the release samples
-with APG at 3.5, tuner with CFG) at shift 5; the distilled one (8 steps, shift 4, no CFG) is given its
-embedded guidance 3.25 and MeanFlow's r = t (the instantaneous velocity: HunyuanImagePipeline gives the
-next step's time, which the shared Euler sampler does not pass a model). Training the distilled model
-warns: it undoes the distillation.
+recommended `discrete_flow_shift` is 5). Sampling: the base model at shift 5, guided as the release guides
+it (CFG at 3.5 for the first 6 steps, then adaptive projected guidance: the record's `sample_guidance`;
+`--guidance-method cfg` for plain CFG); the distilled one (8 steps, shift 4, no CFG) is given its embedded
+guidance 3.25 and MeanFlow's interval end r, the next step's time, as HunyuanImagePipeline gives it (the
+record's `flow_next_time`). Training gives r = t, the instantaneous velocity flow matching's target is, and
+warns for the distilled model: it undoes the distillation.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def distilled_warning(cfg) -> str:
     if not hunyuan_image.is_distilled(path):
         return ""
     return (f"{path} is HunyuanImage 2.1 distilled (guidance and MeanFlow distilled to 8 steps): training it "
-            "directly undoes the distillation. Train the base model (hunyuanimage2.1_bf16.safetensors).")  # fmt: skip
+            "directly undoes the distillation (it is trained at r = t, the instantaneous velocity, while it "
+            "samples intervals). Train the base model (hunyuanimage2.1_bf16.safetensors).")  # fmt: skip
 
 
 class HunyuanImageModel(ArchitectureModel):
