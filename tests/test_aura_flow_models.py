@@ -18,6 +18,7 @@ from tuner.archs.aura_flow.trainer import AuraFlowModel
 from tuner.archs.sdxl import loaders as sdxl
 from tuner.diffusion.sampling import flow_sigmas
 from tuner.errors import CheckpointError
+from tuner.generate import GenerateOptions, sample_latents
 from tuner.io import save_safetensors
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
@@ -194,11 +195,13 @@ def test_two_guided_euler_steps_match_the_pipeline(pipe, parts):
     sigmas = flow_sigmas(2, trainer.default_sample_shift(x.shape[1:]))
     torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, rtol=1e-6, atol=1e-6)
 
-    def model_fn(x, t, c):  # as `tuner generate` calls the family
-        return trainer.predict(parts["transformer"], x, t / 1000, c)
-
-    x = trainer.sample_flow(model_fn, x, pipe.scheduler.sigmas, cond, uncond, 3.5)
-    torch.testing.assert_close(x, out, rtol=1e-5, atol=1e-5)
+    # `tuner generate`'s sampling with the record's defaults but the steps: guidance 3.5 (the pipeline's
+    # default, plain CFG) and shift 1.73; its noise is the seed's, as `x` above
+    opts = GenerateOptions(prompt=CAPTIONS[0], out="", width=32, height=64, frames=1, steps=2)
+    got = sample_latents(
+        trainer, parts["transformer"], opts, cond, uncond, "cpu", torch.float32, progress=False
+    )
+    torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------

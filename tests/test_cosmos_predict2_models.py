@@ -304,7 +304,8 @@ def test_euler_steps_match_the_pipeline(pipe, paths):
         x_t = (x * (1 - t)).float()
         v_cond, v_uncond = (trainer.predict(model, x_t, t.float().reshape(1), c) for c in text)
         v = v_cond + guidance * (v_cond - v_uncond)  # the pipeline's convention, = plain CFG at 8
-        torch.testing.assert_close(v, trainer.combine_guidance(v_cond, v_uncond, guidance + 1))
+        plain = trainer.record.sampling.plain_guidance(guidance)  # the record's CFG form: 7 typed, 8 applied
+        torch.testing.assert_close(v, trainer.combine_guidance(v_cond, v_uncond, plain))
         x0 = x_t.double() - t * v.double()
         x = x + (sigmas[i + 1] - sigma) * (x - x0) / sigma
         torch.testing.assert_close(x.float(), expected, rtol=1e-4, atol=1e-4)

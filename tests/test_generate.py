@@ -1,6 +1,7 @@
 """Pieces of `tuner generate` that need no model: sampling shift defaults, output files, argument checks."""
 
 import math
+from types import SimpleNamespace
 
 import av
 import pytest
@@ -22,7 +23,7 @@ from tuner.trainers import trainer_class
     ],
 )
 def test_default_sample_shift_follows_the_model(arch, size, expected):
-    trainer = trainer_class(arch)(cfg=None)
+    trainer = trainer_class(arch)(cfg=SimpleNamespace(model=SimpleNamespace(transformer="model.safetensors")))
     assert trainer.default_sample_shift(trainer.latent_shape(*size)) == pytest.approx(expected, rel=1e-6)
 
 

@@ -169,14 +169,15 @@ def _generate(args) -> None:
         loras=tuple(parse_weighted_path(x) for x in args.lora),
         loras_2=tuple(parse_weighted_path(x) for x in args.lora_2), controls=tuple(args.control), images=tuple(args.image),
         width=width, height=height, frames=args.frames,
-        steps=args.steps, guidance_scale=args.guidance, shift=args.shift, sampler=args.sampler, seed=args.seed,
+        steps=args.steps, guidance_scale=args.guidance, embedded_guidance=args.embedded_guidance, shift=args.shift,
+        sampler=args.sampler, seed=args.seed,
         device=args.device, guidance_method=args.guidance_method,
     )  # fmt: skip
     generate(_load(args), opts)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tuner.registry import describe_architectures
+    from tuner.registry import describe_architectures, describe_sampling
 
     known = f"architectures (model.architecture in a config):\n{describe_architectures()}"
     raw = argparse.RawDescriptionHelpFormatter
@@ -287,10 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("generate", help="generate an image or video, optionally with LoRAs")
+    p = sub.add_parser(
+        "generate", help="generate an image or video, optionally with LoRAs", formatter_class=raw,
+        epilog=f"sampling defaults (what an unset --steps, --guidance, ... means):\n{describe_sampling()}",
+    )  # fmt: skip
     _config_args(p)
     p.add_argument("--prompt", required=True)
-    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--negative-prompt", default=None, help="default: the architecture's (listed below)")
     p.add_argument(
         "--lora",
         action="append",
@@ -323,13 +327,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--size", default="832x480", help="WIDTHxHEIGHT")
     p.add_argument("--frames", type=int, default=81, help="frame count (1 for an image)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--guidance", type=float, default=5.0, help="classifier-free guidance scale (1 disables)")
+    p.add_argument("--steps", type=int, default=None, help="default: the architecture's (listed below)")
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="classifier-free guidance in the release's convention (its documented number; default below)",
+    )
+    p.add_argument(
+        "--embedded-guidance",
+        type=float,
+        default=None,
+        help="guidance-distilled models (FLUX.1-dev, HunyuanVideo, ...): the guidance embedding's value",
+    )
     p.add_argument(
         "--shift",
         type=float,
         default=None,
-        help="sampling flow shift (default: the model's; resolution-dependent for FLUX and Qwen)",
+        help="sampling flow shift (default: the architecture's; resolution-dependent for FLUX and Qwen)",
     )
     p.add_argument(
         "--sampler", choices=("euler", "dpm++2m"), default="euler", help="DDPM models (SDXL): the sampler"

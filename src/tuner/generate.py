@@ -1,6 +1,8 @@
 """`tuner generate`: text → image or video with the base model and any number of LoRAs.
 
-The models are loaded one at a time (text encoder, then transformer, then VAE) and each is dropped
+Every sampling setting left unset (steps, guidance, embedded guidance, shift, negative prompt) is the
+architecture's `SamplingDefaults` (its record: the release's numbers, guidance in the release's own CFG
+form), and the resolved values are logged. The models are loaded one at a time (text encoder, then transformer, then VAE) and each is dropped
 before the next, so inference needs no more memory than the largest of them. The same pieces draw
 the samples `tuner train` makes along the way (`[sample]`). LoRAs attach as forward
 patches with a strength each; any of the layouts tuner reads (comfy, kohya, diffusers) works.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,7 +40,7 @@ from tuner.networks.keys import nonfinite_keys, read_safetensors
 class GenerateOptions:
     prompt: str
     out: str
-    negative_prompt: str = ""
+    negative_prompt: str | None = None  # None: the record's (`SamplingDefaults`), as steps .. shift below
     loras: tuple[tuple[str, float], ...] = ()
     loras_2: tuple[tuple[str, float], ...] = ()  # two-expert models: for model.transformer_2 (low noise)
     controls: tuple[str, ...] = ()  # control / reference images for edit models
@@ -46,9 +49,10 @@ class GenerateOptions:
     width: int = 832
     height: int = 480
     frames: int = 81
-    steps: int = 30
-    guidance_scale: float = 5.0
-    shift: float | None = None  # None: the architecture's default (resolution-dependent for FLUX / Qwen)
+    steps: int | None = None
+    guidance_scale: float | None = None  # in the release's convention (the record's `cfg_form`)
+    embedded_guidance: float | None = None  # guidance-distilled models: their guidance embedding's value
+    shift: float | None = None  # resolution-dependent for FLUX / Qwen; DDPM models have none
     sampler: str = "euler"  # DDPM models (SDXL): "euler" or "dpm++2m"; flow models always use Euler
     # "auto": as the release guides (its record's `sample_guidance` APG, else CFG); "cfg"; "apg"
     guidance_method: str = "auto"
@@ -62,15 +66,51 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def resolve_options(family, opts: GenerateOptions) -> GenerateOptions:
+    """`opts` with every sampling setting it leaves unset (None) taken from the architecture's
+    `SamplingDefaults` for the configured transformer; the shift evaluated at the latent's token count."""
+    defaults = family.sampling_defaults()
+    opts = replace(
+        opts,
+        steps=defaults.steps if opts.steps is None else opts.steps,
+        guidance_scale=defaults.guidance if opts.guidance_scale is None else opts.guidance_scale,
+        embedded_guidance=defaults.embedded_guidance
+        if opts.embedded_guidance is None
+        else opts.embedded_guidance,
+        negative_prompt=defaults.negative_prompt if opts.negative_prompt is None else opts.negative_prompt,
+    )
+    if opts.shift is None and family.record.objective == "flow":
+        opts = replace(
+            opts, shift=family.default_sample_shift(family.latent_shape(opts.width, opts.height, opts.frames))
+        )
+    return opts
+
+
+def sampling_summary(family, opts: GenerateOptions) -> str:
+    """The settings `opts` samples with (resolved), as one line for the log."""
+    opts = resolve_options(family, opts)
+    defaults = family.sampling_defaults()
+    used = replace(defaults, steps=opts.steps, guidance=opts.guidance_scale, shift=opts.shift,
+                   embedded_guidance=opts.embedded_guidance, negative_prompt=opts.negative_prompt)  # fmt: skip
+    return f"{family.architecture} sampling: {used.summary()} (defaults: {defaults.source})"
+
+
 def check_options(family, opts: GenerateOptions) -> None:
     """Size, frame count, control images and numbers the architecture accepts (before anything is
     loaded)."""
     arch, step = family.architecture, family.record.spatial_step
-    for flag, value in (("--guidance", opts.guidance_scale), ("--shift", opts.shift)):
+    given = opts
+    opts = resolve_options(family, opts)
+    for flag, value in (("--guidance", opts.guidance_scale), ("--shift", given.shift),
+                        ("--embedded-guidance", opts.embedded_guidance)):  # fmt: skip
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{flag} {value}: must be a finite number.")
-    if family.record.objective == "ddpm" and opts.shift is not None:
-        raise ConfigError(f"--shift {opts.shift}: a flow-matching option; {arch} samples its DDPM schedule.")
+    if given.embedded_guidance is not None and family.sampling_defaults().embedded_guidance is None:
+        raise ConfigError(
+            f"--embedded-guidance {given.embedded_guidance}: {arch} takes no guidance-embedding value; use --guidance."
+        )
+    if family.record.objective == "ddpm" and given.shift is not None:
+        raise ConfigError(f"--shift {given.shift}: a flow-matching option; {arch} samples its DDPM schedule.")
     if family.record.objective == "flow" and opts.sampler != "euler":
         raise ConfigError(
             f"--sampler {opts.sampler}: {arch} is a flow-matching model, sampled with Euler steps."
@@ -112,6 +152,7 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
     and the first frame of text-and-image-to-video models (`first_frame`, with `clean_first` True: the
     frame is given, not generated). Loads the text encoder and, for images, the VAE, and drops each
     before returning."""
+    opts = resolve_options(family, opts)
     control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
     encoder = family.load_text_encoder(device, cfg.cache.text_encoder_dtype)
     attach_text_adapters(family, encoder, opts.loras)  # SDXL files may hold its text encoders' parts
@@ -124,7 +165,7 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
     _release_memory()
     cond = {k: v.to(device) for k, v in cond.items()}
     uncond = {k: v.to(device) for k, v in uncond.items()}
-    if family.record.zero_empty_negative and not opts.negative_prompt:
+    if family.sampling_defaults().zero_empty_negative and not opts.negative_prompt:
         uncond = {k: torch.zeros_like(v) for k, v in uncond.items()}
     first_frame = opts.images[0] if family.record.first_frame_image and opts.images else ""
     if control_pixels or first_frame:
@@ -159,6 +200,31 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
 def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dict, device, dtype,
                    progress: bool = True) -> torch.Tensor:  # fmt: skip
     """Denoise from the seed's noise to latents [1, ...] with the model as it is (adapters attached)."""
+    opts = resolve_options(family, opts)
+    guidance = family.sampling_defaults().plain_guidance(opts.guidance_scale)
+    with _embedded_guidance(family, opts.embedded_guidance):
+        return _sample_latents(family, model, opts, guidance, cond, uncond, device, dtype, progress)
+
+
+@contextmanager
+def _embedded_guidance(family, value: float | None):
+    """Guidance-distilled models read their guidance embedding's value from `model.guidance` (what training
+    feeds); while sampling it is `value`, then the configured one again."""
+    if value is None or value == family.cfg.model.guidance:
+        yield
+        return
+    configured = family.cfg
+    family.cfg = replace(
+        configured, file=replace(configured.file, model=replace(configured.model, guidance=value))
+    )
+    try:
+        yield
+    finally:
+        family.cfg = configured
+
+
+def _sample_latents(family, model, opts: GenerateOptions, guidance: float, cond: dict, uncond: dict, device,
+                    dtype, progress: bool) -> torch.Tensor:  # fmt: skip
     shape = family.latent_shape(opts.width, opts.height, opts.frames)
     generator = torch.Generator().manual_seed(opts.seed)
     noise = torch.randn((1, *shape), generator=generator)
@@ -183,11 +249,10 @@ def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dic
         from tuner.diffusion.ddpm import ddpm_sample
 
         return ddpm_sample(model_fn, noise.to(device), family.training_objective(), opts.steps, cond, uncond,
-                           opts.guidance_scale, opts.sampler, progress, family.combine_guidance)  # fmt: skip
-    shift = opts.shift if opts.shift is not None else family.default_sample_shift(shape)
+                           guidance, opts.sampler, progress, family.combine_guidance)  # fmt: skip
     with torch.no_grad():
-        latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,
-                                      opts.guidance_scale, progress, opts.guidance_method)  # fmt: skip
+        latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, opts.shift), cond, uncond,
+                                      guidance, progress, opts.guidance_method)  # fmt: skip
     if sound_shape is None:
         return latents
     size = math.prod(shape)
@@ -214,6 +279,8 @@ def decode_and_write(family, cfg, latents, out: str | Path, device) -> Path:
 def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
     family = registry.architecture(cfg.model.architecture).family_model(cfg)
     check_options(family, opts)
+    opts = resolve_options(family, opts)
+    log(sampling_summary(family, opts))
     _check_out(opts.out)
     two_experts = family.record.boundary is not None
     if opts.loras_2 and not two_experts:

@@ -83,3 +83,16 @@ def describe_architectures() -> str:
     """One line per architecture, for help texts."""
     width = max(map(len, ARCHITECTURES))
     return "\n".join(f"  {name:<{width}}  {record.title}" for name, record in ARCHITECTURES.items())
+
+
+def describe_sampling() -> str:
+    """Each architecture's sampling defaults (and those its transformer's file name picks), for help texts."""
+    width = max(map(len, ARCHITECTURES))
+    lines = []
+    for name, record in ARCHITECTURES.items():
+        lines.append(f"  {name:<{width}}  {record.sampling.summary()}")
+        lines += [
+            f"  {'':<{width}}    name ~ /{pattern}/: {named.summary()}"
+            for pattern, named in record.sampling.by_name
+        ]
+    return "\n".join(lines)

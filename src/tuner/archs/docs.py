@@ -102,8 +102,8 @@ def model_data() -> str:
     """What each architecture's record says of its model (the fields caching, generation and the loop read)."""
     lines = [
         "| `model.architecture` | spatial step | frames | video / images | control images | timesteps (auto) "
-        "| sample shift | objective | sound |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| objective | sound |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in ARCHITECTURES.items():
         frames = f"{r.frame_multiple}N+{r.frame_remainder}" if r.frame_multiple > 1 else "any"
@@ -114,10 +114,32 @@ def model_data() -> str:
         controls = "–".join(dict.fromkeys(map(str, r.control_images))) if r.control_images[1] else "—"
         sound = f"{r.audio_format[0]} Hz × {r.audio_format[1]}" if r.audio_format else "—"
         lines.append(
-            f"| `{name}` | {r.spatial_step} | {frames} | {media} | {controls} | {r.timestep_mode} | {r.sample_shift} "
+            f"| `{name}` | {r.spatial_step} | {frames} | {media} | {controls} | {r.timestep_mode} "
             f"| {r.objective} | {sound} |"
         )
     return "\n".join(lines)
+
+
+def sampling_table() -> str:
+    """Each record's `SamplingDefaults`: what `tuner generate` and `[sample]` use for what they are not given."""
+    lines = [
+        "| `model.architecture` | steps | guidance | embedded guidance | shift | negative prompt | from |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, record in ARCHITECTURES.items():
+        rows = [(f"`{name}`", record.sampling)]
+        rows += [(f"`{name}`, file name ~ `{pattern}`", named) for pattern, named in record.sampling.by_name]
+        for label, d in rows:
+            form = "" if d.cfg_form == "plain" else f" (`{d.cfg_form}`)"
+            negative = f"`{d.negative_prompt!r}`" if len(d.negative_prompt) < 20 else "the pipeline's"
+            cells = (label, d.steps, f"{d.guidance:g}{form}", _or_dash(d.embedded_guidance), _or_dash(d.shift),
+                     negative if d.negative_prompt else "—", d.source.replace("|", "\\|"))  # fmt: skip
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def _or_dash(value: float | str | None) -> str:
+    return "—" if value is None else value if isinstance(value, str) else f"{value:g}"
 
 
 def variants_table() -> str:
@@ -148,6 +170,7 @@ FRAGMENTS: dict[str, tuple[str, Callable[[], str]]] = {
     "examples": ("README.md", example_list),
     "auto-layouts": ("README.md", auto_layouts),
     "model-data": ("docs/architectures.md", model_data),
+    "sampling-defaults": ("docs/architectures.md", sampling_table),
     "variants": ("docs/architectures.md", variants_table),
     "adapter-layouts": ("docs/architectures.md", adapter_layouts),
     "tools": ("docs/architectures.md", tool_table),

@@ -20,6 +20,7 @@ from torch import nn
 
 from tuner import registry
 from tuner.archs.parts import experts, text_encoder_training
+from tuner.archs.record import SamplingDefaults
 from tuner.config import Config
 from tuner.dtypes import DTYPES
 from tuner.errors import CheckpointError, ConfigError, TrainingError
@@ -364,21 +365,21 @@ class ArchitectureModel:
             return sampler
         return experts.expert_sampler(sampler, self.cfg.model.expert, self.boundary)
 
-    def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float:
-        """Flow shift for sampling a latent of this shape (without batch): a constant, or the model's
-        resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count, unless the
-        transformer's name matches one of the record's `sample_shift_by_name` (HiDream Dev)."""
-        import re
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The record's sampling defaults for the configured transformer (its file name picks a `by_name`
+        entry: HiDream Dev, Kandinsky 5 distilled, Krea 2 Turbo)."""
+        return self.record.sampling.for_transformer(self.cfg.model.transformer)
 
+    def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float | None:
+        """Flow shift for sampling a latent of this shape (without batch): the defaults' constant, or the
+        model's resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count; None for DDPM."""
         from tuner.diffusion.timesteps import RESOLUTION_SHIFTS
 
-        for pattern, shift in self.record.sample_shift_by_name:
-            if re.search(pattern, str(self.cfg.model.transformer), re.IGNORECASE):
-                return shift
-        if isinstance(self.record.sample_shift, str):
+        shift = self.sampling_defaults().shift
+        if isinstance(shift, str):
             tokens = math.prod(latent_shape[1:]) // math.prod(self.record.latent_patch)
-            return math.exp(RESOLUTION_SHIFTS[self.record.sample_shift].mu(tokens))
-        return float(self.record.sample_shift)
+            return math.exp(RESOLUTION_SHIFTS[shift].mu(tokens))
+        return None if shift is None else float(shift)
 
     def seq_len(self, latents: torch.Tensor) -> int:
         """Tokens per sample (for resolution-dependent timestep shifts)."""

@@ -5,8 +5,9 @@ lists the families, tells each record its `folder` and is the one view of all re
 data. Code it points to (the model class, the key layout, the fixture, ...) lives in its folder and is named
 relative to it: an attribute of the module the field reads by default (`trainer.py`, `keys.py`,
 `fixture.py`), or `"module:attribute"` for another module of the folder. It is imported only when asked
-for, so reading a config or printing `--help` loads no model code. The `default_targets` regexes and the
-`diffusers_reads` outcomes several families share are named here once.
+for, so reading a config or printing `--help` loads no model code. Its `SamplingDefaults` are generation's
+numbers, each record citing where they come from. The `default_targets` regexes and the `diffusers_reads`
+outcomes several families share are named here once.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,77 @@ DIFFUSERS_ONLY = {"comfy": ALPHA_REFUSED, "comfy_folded": "ignores", "kohya": "i
 """A loader that converts no foreign layout: diffusers' names load, the others name no `transformer.` one."""
 CONVERTS_FOLDED = {**DIFFUSERS_ONLY, "comfy_folded": "loads"}
 """A loader that converts the release's names under `diffusion_model.`, without `.alpha` keys."""
+
+
+CFG_FORMS = {
+    "plain": "uncond + g·(cond − uncond)",
+    "cond_plus": "cond + g·(cond − uncond), i.e. plain CFG at g + 1 (0 disables it)",
+}
+"""How a release's documented guidance number g combines the two passes (`SamplingDefaults.cfg_form`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingDefaults:
+    """Generation's defaults for one architecture (or, in `by_name`, for the files a pattern names): what
+    `tuner generate` and the samples drawn in training use for each setting they are not given. Every
+    number is the release's, so a user types the number its model card or pipeline documents."""
+
+    steps: int
+    """Denoising steps (the pipeline's `num_inference_steps` default, or the release's recommendation)."""
+    guidance: float
+    """Classifier-free guidance in the release's own convention (`cfg_form`); 1 (plain) or 0 (cond_plus)
+    runs the conditional pass alone."""
+    cfg_form: str = "plain"
+    """A `CFG_FORMS` name: how `guidance` combines the conditional and unconditional predictions."""
+    shift: float | str | None = 3.0
+    """The flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name (a shift that grows with the
+    token count); None for DDPM models, which sample their trained schedule."""
+    embedded_guidance: float | None = None
+    """Guidance-distilled models: the value fed to the guidance embedding while sampling (training feeds
+    `model.guidance`); None for models without one."""
+    negative_prompt: str = ""
+    """The negative prompt of the unconditional pass."""
+    zero_empty_negative: bool = False
+    """Without a negative prompt, guide against zeros, not the empty prompt's encoding (SDXL, as diffusers'
+    `force_zeros_for_empty_prompt`)."""
+    source: str
+    """Where the numbers come from (the pipeline's `__call__` defaults and scheduler config, the model card,
+    the release's inference code)."""
+    by_name: tuple[tuple[str, SamplingDefaults], ...] = ()
+    """(regex, defaults) used instead when the regex is found (case-insensitive) in `model.transformer`'s
+    file or folder name: releases of one shape told apart by name only (distilled, Turbo, Dev)."""
+
+    def named(self, pattern: str, **changes: Any) -> SamplingDefaults:
+        """These defaults with `changes` for the transformer files `pattern` finds (added to `by_name`)."""
+        return replace(self, by_name=(*self.by_name, (pattern, replace(self, by_name=(), **changes))))
+
+    def for_transformer(self, path: str | Path | None) -> SamplingDefaults:
+        """The defaults of the transformer file or folder `path`: the first `by_name` entry it matches."""
+        for pattern, defaults in self.by_name:
+            if re.search(pattern, str(path or ""), re.IGNORECASE):
+                return defaults
+        return self
+
+    def plain_guidance(self, guidance: float) -> float:
+        """`guidance` in this release's convention as the plain CFG scale the sampler applies."""
+        return guidance + 1.0 if self.cfg_form == "cond_plus" else guidance
+
+    def summary(self) -> str:
+        """One line: the numbers, as `tuner generate --help` and the log show them."""
+        parts = [f"{self.steps} steps", f"guidance {self.guidance:g}" + _FORM_NOTE[self.cfg_form]]
+        if self.embedded_guidance is not None:
+            parts.append(f"embedded guidance {self.embedded_guidance:g}")
+        if self.shift is not None:
+            parts.append(f"shift {self.shift}" if isinstance(self.shift, str) else f"shift {self.shift:g}")
+        if self.negative_prompt:
+            short = (
+                self.negative_prompt if len(self.negative_prompt) <= 24 else self.negative_prompt[:21] + "..."
+            )
+            parts.append(f"negative prompt {short!r}")
+        return ", ".join(parts)
+
+
+_FORM_NOTE = {"plain": "", "cond_plus": " (cond + g·(cond − uncond))"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,11 +216,9 @@ class Architecture:
     """Whether the text encoder also sees the control images (Qwen-Image-Edit)."""
     timestep_mode: str = "shift"
     """What `timesteps.mode = "auto"` means for this model."""
-    sample_shift: float | str = 3.0
-    """Generation's default flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name."""
-    sample_shift_by_name: tuple[tuple[str, float], ...] = ()
-    """(regex, shift): generation's default shift instead of `sample_shift` when the regex is found in
-    `model.transformer`'s file or folder name (releases with one shape told apart by name only)."""
+    sampling: SamplingDefaults
+    """Generation's defaults (steps, guidance and its form, shift, negative prompt), with where they come from;
+    `tuner generate` and `[sample]` use them for what they are not given."""
     flow_sampler: str = ""
     """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's
     sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
@@ -155,7 +226,7 @@ class Architecture:
     flow_schedule: str = ""
     """`module:function` (in its folder) of generation's noise levels, called as `fn(steps, noise)` (the
     initial noise [1, ...]) for `steps + 1` levels from 1 to 0, where the release samples along a schedule of
-    its own (Ideogram 4's logit-normal one); empty: the shifted linear ones (`sample_shift`)."""
+    its own (Ideogram 4's logit-normal one); empty: the shifted linear ones (`sampling.shift`)."""
     sample_guidance: tuple[tuple[str, float], ...] = ()
     """(setting, value) of the adaptive projected guidance its release samples with
     (`tuner.diffusion.guidance.ProjectedGuidance`'s fields): generation's default guidance, plain CFG
@@ -198,8 +269,6 @@ class Architecture:
     (`fn(family)`) where the release's checkpoint bundles more than the denoiser (SDXL's UNet, VAE and text
     encoders, as UIs load it); empty: the denoiser's layout. A `save.format = "diffusers"` save keeps the
     denoiser's."""
-    zero_empty_negative: bool = False
-    """Generation without a negative prompt guides against zeros, not the empty prompt's encoding (SDXL, as diffusers' `force_zeros_for_empty_prompt`)."""
     dora_refused: str = ""
     """Why `network.dora` is refused, where it is: tuner's DoRA normalises each column over the rows of one
     layer, so on the parts of a fused layer it is written apart, and the tool the layout is for may have no

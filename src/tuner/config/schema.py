@@ -397,7 +397,9 @@ class SaveConfig:
 @dataclass(frozen=True)
 class SampleConfig:
     prompts: tuple[str, ...] = option((), "Prompts drawn during training, one file each, to watch it learn.")
-    negative_prompt: str = option("", "Negative prompt of the samples (used when guidance != 1).")
+    negative_prompt: str | None = option(
+        None, "Negative prompt of the samples (used with guidance); unset: the architecture's default."
+    )
     controls: tuple[str, ...] = option((), "Control images given with every prompt (edit models).", path=True)
     images: tuple[str, ...] = option(
         (),
@@ -410,9 +412,19 @@ class SampleConfig:
     width: int = option(512, "Sample width in pixels.", ge=16)
     height: int = option(512, "Sample height in pixels.", ge=16)
     frames: int = option(1, "Sample frame count (1 for an image).", ge=1)
-    steps: int = option(20, "Sampling steps.", ge=1)
-    guidance: float = option(1.0, "Classifier-free guidance scale; 1 disables the unconditional pass.", ge=0)
-    shift: float = option(0.0, "Sampling flow shift; 0 uses the model's default.", ge=0)
+    steps: int | None = option(None, "Sampling steps; unset: the architecture's default.", ge=1)
+    guidance: float | None = option(
+        None,
+        "Classifier-free guidance in the release's convention (`tuner generate --help` lists each "
+        "architecture's); unset: the architecture's default.",
+        ge=0,
+    )
+    embedded_guidance: float | None = option(
+        None,
+        "Guidance-distilled models: the guidance embedding's value; unset: the architecture's default.",
+        ge=0,
+    )
+    shift: float | None = option(None, "Sampling flow shift; unset: the architecture's default.", gt=0)
     guidance_method: Literal["auto", "cfg", "apg"] = option(
         "auto",
         "auto: guide as the release does (adaptive projected guidance for HunyuanImage 2.1, else CFG).",

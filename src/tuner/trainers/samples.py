@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from tuner.dtypes import DTYPES
-from tuner.generate import GenerateOptions, check_options, decode_and_write, encode_conditions, sample_latents
+from tuner.generate import (
+    GenerateOptions,
+    check_options,
+    decode_and_write,
+    encode_conditions,
+    sample_latents,
+    sampling_summary,
+)
 
 
 class TrainingSamples:
@@ -27,12 +34,14 @@ class TrainingSamples:
             GenerateOptions(
                 prompt=prompt, out="", negative_prompt=sc.negative_prompt, controls=sc.controls, images=sc.images, width=sc.width,
                 height=sc.height, frames=sc.frames, steps=sc.steps, guidance_scale=sc.guidance,
-                shift=sc.shift or None, seed=sc.seed, guidance_method=sc.guidance_method,
+                embedded_guidance=sc.embedded_guidance, shift=sc.shift, seed=sc.seed, guidance_method=sc.guidance_method,
             )
             for prompt in sc.prompts
         ]  # fmt: skip
         for opts in self.options:
             check_options(trainer, opts)  # a wrong size fails now, not after hours of training
+        # unset settings are the architecture's defaults; the log names what ran
+        self.summary = sampling_summary(trainer, self.options[0]) if self.options else ""
         self.conditions = [encode_conditions(trainer, cfg, opts, device) for opts in self.options]
 
     def draw(self, model: nn.Module, trained: nn.Module, step: int, log: Callable[[str], None]) -> list[Path]:
@@ -58,5 +67,5 @@ class TrainingSamples:
             out = self.out_dir / f"{self.cfg.save.output_name}-step{step:06d}-{i:02d}{suffix}"
             written.append(decode_and_write(self.trainer, self.cfg, latents, out, self.device))
         trained.train(was_training)
-        log(f"samples at step {step}: {', '.join(str(p) for p in written)}")
+        log(f"samples at step {step} ({self.summary}): {', '.join(str(p) for p in written)}")
         return written

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import DIFFUSERS_ONLY, Architecture, hub_tokenizers
+from tuner.archs.record import DIFFUSERS_ONLY, Architecture, SamplingDefaults, hub_tokenizers
 
 _JOINT = r"joint_transformer_blocks\.\d+\."
 _SINGLE = r"single_transformer_blocks\.\d+\."
 
 AURA_FLOW = Architecture(
     name="aura_flow",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=3.5,
+        shift=1.73,
+        source="diffusers AuraFlowPipeline's defaults (50 steps, guidance 3.5); shift: the release's scheduler "
+        "(fal/AuraFlow-v0.3 scheduler/), ComfyUI's default",
+    ),
     variants=("v0.1", "v0.3"),
     checkpoints=(
         "Variants: `v0.1` (also v0.2: a 64² position table), `v0.3` (96²), told apart by shapes. "
@@ -51,7 +58,6 @@ AURA_FLOW = Architecture(
     diffusers_loader="AuraFlowLoraLoaderMixin",
     diffusers_reads=DIFFUSERS_ONLY,
     timestep_mode="shift",
-    sample_shift=1.73,  # the release's scheduler (fal/AuraFlow-v0.3 scheduler/), ComfyUI's default
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tuner.archs.flux.record import FLUX
+from tuner.archs.record import SamplingDefaults
 
 RECORDS = (
     # Chroma: FLUX.1-schnell with T5 only and a guidance approximator in place of the modulation
@@ -12,6 +13,12 @@ RECORDS = (
     replace(
         FLUX,
         name="chroma",
+        sampling=SamplingDefaults(
+            steps=35,
+            guidance=5.0,
+            shift="flux_shift",
+            source="diffusers ChromaPipeline's defaults (35 steps, real CFG 5.0; no guidance embedding)",
+        ),
         musubi_trains=False,  # musubi-tuner has no Chroma network
         variants=("chroma1",),
         checkpoints=(

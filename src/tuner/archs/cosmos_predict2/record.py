@@ -4,10 +4,34 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import FEED_FORWARD, SELF_AND_CROSS_ATTENTION, Architecture, hub_tokenizers
+from tuner.archs.record import (
+    FEED_FORWARD,
+    SELF_AND_CROSS_ATTENTION,
+    Architecture,
+    SamplingDefaults,
+    hub_tokenizers,
+)
+
+COSMOS_NEGATIVE_PROMPT = (
+    "The video captures a series of frames showing ugly scenes, static with no motion, motion blur, "
+    "over-saturation, shaky footage, low resolution, grainy texture, pixelated images, poorly lit areas, "
+    "underexposed and overexposed scenes, poor color balance, washed out colors, choppy sequences, "
+    "jerky movements, low frame rate, artifacting, color banding, unnatural transitions, outdated special effects, "
+    "fake elements, unconvincing visuals, poorly edited content, jump cuts, visual noise, and flickering. "
+    "Overall, the video is of poor quality."
+)
+"""The Cosmos-Predict2 pipelines' `DEFAULT_NEGATIVE_PROMPT` (diffusers 0.42.1, pipelines/cosmos/)."""
 
 COSMOS_PREDICT2 = Architecture(
     name="cosmos_predict2",
+    sampling=SamplingDefaults(
+        steps=35,
+        guidance=7.0,
+        cfg_form="cond_plus",
+        negative_prompt=COSMOS_NEGATIVE_PROMPT,
+        source="diffusers Cosmos2TextToImagePipeline's defaults (35 steps, guidance 7 as cond + "
+        "g·(cond − uncond), its DEFAULT_NEGATIVE_PROMPT)",
+    ),
     variants=("2B-t2i", "14B-t2i"),
     checkpoints=(
         "`transformer`: NVIDIA's Cosmos-Predict2 Text2Image single file (`model.pt` as safetensors: "
@@ -41,6 +65,14 @@ RECORDS = (
     replace(
         COSMOS_PREDICT2,
         name="cosmos_predict2_v2w",
+        sampling=SamplingDefaults(
+            steps=35,
+            guidance=7.0,
+            cfg_form="cond_plus",
+            negative_prompt=COSMOS_NEGATIVE_PROMPT,
+            source="diffusers Cosmos2VideoToWorldPipeline's defaults (35 steps, guidance 7 as cond + "
+            "g·(cond − uncond), its DEFAULT_NEGATIVE_PROMPT)",
+        ),
         variants=("2B-v2w", "14B-v2w"),
         checkpoints=(
             "Variants: `2B-v2w`, `14B-v2w` (`in_channels` 17: the condition mask). `transformer`: NVIDIA's "

@@ -11,8 +11,8 @@ Timesteps: the release trains with EDM's log-normal noise levels, σ = exp(n), n
 t = σ / (1 + σ) = sigmoid(n), which is `logit_normal` with mean 0 and std 1 (the `auto` mode).
 
 Guidance: the pipeline guides x̂0 as cond + g · (cond − uncond), which is plain classifier-free guidance
-at g + 1 (x̂0 is linear in the velocity at a given t). tuner keeps the plain formula, where 1 means no
-guidance: the pipeline's default 7.0 is `--guidance 8` here.
+at g + 1 (x̂0 is linear in the velocity at a given t). The record's `cfg_form = "cond_plus"` says so:
+`--guidance 7` is the pipeline's 7, applied as plain CFG at 8.
 """
 
 from __future__ import annotations

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import CONVERTS_FOLDED, Architecture, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, hub_tokenizers
 
 _COMFY = "Comfy-Org/ERNIE-Image"  # no `split_files/` in this repository
 
 ERNIE_IMAGE = Architecture(
     name="ernie_image",
+    sampling=(
+        SamplingDefaults(
+            steps=50,
+            guidance=4.0,
+            shift=3.0,
+            source="diffusers ErnieImagePipeline's defaults (50 steps, guidance 4.0); shift: ComfyUI's "
+            "`ErnieImage` sampling settings (comfy/supported_models.py); Turbo: few steps without guidance",
+        ).named(r"turbo", steps=8, guidance=1.0)
+    ),
     variants=("ernie-image",),
     checkpoints=(
         "Variants: `ernie-image` (ERNIE-Image and ERNIE-Image-Turbo are one network; `turbo` in the file or "
@@ -52,7 +61,6 @@ ERNIE_IMAGE = Architecture(
     diffusers_loader="ErnieImageLoraLoaderMixin",
     diffusers_reads=CONVERTS_FOLDED,
     timestep_mode="shift",
-    sample_shift=3.0,  # ComfyUI's `ErnieImage` sampling settings (comfy/supported_models.py)
     latent_patch=(1, 1),
 )
 

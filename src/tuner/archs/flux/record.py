@@ -10,11 +10,20 @@ from tuner.archs.record import (
     LOADS_EVERY_LAYOUT,
     SINGLE_STREAM,
     Architecture,
+    SamplingDefaults,
     hub_tokenizers,
 )
 
 FLUX = Architecture(
     name="flux",
+    sampling=SamplingDefaults(
+        steps=28,
+        guidance=1.0,
+        embedded_guidance=3.5,
+        shift="flux_shift",
+        source="diffusers FluxPipeline's defaults (28 steps, `guidance_scale` 3.5 into the guidance embedding, "
+        "`true_cfg_scale` 1) and its scheduler's resolution-dependent μ",
+    ),
     variants=("dev",),
     checkpoints=(
         "`transformer`: BFL's `flux1-dev.safetensors` or ComfyUI's single files (BFL names: fused "
@@ -42,7 +51,6 @@ FLUX = Architecture(
     diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": "ignores", "comfy_folded": "ignores"},
     musubi_trains=True,
     timestep_mode="flux_shift",
-    sample_shift="flux_shift",
     latent_patch=(2, 2),
 )
 
@@ -53,6 +61,13 @@ RECORDS = (
     replace(
         FLUX,
         name="flux_kontext",
+        sampling=SamplingDefaults(
+            steps=28,
+            guidance=1.0,
+            embedded_guidance=3.5,
+            shift="flux_shift",
+            source="diffusers FluxKontextPipeline's defaults (28 steps, embedded guidance 3.5, `true_cfg_scale` 1)",
+        ),
         variants=("dev",),
         checkpoints=(
             "as `flux`, with the Kontext transformer (`flux1-kontext-dev.safetensors`, the same network: the "

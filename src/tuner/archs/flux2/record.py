@@ -9,11 +9,20 @@ from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     LOADS_EVERY_LAYOUT,
     Architecture,
+    SamplingDefaults,
     hub_tokenizers,
 )
 
 FLUX2 = Architecture(
     name="flux2",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=1.0,
+        embedded_guidance=4.0,
+        shift="flux_shift",
+        source="diffusers Flux2Pipeline's defaults (50 steps, embedded guidance 4.0); shift: FLUX.1's "
+        "resolution-dependent μ (the pipeline's empirical μ also depends on the step count)",
+    ),
     variants=("dev",),
     checkpoints=(
         "Variants: `dev` (a klein file is refused naming `flux2_klein`). `transformer`: FLUX.2-dev single "
@@ -48,7 +57,6 @@ FLUX2 = Architecture(
     musubi_trains=True,
     control_images=(0, 10),
     timestep_mode="flux_shift",
-    sample_shift="flux_shift",
     latent_patch=(1, 1),
 )
 
@@ -59,6 +67,12 @@ RECORDS = (
     replace(
         FLUX2,
         name="flux2_klein",
+        sampling=SamplingDefaults(
+            steps=50,
+            guidance=4.0,
+            shift="flux_shift",
+            source="diffusers Flux2KleinPipeline's defaults (50 steps, real CFG 4.0: the undistilled models)",
+        ),
         variants=("klein-4b", "klein-9b"),
         checkpoints=(
             "Variants: `klein-4b`, `klein-9b` (no guidance embedding; a dev file is refused naming `flux2`). "

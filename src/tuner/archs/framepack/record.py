@@ -5,12 +5,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tuner.archs.hunyuan_video.record import HUNYUAN_VIDEO
+from tuner.archs.record import SamplingDefaults
 
 # FramePack: HunyuanVideo's network plus the history embedder and SigLIP projection, trained on sections;
 # adapters on the same modules as HunyuanVideo's, exported in its Tencent names
 FRAMEPACK = replace(
     HUNYUAN_VIDEO,
     name="framepack",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=1.0,
+        embedded_guidance=6.0,
+        shift=3.0,
+        source="diffusers HunyuanVideoFramepackPipeline's defaults (50 steps, embedded guidance 6.0, "
+        "`true_cfg_scale` 1); shift: its scheduler config's 3",
+    ),
     # diffusers' HunyuanVideo converter finds no Tencent name in musubi-tuner's (diffusers') names
     diffusers_reads={**HUNYUAN_VIDEO.diffusers_reads, "musubi": "ignores"},
     variants=("i2v",),
@@ -46,7 +55,6 @@ FRAMEPACK = replace(
     min_frames=5,
     frame_images=1,
     latent_encoders=("vae", "image_encoder"),
-    sample_shift=3.0,
     flow_sampler="sections:sample_sections",
 )
 

@@ -74,7 +74,7 @@ TRANSFORMER_VARIANTS = variant_table(
 )  # fmt: skip
 
 # The release's distillations, as its file and folder names spell them (their sampling shifts are the
-# record's `sample_shift_by_name`).
+# record's `sampling.by_name`).
 _RELEASE_NAME = re.compile(r"i1[-_](full|dev|fast)", re.IGNORECASE)
 
 

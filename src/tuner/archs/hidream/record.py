@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import CONVERTS_FOLDED, Architecture, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, hub_tokenizers
 
 HIDREAM = Architecture(
     name="hidream",
+    sampling=(
+        SamplingDefaults(
+            steps=50,
+            guidance=5.0,
+            shift=3.0,
+            source="HiDream-I1's inference settings (the release's inference.py: Full 50 steps, guidance 5, "
+            "shift 3; Dev 28 / 1 / 6; Fast 16 / 1 / 3); only the file name tells them apart",
+        )
+        .named(r"i1[-_]dev", steps=28, guidance=1.0, shift=6.0)
+        .named(r"i1[-_]fast", steps=16, guidance=1.0)
+    ),
     variants=("i1",),
     checkpoints=(
         "Variants: `i1` (Full, Dev and Fast: one network, 16 double- + 32 single-stream MoE blocks; told "
@@ -46,8 +57,6 @@ HIDREAM = Architecture(
     diffusers_loader="HiDreamImageLoraLoaderMixin",
     diffusers_reads=CONVERTS_FOLDED,
     latent_patch=(2, 2),
-    # Full and Fast sample at 3 (`sample_shift`'s default), Dev at 6; only the file name tells them apart
-    sample_shift_by_name=((r"i1[-_]dev", 6.0),),
 )
 
 

@@ -7,6 +7,7 @@ from tuner.archs.record import (
     DUAL_STREAM_FEED_FORWARD,
     SINGLE_STREAM,
     Architecture,
+    SamplingDefaults,
     comfy,
     hub_tokenizers,
 )
@@ -20,6 +21,15 @@ _COMFY_PARTS = dict(
 
 HUNYUAN_IMAGE = Architecture(
     name="hunyuan_image",
+    sampling=(
+        SamplingDefaults(
+            steps=50,
+            guidance=3.5,
+            shift=5.0,
+            source="HunyuanImagePipeline's 50 steps; Tencent's pipeline config (base: guidance 3.5, shift 5; "
+            "distilled: 8 steps, shift 4; its embedded guidance 3.25 is fixed by `loaders`)",
+        ).named(r"distill", steps=8, guidance=1.0, shift=4.0)
+    ),
     variants=("base", "distilled"),
     checkpoints=(
         "Variants: `base`, `distilled` (+ guidance and MeanFlow embedders), told apart by shapes. "
@@ -70,8 +80,6 @@ HUNYUAN_IMAGE = Architecture(
     spatial_step=32,
     latent_patch=(1, 1),
     timestep_mode="shift",
-    sample_shift=5.0,  # the base model; the distilled one samples at 4 (Tencent's pipeline config)
-    sample_shift_by_name=(("(?i)distill", 4.0),),
     # the distilled model is MeanFlow-distilled: generation gives it the step's end time r, as
     # HunyuanImagePipeline does (the base model has no r and ignores it). Training gives r = t (the
     # instantaneous velocity, the only target flow matching has) and warns (`training_warning`).

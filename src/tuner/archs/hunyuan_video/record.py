@@ -9,6 +9,7 @@ from tuner.archs.record import (
     RELEASE_SIZES,
     SINGLE_STREAM,
     Architecture,
+    SamplingDefaults,
     comfy,
     hub_tokenizers,
 )
@@ -17,6 +18,14 @@ from tuner.archs.record import (
 # sampler and diffusion-pipe do (musubi-tuner's training passes it raw); why: the trainer's docstring.
 HUNYUAN_VIDEO = Architecture(
     name="hunyuan_video",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=1.0,
+        embedded_guidance=6.0,
+        shift=7.0,
+        source="diffusers HunyuanVideoPipeline's defaults (50 steps, embedded guidance 6.0, `true_cfg_scale` "
+        "1); shift: the release's `flow_shift` 7 (its scheduler config)",
+    ),
     variants=("720p",),
     checkpoints=(
         "Variants: `720p` (the 13B cfg-distilled T2V network; ). `transformer`: Tencent's / ComfyUI's "
@@ -79,7 +88,6 @@ HUNYUAN_VIDEO = Architecture(
     frame_remainder=1,
     model_fps=24.0,
     supports_video=True,
-    sample_shift=7.0,
 )
 
 

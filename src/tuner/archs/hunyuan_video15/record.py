@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, DUAL_STREAM_FEED_FORWARD, Architecture, comfy
+from tuner.archs.record import (
+    DUAL_STREAM_ATTENTION,
+    DUAL_STREAM_FEED_FORWARD,
+    Architecture,
+    SamplingDefaults,
+    comfy,
+)
 
 _HV15_COMFY = "Comfy-Org/HunyuanVideo_1.5_repackaged"
 
@@ -15,6 +21,13 @@ _HV15_PARTS = {"vae": "vae/hunyuanvideo15_vae_fp16.safetensors",
 
 HUNYUAN_VIDEO15 = Architecture(
     name="hunyuan_video15",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=6.0,
+        shift=5.0,
+        source="diffusers HunyuanVideo15Pipeline's 50 steps; guidance 6 and shift 5 (480p): the release's "
+        "sampling settings (its guider and scheduler configs)",
+    ),
     variants=("480p_t2v", "720p_t2v"),
     checkpoints=(
         "Variants: `480p_t2v`, `720p_t2v` (one 8.3B network: 54 double blocks of 2048; the configs differ "
@@ -77,7 +90,6 @@ HUNYUAN_VIDEO15 = Architecture(
     frame_remainder=1,
     model_fps=24.0,
     supports_video=True,
-    sample_shift=5.0,
     latent_patch=(1, 1, 1),
 )
 

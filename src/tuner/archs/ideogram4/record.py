@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import CONVERTS_FOLDED, Architecture, comfy, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, comfy, hub_tokenizers
 
 IDEOGRAM4 = Architecture(
     name="ideogram4",
+    sampling=SamplingDefaults(
+        steps=48,
+        guidance=7.0,
+        shift=1.0,
+        source="diffusers Ideogram4Pipeline's defaults (48 steps; its guidance schedule is 7.0 for 45 steps "
+        "then 3.0 for 3: tuner guides at one scale)",
+    ),
     variants=("v4",),
     checkpoints=(
         "Variants: `v4` (the conditional transformer; the unconditional one, "
@@ -52,7 +59,6 @@ IDEOGRAM4 = Architecture(
     diffusers_reads={**CONVERTS_FOLDED, "comfy": "loads"},
     musubi_trains=True,
     timestep_mode="ideogram4_shift",
-    sample_shift=1.0,
     flow_schedule="trainer:logit_normal_sigmas",
     latent_patch=(1, 1),
 )

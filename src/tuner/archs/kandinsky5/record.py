@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import DIFFUSERS_ONLY, Architecture, hub_tokenizers
+from tuner.archs.record import DIFFUSERS_ONLY, Architecture, SamplingDefaults, hub_tokenizers
+
+KANDINSKY5_NEGATIVE_PROMPT = (
+    "Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, ugly, deformed, "
+    "walking backwards"
+)
+"""Kandinsky5T2VPipeline's negative prompt when given none (diffusers 0.42.1, pipelines/kandinsky5/)."""
 
 KANDINSKY5 = Architecture(
     name="kandinsky5",
+    sampling=(
+        SamplingDefaults(
+            steps=50,
+            guidance=5.0,
+            shift=10.0,
+            negative_prompt=KANDINSKY5_NEGATIVE_PROMPT,
+            source="diffusers Kandinsky5T2VPipeline's defaults (50 steps, guidance 5.0, its negative prompt) and "
+            "the release's configs (shift 10; nocfg 50 steps / guidance 1; distilled16steps 16 / 1)",
+        )
+        .named(r"distill", steps=16, guidance=1.0)
+        .named(r"nocfg", guidance=1.0)
+    ),
     variants=("lite-5s", "lite-10s"),
     checkpoints=(
         "Variants: `lite-5s`, `lite-10s` (Kandinsky 5.0 Video Lite T2V, 2B: pretrain, sft, nocfg and "
@@ -54,7 +72,6 @@ KANDINSKY5 = Architecture(
     frame_remainder=1,
     model_fps=24.0,
     supports_video=True,
-    sample_shift=10.0,
 )
 
 

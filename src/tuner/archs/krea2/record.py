@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import math
 
-from tuner.archs.record import ALPHA_LEFT_OVER, CONVERTS_FOLDED, Architecture, comfy, hub_tokenizers
+from tuner.archs.record import (
+    ALPHA_LEFT_OVER,
+    CONVERTS_FOLDED,
+    Architecture,
+    SamplingDefaults,
+    comfy,
+    hub_tokenizers,
+)
 
 _BLOCKS = r"(transformer_blocks|text_fusion\.layerwise_blocks|text_fusion\.refiner_blocks)\.\d+"
 
 KREA2 = Architecture(
     name="krea2",
+    sampling=(
+        SamplingDefaults(
+            steps=28,
+            guidance=4.5,
+            cfg_form="cond_plus",
+            shift="krea2_shift",
+            source="diffusers Krea2Pipeline's defaults (28 steps, guidance 4.5 as cond + g·(cond − uncond)); Turbo: its example's 8 steps "
+            "without guidance and the fixed μ = 1.15 of `is_distilled`",
+        ).named(r"turbo", steps=8, guidance=0.0, shift=math.exp(1.15))
+    ),
     variants=("raw", "turbo"),
     checkpoints=(
         "Variants: `raw`, `turbo` (one network: a 12B header is Krea 2, and `turbo` in the file or folder "
@@ -56,9 +73,6 @@ KREA2 = Architecture(
     diffusers_reads={**CONVERTS_FOLDED, "comfy": ALPHA_LEFT_OVER},
     musubi_trains=True,
     timestep_mode="krea2_shift",
-    sample_shift="krea2_shift",
-    # Turbo samples with Krea2Pipeline's fixed μ = 1.15 (`is_distilled`)
-    sample_shift_by_name=(("(?i)turbo", math.exp(1.15)),),
 )
 
 

@@ -4,8 +4,8 @@ Latents: the Qwen-Image VAE (8x, 16 channels, one frame, normalized per channel)
 so pixel sides are multiples of 16. Text: the tapped Qwen3-VL layers of each caption, [L, 12, 2560] at
 its true length (`tuner.archs.krea2.text`); a batch is padded to its longest caption with a mask, which
 the model applies to the text keys as Krea2Pipeline does. Guidance: Krea2Pipeline adds its scale g times
-(cond − uncond) to cond, so tuner's scale w (v_uncond + w·(v_cond − v_uncond)) is g + 1; Turbo samples
-without guidance (1). Training Turbo warns: LoRAs are trained on RAW and applied to Turbo.
+(cond − uncond) to cond (the record's `cfg_form = "cond_plus"`: `--guidance g` is plain CFG at g + 1);
+Turbo samples without guidance (0). Training Turbo warns: LoRAs are trained on RAW and applied to Turbo.
 """
 
 from __future__ import annotations

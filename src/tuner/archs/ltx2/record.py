@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import CONVERTS_FOLDED, Architecture, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, hub_tokenizers
 
 LTX2 = Architecture(
     name="ltx2",
+    sampling=SamplingDefaults(
+        steps=30,
+        guidance=3.0,
+        shift=3.0,
+        source="diffusers LTX2Pipeline's defaults (30 steps, guidance 3.0)",
+    ),
     variants=("19b",),
     checkpoints=(
         "Variants: `19b` (LTX-2 dev / distilled: 48 blocks, video width 4096, audio width 2048; configs "

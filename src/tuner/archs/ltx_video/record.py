@@ -7,11 +7,18 @@ from tuner.archs.record import (
     FEED_FORWARD,
     SELF_AND_CROSS_ATTENTION,
     Architecture,
+    SamplingDefaults,
     hub_tokenizers,
 )
 
 LTX_VIDEO = Architecture(
     name="ltx_video",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=3.0,
+        shift=3.0,
+        source="diffusers LTXPipeline's defaults (50 steps, guidance 3.0)",
+    ),
     variants=("0.9",),
     checkpoints=(
         "Variants: `0.9` (LTX-Video 0.9 / 0.9.1 2B: 28 blocks of width 2048; configs from diffusers' "

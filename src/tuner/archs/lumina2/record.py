@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import DIFFUSERS_ONLY, RELEASE_SIZES, Architecture, hub_tokenizers
+from tuner.archs.record import DIFFUSERS_ONLY, RELEASE_SIZES, Architecture, SamplingDefaults, hub_tokenizers
 
 LUMINA2 = Architecture(
     name="lumina2",
+    sampling=SamplingDefaults(
+        steps=30,
+        guidance=4.0,
+        shift=6.0,
+        source="diffusers Lumina2Pipeline's defaults (30 steps, guidance 4.0, CFG renormalised); shift: the "
+        "Lumina-Image-2.0 scheduler config's 6",
+    ),
     variants=("lumina2",),
     checkpoints=(
         "Variants: `lumina2` (Lumina-Image-2.0, 2.6B; ). `transformer`: Alpha-VLLM's single file "
@@ -39,7 +46,6 @@ LUMINA2 = Architecture(
         "attn.to_q with its smaller k and v; a column-wise DoRA of q, k or v alone has no fused form and is "
         "written under that name, which it would not load"
     ),
-    sample_shift=6.0,
     latent_patch=(2, 2),
 )
 

@@ -4,10 +4,25 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import DUAL_STREAM_ATTENTION, LOADS_EVERY_LAYOUT, Architecture, comfy, hub_tokenizers
+from tuner.archs.record import (
+    DUAL_STREAM_ATTENTION,
+    LOADS_EVERY_LAYOUT,
+    Architecture,
+    SamplingDefaults,
+    comfy,
+    hub_tokenizers,
+)
 
 QWEN_IMAGE = Architecture(
     name="qwen_image",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=4.0,
+        shift="qwen_shift",
+        negative_prompt=" ",
+        source="diffusers QwenImagePipeline's defaults (50 steps, `true_cfg_scale` 4.0) and the model card's "
+        'negative prompt " " (the pipeline runs no CFG without a negative prompt)',
+    ),
     variants=("qwen-image",),
     checkpoints=(
         "`transformer`: ComfyUI's `qwen_image_bf16.safetensors` (the release's names are diffusers'; "
@@ -44,7 +59,6 @@ QWEN_IMAGE = Architecture(
     diffusers_reads=LOADS_EVERY_LAYOUT,
     musubi_trains=True,
     timestep_mode="qwen_shift",
-    sample_shift="qwen_shift",
 )
 
 
@@ -54,6 +68,13 @@ RECORDS = (
     replace(
         QWEN_IMAGE,
         name="qwen_image_edit",
+        sampling=SamplingDefaults(
+            steps=40,
+            guidance=4.0,
+            shift="qwen_shift",
+            negative_prompt=" ",
+            source='the Qwen-Image-Edit-2509 model card (40 steps, `true_cfg_scale` 4.0, negative prompt " ")',
+        ),
         variants=("qwen-image", "qwen-image-edit-2511"),
         checkpoints=(
             "as `qwen_image`, with the Edit transformer (`qwen_image_edit_2509_bf16.safetensors`, ...; "

@@ -7,11 +7,23 @@ from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     DUAL_STREAM_FEED_FORWARD,
     Architecture,
+    SamplingDefaults,
     hub_tokenizers,
 )
 
 SD3 = Architecture(
     name="sd3",
+    sampling=(
+        SamplingDefaults(
+            steps=28,
+            guidance=3.5,
+            shift=3.0,
+            source="the SD 3.5 model cards (Large 28 steps / guidance 3.5; Medium 40 / 4.5; Large Turbo 4 / "
+            "none); shift: the scheduler config's 3",
+        )
+        .named(r"turbo", steps=4, guidance=1.0)
+        .named(r"medium", steps=40, guidance=4.5)
+    ),
     variants=("medium", "large"),
     checkpoints=(
         "Variants: `medium` (24 blocks of 1536, `attn2` in blocks 0-12), `large` (38 blocks of 2432; "

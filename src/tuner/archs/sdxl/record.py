@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import ALPHA_REFUSED, LOADS_EVERY_LAYOUT, Architecture, hub_tokenizers
+from tuner.archs.record import (
+    ALPHA_REFUSED,
+    LOADS_EVERY_LAYOUT,
+    Architecture,
+    SamplingDefaults,
+    hub_tokenizers,
+)
 
 SDXL = Architecture(
     name="sdxl",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=5.0,
+        shift=None,
+        zero_empty_negative=True,
+        source="diffusers StableDiffusionXLPipeline's defaults (50 steps, guidance 5.0, "
+        "`force_zeros_for_empty_prompt`)",
+    ),
     variants=("sdxl",),
     checkpoints=(
         "Variants: `sdxl` (SDXL 1.0 base and its fine-tunes), `tiny`. `transformer`, `vae`, "
@@ -42,7 +56,6 @@ SDXL = Architecture(
     text_encoder_training="text_training:SDXLTextEncoders",
     size_conditioning=True,
     full_layout="trainer:bundled_layout",
-    zero_empty_negative=True,
 )
 
 

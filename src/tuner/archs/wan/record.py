@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import LOADS_EVERY_LAYOUT, Architecture, comfy, hub_tokenizers
+from tuner.archs.record import LOADS_EVERY_LAYOUT, Architecture, SamplingDefaults, comfy, hub_tokenizers
 
 _WAN21_COMFY, _WAN22_COMFY = "Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 
@@ -44,6 +44,12 @@ _WAN_CLIP_REQUIRED = (
 
 WAN = Architecture(
     name="wan",
+    sampling=SamplingDefaults(
+        steps=50,
+        guidance=5.0,
+        shift=3.0,
+        source="diffusers WanPipeline's defaults; shift: the Wan2.1 diffusers repos' scheduler `flow_shift` (480p)",
+    ),
     variants=("t2v-1.3B", "t2v-14B"),
     checkpoints=(
         "`transformer`: Wan 2.1 T2V single file (official / ComfyUI, fp8 too) or diffusers folder; `vae`: "
@@ -89,6 +95,13 @@ RECORDS = (
     replace(
         WAN,
         name="wan22_t2v",
+        sampling=SamplingDefaults(
+            steps=40,
+            guidance=4.0,
+            shift=12.0,
+            source="the Wan 2.2 release's wan/configs/wan_t2v_A14B.py (40 steps, shift 12, guidance 4 on the "
+            "high-noise expert, 3 on the low-noise one: tuner guides both at one scale)",
+        ),
         variants=("t2v-14B",),
         checkpoints=(
             "Variants: `t2v-14B` (each expert has the Wan 2.1 14B network). `transformer`: the high-noise "
@@ -102,13 +115,18 @@ RECORDS = (
         family="trainer_wan22:Wan22T2VModel",
         fixture="fixture_wan22:T2V_FIXTURE",
         boundary=0.875,
-        sample_shift=12.0,
     ),
     # Wan 2.2 I2V A14B: two experts taking Wan 2.1 I2V's 36-channel input without its CLIP image
     # layers, switched at t = 0.9 (the release's boundary)
     replace(
         WAN,
         name="wan22_i2v",
+        sampling=SamplingDefaults(
+            steps=40,
+            guidance=3.5,
+            shift=5.0,
+            source="the Wan 2.2 release's wan/configs/wan_i2v_A14B.py (40 steps, shift 5, guidance 3.5)",
+        ),
         variants=("i2v-A14B",),
         checkpoints=(
             "Variants: `i2v-A14B` (36 input channels, no CLIP layers; 480p and 720p). `transformer`: the "
@@ -125,12 +143,17 @@ RECORDS = (
         first_frame=1.0,  # without it: zero condition latents and mask (`WanFrameConditionedModel`)
         supports_images=False,
         frame_images=1,
-        sample_shift=5.0,
     ),
     # Wan 2.2 TI2V-5B: one 5B Wan network on the Wan 2.2 VAE's 48 channels, text- and image-to-video
     replace(
         WAN,
         name="wan22_ti2v",
+        sampling=SamplingDefaults(
+            steps=50,
+            guidance=5.0,
+            shift=5.0,
+            source="the Wan 2.2 release's wan/configs/wan_ti2v_5B.py (50 steps, shift 5, guidance 5)",
+        ),
         variants=("ti2v-5B",),
         checkpoints=(
             "`transformer`: `wan2.2_ti2v_5B_*.safetensors` (official / ComfyUI, fp8 too) or the diffusers "
@@ -156,7 +179,6 @@ RECORDS = (
         first_frame=0.5,  # one model for both tasks: half the video samples train text-to-video
         spatial_step=32,
         model_fps=24.0,
-        sample_shift=5.0,
         first_frame_image=True,
     ),
     # Wan 2.1 I2V / FLF2V 14B: the 14B network with 36 input channels and CLIP image cross-attention;
@@ -164,6 +186,12 @@ RECORDS = (
     replace(
         WAN,
         name="wan_i2v",
+        sampling=SamplingDefaults(
+            steps=40,
+            guidance=5.0,
+            shift=5.0,
+            source="the Wan 2.1 release's generate.py / wan/configs/wan_i2v_14B.py (40 steps, shift 5, guidance 5)",
+        ),
         variants=("i2v-14B",),
         checkpoints=(
             "Variants: `i2v-14B` (480p and 720p share it). `transformer`: Wan 2.1 I2V single file "
@@ -182,13 +210,19 @@ RECORDS = (
         supports_images=False,
         frame_images=1,
         latent_encoders=("vae", "image_encoder"),
-        sample_shift=5.0,
     ),
     # one-frame Wan 2.1 (musubi-tuner's "one frame" training): the I2V 14B model making one target frame from
     # a reference image placed at chosen RoPE time indices
     replace(
         WAN,
         name="wan_1f",
+        sampling=SamplingDefaults(
+            steps=40,
+            guidance=5.0,
+            shift=5.0,
+            source="Wan 2.1 I2V 14B's (the release's wan/configs/wan_i2v_14B.py), as musubi-tuner's one-frame "
+            "inference starts from them",
+        ),
         variants=("i2v-14B",),
         checkpoints=(
             "the files of `wan_i2v` (the I2V 14B transformer, CLIP ViT-H, VAE, UMT5). Image datasets with one "
@@ -206,11 +240,16 @@ RECORDS = (
         control_images=(1, 1),
         one_frame="frames",
         latent_encoders=("vae", "image_encoder"),
-        sample_shift=5.0,
     ),
     replace(
         WAN,
         name="wan_flf2v",
+        sampling=SamplingDefaults(
+            steps=50,
+            guidance=5.0,
+            shift=16.0,
+            source="the Wan 2.1 release's wan/configs/wan_flf2v_14B.py / generate.py (50 steps, shift 16, guidance 5)",
+        ),
         variants=("flf2v-14B",),
         checkpoints=(
             "Variants: `flf2v-14B` (720p). as `wan_i2v` with the FLF2V transformer (`img_emb.emb_pos`); clips "
@@ -227,6 +266,5 @@ RECORDS = (
         min_frames=2,
         frame_images=2,
         latent_encoders=("vae", "image_encoder"),
-        sample_shift=16.0,
     ),
 )

@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import ALPHA_LEFT_OVER, LOADS_EVERY_LAYOUT, Architecture, comfy, hub_tokenizers
+from tuner.archs.record import (
+    ALPHA_LEFT_OVER,
+    LOADS_EVERY_LAYOUT,
+    Architecture,
+    SamplingDefaults,
+    comfy,
+    hub_tokenizers,
+)
 
 Z_IMAGE = Architecture(
     name="z_image",
+    sampling=(
+        SamplingDefaults(
+            steps=50,
+            guidance=5.0,
+            cfg_form="cond_plus",
+            shift=3.0,
+            source="diffusers ZImagePipeline's defaults (50 steps, guidance 5 as cond + g·(cond − uncond)); "
+            "Turbo: its example's 8 steps without guidance (0); shift: Turbo's scheduler config's 3",
+        ).named(r"turbo", steps=8, guidance=0.0)
+    ),
     variants=("turbo", "base"),
     checkpoints=(
         "Variants: `turbo`, `base` (one network: a 6B header matches the `z-image` signature, and `turbo` "

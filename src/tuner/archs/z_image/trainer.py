@@ -4,8 +4,8 @@ Latents: the FLUX.1 VAE (8× compression, 16 channels, normalized with its shift
 patched 2×2 by the model itself, so pixel sides are multiples of 16. Text: Qwen3-4B's second-to-last
 hidden states stored at their true length; a batch is padded to its longest caption with a mask, and
 `predict` hands the model each caption's real rows, as the pipeline does. Sampling uses ZImagePipeline's
-constant shift of 3. Guidance: tuner's scale w is diffusers' `guidance_scale` + 1 (ZImagePipeline adds
-its scale times (cond − uncond) to cond); Turbo samples without guidance (1). Training Turbo without
+constant shift of 3. Guidance: ZImagePipeline adds its scale times (cond − uncond) to cond, the record's
+`cfg_form = "cond_plus"`, so `--guidance` is diffusers' `guidance_scale`; Turbo samples without (0). Training Turbo without
 `model.merge_adapters` (a de-distillation adapter) warns.
 """
 
