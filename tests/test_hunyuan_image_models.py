@@ -300,9 +300,12 @@ def test_generate_cli_passes_the_guidance_method(fixture, tmp_path, capsys, monk
 
 
 def test_apg_is_refused_for_a_model_whose_release_guides_with_cfg():
+    from tuner.config.schema import OneFrameConfig
     from tuner.generate import GenerateOptions, check_options
+    from tuner.trainers import trainer_class
 
-    flux = SimpleNamespace(architecture="flux", record=architecture("flux"))
+    model = SimpleNamespace(transformer="flux1-dev.safetensors", guidance=1.0)
+    flux = trainer_class("flux")(SimpleNamespace(model=model, one_frame=OneFrameConfig()))
     with pytest.raises(ConfigError, match="--guidance-method apg: flux"):
         check_options(flux, GenerateOptions(prompt="a", out="a.png", width=64, height=64, frames=1,
                                             guidance_method="apg"))  # fmt: skip
