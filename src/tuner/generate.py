@@ -67,11 +67,13 @@ def check_options(family, opts: GenerateOptions) -> None:
     for flag, value in (("--guidance", opts.guidance_scale), ("--shift", opts.shift)):
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{flag} {value}: must be a finite number.")
-    if family.record.objective == "ddpm" and opts.shift is not None:
-        raise ConfigError(f"--shift {opts.shift}: a flow-matching option; {arch} samples its DDPM schedule.")
-    if family.record.objective == "flow" and opts.sampler != "euler":
+    if family.record.objective != "flow" and opts.shift is not None:
         raise ConfigError(
-            f"--sampler {opts.sampler}: {arch} is a flow-matching model, sampled with Euler steps."
+            f"--shift {opts.shift}: a flow-matching option; {arch} samples its {family.record.objective.upper()} schedule."
+        )
+    if family.record.objective != "ddpm" and opts.sampler != "euler":
+        raise ConfigError(
+            f"--sampler {opts.sampler}: {arch} is sampled with Euler steps (the DDPM models take other samplers)."
         )
     if opts.steps < 1:
         raise ConfigError(f"--steps {opts.steps}: must be at least 1.")
@@ -178,6 +180,11 @@ def sample_latents(family, model, opts: GenerateOptions, cond: dict, uncond: dic
 
         return ddpm_sample(model_fn, noise.to(device), family.training_objective(), opts.steps, cond, uncond,
                            opts.guidance_scale, opts.sampler, progress, family.combine_guidance)  # fmt: skip
+    if family.record.objective == "edm":  # Cosmos 1.0: its pipelines' Karras levels, Euler in σ
+        from tuner.diffusion.edm import edm_sample
+
+        return edm_sample(model_fn, noise.to(device), opts.steps, cond, uncond, opts.guidance_scale, progress,
+                          family.combine_guidance)  # fmt: skip
     shift = opts.shift if opts.shift is not None else family.default_sample_shift(shape)
     with torch.no_grad():
         latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, shift), cond, uncond,

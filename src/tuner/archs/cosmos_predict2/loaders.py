@@ -11,8 +11,8 @@ normalized latents by `sigma_data` = 1.0, so they are exactly Wan's) with **T5-1
   `net.` / `model.diffusion_model.`; scaled-fp8 files are dequantized). 2B and 14B are told apart by
   shapes, and so is Video2World (`Cosmos-Predict2-*-Video2World`, ComfyUI's
   `cosmos_predict2_2B_video2world_480p_16fps.safetensors`: one more input channel, the condition mask),
-  which architecture `cosmos_predict2_v2w` trains; each architecture refuses the other's files, and Cosmos
-  1.0 and Predict2.5 files are named and refused. Video2World's 480p and 720p (and 10 / 16 fps) files
+  which architecture `cosmos_predict2_v2w` trains; each architecture refuses the other's files, Cosmos 1.0
+  files name `cosmos1_t2w` / `cosmos1_v2w` (`loaders_cosmos1`), and Predict2.5 files are refused. Video2World's 480p and 720p (and 10 / 16 fps) files
   hold the same network with the same RoPE scale (NVIDIA's `config_video2world.py` sets one
   `rope_*_extrapolation_ratio` per model size, whatever the resolution; diffusers' converter and
   ComfyUI agree): 2B (1, 3, 3), 14B (20/24, 2, 2);
@@ -94,10 +94,14 @@ TRANSFORMER_VARIANTS = variant_table(
     },
 )  # fmt: skip
 
-# Relatives a user may point to by mistake: (marker key without `net.`, what it is)
+# Relatives a user may point to by mistake: (marker key without `net.`, what it is and what to do)
 _OTHER_COSMOS = (
-    ("blocks.block1.blocks.0.block.attn.to_q.0.weight", "a Cosmos 1.0 Diffusion transformer"),
-    ("crossattn_proj.0.weight", "a Cosmos-Predict2.5 transformer"),
+    (
+        "blocks.block1.blocks.0.block.attn.to_q.0.weight",
+        'a Cosmos 1.0 Diffusion transformer; train it with architecture = "cosmos1_t2w" (Text2World) or '
+        '"cosmos1_v2w" (Video2World)',
+    ),
+    ("crossattn_proj.0.weight", "a Cosmos-Predict2.5 transformer, which tuner does not train (yet)"),
 )
 # latent input channels of the released configs (`in_channels`): Video2World adds the condition mask
 _T2I_CHANNELS, _V2W_CHANNELS = 16, 17
@@ -137,13 +141,14 @@ def release_keys(names) -> dict[str, str]:
     """Map each network key of a release file (or ComfyUI's) to the stored key: `net.` and ComfyUI
     prefixes stripped, buffers and counters that hold no weight left out."""
     out = {}
-    for key, stored in _strip_prefixes(names).items():
+    for key, stored in strip_release_prefix(names).items():
         if not is_release_only(key):
             out[key] = stored
     return out
 
 
-def _strip_prefixes(names) -> dict[str, str]:
+def strip_release_prefix(names) -> dict[str, str]:
+    """Each key without NVIDIA's `net.` prefix (where the file uses it) -> the stored key."""
     normalized = {k: k for k in names}
     if any(k.startswith(RELEASE_PREFIX) for k in normalized):
         normalized = {k.removeprefix(RELEASE_PREFIX): k for k in normalized if k.startswith(RELEASE_PREFIX)}
@@ -157,7 +162,7 @@ def identify_transformer(path: str | Path) -> Variant:
     shapes = {k: stored[s] for k, s in release_keys(stored).items()}
     for marker, what in _OTHER_COSMOS:
         if marker in shapes:
-            raise CheckpointError(f"{path}: this is {what}, which tuner does not train (yet).")
+            raise CheckpointError(f"{path}: this is {what}.")
     if all(k in shapes for k in _DIFFUSERS_MARKERS):
         shapes = {_original_or_keep(k): v for k, v in shapes.items()}
     elif not all(k in shapes for k in _ORIGINAL_MARKERS):
@@ -208,6 +213,11 @@ def load_transformer(
             raise CheckpointError(
                 f"{folder}: not a Cosmos-Predict2 transformer (in_channels {config.get('in_channels')}; "
                 "Predict2.5 is not supported yet)."
+            )
+        if config.get("extra_pos_embed_type") == "learnable":
+            raise CheckpointError(
+                f'{folder}: a Cosmos 1.0 Diffusion transformer; train it with architecture = "cosmos1_t2w" '
+                '(Text2World) or "cosmos1_v2w" (Video2World).'
             )
         _check_model(folder, config["in_channels"] == _V2W_CHANNELS, video2world)
         files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
