@@ -247,3 +247,60 @@ def test_latents_match_the_pipelines_normalization(pipe, paths):
         std = torch.tensor(vae.config.latents_std).view(1, 16, -1, 1, 1)[:, :, :2]
         undone = latents * std / pipe.scheduler.config.sigma_data + mean  # the pipeline's decode
         torch.testing.assert_close(undone, raw, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Video2World
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def v2w_paths(tmp_path_factory):
+    return write_fixture("cosmos1_v2w", tmp_path_factory.mktemp("cosmos1_v2w"))
+
+
+@torch.no_grad()
+def test_video2world_generation_matches_the_pipeline(v2w_paths, paths, monkeypatch):
+    """Given a first image: our sampler over `Cosmos1V2WModel.predict` lands on CosmosVideoToWorldPipeline's
+    latents, its per-step augmentation noise drawn as zeros (ours draws none)."""
+    import numpy as np
+    from diffusers import CosmosVideoToWorldPipeline
+    from diffusers.pipelines.cosmos import pipeline_cosmos_video2world as module
+    from PIL import Image
+
+    from tuner.archs.cosmos_predict2.trainer_cosmos1 import Cosmos1V2WModel
+
+    root = v2w_paths["diffusers"]
+    resize = lambda x, size, interpolation: F.interpolate(x, size=size, mode="nearest")  # noqa: E731
+    from diffusers.models.transformers import transformer_cosmos
+
+    monkeypatch.setattr(transformer_cosmos, "transforms", SimpleNamespace(functional=SimpleNamespace(resize=resize), InterpolationMode=SimpleNamespace(NEAREST="nearest")), raising=False)  # fmt: skip
+    monkeypatch.setattr(module, "randn_tensor", lambda shape, **kw: torch.zeros(shape, dtype=kw.get("dtype")))
+    pipe = CosmosVideoToWorldPipeline(
+        transformer=CosmosTransformer3DModel.from_pretrained(root / "transformer").eval(),
+        vae=AutoencoderKLCosmos.from_pretrained(root / "vae").eval(),
+        text_encoder=T5EncoderModel.from_pretrained(root / "text_encoder").eval(),
+        tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"),
+        scheduler=EDMEulerScheduler.from_pretrained(root / "scheduler"),
+        safety_checker=_NoGuardrail(),
+    )
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    steps, guidance, frames = 3, 7.0, 9
+    family = Cosmos1V2WModel(_family(paths).cfg)
+    family.cfg.model.transformer = str(v2w_paths["transformer_file"])
+    noise = torch.randn((1, *family.latent_shape(32, 32, frames)), generator=torch.Generator().manual_seed(3))
+    out = pipe(image=Image.fromarray(pixels), prompt=PROMPT, negative_prompt="blurry", height=32, width=32,
+               num_frames=frames, fps=24, num_inference_steps=steps, guidance_scale=guidance,
+               latents=noise.clone(), output_type="latent", max_sequence_length=16).frames  # fmt: skip
+
+    model = family.load_transformer(torch.float32)
+    image = torch.from_numpy(pixels).permute(2, 0, 1)[None].float() / 127.5 - 1
+    given = family.encode_frame_images(pipe.vae, [image], frames)
+    cond, uncond = ({**family.collate_text(family.encode_text((pipe.text_encoder, pipe.tokenizer), [p])), **given}
+                    for p in (PROMPT, "blurry"))  # fmt: skip
+
+    def model_fn(x, t, c):
+        return family.predict(model, x, t / 1000, c)
+
+    ours = edm_sample(model_fn, noise, steps, cond, uncond, guidance + 1, combine=family.combine_guidance)
+    torch.testing.assert_close(ours, out, rtol=1e-4, atol=1e-4)

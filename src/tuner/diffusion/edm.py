@@ -75,6 +75,12 @@ class EDMObjective:
         scale = self._r2(t).rsqrt().view(-1, *([1] * (x_t.ndim - 1)))
         return (x_t.float() * scale).to(x_t.dtype), 0.25 * torch.logit(t)
 
+    def inputs_at_sigma(self, x_sigma: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """c_in(σ)·x_σ for σ [B] (a latent the network is shown at its own noise level: Video2World's given
+        frames at their augmentation σ)."""
+        scale = (sigma.float().square() + self.sigma_data**2).rsqrt().view(-1, *([1] * (x_sigma.ndim - 1)))
+        return (x_sigma.float() * scale).to(x_sigma.dtype)
+
     def velocity(self, out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The velocity of the network's denoised estimate, from its output F at (x_t, t)."""
         t = t.float().view(-1, *([1] * (x_t.ndim - 1)))

@@ -94,4 +94,29 @@ COSMOS1_T2W = replace(
     supports_video=True,
 )
 
-RECORDS = (*PREDICT2_RECORDS, COSMOS1_T2W)
+RECORDS = (
+    *PREDICT2_RECORDS,
+    COSMOS1_T2W,
+    # Cosmos 1.0 Video2World: the same network with a condition-mask input channel
+    replace(
+        COSMOS1_T2W,
+        name="cosmos1_v2w",
+        variants=("7B-video2world", "14B-video2world"),
+        checkpoints=(
+            "Variants: `7B-video2world`, `14B-video2world` (`in_channels` 17: the condition mask). `transformer`: "
+            "NVIDIA's Cosmos-1.0-Diffusion Video2World single file, ComfyUI's (the same names), or the diffusers "
+            "folder (`nvidia/Cosmos-1.0-Diffusion-7B-Video2World`); Text2World files are refused naming "
+            "`cosmos1_t2w`, Predict2 files naming `cosmos_predict2_v2w`. `vae`, `text_encoder` as `cosmos1_t2w`. "
+            "Video datasets only (8N+1 frames, ≥ 9); `tuner generate --image FIRST`"
+        ),
+        title="Cosmos 1.0 Diffusion Video2World 7B, 14B (EDM; video from its first frames)",
+        family="trainer_cosmos1:Cosmos1V2WModel",
+        fixture="fixture_cosmos1:V2W_FIXTURE",
+        tokenizers=hub_tokenizers("nvidia/Cosmos-1.0-Diffusion-7B-Video2World", "tokenizer"),
+        hub_repos=tuple((v, f"nvidia/Cosmos-1.0-Diffusion-{v}-Video2World") for v in ("7B", "14B")),
+        first_frame=1.0,  # without it: no given latent frame, a zero condition mask
+        supports_images=False,
+        min_frames=9,
+        frame_images=1,
+    ),
+)
