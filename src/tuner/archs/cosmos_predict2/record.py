@@ -82,6 +82,7 @@ COSMOS1_T2W = replace(
         "frames (images as one frame); EDM objective (`tuner.diffusion.edm`)"
     ),
     title="Cosmos 1.0 Diffusion Text2World 7B, 14B (EDM)",
+    save_format_loads="ComfyUI; diffusers has no LoRA loader for the Cosmos 1.0 pipelines",
     family="trainer_cosmos1:Cosmos1T2WModel",
     layout="keys_cosmos1:COSMOS1_LAYOUT",
     fixture="fixture_cosmos1:T2W_FIXTURE",
