@@ -24,22 +24,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from tuner.archs.cosmos_predict2 import loaders as predict2
-from tuner.archs.cosmos_predict2.keys_cosmos1 import (
-    is_release_only,
-    transformer_key_to_original,
-    transformer_to_diffusers,
-)
+from tuner.archs.cosmos_predict2.keys_cosmos1 import COSMOS1_LAYOUT, is_release_only
 from tuner.errors import CheckpointError
-from tuner.models.component import diffusers_keys
-from tuner.models.identify import Variant, check_keys, pick_variant, variant_table, wrong_architecture
+from tuner.models.identify import variant_table
 from tuner.models.loading import (
     load_diffusers_folder,
-    load_tensors,
-    load_tensors_of,
-    normalize_shapes,
-    normalize_state_dict,
     read_folder_config,
-    read_tensor_shapes,
     resolve_folder,
 )
 
@@ -64,58 +54,24 @@ TRANSFORMER_VARIANTS = variant_table(
     },
 )  # fmt: skip
 
-_ORIGINAL_MARKERS = ("x_embedder.proj.1.weight", "blocks.block0.blocks.0.block.attn.to_q.0.weight")
-_DIFFUSERS_MARKERS = ("patch_embed.proj.weight", "learnable_pos_embed.pos_emb_t")
-_PREDICT2_MARKER = "blocks.0.self_attn.q_proj.weight"
-_ARCHITECTURE = {False: "cosmos1_t2w", True: "cosmos1_v2w"}
-_MODEL = {False: "Text2World", True: "Video2World"}
-_T2W_CHANNELS, _V2W_CHANNELS = 16, 17
-
-_transformer_keys = diffusers_keys("CosmosTransformer3DModel", transformer_key_to_original)
-
-
-def _release_keys(names) -> dict[str, str]:
-    """Network key (without `net.`) -> stored key, the tensors that hold no weight left out."""
-    return {k: s for k, s in predict2.strip_release_prefix(names).items() if not is_release_only(k)}
-
-
-def identify_transformer(path: str | Path) -> Variant:
-    """The variant of a single Cosmos 1.0 transformer file, from its header; a Predict2 file is refused
-    naming its architecture, any other naming what it looks like."""
-    stored = normalize_shapes(read_tensor_shapes(path))
-    shapes = {k: stored[s] for k, s in _release_keys(stored).items()}
-    if (
-        _PREDICT2_MARKER in shapes
-        or "transformer_blocks.0.attn1.to_q.weight" in shapes
-        and not all(k in shapes for k in _DIFFUSERS_MARKERS)
-    ):
-        raise CheckpointError(
-            f'{path}: this is a Cosmos-Predict2 transformer; train it with architecture = "cosmos_predict2" '
-            '(Text2Image) or "cosmos_predict2_v2w" (Video2World). cosmos1_* take Cosmos 1.0 Diffusion files.'
-        )
-    if all(k in shapes for k in _DIFFUSERS_MARKERS):
-        shapes = {_original_or_keep(k): v for k, v in shapes.items()}
-    elif not all(k in shapes for k in _ORIGINAL_MARKERS):
-        raise wrong_architecture(path, shapes, "Cosmos 1.0 Diffusion transformer", _ORIGINAL_MARKERS)
-    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, "Cosmos 1.0 Diffusion transformer")
-    check_keys(_transformer_keys(variant), shapes, path, f"Cosmos 1.0 Diffusion transformer {variant.name}")
-    return variant
-
-
-def _original_or_keep(key: str) -> str:
-    try:
-        return transformer_key_to_original(key)
-    except KeyError:  # left as is, so that check_keys reports it as unexpected
-        return key
-
-
-def _check_model(path, video2world: bool, wanted: bool) -> None:
-    if video2world != wanted:
-        raise CheckpointError(
-            f"{path}: this is a Cosmos 1.0 {_MODEL[video2world]} transformer; train it with "
-            f'architecture = "{_ARCHITECTURE[video2world]}" ("{_ARCHITECTURE[wanted]}" takes '
-            f"{_MODEL[wanted]} checkpoints)."
-        )
+COSMOS1 = predict2.Generation(
+    what="Cosmos 1.0 Diffusion transformer",
+    variants=TRANSFORMER_VARIANTS,
+    original_markers=("x_embedder.proj.1.weight", "blocks.block0.blocks.0.block.attn.to_q.0.weight"),
+    diffusers_markers=("patch_embed.proj.weight", "learnable_pos_embed.pos_emb_t"),
+    layout=COSMOS1_LAYOUT,
+    is_release_only=is_release_only,
+    relatives=(
+        (
+            "blocks.0.self_attn.q_proj.weight",
+            'a Cosmos-Predict2 transformer; train it with architecture = "cosmos_predict2" (Text2Image) or '
+            '"cosmos_predict2_v2w" (Video2World); cosmos1_* take Cosmos 1.0 Diffusion files',
+        ),
+    ),
+    architectures=("cosmos1_t2w", "cosmos1_v2w"),
+    models=("Text2World", "Video2World"),
+)
+identify_transformer = COSMOS1.identify
 
 
 def load_transformer(
@@ -124,31 +80,18 @@ def load_transformer(
     """The Cosmos 1.0 Text2World (or, with `video2world`, Video2World) transformer from a diffusers folder or
     a single file (release / ComfyUI names, or diffusers'), in eval mode, its padding mask an input channel."""
     folder = resolve_folder(path, "transformer")
-    if folder is not None:
-        config = read_folder_config(folder)
-        if config.get("_class_name") != "CosmosTransformer3DModel" or config.get("in_channels") not in (
-            _T2W_CHANNELS,
-            _V2W_CHANNELS,
-        ):
-            raise CheckpointError(f"{folder}: not a Cosmos 1.0 Diffusion transformer folder.")
-        if config.get("extra_pos_embed_type") != "learnable":
-            raise CheckpointError(
-                f"{folder}: a Cosmos-Predict2 (or later) transformer, without Cosmos 1.0's learnable position "
-                'embedding; train it with architecture = "cosmos_predict2" or "cosmos_predict2_v2w".'
-            )
-        _check_model(folder, config["in_channels"] == _V2W_CHANNELS, video2world)
-        files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{folder}: no diffusion_pytorch_model*.safetensors in it.")
-        return predict2.build_transformer(config, load_tensors_of(files), dtype, folder)
-    variant = identify_transformer(path)
-    config = read_folder_config(variant.config_dir)
-    _check_model(path, config["in_channels"] == _V2W_CHANNELS, video2world)
-    stored = normalize_state_dict(load_tensors(path), dtype)
-    tensors = {k: stored[s] for k, s in _release_keys(stored).items()}
-    if all(k in tensors for k in _ORIGINAL_MARKERS):
-        tensors = transformer_to_diffusers(tensors)
-    return predict2.build_transformer(config, tensors, dtype, Path(path))
+    if folder is None:
+        return COSMOS1.load_file(path, dtype, video2world)
+    config = read_folder_config(folder)
+    if config.get("_class_name") != "CosmosTransformer3DModel" or config.get("in_channels") not in (16, 17):
+        raise CheckpointError(f"{folder}: not a Cosmos 1.0 Diffusion transformer folder.")
+    if config.get("extra_pos_embed_type") != "learnable":
+        raise CheckpointError(
+            f"{folder}: a Cosmos-Predict2 (or later) transformer, without Cosmos 1.0's learnable position "
+            'embedding; train it with architecture = "cosmos_predict2" or "cosmos_predict2_v2w".'
+        )
+    COSMOS1.check_model(folder, config["in_channels"], video2world)
+    return predict2.build_transformer(config, predict2.load_folder_tensors(folder), dtype, folder)
 
 
 # ---------------------------------------------------------------------------------------------------
