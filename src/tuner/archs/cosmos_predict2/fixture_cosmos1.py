@@ -34,7 +34,8 @@ from tuner.fixtures.weights import tiny_config, tiny_model
 TRANSFORMER_FILE = "cosmos1_tiny_t2w.safetensors"
 V2W_TRANSFORMER_FILE = "cosmos1_tiny_v2w.safetensors"
 
-# the scheduler diffusers' converter writes for the Cosmos 1.0 pipelines (scripts/convert_cosmos_to_diffusers.py)
+# the scheduler diffusers' converter writes for the Cosmos 1.0 pipelines
+# (its scripts/convert_cosmos_to_diffusers.py)
 SCHEDULER_CONFIG = {
     "sigma_min": 0.002,
     "sigma_max": 80.0,

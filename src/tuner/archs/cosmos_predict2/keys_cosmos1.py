@@ -1,8 +1,8 @@
-"""Key names of Cosmos 1.0 Diffusion (Text2World, Video2World) in diffusers' layout and NVIDIA's release layout.
+"""Key names of Cosmos 1.0 Diffusion (Text2World, Video2World) in diffusers' and NVIDIA's release layout.
 
 NVIDIA's checkpoints (`model.pt` of nvidia/Cosmos-1.0-Diffusion-*, and safetensors made from it) store the
-network (`GeneralDIT`) under `net.`, each block as three sub-blocks: `net.blocks.block0.blocks.0.block.attn.to_q.0`
-(self-attention, its q then its q-norm as `to_q.1`), `blocks.1` the cross-attention, `blocks.2.block.layer1`
+network (`GeneralDIT`) under `net.`, each block as three sub-blocks:
+`net.blocks.block0.blocks.0.block.attn.to_q.0` (self-attention, its q then its q-norm as `to_q.1`), `blocks.1` the cross-attention, `blocks.2.block.layer1`
 the MLP, each with its `adaLN_modulation.1/.2`. ComfyUI's files hold the same names (its `comfy/ldm/cosmos`
 model is the release's), and ComfyUI names weights without `net.`, so that is the "original" layout here
 (adapters are saved as `diffusion_model.blocks.block0.blocks.0.block.attn.to_q.0`). The renames are those of

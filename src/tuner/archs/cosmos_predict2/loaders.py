@@ -12,10 +12,10 @@ normalized latents by `sigma_data` = 1.0, so they are exactly Wan's) with **T5-1
   shapes, and so is Video2World (`Cosmos-Predict2-*-Video2World`, ComfyUI's
   `cosmos_predict2_2B_video2world_480p_16fps.safetensors`: one more input channel, the condition mask),
   which architecture `cosmos_predict2_v2w` trains; each architecture refuses the other's files, Cosmos 1.0
-  files name `cosmos1_t2w` / `cosmos1_v2w` (`loaders_cosmos1`), and Predict2.5 files are refused. Video2World's 480p and 720p (and 10 / 16 fps) files
-  hold the same network with the same RoPE scale (NVIDIA's `config_video2world.py` sets one
-  `rope_*_extrapolation_ratio` per model size, whatever the resolution; diffusers' converter and
-  ComfyUI agree): 2B (1, 3, 3), 14B (20/24, 2, 2);
+  files name `cosmos1_t2w` / `cosmos1_v2w` (`loaders_cosmos1`), and Predict2.5 files are refused.
+  Video2World's 480p and 720p (and 10 / 16 fps) files hold the same network with the same RoPE scale
+  (NVIDIA's `config_video2world.py` sets one `rope_*_extrapolation_ratio` per model size, whatever the
+  resolution; diffusers' converter and ComfyUI agree): 2B (1, 3, 3), 14B (20/24, 2, 2);
 * T5-11B: a diffusers folder (`text_encoder/`) or a single file in transformers' T5 layout.
 
 **The padding mask.** Every released config sets `concat_padding_mask=True`: the patch embedding takes
@@ -118,8 +118,9 @@ T5_SPEC = replace(
 
 @dataclass(frozen=True)
 class Generation:
-    """What tells one Cosmos generation's transformer files apart and reads them: Predict2's (`PREDICT2`) and
-    Cosmos 1.0's (`loaders_cosmos1.COSMOS1`) share the class and the release's `net.` prefix, not the names."""
+    """What tells one Cosmos generation's transformer files apart and reads them: Predict2's (`PREDICT2`)
+    and Cosmos 1.0's (`loaders_cosmos1.COSMOS1`) share the class and the release's `net.` prefix, not the
+    names."""
 
     what: str
     """"Cosmos-Predict2 transformer", ..."""
@@ -171,9 +172,9 @@ class Generation:
         found = in_channels == _V2W_CHANNELS
         if found != video2world:
             raise CheckpointError(
-                f"{path}: this is a {self.what.replace('transformer', self.models[found])} transformer; train it "
-                f'with architecture = "{self.architectures[found]}" ("{self.architectures[video2world]}" takes '
-                f"{self.models[video2world]} checkpoints)."
+                f"{path}: this is a {self.what.replace('transformer', self.models[found])} transformer; "
+                f'train it with architecture = "{self.architectures[found]}" '
+                f'("{self.architectures[video2world]}" takes {self.models[video2world]} checkpoints).'
             )
 
     def load_file(self, path: str | Path, dtype: torch.dtype, video2world: bool) -> CosmosTransformer3DModel:

@@ -75,10 +75,10 @@ COSMOS1_T2W = replace(
     checkpoints=(
         "Variants: `7B-text2world`, `14B-text2world` (told apart by shapes). `transformer`: NVIDIA's Cosmos-1.0-Diffusion "
         "Text2World single file (`model.pt` as safetensors: `net.blocks.block0.blocks.0.block.attn.to_q.0.weight`, "
-        "...; its `logvar` and RoPE buffers are dropped), ComfyUI's Cosmos 1.0 diffusion-model files (the same "
-        "names without `net.`), or the diffusers folder (`nvidia/Cosmos-1.0-Diffusion-7B-Text2World`); "
+        "...; its `logvar` and RoPE buffers are dropped), ComfyUI's `Cosmos-1_0-Diffusion-7B-Text2World.safetensors` "
+        "(mcmonkey/cosmos-1.0: the same names without `net.`), or the diffusers folder (`nvidia/Cosmos-1.0-Diffusion-7B-Text2World`); "
         "Cosmos-Predict2 files are refused naming `cosmos_predict2`. `vae`: the Cosmos tokenizer CV8x8x8 from a "
-        "diffusers folder (the pipeline's `vae/`); `text_encoder`: T5-11B as `cosmos_predict2`. Videos of 8N+1 "
+        "diffusers folder (the pipeline's `vae/`; ComfyUI's `cosmos_cv8x8x8_1.0.safetensors` is not read yet); `text_encoder`: T5-11B as `cosmos_predict2`. Videos of 8N+1 "
         "frames (images as one frame); EDM objective (`tuner.diffusion.edm`)"
     ),
     title="Cosmos 1.0 Diffusion Text2World 7B, 14B (EDM)",
@@ -105,7 +105,8 @@ RECORDS = (
         variants=("7B-video2world", "14B-video2world"),
         checkpoints=(
             "Variants: `7B-video2world`, `14B-video2world` (`in_channels` 17: the condition mask). `transformer`: "
-            "NVIDIA's Cosmos-1.0-Diffusion Video2World single file, ComfyUI's (the same names), or the diffusers "
+            "NVIDIA's Cosmos-1.0-Diffusion Video2World single file, ComfyUI's "
+            "`Cosmos-1_0-Diffusion-7B-Video2World.safetensors` (the same names), or the diffusers "
             "folder (`nvidia/Cosmos-1.0-Diffusion-7B-Video2World`); Text2World files are refused naming "
             "`cosmos1_t2w`, Predict2 files naming `cosmos_predict2_v2w`. `vae`, `text_encoder` as `cosmos1_t2w`. "
             "Video datasets only (8N+1 frames, ≥ 9); `tuner generate --image FIRST`"
