@@ -304,3 +304,15 @@ def test_video2world_generation_matches_the_pipeline(v2w_paths, paths, monkeypat
 
     ours = edm_sample(model_fn, noise, steps, cond, uncond, guidance + 1, combine=family.combine_guidance)
     torch.testing.assert_close(ours, out, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_refuses_flow_and_ddpm_sampling_options(paths):
+    from tuner.generate import GenerateOptions, check_options
+
+    family = _family(paths)
+    base = dict(prompt="x", out="o.mp4", width=32, height=32, frames=9)
+    check_options(family, GenerateOptions(**base))
+    with pytest.raises(ConfigError, match="--shift 3.0: a flow-matching option; cosmos1_t2w samples its EDM"):
+        check_options(family, GenerateOptions(**base, shift=3.0))
+    with pytest.raises(ConfigError, match="--sampler dpm\\+\\+2m: cosmos1_t2w is sampled with Euler steps"):
+        check_options(family, GenerateOptions(**base, sampler="dpm++2m"))
