@@ -74,7 +74,7 @@ def test_record_describes_the_model(name):
     assert r.timestep_mode in MODES
     assert len(r.latent_patch) in (2, 3) and all(p >= 1 for p in r.latent_patch)
     assert r.audio_format is None or (r.audio_format[0] > 0 and r.audio_format[1] in (1, 2))
-    assert r.objective in ("flow", "ddpm") and r.cache_format_version >= 1
+    assert r.objective in ("flow", "ddpm", "edm") and r.cache_format_version >= 1
     assert not r.first_frame_image or r.first_frame is not None
 
 

@@ -34,7 +34,7 @@ def test_every_architectures_defaults_resolve(name):
         re.compile(pattern)
         assert defaults.steps >= 1 and defaults.guidance >= 0 and defaults.cfg_form in CFG_FORMS
         assert defaults.source and not (pattern and defaults.by_name)
-        assert (defaults.shift is None) == (record.objective == "ddpm")
+        assert (defaults.shift is None) == (record.objective != "flow")
         assert defaults.shift is None or defaults.shift in RESOLUTION_SHIFTS or float(defaults.shift) > 0
         assert defaults.embedded_guidance is None or defaults.embedded_guidance > 0
         assert not defaults.zero_empty_negative or record.objective == "ddpm"
@@ -46,7 +46,7 @@ def test_every_architectures_defaults_resolve(name):
     assert (opts.steps, opts.guidance_scale) == (record.sampling.steps, record.sampling.guidance)
     assert opts.negative_prompt == record.sampling.negative_prompt
     assert opts.embedded_guidance == record.sampling.embedded_guidance
-    assert (opts.shift is None) == (record.objective == "ddpm")
+    assert (opts.shift is None) == (record.objective != "flow")
     assert name in sampling_summary(family, opts)
 
 

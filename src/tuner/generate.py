@@ -109,11 +109,13 @@ def check_options(family, opts: GenerateOptions) -> None:
         raise ConfigError(
             f"--embedded-guidance {given.embedded_guidance}: {arch} takes no guidance-embedding value; use --guidance."
         )
-    if family.record.objective == "ddpm" and given.shift is not None:
-        raise ConfigError(f"--shift {given.shift}: a flow-matching option; {arch} samples its DDPM schedule.")
-    if family.record.objective == "flow" and opts.sampler != "euler":
+    if family.record.objective != "flow" and given.shift is not None:
         raise ConfigError(
-            f"--sampler {opts.sampler}: {arch} is a flow-matching model, sampled with Euler steps."
+            f"--shift {given.shift}: a flow-matching option; {arch} samples its {family.record.objective.upper()} schedule."
+        )
+    if family.record.objective != "ddpm" and opts.sampler != "euler":
+        raise ConfigError(
+            f"--sampler {opts.sampler}: {arch} is sampled with Euler steps (the DDPM models take other samplers)."
         )
     if opts.guidance_method == "apg" and family.record.projected_guidance() is None:
         raise ConfigError(
@@ -250,6 +252,11 @@ def _sample_latents(family, model, opts: GenerateOptions, guidance: float, cond:
 
         return ddpm_sample(model_fn, noise.to(device), family.training_objective(), opts.steps, cond, uncond,
                            guidance, opts.sampler, progress, family.combine_guidance)  # fmt: skip
+    if family.record.objective == "edm":  # Cosmos 1.0: its pipelines' Karras levels, Euler in σ
+        from tuner.diffusion.edm import edm_sample
+
+        return edm_sample(model_fn, noise.to(device), opts.steps, cond, uncond, guidance, progress,
+                          family.combine_guidance)  # fmt: skip
     with torch.no_grad():
         latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, opts.shift), cond, uncond,
                                       guidance, progress, opts.guidance_method)  # fmt: skip

@@ -301,7 +301,7 @@ class ArchitectureModel:
     def training_objective(self):
         """What the model is trained on: flow matching (`tuner.diffusion.timesteps.FlowObjective`), or for
         `objective = "ddpm"` architectures the DDPM schedule with the configured prediction type and
-        weights (`tuner.diffusion.ddpm.DDPMObjective`)."""
+        weights (`tuner.diffusion.ddpm.DDPMObjective`), for `"edm"` ones EDM's (`tuner.diffusion.edm`)."""
         if self._objective is None:
             from tuner.diffusion.ddpm import objective_from_config
 

@@ -250,7 +250,8 @@ class Architecture:
     (latent frames at RoPE time indices, cached in time order, so the indices are in the latent cache key);
     empty: none."""
     objective: str = "flow"
-    """"flow" (flow matching, velocity at t) or "ddpm" (SD's discrete noise schedule; epsilon or v)."""
+    """"flow" (flow matching, velocity at t), "ddpm" (SD's discrete noise schedule; epsilon or v) or "edm"
+    (Karras' preconditioned denoiser and loss weight over flow time, `tuner.diffusion.edm`; Cosmos 1.0)."""
     cache_format_version: int = 1
     """Version of its cache entries' format (part of their cache key)."""
     text_encoder_training: str = ""

@@ -135,18 +135,27 @@ class DDPMObjective:
 
 
 def objective_from_config(kind: str, section: Any, architecture: str):
-    """The training objective of an architecture whose `objective` is `kind` ("flow" or "ddpm") from the
-    `[timesteps]` section; a `ConfigError` names options set for the other kind of model."""
+    """The training objective of an architecture whose `objective` is `kind` ("flow", "ddpm" or "edm") from
+    the `[timesteps]` section; a `ConfigError` names options set for another kind of model."""
+    from tuner.diffusion.edm import EDMObjective
     from tuner.diffusion.timesteps import FlowObjective
 
     ddpm_only = {"prediction": section.prediction != "auto", "zero_terminal_snr": section.zero_terminal_snr,
                  "min_snr_gamma": section.min_snr_gamma > 0, "debiased_estimation": section.debiased_estimation}  # fmt: skip
-    if kind == "flow":
+    if kind in ("flow", "edm"):
         if set_keys := [f"timesteps.{k}" for k, on in ddpm_only.items() if on]:
             raise ConfigError(
-                f"{', '.join(set_keys)}: options of DDPM models (sdxl); {architecture} is trained with flow "
-                "matching. Remove them."
+                f"{', '.join(set_keys)}: options of DDPM models (sdxl); {architecture} is trained with "
+                f"{'flow matching' if kind == 'flow' else 'the EDM objective'}. Remove them."
             )
+    if kind == "edm":  # EDM's own loss weight λ(σ) (`tuner.diffusion.edm`)
+        if section.loss_weighting != "none":
+            raise ConfigError(
+                f"timesteps.loss_weighting = {section.loss_weighting!r}: {architecture} is trained with the EDM "
+                "objective, whose loss weight is its own. Remove it."
+            )
+        return EDMObjective()
+    if kind == "flow":
         return FlowObjective(
             section.loss_weighting, section.logit_mean, section.logit_std, section.mode_scale
         )

@@ -11,11 +11,11 @@ normalized latents by `sigma_data` = 1.0, so they are exactly Wan's) with **T5-1
   `net.` / `model.diffusion_model.`; scaled-fp8 files are dequantized). 2B and 14B are told apart by
   shapes, and so is Video2World (`Cosmos-Predict2-*-Video2World`, ComfyUI's
   `cosmos_predict2_2B_video2world_480p_16fps.safetensors`: one more input channel, the condition mask),
-  which architecture `cosmos_predict2_v2w` trains; each architecture refuses the other's files, and Cosmos
-  1.0 and Predict2.5 files are named and refused. Video2World's 480p and 720p (and 10 / 16 fps) files
-  hold the same network with the same RoPE scale (NVIDIA's `config_video2world.py` sets one
-  `rope_*_extrapolation_ratio` per model size, whatever the resolution; diffusers' converter and
-  ComfyUI agree): 2B (1, 3, 3), 14B (20/24, 2, 2);
+  which architecture `cosmos_predict2_v2w` trains; each architecture refuses the other's files, Cosmos 1.0
+  files name `cosmos1_t2w` / `cosmos1_v2w` (`loaders_cosmos1`), and Predict2.5 files are refused.
+  Video2World's 480p and 720p (and 10 / 16 fps) files hold the same network with the same RoPE scale
+  (NVIDIA's `config_video2world.py` sets one `rope_*_extrapolation_ratio` per model size, whatever the
+  resolution; diffusers' converter and ComfyUI agree): 2B (1, 3, 3), 14B (20/24, 2, 2);
 * T5-11B: a diffusers folder (`text_encoder/`) or a single file in transformers' T5 layout.
 
 **The padding mask.** Every released config sets `concat_padding_mask=True`: the patch embedding takes
@@ -36,18 +36,14 @@ own step.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.cosmos_predict2.keys import (
-    RELEASE_PREFIX,
-    is_release_only,
-    transformer_key_to_original,
-    transformer_to_diffusers,
-)
+from tuner.archs.cosmos_predict2.keys import COSMOS_PREDICT2_LAYOUT, RELEASE_PREFIX, is_release_only
 from tuner.archs.flux import loaders as flux
 from tuner.errors import CheckpointError
 from tuner.models.component import diffusers_keys
@@ -64,6 +60,7 @@ from tuner.models.loading import (
     read_tensor_shapes,
     resolve_folder,
 )
+from tuner.networks.layouts import CheckpointLayout
 
 if TYPE_CHECKING:
     from diffusers import CosmosTransformer3DModel
@@ -94,22 +91,8 @@ TRANSFORMER_VARIANTS = variant_table(
     },
 )  # fmt: skip
 
-# Relatives a user may point to by mistake: (marker key without `net.`, what it is)
-_OTHER_COSMOS = (
-    ("blocks.block1.blocks.0.block.attn.to_q.0.weight", "a Cosmos 1.0 Diffusion transformer"),
-    ("crossattn_proj.0.weight", "a Cosmos-Predict2.5 transformer"),
-)
 # latent input channels of the released configs (`in_channels`): Video2World adds the condition mask
 _T2I_CHANNELS, _V2W_CHANNELS = 16, 17
-_ARCHITECTURE = {False: "cosmos_predict2", True: "cosmos_predict2_v2w"}
-_MODEL = {False: "Text2Image", True: "Video2World"}
-
-_ORIGINAL_MARKERS = ("x_embedder.proj.1.weight", "blocks.0.self_attn.q_proj.weight")
-_DIFFUSERS_MARKERS = ("patch_embed.proj.weight", "transformer_blocks.0.attn1.to_q.weight")
-
-
-_transformer_keys = diffusers_keys("CosmosTransformer3DModel", transformer_key_to_original)
-
 
 T5_VARIANTS = variant_table(
     CONFIGS / "text_encoder",
@@ -133,58 +116,107 @@ T5_SPEC = replace(
 # ---------------------------------------------------------------------------------------------------
 
 
-def release_keys(names) -> dict[str, str]:
-    """Map each network key of a release file (or ComfyUI's) to the stored key: `net.` and ComfyUI
-    prefixes stripped, buffers and counters that hold no weight left out."""
-    out = {}
-    for key, stored in _strip_prefixes(names).items():
-        if not is_release_only(key):
-            out[key] = stored
-    return out
+@dataclass(frozen=True)
+class Generation:
+    """What tells one Cosmos generation's transformer files apart and reads them: Predict2's (`PREDICT2`)
+    and Cosmos 1.0's (`loaders_cosmos1.COSMOS1`) share the class and the release's `net.` prefix, not the
+    names."""
+
+    what: str
+    """"Cosmos-Predict2 transformer", ..."""
+    variants: tuple[Variant, ...]
+    original_markers: tuple[str, ...]
+    """Keys (without `net.`) of a file in the release's names."""
+    diffusers_markers: tuple[str, ...]
+    """Keys of a file in diffusers' names."""
+    layout: CheckpointLayout
+    is_release_only: Callable[[str], bool]
+    """Release-file tensors that hold no network weight."""
+    relatives: tuple[tuple[str, str], ...]
+    """(marker key without `net.`, what such a file is and what to do): files a user may give by mistake."""
+    architectures: tuple[str, str]
+    """The architectures training its (text-to-image/world, Video2World) files."""
+    models: tuple[str, str]
+    """Their names in messages."""
+
+    def release_keys(self, names) -> dict[str, str]:
+        """Each network key of a release file (or ComfyUI's) -> the stored key: `net.` stripped, tensors
+        that hold no weight left out."""
+        return {k: s for k, s in strip_release_prefix(names).items() if not self.is_release_only(k)}
+
+    def identify(self, path: str | Path) -> Variant:
+        """The variant of a single transformer file, from its header; a relative's file is refused naming
+        what it is."""
+        stored = normalize_shapes(read_tensor_shapes(path))
+        shapes = {k: stored[s] for k, s in self.release_keys(stored).items()}
+        for marker, what in self.relatives:
+            if marker in shapes:
+                raise CheckpointError(f"{path}: this is {what}.")
+        if all(k in shapes for k in self.diffusers_markers):
+            shapes = {self._original_or_keep(k): v for k, v in shapes.items()}
+        elif not all(k in shapes for k in self.original_markers):
+            raise wrong_architecture(path, shapes, self.what, self.original_markers)
+        variant = pick_variant(shapes, self.variants, path, self.what)
+        expected = diffusers_keys("CosmosTransformer3DModel", self.layout.key_to_original)(variant)
+        check_keys(expected, shapes, path, f"{self.what} {variant.name}")
+        return variant
+
+    def _original_or_keep(self, key: str) -> str:
+        try:
+            return self.layout.key_to_original(key)
+        except KeyError:  # left as is, so that check_keys reports it as unexpected
+            return key
+
+    def check_model(self, path, in_channels: int, video2world: bool) -> None:
+        """Refuse a Video2World file (`in_channels` 17) for the other model, and the other way round."""
+        found = in_channels == _V2W_CHANNELS
+        if found != video2world:
+            raise CheckpointError(
+                f"{path}: this is a {self.what.replace('transformer', self.models[found])} transformer; "
+                f'train it with architecture = "{self.architectures[found]}" '
+                f'("{self.architectures[video2world]}" takes {self.models[video2world]} checkpoints).'
+            )
+
+    def load_file(self, path: str | Path, dtype: torch.dtype, video2world: bool) -> CosmosTransformer3DModel:
+        """The transformer of a single file in the release's names or diffusers'."""
+        variant = self.identify(path)
+        config = read_folder_config(variant.config_dir)
+        self.check_model(path, config["in_channels"], video2world)
+        stored = normalize_state_dict(load_tensors(path), dtype)
+        tensors = {k: stored[s] for k, s in self.release_keys(stored).items()}
+        if all(k in tensors for k in self.original_markers):
+            tensors = self.layout.to_diffusers(tensors)
+        return build_transformer(config, tensors, dtype, Path(path))
 
 
-def _strip_prefixes(names) -> dict[str, str]:
+def strip_release_prefix(names) -> dict[str, str]:
+    """Each key without NVIDIA's `net.` prefix (where the file uses it) -> the stored key."""
     normalized = {k: k for k in names}
     if any(k.startswith(RELEASE_PREFIX) for k in normalized):
         normalized = {k.removeprefix(RELEASE_PREFIX): k for k in normalized if k.startswith(RELEASE_PREFIX)}
     return normalized
 
 
-def identify_transformer(path: str | Path) -> Variant:
-    """The variant of a single transformer file, from its header; a file of another model is refused
-    naming what it is."""
-    stored = normalize_shapes(read_tensor_shapes(path))
-    shapes = {k: stored[s] for k, s in release_keys(stored).items()}
-    for marker, what in _OTHER_COSMOS:
-        if marker in shapes:
-            raise CheckpointError(f"{path}: this is {what}, which tuner does not train (yet).")
-    if all(k in shapes for k in _DIFFUSERS_MARKERS):
-        shapes = {_original_or_keep(k): v for k, v in shapes.items()}
-    elif not all(k in shapes for k in _ORIGINAL_MARKERS):
-        raise wrong_architecture(path, shapes, "Cosmos-Predict2 transformer", _ORIGINAL_MARKERS)
-    variant = pick_variant(shapes, TRANSFORMER_VARIANTS, path, "Cosmos-Predict2 transformer")
-    check_keys(_transformer_keys(variant), shapes, path, f"Cosmos-Predict2 transformer {variant.name}")
-    return variant
-
-
-def _original_or_keep(key: str) -> str:
-    try:
-        return transformer_key_to_original(key)
-    except KeyError:  # left as is, so that check_keys reports it as unexpected
-        return key
-
-
-def is_video2world(variant: Variant) -> bool:
-    return variant.name.endswith("-v2w")
-
-
-def _check_model(path, video2world: bool, wanted: bool) -> None:
-    if video2world != wanted:
-        raise CheckpointError(
-            f"{path}: this is a Cosmos-Predict2 {_MODEL[video2world]} transformer; train it with "
-            f'architecture = "{_ARCHITECTURE[video2world]}" ("{_ARCHITECTURE[wanted]}" takes '
-            f"{_MODEL[wanted]} checkpoints)."
-        )
+_COSMOS1 = (
+    'a Cosmos 1.0 Diffusion transformer; train it with architecture = "cosmos1_t2w" (Text2World) or '
+    '"cosmos1_v2w" (Video2World)'
+)
+PREDICT2 = Generation(
+    what="Cosmos-Predict2 transformer",
+    variants=TRANSFORMER_VARIANTS,
+    original_markers=("x_embedder.proj.1.weight", "blocks.0.self_attn.q_proj.weight"),
+    diffusers_markers=("patch_embed.proj.weight", "transformer_blocks.0.attn1.to_q.weight"),
+    layout=COSMOS_PREDICT2_LAYOUT,
+    is_release_only=is_release_only,
+    relatives=(
+        ("blocks.block1.blocks.0.block.attn.to_q.0.weight", _COSMOS1),
+        ("learnable_pos_embed.pos_emb_t", _COSMOS1),  # Cosmos 1.0 in diffusers' names
+        ("crossattn_proj.0.weight", "a Cosmos-Predict2.5 transformer, which tuner does not train (yet)"),
+    ),
+    architectures=("cosmos_predict2", "cosmos_predict2_v2w"),
+    models=("Text2Image", "Video2World"),
+)
+identify_transformer = PREDICT2.identify
 
 
 def load_transformer(
@@ -209,19 +241,22 @@ def load_transformer(
                 f"{folder}: not a Cosmos-Predict2 transformer (in_channels {config.get('in_channels')}; "
                 "Predict2.5 is not supported yet)."
             )
-        _check_model(folder, config["in_channels"] == _V2W_CHANNELS, video2world)
-        files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{folder}: no diffusion_pytorch_model*.safetensors in it.")
-        return build_transformer(config, load_tensors_of(files), dtype, folder)
-    variant = identify_transformer(path)
-    _check_model(path, is_video2world(variant), video2world)
-    stored = normalize_state_dict(load_tensors(path), dtype)
-    tensors = {k: stored[s] for k, s in release_keys(stored).items()}
-    if all(k in tensors for k in _ORIGINAL_MARKERS):
-        tensors = transformer_to_diffusers(tensors)
-    config = read_folder_config(variant.config_dir)
-    return build_transformer(config, tensors, dtype, Path(path))
+        if config.get("extra_pos_embed_type") == "learnable":
+            raise CheckpointError(
+                f'{folder}: a Cosmos 1.0 Diffusion transformer; train it with architecture = "cosmos1_t2w" '
+                '(Text2World) or "cosmos1_v2w" (Video2World).'
+            )
+        PREDICT2.check_model(folder, config["in_channels"], video2world)
+        return build_transformer(config, load_folder_tensors(folder), dtype, folder)
+    return PREDICT2.load_file(path, dtype, video2world)
+
+
+def load_folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a diffusers transformer folder's `diffusion_pytorch_model*.safetensors`."""
+    files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no diffusion_pytorch_model*.safetensors in it.")
+    return load_tensors_of(files)
 
 
 def build_transformer(

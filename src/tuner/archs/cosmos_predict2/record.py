@@ -1,4 +1,5 @@
-"""The cosmos_predict2 family's architecture record(s): what shared code knows about them (`tuner.archs.record`)."""
+"""The cosmos_predict2 family's architecture records (`tuner.archs.record`): Cosmos-Predict2 Text2Image and
+Video2World, and Cosmos 1.0 Diffusion Text2World, the same diffusers network under another config."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ COSMOS_PREDICT2 = Architecture(
 )
 
 
-RECORDS = (
+PREDICT2_RECORDS = (
     COSMOS_PREDICT2,
     # Cosmos-Predict2 Video2World: the same network and names with a condition-mask input channel
     replace(
@@ -94,6 +95,71 @@ RECORDS = (
         supports_video=True,
         supports_images=False,
         min_frames=5,
+        frame_images=1,
+    ),
+)
+
+# Cosmos 1.0 Diffusion: the same diffusers class with NVIDIA's first release's config and names, an EDM model
+COSMOS1_T2W = replace(
+    COSMOS_PREDICT2,
+    name="cosmos1_t2w",
+    sampling=SamplingDefaults(
+        steps=36,
+        guidance=7.0,
+        cfg_form="cond_plus",
+        shift=None,
+        negative_prompt=COSMOS_NEGATIVE_PROMPT,
+        source="diffusers CosmosTextToWorldPipeline / CosmosVideoToWorldPipeline defaults (36 steps, guidance 7 "
+        "as cond + g·(cond − uncond), the same DEFAULT_NEGATIVE_PROMPT as Predict2's; EDM: no shift)",
+    ),
+    variants=("7B-text2world", "14B-text2world"),
+    checkpoints=(
+        "Variants: `7B-text2world`, `14B-text2world` (told apart by shapes). `transformer`: NVIDIA's Cosmos-1.0-Diffusion "
+        "Text2World single file (`model.pt` as safetensors: `net.blocks.block0.blocks.0.block.attn.to_q.0.weight`, "
+        "...; its `logvar` and RoPE buffers are dropped), ComfyUI's `Cosmos-1_0-Diffusion-7B-Text2World.safetensors` "
+        "(mcmonkey/cosmos-1.0: the same names without `net.`), or the diffusers folder (`nvidia/Cosmos-1.0-Diffusion-7B-Text2World`); "
+        "Cosmos-Predict2 files are refused naming `cosmos_predict2`. `vae`: the Cosmos tokenizer CV8x8x8 from a "
+        "diffusers folder (the pipeline's `vae/`; ComfyUI's `cosmos_cv8x8x8_1.0.safetensors` is not read yet); `text_encoder`: T5-11B as `cosmos_predict2`. Videos of 8N+1 "
+        "frames (images as one frame); EDM objective (`tuner.diffusion.edm`)"
+    ),
+    title="Cosmos 1.0 Diffusion Text2World 7B, 14B (EDM)",
+    save_format_loads="ComfyUI; diffusers has no LoRA loader for the Cosmos 1.0 pipelines",
+    family="trainer_cosmos1:Cosmos1T2WModel",
+    layout="keys_cosmos1:COSMOS1_LAYOUT",
+    fixture="fixture_cosmos1:T2W_FIXTURE",
+    tokenizers=hub_tokenizers("nvidia/Cosmos-1.0-Diffusion-7B-Text2World", "tokenizer"),  # T5-11B
+    hub_repos=tuple((v, f"nvidia/Cosmos-1.0-Diffusion-{v}-Text2World") for v in ("7B", "14B")),
+    objective="edm",
+    model_fps=24.0,
+    frame_multiple=8,
+    frame_remainder=1,
+    supports_video=True,
+)
+
+RECORDS = (
+    *PREDICT2_RECORDS,
+    COSMOS1_T2W,
+    # Cosmos 1.0 Video2World: the same network with a condition-mask input channel
+    replace(
+        COSMOS1_T2W,
+        name="cosmos1_v2w",
+        variants=("7B-video2world", "14B-video2world"),
+        checkpoints=(
+            "Variants: `7B-video2world`, `14B-video2world` (`in_channels` 17: the condition mask). `transformer`: "
+            "NVIDIA's Cosmos-1.0-Diffusion Video2World single file, ComfyUI's "
+            "`Cosmos-1_0-Diffusion-7B-Video2World.safetensors` (the same names), or the diffusers "
+            "folder (`nvidia/Cosmos-1.0-Diffusion-7B-Video2World`); Text2World files are refused naming "
+            "`cosmos1_t2w`, Predict2 files naming `cosmos_predict2_v2w`. `vae`, `text_encoder` as `cosmos1_t2w`. "
+            "Video datasets only (8N+1 frames, ≥ 9); `tuner generate --image FIRST`"
+        ),
+        title="Cosmos 1.0 Diffusion Video2World 7B, 14B (EDM; video from its first frames)",
+        family="trainer_cosmos1:Cosmos1V2WModel",
+        fixture="fixture_cosmos1:V2W_FIXTURE",
+        tokenizers=hub_tokenizers("nvidia/Cosmos-1.0-Diffusion-7B-Video2World", "tokenizer"),
+        hub_repos=tuple((v, f"nvidia/Cosmos-1.0-Diffusion-{v}-Video2World") for v in ("7B", "14B")),
+        first_frame=1.0,  # without it: no given latent frame, a zero condition mask
+        supports_images=False,
+        min_frames=9,
         frame_images=1,
     ),
 )
