@@ -45,7 +45,7 @@ class NetworkTrainer:
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)  # the family's `ArchitectureModel`: cfg, record, layout
-        self.history: list[float] = []  # loss of each optimizer step, for tests and callers
+        self.history: list[float] = []  # each optimizer step's loss (mean over processes), for callers
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
         self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
 
@@ -109,7 +109,9 @@ class NetworkTrainer:
             return False
         run.strategy.reduce_gradients(run)
         grad_norm = run.strategy.grad_norm(run, tc.max_grad_norm)
-        step_loss = sum(run.recent[-(end - start) :]) / (end - start)
+        # the mean over the processes (each read its own share of the global batch): what one process with
+        # the whole batch computes, so every process logs it and agrees on skipping a non-finite step
+        step_loss = run.strategy.mean_loss(run, sum(run.recent[-(end - start) :]) / (end - start))
         if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
             if run.fused is None:  # fused: every parameter has stepped inside backward
                 run.optimizer_step()
@@ -167,7 +169,7 @@ class NetworkTrainer:
             lr = inner.mean_lr() * lr / inner.param_groups[0]["start_lr"]
         run.progress.update(1)
         # refresh=False: the bar redraws on its own clock (mininterval), not on every step
-        finite = [v for v in run.recent if math.isfinite(v)]  # skipped NaN steps must not poison the mean
+        finite = [v for v in self.history if math.isfinite(v)]  # skipped NaN steps must not poison the mean
         avg = sum(finite) / max(1, len(finite))
         run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{avg:.4f}", lr=f"{lr:.2e}", refresh=False)
         run.metrics.step(run.pos.step, run.pos.epoch, run.total_steps, step_loss, avg, lr, self.step_seconds)
