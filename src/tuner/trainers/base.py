@@ -11,6 +11,8 @@ bottom:
                → backward (accumulate) → clip → step
                then _log_step (+ logs/metrics.jsonl), _maybe_sample, _maybe_validate, _maybe_save, and a
                stop on SIGTERM / Ctrl-C (trainers/stop.py: all processes stop after the same step, saved)
+               with several processes, one that fails or dies stops the others within seconds, naming it
+               (distributed/failures.py)
     finish     the final adapter (and state)
 
 Everything random in a step (noise, timesteps, caption dropout, batch order) comes from generators
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from tuner.config import Config
+from tuner.distributed.failures import watching
 from tuner.errors import TrainingError
 from tuner.optimizers.build import averaged_weights
 from tuner.trainers import board
@@ -52,8 +55,14 @@ class NetworkTrainer:
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
         """Train and return the path of the final adapter file."""
-        with _gc_frozen_while_training(), StopRequest() as stop, contextlib.ExitStack() as cleanup:
+        with (
+            _gc_frozen_while_training(),
+            StopRequest() as stop,
+            watching() as watch,
+            contextlib.ExitStack() as cleanup,
+        ):
             run = setup(self, resume, log)
+            run.watch = watch  # another process failing or dying stops this one (distributed/failures.py)
             cleanup.callback(run.progress.close)  # a run ended by an error too: an open bar redraws at exit
             stop.arm()  # from here SIGTERM / Ctrl-C end the run after its current step (trainers/stop.py)
             while run.pos.step < run.total_steps:
