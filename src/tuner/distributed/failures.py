@@ -115,7 +115,7 @@ class PeerWatch:
     def start(cls) -> PeerWatch | None:
         """A running watch when this process is one of several started by a launcher, else None."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        if world == 1 or not {"RANK", "MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
             return None
         watch = cls(int(os.environ["RANK"]), world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         watch._thread.start()
@@ -137,7 +137,7 @@ class PeerWatch:
             with contextlib.suppress(Exception):
                 line = " ".join(f"{type(error).__name__}: {error}".split())[:500]
                 self._store.set(f"{self._keys}/failed/{self.rank}", line)
-                # give the peers a moment to read it: the store may close with this process (rank 0)
+                # until the peers have read it (or ended): the store may close with this process (rank 0)
                 peers = [f"{self._keys}/off/{r}" for r in range(self.world) if r != self.rank]
                 self._store.wait(peers, datetime.timedelta(seconds=GRACE))
         return error
@@ -169,6 +169,8 @@ class PeerWatch:
                            "when no launcher does) or the launcher died")  # fmt: skip
             if verdict:
                 self.verdict = f"{verdict}; process {self.rank} stops too"
+                with contextlib.suppress(Exception):  # seen: a failed peer waiting for that may end now
+                    self._store.set(f"{self._keys}/off/{self.rank}", "1")
                 if not self._closed.wait(GRACE):  # the main thread did not end by itself meanwhile
                     print(f"error: {self.verdict}", file=sys.stderr, flush=True)
                     os._exit(PEER_EXIT)
