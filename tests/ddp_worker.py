@@ -5,12 +5,14 @@ and (rank 0) the log lines.
     torchrun --nproc_per_node 2 tests/ddp_worker.py RUNS.json
 
 RUNS.json: [{"config": TRAIN.toml, "out": DIR, "overrides": ["train.max_steps=3", ...], "resume": null,
-"fake_device": false}]; with `fake_device`, block swap moves blocks through `FakeTransfer` (the CPU
-stand-in for a GPU that tests/test_blockswap.py uses).
+"fake_device": false, "full_disk": false}]; with `fake_device`, block swap moves blocks through
+`FakeTransfer` (the CPU stand-in for a GPU that tests/test_blockswap.py uses); with `full_disk`, the main
+process's disk is full when it writes a state's manifest.
 A run that fails writes `error<rank>.txt` (the exception's type and message) in its `out`, and the next
 one starts.
 """
 
+import errno
 import json
 import os
 import sys
@@ -23,7 +25,7 @@ from tuner import memory
 from tuner.config import load_config
 from tuner.distributed.ddp import DDPStrategy
 from tuner.offload import FakeTransfer
-from tuner.trainers import checkpoints, trainer_class
+from tuner.trainers import checkpoints, state, trainer_class
 
 original = checkpoints.Checkpoints.save
 
@@ -56,6 +58,13 @@ DDPStrategy.prepare = prepare_and_count
 # the process group outlives each run's `end_training` (which would destroy it): closed after the last
 PartialState.destroy_process_group = lambda self, group=None: None
 transfer_for = memory.transfer_for
+write_manifest = state.write_manifest
+
+
+def full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 rank = os.environ["RANK"]
 for run in json.loads(open(sys.argv[1]).read()):
     out = run["out"]
@@ -66,6 +75,7 @@ for run in json.loads(open(sys.argv[1]).read()):
     lines = []
     reductions.clear()
     memory.transfer_for = (lambda device: FakeTransfer()) if run.get("fake_device") else transfer_for
+    state.write_manifest = full_disk if run.get("full_disk") and rank == "0" else write_manifest
     try:
         trainer.train(resume=run.get("resume"), log=lines.append)
     except Exception as e:  # noqa: BLE001 (the test reads what failed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import free_port
+from launch import free_port, launch
 from project import cfg, make_cached_project, run, train_wan
 from tuner.errors import TrainingStopped
 from tuner.trainers import state, trainer_class
@@ -127,20 +128,40 @@ def test_the_metrics_file_keeps_whole_lines_up_to_the_resumed_step(tmp_path):
 
 @pytest.mark.slow
 def test_with_two_processes_a_signal_to_one_stops_both_after_the_same_step(project, tmp_path):
+    """Under torchrun: both `tuner train` processes stop after step 3 and exit with 75; torchrun itself
+    exits with 1 whenever a worker exits non-zero, and names the 75 in its report (docs/distributed.md)."""
     out = tmp_path / "out"
     out.mkdir()
     worker = Path(__file__).parent / "stop_worker.py"
     torchrun = Path(sys.executable).parent / "torchrun"
     command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(worker),
-               str(project), str(out)]  # fmt: skip
+               str(project), str(out), "TERM"]  # fmt: skip
     done = subprocess.run(command, env={**_env(), "ACCELERATE_USE_CPU": "true"}, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     outcomes = sorted((out / f"rank{r}.txt").read_text() for r in (0, 1) if (out / f"rank{r}.txt").is_file())
-    assert outcomes == ["0 stopped at 3", "1 stopped at 3"], done.stderr[-3000:]
+    assert outcomes == ["0 exit 75 after 3", "1 exit 75 after 3"], done.stderr[-3000:]
+    assert done.returncode == 1 and "exitcode  : 75" in done.stderr, done.stderr[-3000:]
     (folder,) = (out / "state").iterdir()
     assert folder.name == "step000003"
     state.verify(folder)
     assert {p.name for p in folder.glob("rng_*.json")} == {"rng_0.json", "rng_1.json"}
+
+
+@pytest.mark.slow
+def test_with_two_processes_a_killed_one_stops_the_other_within_seconds_naming_it(project, tmp_path):
+    """Rank 1 is SIGKILLed during step 3: rank 0 ends by itself (tests/launch.py would SIGKILL it 5 s after
+    rank 1 died) with exit 2 and one line naming rank 1 and how it ended, no traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = Path(__file__).parent / "stop_worker.py"
+    done = launch(
+        [str(worker), str(project), str(out), "KILL"], 2, {**_env(), "ACCELERATE_USE_CPU": "true"}, 300
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("error: ")]
+    assert re.fullmatch(r"error: process 1 \(pid \d+\) died without an error of its own \(killed by a signal: "
+                        r"SIGKILL, the out-of-memory killer\?\); process 0 stops too", line), line  # fmt: skip
 
 
 def test_the_metrics_file_holds_the_logged_steps_and_validation_losses(project, tmp_path):

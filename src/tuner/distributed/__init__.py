@@ -14,6 +14,7 @@ few named points and never branches on the strategy itself:
     loss(trainer, run, ...)   one batch's loss (pipeline: forward and backward through the stages)
     backward(run, loss)       backpropagate one batch's loss
     reduce_gradients(run)     after a group's last backward: gradients equal on every process
+    mean_loss(run, value)     a step's loss averaged over the processes that share the batches (logged)
     grad_norm(run, max_norm)  clip the gradients and return their norm (None: the engine owns it)
     whole_state(trained)      the context a save or a resume runs in (sharded or staged weights gathered)
     plan(...)                 one line: the strategy and the per-process memory it plans
@@ -89,6 +90,17 @@ class Strategy:
 
     def reduce_gradients(self, run) -> None:
         pass
+
+    def mean_loss(self, run, value: float) -> float:
+        """This process's step loss averaged over the processes that read shares of the global batch: the
+        loss one process with the whole batch has (a pipeline's stages all compute that one already). Every
+        process calls it once per optimizer step; the sum is taken in float64, as one process sums."""
+        shares = self.data_share(run.accelerator)[1]
+        if shares == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=run.accelerator.device)
+        torch.distributed.all_reduce(total)
+        return total.item() / shares
 
     def grad_norm(self, run, max_norm: float) -> float | None:
         """Clip the trained gradients to `max_norm` (if > 0) and return their total norm; None where an

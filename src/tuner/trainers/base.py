@@ -11,6 +11,8 @@ bottom:
                → backward (accumulate) → clip → step
                then _log_step (+ logs/metrics.jsonl), _maybe_sample, _maybe_validate, _maybe_save, and a
                stop on SIGTERM / Ctrl-C (trainers/stop.py: all processes stop after the same step, saved)
+               with several processes, one that fails or dies stops the others within seconds, naming it
+               (distributed/failures.py)
     finish     the final adapter (and state)
 
 Everything random in a step (noise, timesteps, caption dropout, batch order) comes from generators
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from tuner.config import Config
+from tuner.distributed.failures import watching
 from tuner.errors import TrainingError
 from tuner.optimizers.build import averaged_weights
 from tuner.trainers import board
@@ -45,15 +48,21 @@ class NetworkTrainer:
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)  # the family's `ArchitectureModel`: cfg, record, layout
-        self.history: list[float] = []  # loss of each optimizer step, for tests and callers
+        self.history: list[float] = []  # each optimizer step's loss (mean over processes), for callers
         self.step_seconds: list[float] = []  # wall time of each optimizer step (data wait included)
         self.val_history: list[tuple[int, float]] = []  # (step, validation loss)
 
     # --- the loop --------------------------------------------------------------------------------
     def train(self, resume: str | None = None, log: Callable[[str], None] = print) -> Path:
         """Train and return the path of the final adapter file."""
-        with _gc_frozen_while_training(), StopRequest() as stop, contextlib.ExitStack() as cleanup:
+        with (
+            _gc_frozen_while_training(),
+            StopRequest() as stop,
+            watching() as watch,
+            contextlib.ExitStack() as cleanup,
+        ):
             run = setup(self, resume, log)
+            run.watch = watch  # another process failing or dying stops this one (distributed/failures.py)
             cleanup.callback(run.progress.close)  # a run ended by an error too: an open bar redraws at exit
             stop.arm()  # from here SIGTERM / Ctrl-C end the run after its current step (trainers/stop.py)
             while run.pos.step < run.total_steps:
@@ -109,7 +118,9 @@ class NetworkTrainer:
             return False
         run.strategy.reduce_gradients(run)
         grad_norm = run.strategy.grad_norm(run, tc.max_grad_norm)
-        step_loss = sum(run.recent[-(end - start) :]) / (end - start)
+        # the mean over the processes (each read its own share of the global batch): what one process with
+        # the whole batch computes, so every process logs it and agrees on skipping a non-finite step
+        step_loss = run.strategy.mean_loss(run, sum(run.recent[-(end - start) :]) / (end - start))
         if math.isfinite(step_loss) and (grad_norm is None or math.isfinite(grad_norm)):
             if run.fused is None:  # fused: every parameter has stepped inside backward
                 run.optimizer_step()
@@ -167,7 +178,7 @@ class NetworkTrainer:
             lr = inner.mean_lr() * lr / inner.param_groups[0]["start_lr"]
         run.progress.update(1)
         # refresh=False: the bar redraws on its own clock (mininterval), not on every step
-        finite = [v for v in run.recent if math.isfinite(v)]  # skipped NaN steps must not poison the mean
+        finite = [v for v in self.history if math.isfinite(v)]  # skipped NaN steps must not poison the mean
         avg = sum(finite) / max(1, len(finite))
         run.progress.set_postfix(loss=f"{step_loss:.4f}", avg=f"{avg:.4f}", lr=f"{lr:.2e}", refresh=False)
         run.metrics.step(run.pos.step, run.pos.epoch, run.total_steps, step_loss, avg, lr, self.step_seconds)

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from tuner.distributed.accounting import tree_bytes
+from tuner.distributed.failures import together
 from tuner.errors import CheckpointError
 from tuner.io import probe_writable, write_text
 from tuner.optimizers.build import averaged_weights
@@ -107,7 +108,8 @@ class Checkpoints:
         try:
             if self.cfg.save_state:  # the final state too, so a finished run can be extended later
                 self._save_state(network, pos)
-            with self.strategy.full_weights(network):  # sharded weights: whole on the main process
+            # an export that fails on the main process stops the others too (none waits at a barrier)
+            with together(acc, f"saving the step {pos.step} adapter"), self.strategy.full_weights(network):
                 if acc.is_main_process:
                     meta = {**metadata, "tuner.steps": str(pos.step), "tuner.epoch": str(pos.epoch)}
                     save = dict(dtype=_SAVE_DTYPES[self.cfg.precision], metadata=meta, format=self.cfg.format)
@@ -119,7 +121,6 @@ class Checkpoints:
                     self._keep_last()
         except OSError as e:
             raise self._write_error(e, network, pos) from None
-        acc.wait_for_everyone()
         # two-expert networks write one file per expert beside `adapter`; the first is returned
         self.written = network.files(adapter) if hasattr(network, "files") else [adapter]
         return self.written[0]
@@ -129,38 +130,48 @@ class Checkpoints:
         root = self.out / STATE_DIR
         final = root / f"step{pos.step:06d}"
         tmp = root / f".tmp-step{pos.step:06d}"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
+        what = f"saving the state of step {pos.step}"
+        # each barrier of a save is `together`: a write that fails on one process (the main one writes
+        # nearly everything: a full disk) raises on every process, none is left waiting for it
+        with together(acc, what):
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
         try:
-            rank = acc.process_index
             names = [f"rng_{r}.{ext}" for r in range(acc.num_processes) for ext in ("json", "safetensors")]
-            state.save_tree(state.rng_state(), tmp, f"rng_{rank}")
+            # the gathers (collectives) first, before any process can fail on a write
             trees = {part_name: self.strategy.full_state_dict(part) for part_name, part in self.parts.items()}
-            if acc.is_main_process:
-                for part_name, tree in trees.items():
-                    names += state.save_tree(tree, tmp, part_name)
-                if acc.scaler is not None:
-                    names += state.save_tree(acc.scaler.state_dict(), tmp, "scaler")
-                for file, data in (
-                    (IDENTITY, self.identity),
-                    (SCHEDULE, self.schedule),
-                    (POSITION, asdict(pos)),
-                    (PROCESSES, self._processes()),
-                    (SETTINGS, self._settings(pos.epoch)),
-                ):
-                    write_text(tmp / file, json.dumps(data, sort_keys=True, indent=1))
-                    names.append(file)
-            acc.wait_for_everyone()
-            if acc.is_main_process:
-                state.write_manifest(tmp, names)  # last: marks the folder complete
-                shutil.rmtree(final, ignore_errors=True)
-                os.replace(tmp, final)
+            with together(acc, what):
+                state.save_tree(state.rng_state(), tmp, f"rng_{acc.process_index}")
+                if acc.is_main_process:
+                    names += self._write_main_files(tmp, trees, pos)
+            with together(acc, what):
+                if acc.is_main_process:
+                    state.write_manifest(tmp, names)  # last: marks the folder complete
+                    shutil.rmtree(final, ignore_errors=True)
+                    os.replace(tmp, final)
         except BaseException:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)  # free the space; the previous states are untouched
             raise
+
+    def _write_main_files(self, tmp: Path, trees: dict, pos) -> list[str]:
+        """The main process's files of a state (the parts, the scaler, the JSON files); their names."""
+        names = []
+        for part_name, tree in trees.items():
+            names += state.save_tree(tree, tmp, part_name)
+        if self.accelerator.scaler is not None:
+            names += state.save_tree(self.accelerator.scaler.state_dict(), tmp, "scaler")
+        for file, data in (
+            (IDENTITY, self.identity),
+            (SCHEDULE, self.schedule),
+            (POSITION, asdict(pos)),
+            (PROCESSES, self._processes()),
+            (SETTINGS, self._settings(pos.epoch)),
+        ):
+            write_text(tmp / file, json.dumps(data, sort_keys=True, indent=1))
+            names.append(file)
+        return names
 
     def _write_error(self, e: OSError, network, pos) -> CheckpointError:
         """A save that failed for want of space or permission, said in one line with what is intact."""

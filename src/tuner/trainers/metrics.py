@@ -7,7 +7,8 @@
     {"step": 20, "prompt": "a red circle", "path": "samples/lora-step000020-00.png", "time": ...}
                                                                                 each sample drawn
 
-`epoch` counts from 1, as the log does; `avg_loss` is the mean loss of the batches this process has run
+`epoch` counts from 1, as the log does; `loss` is the step's loss averaged over every process (what one
+process with the whole global batch computes); `avg_loss` is the mean of this run's step losses so far
 (the progress bar's `avg`); `eta_seconds` is the remaining steps times the mean of the last 20 step
 times; a sample's `path` is relative to the output folder. Each line is appended and flushed on its own,
 so a reader sees whole lines only (a line still being written has no newline yet). A resumed run first

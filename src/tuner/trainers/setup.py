@@ -71,6 +71,7 @@ class Run:
     fused: Any = None  # `tuner.optimizers.fused_backward.FusedBackward` with train.fused_backward
     strategy: Any = None  # `tuner.distributed.Strategy`: how processes share the work
     metrics: Any = None  # `tuner.trainers.metrics.MetricsFile`: logs/metrics.jsonl
+    watch: Any = None  # `tuner.distributed.failures.PeerWatch` over the other processes, if any
     # `trained`'s parameters in its order, listed once: walking the modules costs ~0.5 ms a step
     trained_params: list = field(default_factory=list)
     optimizer_step: Any = None  # `_optimizer_step`: what steps the optimizer
@@ -332,6 +333,8 @@ def end_run(run: Run) -> None:
     """Close the trackers and the process group, all processes together: a process that tears its gloo
     connections down while another still reads them makes that one abort ("terminate called without an
     active exception") after the run's work is done."""
+    if run.watch is not None:  # before the barrier: past it, the other processes end when they like
+        run.watch.close()
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()
 
