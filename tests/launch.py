@@ -29,9 +29,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], processes: int = 2, env: dict | None = None, timeout: float = 600
-           ) -> subprocess.CompletedProcess:  # fmt: skip
-    """Run `python -u *argv` as `processes` ranks; wait for all of them (`timeout` seconds in all).
+def launch(argv: list[str], processes: int = 2, env: dict | None = None, timeout: float = 600,
+           grace: float = GRACE) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run `python -u *argv` as `processes` ranks; wait for all of them (`timeout` seconds in all; once
+    one has failed, `grace` seconds for the others).
     Return one CompletedProcess: the lowest failing rank's exit status (0 when all succeed) and every
     rank's stdout and stderr, joined in rank order."""
     base = {**(os.environ if env is None else env)}
@@ -48,7 +49,7 @@ def launch(argv: list[str], processes: int = 2, env: dict | None = None, timeout
                         "ROLE_WORLD_SIZE": world, "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": port}  # fmt: skip
             ranks.append(subprocess.Popen(command, env=rank_env, stdout=out, stderr=err))
-        status = _wait(ranks, time.monotonic() + timeout)
+        status = _wait(ranks, time.monotonic() + timeout, grace)
     finally:
         for process in ranks:
             if process.poll() is None:
@@ -63,7 +64,7 @@ def launch(argv: list[str], processes: int = 2, env: dict | None = None, timeout
     return subprocess.CompletedProcess(command, status, "".join(stdout), "".join(stderr))
 
 
-def _wait(ranks: list[subprocess.Popen], deadline: float) -> int:
+def _wait(ranks: list[subprocess.Popen], deadline: float, grace: float) -> int:
     """The first non-zero exit status, or 0 once every rank has exited with 0. Raises TimeoutError at
     `deadline` (the caller kills what still runs)."""
     failed_at = None
@@ -72,7 +73,7 @@ def _wait(ranks: list[subprocess.Popen], deadline: float) -> int:
         failures = [c for c in codes if c not in (None, 0)]
         if failures and failed_at is None:
             failed_at = time.monotonic()
-        if None not in codes or (failures and time.monotonic() > failed_at + GRACE):
+        if None not in codes or (failures and time.monotonic() > failed_at + grace):
             return failures[0] if failures else 0
         if time.monotonic() > deadline:
             raise TimeoutError(f"ranks still running after the launch's timeout: {ranks[0].args}")
