@@ -82,6 +82,24 @@ def output(model):
         return model(**wan_inputs())[0]
 
 
+_BASE_MODELS: dict[tuple[str, str], object] = {}
+
+
+def base_transformer(trainer):
+    """A copy of the transformer `trainer.load_transformer(torch.float32)` gives, in eval mode and frozen:
+    loaded once per process and architecture's `[model]` section (all that loading reads), then deep-copied
+    (the copy holds the same bits, in memory of its own, as block swap and fp8 copy it). For the
+    contract suite's fixtures, which no test writes; a test of loading itself loads."""
+    import copy
+
+    import torch
+
+    key = (trainer.architecture, repr(trainer.cfg.model))
+    if key not in _BASE_MODELS:
+        _BASE_MODELS[key] = trainer.load_transformer(torch.float32).eval().requires_grad_(False)
+    return copy.deepcopy(_BASE_MODELS[key])
+
+
 def contract_inputs(trainer, seed: int = 0):
     """(noisy latents, t, cond) for `trainer.predict`: the first cached training batch of the project
     the trainer's config describes, noised halfway with fixed noise."""

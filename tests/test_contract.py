@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from project import cfg
+from project import base_transformer, cfg
 from tuner.cache.plan import open_training_data
 from tuner.config.schema import MemorySettings
 from tuner.memory import apply_memory_settings
@@ -88,8 +88,7 @@ def test_golden_losses_are_pinned_for_every_architecture():
 def _setup(case):
     arch, config, _ = case
     trainer = trainer_class(arch)(cfg(config))
-    model = trainer.load_transformer(torch.float32).eval()
-    model.requires_grad_(False)
+    model = base_transformer(trainer)
     batch = next(iter(open_training_data(trainer, trainer.cfg, log=lambda s: None).epoch(0)))
     cond = {**trainer.collate_text(batch["text"]), **batch["extra"]}
     x0 = batch["latents"]
@@ -135,7 +134,7 @@ def test_save_load_round_trip(case, tmp_path):
     with torch.no_grad():
         expected = trainer.predict(model, noisy, t, cond)
     network.remove()
-    fresh = trainer.load_transformer(torch.float32).eval()
+    fresh = base_transformer(trainer)
     apply_adapter_file(fresh, path, 1.0, name_map=trainer.layout)
     with torch.no_grad():
         got = trainer.predict(fresh, noisy, t, cond)
@@ -204,13 +203,13 @@ def test_block_swap_and_fp8_keep_the_output(case):
             p.data = p.data.clone()
         want = trainer.predict(model, noisy, t, cond)
     lists = trainer.record.block_lists
-    swapped = trainer.load_transformer(torch.float32).eval().requires_grad_(False)
+    swapped = base_transformer(trainer)
     handle = apply_memory_settings(swapped, MemorySettings(blocks_to_swap=1), "cpu", block_lists=lists,
                                    transfer=FakeTransfer())  # fmt: skip
     assert handle.block_swap is not None
     with torch.no_grad():
         assert torch.equal(trainer.predict(swapped, noisy, t, cond), want)
-    quantized = trainer.load_transformer(torch.float32).eval().requires_grad_(False)
+    quantized = base_transformer(trainer)
     handle = apply_memory_settings(quantized, MemorySettings(fp8_base=True), "cpu", block_lists=lists)
     assert handle.fp8_layers
     with torch.no_grad():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from project import cfg, contract_inputs, killed_at_first_save, run
+from project import base_transformer, cfg, contract_inputs, killed_at_first_save, run
 from tuner.demo import data_kinds, demo_size, frame_image_args
 from tuner.errors import ConfigError
 from tuner.networks.factory import apply_adapter_file
@@ -36,8 +36,10 @@ def _output(trainer, model, inputs) -> torch.Tensor:
 
 
 def _fresh(trainer, transformer: Path | None = None):
-    if transformer is not None:
-        trainer = type(trainer)(cfg(trainer.cfg.path, f"model.transformer='{transformer}'"))
+    """The fixture's transformer (a copy of the one loaded once), or the one in `transformer`, loaded."""
+    if transformer is None:
+        return base_transformer(trainer)
+    trainer = type(trainer)(cfg(trainer.cfg.path, f"model.transformer='{transformer}'"))
     return trainer.load_transformer(torch.float32).eval().requires_grad_(False)
 
 

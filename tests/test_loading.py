@@ -42,3 +42,17 @@ def test_one_component_of_a_bundling_file_is_read_alone(tmp_path, suffix):
     loaded = load_component_tensors(path, ("text.clip.",))
     assert loaded.keys() == {"embed.weight"} and torch.equal(loaded["embed.weight"], torch.arange(3.0))
     assert load_component_tensors(path, ()).keys() == bundled.keys()
+
+
+def test_meta_keys_are_built_once_per_class_and_config(monkeypatch):
+    """A single file's expected keys come from a model built on the meta device: once per (class, config
+    folder) in a process, and each caller gets its own list."""
+    from tuner.archs.wan.loaders import VAE_VARIANTS
+    from tuner.models.component import diffusers_class
+    from tuner.models.identify import diffusers_meta_keys
+
+    cls, folder = diffusers_class("AutoencoderKLWan"), VAE_VARIANTS[-1].config_dir
+    first = diffusers_meta_keys(cls, folder)
+    monkeypatch.setattr(cls, "from_config", lambda *a, **k: pytest.fail("built a second time"))
+    first.append("changed by the caller")
+    assert diffusers_meta_keys(cls, folder) == first[:-1]

@@ -3,7 +3,9 @@
     fixture (both checkpoint layouts) → dataset (images + videos with captions) → configs
     → tuner cache latents → tuner cache text → tuner train → tuner generate (with the LoRA)
 
-Every step runs through the real CLI entry point, exactly as a user would type it.
+Every step after the fixture runs through the real CLI entry point, exactly as a user would type it.
+`--model DIR` takes a fixture written before (by an earlier demo, or `tuner.fixtures.write_fixture`)
+instead of writing one.
 """
 
 from __future__ import annotations
@@ -121,9 +123,12 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
     return config
 
 
-def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path]:
+def run(out: Path, steps: int = 50, architecture: str = "wan", model: Path | None = None) -> dict[str, Path]:
+    if model is not None and not Path(model).is_dir():
+        raise SystemExit(f"--model {model}: no such folder; give the folder a fixture was written to, or leave "
+                         "--model out to write one.")  # fmt: skip
     out = out.resolve()
-    config = prepare(out, steps, architecture=architecture)
+    config = prepare(out, steps, model, architecture)
     video, controls = data_kinds(architecture)
     c = str(config)
     for argv in (
@@ -142,7 +147,7 @@ def run(out: Path, steps: int = 50, architecture: str = "wan") -> dict[str, Path
         if tuner(argv) != 0:
             raise SystemExit(f"demo step failed: tuner {' '.join(argv)}")
     paths = {
-        "model": out / "model",
+        "model": Path(model).resolve() if model is not None else out / "model",
         "dataset": out / "data",
         "config": config,
         "cache": out / "cache",
@@ -161,8 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="demo_out")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--architecture", default="wan", choices=list(ARCHITECTURES))
+    parser.add_argument(
+        "--model", type=Path, help="the architecture's fixture written before; default: write one"
+    )
     args = parser.parse_args(argv)
-    run(Path(args.out), args.steps, args.architecture)
+    run(Path(args.out), args.steps, args.architecture, args.model)
     return 0
 
 

@@ -14,6 +14,7 @@ low-noise one (`model.transformer_2`), as ComfyUI loads them separately.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 from collections.abc import Callable
@@ -93,6 +94,16 @@ def sampling_summary(family, opts: GenerateOptions) -> str:
     used = replace(defaults, steps=opts.steps, guidance=opts.guidance_scale, shift=opts.shift,
                    embedded_guidance=opts.embedded_guidance, negative_prompt=opts.negative_prompt)  # fmt: skip
     return f"{family.architecture} sampling: {used.summary()} (defaults: {defaults.source})"
+@contextlib.contextmanager
+def _collect_only_this_runs_objects():
+    """What is alive before a generation (torch, diffusers, a caller's objects) is out of the collector's
+    reach while it runs, so each `_release_memory` walks the models it dropped, not the whole heap again
+    (0.2 s a collection in a fresh process, about 1 s in a test process); given back at the end."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def check_options(family, opts: GenerateOptions) -> None:
@@ -283,6 +294,7 @@ def decode_and_write(family, cfg, latents, out: str | Path, device) -> Path:
     return write_media(pixels, out, family.record.model_fps, audio)
 
 
+@_collect_only_this_runs_objects()
 def generate(cfg, opts: GenerateOptions, log: Callable[[str], None] = print) -> Path:
     family = registry.architecture(cfg.model.architecture).family_model(cfg)
     check_options(family, opts)
