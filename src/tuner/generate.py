@@ -14,7 +14,6 @@ low-noise one (`model.transformer_2`), as ComfyUI loads them separately.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 from collections.abc import Callable
@@ -94,7 +93,9 @@ def sampling_summary(family, opts: GenerateOptions) -> str:
     used = replace(defaults, steps=opts.steps, guidance=opts.guidance_scale, shift=opts.shift,
                    embedded_guidance=opts.embedded_guidance, negative_prompt=opts.negative_prompt)  # fmt: skip
     return f"{family.architecture} sampling: {used.summary()} (defaults: {defaults.source})"
-@contextlib.contextmanager
+
+
+@contextmanager
 def _collect_only_this_runs_objects():
     """What is alive before a generation (torch, diffusers, a caller's objects) is out of the collector's
     reach while it runs, so each `_release_memory` walks the models it dropped, not the whole heap again
