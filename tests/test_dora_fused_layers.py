@@ -12,7 +12,9 @@ in comfy files, `lora_transformer_<name with "_">` in kohya files. ComfyUI 0.8's
 - `Lumina2` (Lumina 2 and Z-Image): `transformer.` / `diffusion_model.` names from `z_image_to_diffusers`,
   which spells Z-Image's `attention.to_q` in equal thirds (not Lumina 2's `attn.to_q`, whose k and v are
   smaller), and no `lora_transformer_`;
-- `HunyuanVideo` (FramePack, HunyuanVideo 1.5): Tencent's names only, no diffusers name.
+- `HunyuanVideo` (FramePack, FramePack-F1, HunyuanVideo 1.5) and HunyuanImage 2.1: Tencent's names only, no
+  diffusers name;
+- Ideogram 4: the release's names only (its map taken as the generic rule).
 """
 
 import pytest
@@ -38,6 +40,9 @@ COMFY_PART_PREFIXES = {
     "framepack_1f": (),
     "hunyuan_video15": (),
     "hunyuan_video15_i2v": (),
+    "framepack_f1": (),
+    "hunyuan_image": (),  # its own model class (not HunyuanVideo's); the same Tencent-only key map
+    "ideogram4": (),  # the generic `diffusion_model.` rule assumed (ComfyUI's Ideogram 4 map not confirmed)
 }
 FUSED = [name for name, record in ARCHITECTURES.items() if record.key_table().fused]
 

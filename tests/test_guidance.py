@@ -12,7 +12,7 @@ from tuner.registry import architecture
 @pytest.mark.parametrize(
     "settings",
     [
-        architecture("hunyuan_image").projected_guidance(),
+        ProjectedGuidance(**dict(architecture("hunyuan_image").sample_guidance)),
         ProjectedGuidance(scale=6.0, momentum=0.0, norm_threshold=0.0, eta=0.5, start_step=1),
     ],
     ids=["hunyuan_image", "plain"],

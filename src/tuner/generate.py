@@ -129,7 +129,7 @@ def check_options(family, opts: GenerateOptions) -> None:
         raise ConfigError(
             f"--sampler {opts.sampler}: {arch} is sampled with Euler steps (the DDPM models take other samplers)."
         )
-    if opts.guidance_method == "apg" and family.record.projected_guidance() is None:
+    if opts.guidance_method == "apg" and not family.record.sample_guidance:
         raise ConfigError(
             f"--guidance-method apg: {arch}'s release samples with CFG and names no APG settings; use cfg."
         )

@@ -160,12 +160,13 @@ class ArchitectureModel:
         a record's `flow_schedule` replaces `sigmas` by its own levels, as many steps. `guidance_method`
         "auto" guides as the release does (the record's `sample_guidance` APG, else CFG), "cfg" with
         classifier-free guidance."""
-        from tuner.diffusion.guidance import AdaptiveProjectedGuidance
+        from tuner.diffusion.guidance import AdaptiveProjectedGuidance, ProjectedGuidance
         from tuner.diffusion.sampling import euler_sample
 
         if (schedule := self.record.flow_schedule_function()) is not None:
             sigmas = schedule(len(sigmas) - 1, noise).to(sigmas.device)
-        apg = self.record.projected_guidance() if guidance_method != "cfg" else None
+        settings = self.record.sample_guidance if guidance_method != "cfg" else ()
+        apg = ProjectedGuidance(**dict(settings)) if settings else None
 
         def denoise(noise: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
             combine = self.combine_guidance if apg is None else AdaptiveProjectedGuidance(apg)

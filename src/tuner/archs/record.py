@@ -305,14 +305,6 @@ class Architecture:
         """The `flow_schedule` function, or None for the shifted linear schedule."""
         return self._code(self.flow_schedule) if self.flow_schedule else None
 
-    def projected_guidance(self) -> Any:
-        """Its `sample_guidance` as a `tuner.diffusion.guidance.ProjectedGuidance`, or None for CFG."""
-        if not self.sample_guidance:
-            return None
-        from tuner.diffusion.guidance import ProjectedGuidance
-
-        return ProjectedGuidance(**dict(self.sample_guidance))
-
     def sound_stream_class(self) -> Any:
         """The `sound_stream` class (`tuner.archs.parts.audio.SoundStream`), or None without sound."""
         return self._code(self.sound_stream) if self.sound_stream else None

@@ -58,6 +58,13 @@ IDEOGRAM4 = Architecture(
     # diffusers' own; kohya's `lora_unet_` names it does not know
     diffusers_reads={**CONVERTS_FOLDED, "comfy": "loads"},
     musubi_trains=True,
+    # ComfyUI's key map for Ideogram 4 is taken as its generic rule (the release's names under
+    # `diffusion_model.`): nothing maps a diffusers name onto a row slice of the fused qkv
+    dora_refused=(
+        "Ideogram 4 keeps q, k and v in one linear (layers.N.attention.qkv) and ComfyUI maps adapter names "
+        "onto it in the release's spelling only; a column-wise DoRA of q, k or v alone has no fused form and "
+        "would be written under its diffusers name, which ComfyUI would not load"
+    ),
     timestep_mode="ideogram4_shift",
     flow_schedule="trainer:logit_normal_sigmas",
     latent_patch=(1, 1),
