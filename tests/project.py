@@ -172,3 +172,13 @@ def check_comfy_stems_and_diffusers_load(pipe, network, predict, release: set, l
     finally:
         pipe.unload_lora_weights()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def assert_equal_weights(a, b) -> None:
+    """The two models hold the same tensors under the same names, bit for bit."""
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key

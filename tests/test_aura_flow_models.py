@@ -11,7 +11,7 @@ import torch
 from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel
 from safetensors.torch import load_file
 
-from project import check_comfy_stems_and_diffusers_load
+from project import assert_equal_weights, check_comfy_stems_and_diffusers_load
 from tuner.archs.aura_flow import loaders as aura_flow
 from tuner.archs.aura_flow.fixture import build_aura_flow_components, write_aura_flow_fixture
 from tuner.archs.aura_flow.trainer import AuraFlowModel
@@ -44,13 +44,6 @@ def pipe(parts):
     return AuraFlowPipeline(**parts)
 
 
-def _equal_models(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
-
-
 def _trainer(text_length: int = 24) -> AuraFlowModel:
     """The family's model for a config naming only the cache's text length."""
     trainer = AuraFlowModel.__new__(AuraFlowModel)
@@ -72,16 +65,18 @@ def _encoder(parts) -> aura_flow.TextEncoder:
 
 def test_layouts_load_bit_identical_to_diffusers_single_file_loader(fixture):
     folder = aura_flow.load_transformer(fixture["diffusers"], torch.float32)
-    _equal_models(aura_flow.load_transformer(fixture["transformer_file"], torch.float32), folder)
+    assert_equal_weights(aura_flow.load_transformer(fixture["transformer_file"], torch.float32), folder)
     theirs = AuraFlowTransformer2DModel.from_single_file(
         str(fixture["transformer_file"]), config=TINY_CONFIG, torch_dtype=torch.float32, local_files_only=True
     )
-    _equal_models(theirs, folder)
-    _equal_models(
+    assert_equal_weights(theirs, folder)
+    assert_equal_weights(
         sdxl.load_vae(fixture["vae_file"], torch.float32), sdxl.load_vae(fixture["diffusers"], torch.float32)
     )
     single = aura_flow.load_text_encoder(fixture["text_encoder_file"], fixture["tokenizer"], torch.float32)
-    _equal_models(single.model, aura_flow.load_text_encoder(fixture["diffusers"], None, torch.float32).model)
+    assert_equal_weights(
+        single.model, aura_flow.load_text_encoder(fixture["diffusers"], None, torch.float32).model
+    )
 
 
 def test_release_keys_are_the_release_layout(fixture):
@@ -119,7 +114,7 @@ def test_bundled_fp8_and_diffusers_named_files_load(fixture, tmp_path):
     )
     as_diffusers = tmp_path / "aura_flow_diffusers.safetensors"
     save_safetensors(want.state_dict(), as_diffusers)
-    _equal_models(aura_flow.load_transformer(as_diffusers, torch.float32), want)
+    assert_equal_weights(aura_flow.load_transformer(as_diffusers, torch.float32), want)
 
 
 def test_real_variants_are_told_apart_by_the_position_table(monkeypatch):
@@ -266,6 +261,6 @@ def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_
     theirs = AuraFlowTransformer2DModel.from_single_file(
         str(saved), config=TINY_CONFIG, torch_dtype=torch.float32, local_files_only=True
     )
-    _equal_models(ours, theirs)
+    assert_equal_weights(ours, theirs)
     before = aura_flow.load_transformer(fixture["diffusers"], torch.float32)
     assert not torch.equal(ours.context_embedder.weight, before.context_embedder.weight)

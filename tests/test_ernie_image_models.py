@@ -11,7 +11,7 @@ import torch
 from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel
 from safetensors.torch import load_file
 
-from project import check_comfy_stems_and_diffusers_load
+from project import assert_equal_weights, check_comfy_stems_and_diffusers_load
 from tuner.archs.ernie_image import loaders as ernie
 from tuner.archs.ernie_image import text as ernie_text
 from tuner.archs.ernie_image.fixture import build_ernie_image_components, write_ernie_image_fixture
@@ -44,13 +44,6 @@ def pipe(parts):
     return ErnieImagePipeline(**parts)
 
 
-def _equal_models(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
-
-
 def _trainer(text_length: int = 512) -> ErnieImageModel:
     """The family's model for a config naming only the cache's text length."""
     trainer = ErnieImageModel.__new__(ErnieImageModel)
@@ -75,13 +68,13 @@ def _encoder(parts) -> flux2_text.TextEncoder:
 
 def test_layouts_load_bit_identical_to_diffusers_single_file_loader(fixture):
     folder = ernie.load_transformer(fixture["diffusers"], torch.float32)
-    _equal_models(ernie.load_transformer(fixture["transformer_file"], torch.float32), folder)
+    assert_equal_weights(ernie.load_transformer(fixture["transformer_file"], torch.float32), folder)
     theirs = ErnieImageTransformer2DModel.from_single_file(
         str(fixture["transformer_file"]), config=str(ernie.TRANSFORMER_VARIANTS[1].config_dir),
         torch_dtype=torch.float32, local_files_only=True,
     )  # fmt: skip
-    _equal_models(theirs, folder)
-    _equal_models(
+    assert_equal_weights(theirs, folder)
+    assert_equal_weights(
         flux2.load_vae(fixture["vae_file"], torch.float32),
         flux2.load_vae(fixture["diffusers"], torch.float32),
     )
@@ -90,7 +83,7 @@ def test_layouts_load_bit_identical_to_diffusers_single_file_loader(fixture):
         fixture["text_encoder_file"], fixture["tokenizer"], torch.float32, kind
     )
     folder_encoder = flux2_text.load_text_encoder(fixture["diffusers"], None, torch.float32, kind)
-    _equal_models(single.model, folder_encoder.model)
+    assert_equal_weights(single.model, folder_encoder.model)
     assert single.tokenizer("a cat").input_ids == folder_encoder.tokenizer("a cat").input_ids
 
 
@@ -312,7 +305,7 @@ def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_
         str(saved), config=str(ernie.TRANSFORMER_VARIANTS[1].config_dir), torch_dtype=torch.float32,
         local_files_only=True,
     )  # fmt: skip
-    _equal_models(ours, theirs)
+    assert_equal_weights(ours, theirs)
     assert not torch.equal(
         ours.text_proj.weight, ernie.load_transformer(fixture["diffusers"], torch.float32).text_proj.weight
     )

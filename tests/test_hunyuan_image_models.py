@@ -12,6 +12,7 @@ import torch
 from diffusers import AutoencoderKLHunyuanImageRefiner, HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from safetensors.torch import load_file
 
+from project import assert_equal_weights
 from tuner.archs.hunyuan_image import loaders as hunyuan_image
 from tuner.archs.hunyuan_image import text as hunyuan_image_text
 from tuner.archs.hunyuan_image.fixture import build_hunyuan_image_components, write_hunyuan_image_fixture
@@ -44,13 +45,6 @@ def pipe(parts):
     return HunyuanImagePipeline(**parts)
 
 
-def _equal_models(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
-
-
 def _trainer(text_length: int = 24, transformer: str = "hunyuanimage2.1.safetensors") -> HunyuanImageModel:
     """The family's model for a config naming only the cache's text length and the transformer's file."""
     trainer = HunyuanImageModel.__new__(HunyuanImageModel)
@@ -76,20 +70,20 @@ def test_layouts_load_the_same_weights(fixture, tmp_path):
     """Transformer and VAE: the single file (the release's names), the same in diffusers' names and the
     folder; the text encoders from ComfyUI's files and from the folder."""
     folder = hunyuan_image.load_transformer(fixture["diffusers"], torch.float32)
-    _equal_models(hunyuan_image.load_transformer(fixture["transformer_file"], torch.float32), folder)
+    assert_equal_weights(hunyuan_image.load_transformer(fixture["transformer_file"], torch.float32), folder)
     save_safetensors(folder.state_dict(), tmp_path / "transformer_diffusers.safetensors")
-    _equal_models(
+    assert_equal_weights(
         hunyuan_image.load_transformer(tmp_path / "transformer_diffusers.safetensors", torch.float32), folder
     )
     vae = hunyuan_image.load_vae(fixture["diffusers"], torch.float32)
-    _equal_models(hunyuan_image.load_vae(fixture["vae_file"], torch.float32), vae)
+    assert_equal_weights(hunyuan_image.load_vae(fixture["vae_file"], torch.float32), vae)
     save_safetensors(vae.state_dict(), tmp_path / "vae_diffusers.safetensors")
-    _equal_models(hunyuan_image.load_vae(tmp_path / "vae_diffusers.safetensors", torch.float32), vae)
+    assert_equal_weights(hunyuan_image.load_vae(tmp_path / "vae_diffusers.safetensors", torch.float32), vae)
     single = load_text_encoders(fixture["text_encoder_file"], fixture["text_encoder_2_file"], fixture["tokenizer"],
                                 fixture["tokenizer_2"], torch.float32)  # fmt: skip
     both = load_text_encoders(fixture["diffusers"], None, None, None, torch.float32)
-    _equal_models(single.qwen, both.qwen)
-    _equal_models(single.byt5, both.byt5)
+    assert_equal_weights(single.qwen, both.qwen)
+    assert_equal_weights(single.byt5, both.byt5)
     with pytest.raises(CheckpointError, match="HunyuanImage 2.1 needs a second text encoder"):
         load_text_encoders(fixture["text_encoder_file"], None, fixture["tokenizer"], None, torch.float32,
                            model="HunyuanImage 2.1")  # fmt: skip
@@ -127,7 +121,7 @@ def test_distilled_is_told_apart_by_its_embedders(tmp_path):
     paths = write_hunyuan_image_fixture(tmp_path / "distilled", distilled=True)
     model = hunyuan_image.load_transformer(paths["transformer_file"], torch.float32)
     assert model.config.guidance_embeds and model.config.use_meanflow
-    _equal_models(model, hunyuan_image.load_transformer(paths["diffusers"], torch.float32))
+    assert_equal_weights(model, hunyuan_image.load_transformer(paths["diffusers"], torch.float32))
     assert hunyuan_image.is_distilled(paths["transformer_file"]) and hunyuan_image.is_distilled(
         paths["diffusers"]
     )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import Ideogram4Pipeline
 
-from project import check_comfy_stems_and_diffusers_load
+from project import assert_equal_weights, check_comfy_stems_and_diffusers_load
 from tuner.archs.ideogram4 import loaders as ideogram4
 from tuner.archs.ideogram4 import text as ideogram4_text
 from tuner.archs.ideogram4.fixture import build_ideogram4_components, write_ideogram4_fixture
@@ -43,13 +43,6 @@ def pipe(parts):
     return Ideogram4Pipeline(**parts)
 
 
-def _equal_models(a, b):
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
-
-
 def _trainer(text_length: int = 2048) -> Ideogram4Model:
     trainer = Ideogram4Model.__new__(Ideogram4Model)
     trainer.record = architecture("ideogram4")
@@ -63,14 +56,14 @@ def _encoder(parts):
 
 def test_layouts_load_to_the_same_weights(fixture, tmp_path):
     folder = ideogram4.load_transformer(fixture["diffusers"], torch.float32)
-    _equal_models(ideogram4.load_transformer(fixture["transformer_file"], torch.float32), folder)
+    assert_equal_weights(ideogram4.load_transformer(fixture["transformer_file"], torch.float32), folder)
     keys = load_tensors(fixture["transformer_file"])
     assert "layers.0.attention.qkv.weight" in keys and "layers.0.attention.o.weight" in keys
     assert not any("to_q" in k or "to_out" in k for k in keys)
     single = ideogram4_text.load_text_encoder(
         fixture["text_encoder_file"], fixture["tokenizer"], torch.float32
     )
-    _equal_models(
+    assert_equal_weights(
         single.model, ideogram4_text.load_text_encoder(fixture["diffusers"], None, torch.float32).model
     )
 
@@ -79,7 +72,7 @@ def test_a_file_in_diffusers_names_loads(fixture, parts, tmp_path):
     """A single file of diffusers' keys (split q / k / v, `to_out.0`) is the same model as the release's."""
     path = tmp_path / "diffusion_pytorch_model.safetensors"
     save_safetensors(dict(parts["transformer"].state_dict()), path)
-    _equal_models(ideogram4.load_transformer(path, torch.float32), parts["transformer"])
+    assert_equal_weights(ideogram4.load_transformer(path, torch.float32), parts["transformer"])
 
 
 def test_prefixed_fp8_file_loads_dequantized(fixture, tmp_path):

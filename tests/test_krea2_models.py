@@ -10,7 +10,7 @@ import torch
 from diffusers import Krea2Pipeline, Krea2Transformer2DModel
 from safetensors.torch import load_file
 
-from project import check_comfy_stems_and_diffusers_load
+from project import assert_equal_weights, check_comfy_stems_and_diffusers_load
 from tuner.archs.krea2 import loaders as krea2
 from tuner.archs.krea2 import text as krea2_text
 from tuner.archs.krea2.fixture import build_krea2_components, write_krea2_fixture
@@ -44,13 +44,6 @@ def pipe(parts):
     return Krea2Pipeline(**parts)
 
 
-def _equal_models(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
-
-
 def _trainer(text_length: int = 512, transformer: str = "krea2_raw_bf16.safetensors") -> Krea2Model:
     """The family's model for a config naming only the cache's text length and the transformer."""
     trainer = Krea2Model.__new__(Krea2Model)
@@ -68,18 +61,20 @@ def _trainer(text_length: int = 512, transformer: str = "krea2_raw_bf16.safetens
 
 def test_layouts_load_bit_identical_to_diffusers_single_file_loader(fixture):
     folder = krea2.load_transformer(fixture["diffusers"], torch.float32)
-    _equal_models(krea2.load_transformer(fixture["transformer_file"], torch.float32), folder)
+    assert_equal_weights(krea2.load_transformer(fixture["transformer_file"], torch.float32), folder)
     theirs = Krea2Transformer2DModel.from_single_file(
         str(fixture["transformer_file"]), config=str(krea2.TRANSFORMER_VARIANTS[1].config_dir),
         torch_dtype=torch.float32, local_files_only=True,
     )  # fmt: skip
-    _equal_models(theirs, folder)
-    _equal_models(
+    assert_equal_weights(theirs, folder)
+    assert_equal_weights(
         qwen_image.load_vae(fixture["vae_file"], torch.float32),
         qwen_image.load_vae(fixture["diffusers"], torch.float32),
     )
     single = krea2_text.load_text_encoder(fixture["text_encoder_file"], fixture["tokenizer"], torch.float32)
-    _equal_models(single.model, krea2_text.load_text_encoder(fixture["diffusers"], None, torch.float32).model)
+    assert_equal_weights(
+        single.model, krea2_text.load_text_encoder(fixture["diffusers"], None, torch.float32).model
+    )
 
 
 def test_release_keys_are_the_release_layout(fixture):
@@ -112,7 +107,7 @@ def test_prefixed_fp8_and_diffusers_named_files_load(fixture, tmp_path):
     assert torch.equal(got.transformer_blocks[1].ff.up.weight, want.transformer_blocks[1].ff.up.weight)
     as_diffusers = tmp_path / "krea2_diffusers.safetensors"
     save_safetensors(want.state_dict(), as_diffusers)
-    _equal_models(krea2.load_transformer(as_diffusers, torch.float32), want)
+    assert_equal_weights(krea2.load_transformer(as_diffusers, torch.float32), want)
 
 
 def test_raw_and_turbo_are_told_apart_by_name(monkeypatch):
@@ -300,7 +295,7 @@ def test_full_fine_tune_samples_and_is_saved_in_the_release_layout(fixture, tmp_
         str(saved), config=str(krea2.TRANSFORMER_VARIANTS[1].config_dir), torch_dtype=torch.float32,
         local_files_only=True,
     )  # fmt: skip
-    _equal_models(ours, theirs)
+    assert_equal_weights(ours, theirs)
     assert not torch.equal(
         ours.img_in.weight, krea2.load_transformer(fixture["diffusers"], torch.float32).img_in.weight
     )

@@ -9,6 +9,7 @@ import torch
 from diffusers import ZImagePipeline
 from safetensors.torch import load_file
 
+from project import assert_equal_weights
 from tuner.archs.flux import loaders as flux
 from tuner.archs.z_image import loaders as z_image
 from tuner.archs.z_image import text as z_image_text
@@ -28,24 +29,17 @@ def fixture(tmp_path_factory):
     return write_z_image_fixture(tmp_path_factory.mktemp("z_image"))
 
 
-def _equal_models(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
-
-
 def test_both_layouts_load_bit_identical(fixture):
-    _equal_models(
+    assert_equal_weights(
         z_image.load_transformer(fixture["transformer_file"], torch.float32),
         z_image.load_transformer(fixture["diffusers"], torch.float32),
     )
-    _equal_models(
+    assert_equal_weights(
         flux.load_vae(fixture["vae_file"], torch.float32), flux.load_vae(fixture["diffusers"], torch.float32)
     )
     single = z_image_text.load_text_encoder(fixture["text_encoder_file"], fixture["tokenizer"], torch.float32)
     folder = z_image_text.load_text_encoder(fixture["diffusers"], None, torch.float32)
-    _equal_models(single.model, folder.model)
+    assert_equal_weights(single.model, folder.model)
 
 
 def test_release_keys_are_the_fused_layout(fixture):
@@ -67,10 +61,10 @@ def test_prefixed_fp8_diffusers_and_unused_key_files_load(fixture, tmp_path):
         {**{f"model.diffusion_model.{k}": v for k, v in release.items()},
          "model.diffusion_model.norm_final.weight": torch.ones(96)}, prefixed,
     )  # fmt: skip
-    _equal_models(z_image.load_transformer(prefixed, torch.float32), want)
+    assert_equal_weights(z_image.load_transformer(prefixed, torch.float32), want)
     as_diffusers = tmp_path / "z_image_diffusers.safetensors"
     save_safetensors(want.state_dict(), as_diffusers)
-    _equal_models(z_image.load_transformer(as_diffusers, torch.float32), want)
+    assert_equal_weights(z_image.load_transformer(as_diffusers, torch.float32), want)
     assert z_image.is_turbo(prefixed) and not z_image.is_turbo(fixture["transformer_file"])
 
 
