@@ -175,10 +175,10 @@ def check_comfy_stems_and_diffusers_load(pipe, network, predict, release: set, l
 
 
 def assert_equal_weights(a, b) -> None:
-    """The two models hold the same tensors under the same names, bit for bit."""
+    """The two models hold the same tensors (dtype and values, bit for bit) under the same names."""
     import torch
 
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
+        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key

@@ -8,6 +8,7 @@ import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
 
+from project import assert_equal_weights
 from tuner.archs.chroma import loaders as chroma
 from tuner.archs.chroma.keys import (
     CHROMA_KEYS,
@@ -48,13 +49,6 @@ def pipe(paths):
     return pipe
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 def _trainer(text_length: int) -> ChromaModel:
     return ChromaModel(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
 
@@ -66,11 +60,11 @@ def _trainer(text_length: int) -> ChromaModel:
 
 def test_single_files_load_like_the_diffusers_folder(paths, tmp_path):
     root = paths["diffusers"]
-    _same_weights(chroma.load_transformer(paths["transformer_file"], torch.bfloat16),
+    assert_equal_weights(chroma.load_transformer(paths["transformer_file"], torch.bfloat16),
                   chroma.load_transformer(root, torch.bfloat16))  # fmt: skip
     single = chroma.load_text_encoder(paths["text_encoder_file"], paths["tokenizer"], torch.float32)
     folder = chroma.load_text_encoder(root, None, torch.float32)  # the pipeline's text_encoder/, tokenizer/
-    _same_weights(single.t5, folder.t5)
+    assert_equal_weights(single.t5, folder.t5)
     assert single.tokenizer(PROMPT).input_ids == folder.tokenizer(PROMPT).input_ids
     # ComfyUI's prefix, and the diffusers layout saved as one file
     prefixed = {f"model.diffusion_model.{k}": v for k, v in load_tensors(paths["transformer_file"]).items()}
@@ -78,7 +72,9 @@ def test_single_files_load_like_the_diffusers_folder(paths, tmp_path):
     expected = chroma.load_transformer(root, torch.float32)
     save_safetensors(expected.state_dict(), tmp_path / "diffusers.safetensors")
     for name in ("comfy", "diffusers"):
-        _same_weights(chroma.load_transformer(tmp_path / f"{name}.safetensors", torch.float32), expected)
+        assert_equal_weights(
+            chroma.load_transformer(tmp_path / f"{name}.safetensors", torch.float32), expected
+        )
 
 
 def test_flux_and_chroma_files_name_the_architecture_that_trains_them(paths, flux_paths, tmp_path):

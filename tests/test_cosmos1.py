@@ -20,6 +20,7 @@ from diffusers import (
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, T5EncoderModel
 
+from project import assert_equal_weights
 from tuner.archs.cosmos_predict2 import loaders as predict2
 from tuner.archs.cosmos_predict2 import loaders_cosmos1 as cosmos1
 from tuner.archs.cosmos_predict2.fixture_cosmos1 import SCHEDULER_CONFIG
@@ -49,13 +50,6 @@ def _family(paths) -> Cosmos1T2WModel:
     return Cosmos1T2WModel(cfg)
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 # ---------------------------------------------------------------------------------------------------
 # Loading, and the relatives refused
 # ---------------------------------------------------------------------------------------------------
@@ -64,13 +58,13 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_file_loads_like_the_diffusers_folder(paths, tmp_path, dtype):
     folder = cosmos1.load_transformer(paths["diffusers"], dtype)
-    _same_weights(folder, cosmos1.load_transformer(paths["transformer_file"], dtype))
+    assert_equal_weights(folder, cosmos1.load_transformer(paths["transformer_file"], dtype))
     # NVIDIA's own file: `net.` names with the loss's `logvar` network and the RoPE table beside them
     release = {f"net.{k}": v for k, v in load_file(paths["transformer_file"]).items()}
     release |= {"net.logvar.0.freqs": torch.zeros(128), "net.logvar.1.weight": torch.zeros(1, 128),
                 "net.pos_embedder.seq": torch.zeros(256)}  # fmt: skip
     save_file(release, tmp_path / "model.safetensors")
-    _same_weights(folder, cosmos1.load_transformer(tmp_path / "model.safetensors", dtype))
+    assert_equal_weights(folder, cosmos1.load_transformer(tmp_path / "model.safetensors", dtype))
 
 
 def test_variant_picked_from_shapes(paths):

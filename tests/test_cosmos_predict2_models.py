@@ -19,6 +19,7 @@ from diffusers import (
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
+from project import assert_equal_weights
 from tuner.archs.cosmos_predict2 import loaders as cosmos
 from tuner.archs.cosmos_predict2.keys import RELEASE_ONLY, transformer_key_to_original
 from tuner.archs.cosmos_predict2.trainer import CosmosPredict2Model
@@ -81,13 +82,6 @@ def _trainer(text_length: int = 512) -> CosmosPredict2Model:
     return CosmosPredict2Model(SimpleNamespace(cache=SimpleNamespace(text_max_length=text_length)))
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 # ---------------------------------------------------------------------------------------------------
 # Loading both layouts
 # ---------------------------------------------------------------------------------------------------
@@ -96,8 +90,8 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_file_loads_like_the_diffusers_folder(paths, tmp_path, dtype):
     folder = cosmos.load_transformer(paths["diffusers"], dtype)
-    _same_weights(folder, cosmos.load_transformer(paths["diffusers"] / "transformer", dtype))
-    _same_weights(folder, cosmos.load_transformer(paths["transformer_file"], dtype))
+    assert_equal_weights(folder, cosmos.load_transformer(paths["diffusers"] / "transformer", dtype))
+    assert_equal_weights(folder, cosmos.load_transformer(paths["transformer_file"], dtype))
     # diffusers' own weights, the padding-mask columns of the patch embedding included
     reference = CosmosTransformer3DModel.from_pretrained(
         paths["diffusers"] / "transformer", torch_dtype=dtype
@@ -119,13 +113,13 @@ def test_single_file_loads_like_the_diffusers_folder(paths, tmp_path, dtype):
         ),
     }.items():
         save_file(tensors, tmp_path / name)
-        _same_weights(folder, cosmos.load_transformer(tmp_path / name, dtype))
+        assert_equal_weights(folder, cosmos.load_transformer(tmp_path / name, dtype))
 
 
 def test_text_encoder_layouts_are_identical(paths):
     folder, tokenizer = cosmos.load_text_encoder(paths["diffusers"], None, torch.float32)
     single, _ = cosmos.load_text_encoder(paths["text_encoder_file"], paths["tokenizer"], torch.float32)
-    _same_weights(folder, single)
+    assert_equal_weights(folder, single)
     assert tokenizer("a cat").input_ids == [tokenizer.convert_tokens_to_ids("▁a"), tokenizer.convert_tokens_to_ids("▁cat"), 1]  # fmt: skip
     with pytest.raises(CheckpointError, match="tokenizer"):
         cosmos.load_text_encoder(paths["text_encoder_file"], None, torch.float32)

@@ -8,6 +8,7 @@ from diffusers import AutoencoderKL, FluxKontextPipeline, FluxPipeline, FluxTran
 from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
+from project import assert_equal_weights
 from tuner.archs.flux import loaders as flux
 from tuner.archs.flux.keys import (
     FLUX_KEYS,
@@ -34,13 +35,6 @@ def paths(tmp_path_factory):
     return write_fixture("flux", tmp_path_factory.mktemp("flux_model"))
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 # ---------------------------------------------------------------------------------------------------
 # Loading both layouts
 # ---------------------------------------------------------------------------------------------------
@@ -48,14 +42,14 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def test_single_files_load_like_the_diffusers_folder(paths):
     root = paths["diffusers"]
-    _same_weights(flux.load_transformer(paths["transformer_file"], torch.bfloat16),
+    assert_equal_weights(flux.load_transformer(paths["transformer_file"], torch.bfloat16),
                   flux.load_transformer(root, torch.bfloat16))  # fmt: skip
-    _same_weights(flux.load_vae(paths["vae_file"], torch.float32), flux.load_vae(root, torch.float32))
+    assert_equal_weights(flux.load_vae(paths["vae_file"], torch.float32), flux.load_vae(root, torch.float32))
     single = flux.load_text_encoders(paths["text_encoder_file"], paths["text_encoder_2_file"],
                                      paths["tokenizer"], paths["tokenizer_2"], torch.float32)  # fmt: skip
     folder = flux.load_text_encoders(root, None, None, None, torch.float32)  # T5 found beside CLIP
-    _same_weights(single.clip, folder.clip)
-    _same_weights(single.t5, folder.t5)
+    assert_equal_weights(single.clip, folder.clip)
+    assert_equal_weights(single.t5, folder.t5)
     assert single.clip_tokenizer("a red circle").input_ids == folder.clip_tokenizer("a red circle").input_ids
     assert single.t5_tokenizer("a red circle").input_ids == folder.t5_tokenizer("a red circle").input_ids
 
@@ -66,7 +60,7 @@ def test_comfyui_variants_of_the_single_files_load(paths, tmp_path):
         f"model.diffusion_model.{k}": v for k, v in load_tensors(paths["transformer_file"]).items()
     }
     save_safetensors(transformer, tmp_path / "flux.safetensors")
-    _same_weights(flux.load_transformer(tmp_path / "flux.safetensors", torch.float32),
+    assert_equal_weights(flux.load_transformer(tmp_path / "flux.safetensors", torch.float32),
                   flux.load_transformer(paths["transformer_file"], torch.float32))  # fmt: skip
     clip = load_tensors(paths["text_encoder_file"])
     clip.update({"text_projection.weight": torch.eye(32), "logit_scale": torch.tensor(4.6)})
@@ -77,22 +71,22 @@ def test_comfyui_variants_of_the_single_files_load(paths, tmp_path):
     a = flux.load_text_encoders(tmp_path / "clip_l.safetensors", tmp_path / "t5.safetensors",
                                 paths["tokenizer"], paths["tokenizer_2"], torch.float32)  # fmt: skip
     b = flux.load_text_encoders(paths["diffusers"], None, None, None, torch.float32)
-    _same_weights(a.clip, b.clip)
-    _same_weights(a.t5, b.t5)
+    assert_equal_weights(a.clip, b.clip)
+    assert_equal_weights(a.t5, b.t5)
 
 
 def test_diffusers_layout_single_files_load(paths, tmp_path):
     for load, component in ((flux.load_transformer, "transformer"), (flux.load_vae, "vae")):
         expected = load(paths["diffusers"], torch.float32)
         save_safetensors(expected.state_dict(), tmp_path / f"{component}.safetensors")
-        _same_weights(load(tmp_path / f"{component}.safetensors", torch.float32), expected)
+        assert_equal_weights(load(tmp_path / f"{component}.safetensors", torch.float32), expected)
 
 
 def test_vae_layout_agrees_with_diffusers_converter(paths):
     """diffusers' LDM VAE converter (size-independent) reads our ae.safetensors as we do."""
     theirs = AutoencoderKL.from_single_file(str(paths["vae_file"]), config=str(flux.VAE_VARIANTS[1].config_dir),
                                             local_files_only=True)  # fmt: skip
-    _same_weights(theirs, flux.load_vae(paths["vae_file"], torch.float32))
+    assert_equal_weights(theirs, flux.load_vae(paths["vae_file"], torch.float32))
 
 
 def test_wrong_files_raise_checkpoint_errors_naming_the_file(paths):

@@ -8,6 +8,7 @@ import torch
 from diffusers import HunyuanVideoFramepackPipeline, HunyuanVideoFramepackTransformer3DModel
 from PIL import Image
 
+from project import assert_equal_weights
 from tuner.archs.framepack import loaders as framepack
 from tuner.archs.framepack.keys import FRAMEPACK_LAYOUT
 from tuner.archs.framepack.trainer import FramePackModel
@@ -39,26 +40,19 @@ def pipe(paths):
     return pipe
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 # ---------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_layout_loads_to_the_same_weights(paths, dtype):
+def test_every_layout_loads_to_theassert_equal_weights(paths, dtype):
     folder = framepack.load_transformer(paths["diffusers"], dtype)
     assert isinstance(folder, HunyuanVideoFramepackTransformer3DModel)
-    _same_weights(framepack.load_transformer(paths["release_file"], dtype), folder)
-    _same_weights(framepack.load_transformer(paths["transformer_file"], dtype), folder)
+    assert_equal_weights(framepack.load_transformer(paths["release_file"], dtype), folder)
+    assert_equal_weights(framepack.load_transformer(paths["transformer_file"], dtype), folder)
     siglip = framepack.load_image_encoder(paths["diffusers"], dtype)
-    _same_weights(framepack.load_image_encoder(paths["image_encoder_file"], dtype).model, siglip.model)
+    assert_equal_weights(framepack.load_image_encoder(paths["image_encoder_file"], dtype).model, siglip.model)
 
 
 def test_prefixed_and_fp8_release_files_load(paths, tmp_path):
@@ -68,7 +62,9 @@ def test_prefixed_and_fp8_release_files_load(paths, tmp_path):
     prefixed = {f"model.diffusion_model.{k}": v for k, v in state.items()}
     save_safetensors(prefixed, tmp_path / "prefixed.safetensors")
     reference = framepack.load_transformer(paths["release_file"], torch.float32)
-    _same_weights(framepack.load_transformer(tmp_path / "prefixed.safetensors", torch.float32), reference)
+    assert_equal_weights(
+        framepack.load_transformer(tmp_path / "prefixed.safetensors", torch.float32), reference
+    )
     fp8 = {k: v.to(torch.float8_e4m3fn) if v.ndim == 2 else v for k, v in state.items()}
     save_safetensors(fp8, tmp_path / "fp8.safetensors")
     loaded = framepack.load_transformer(tmp_path / "fp8.safetensors", torch.float32).state_dict()

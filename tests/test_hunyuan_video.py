@@ -10,6 +10,7 @@ from diffusers import HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 
+from project import assert_equal_weights
 from tuner.archs.hunyuan_video import loaders as hv
 from tuner.archs.hunyuan_video.keys import (
     HUNYUAN_VIDEO_LAYOUT,
@@ -45,13 +46,6 @@ def pipe(paths):
     return pipe
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 def _single_encoders(paths) -> hv.TextEncoders:
     return hv.load_text_encoders(paths["text_encoder_file"], paths["text_encoder_2_file"], paths["tokenizer"],
                                  paths["tokenizer_2"], torch.float32)  # fmt: skip
@@ -65,12 +59,14 @@ def _single_encoders(paths) -> hv.TextEncoders:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_files_load_like_the_diffusers_folder(paths, dtype):
     root = paths["diffusers"]
-    _same_weights(hv.load_transformer(paths["transformer_file"], dtype), hv.load_transformer(root, dtype))
-    _same_weights(hv.load_vae(paths["vae_file"], dtype), hv.load_vae(root, dtype))
+    assert_equal_weights(
+        hv.load_transformer(paths["transformer_file"], dtype), hv.load_transformer(root, dtype)
+    )
+    assert_equal_weights(hv.load_vae(paths["vae_file"], dtype), hv.load_vae(root, dtype))
     single = _single_encoders(paths)
     folder = hv.load_text_encoders(root, None, None, None, torch.float32)  # CLIP found beside the Llama
-    _same_weights(single.llama, folder.llama)
-    _same_weights(single.clip, folder.clip)
+    assert_equal_weights(single.llama, folder.llama)
+    assert_equal_weights(single.clip, folder.clip)
     for a, b in (
         (single.llama_tokenizer, folder.llama_tokenizer),
         (single.clip_tokenizer, folder.clip_tokenizer),
@@ -128,7 +124,7 @@ def test_comfyui_prefix_and_scaled_fp8_files_load(paths, tmp_path, prefix):
 def test_diffusers_layout_single_file_loads(paths, tmp_path):
     folder = hv.load_transformer(paths["diffusers"], torch.float32)
     save_safetensors(folder.state_dict(), tmp_path / "diffusers_keys.safetensors")
-    _same_weights(hv.load_transformer(tmp_path / "diffusers_keys.safetensors", torch.float32), folder)
+    assert_equal_weights(hv.load_transformer(tmp_path / "diffusers_keys.safetensors", torch.float32), folder)
 
 
 # ---------------------------------------------------------------------------------------------------

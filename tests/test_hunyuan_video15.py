@@ -17,6 +17,7 @@ from diffusers import (
 )
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
 
+from project import assert_equal_weights
 from tuner.archs.hunyuan_video15 import loaders as hv
 from tuner.archs.hunyuan_video15.keys import HUNYUAN_VIDEO15_LAYOUT, TENCENT_LAYOUT
 from tuner.errors import CheckpointError
@@ -39,13 +40,6 @@ def pipe(paths):
     return HunyuanVideo15Pipeline.from_pretrained(paths["diffusers"])  # models in eval mode
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 def _single_encoders(paths) -> hv.TextEncoders:
     return hv.load_text_encoders(paths["text_encoder_file"], paths["text_encoder_2_file"], paths["tokenizer"],
                                  paths["tokenizer_2"], torch.float32)  # fmt: skip
@@ -60,13 +54,15 @@ def _single_encoders(paths) -> hv.TextEncoders:
 def test_single_files_load_like_the_diffusers_folder(paths, dtype):
     root = paths["diffusers"]
     folder = hv.load_transformer(root, dtype)
-    _same_weights(hv.load_transformer(paths["transformer_file"], dtype), folder)  # ComfyUI's: fused q/k/v
-    _same_weights(hv.load_transformer(paths["tencent_transformer_file"], dtype), folder)  # separate
-    _same_weights(hv.load_vae(paths["vae_file"], dtype), hv.load_vae(root, dtype))
+    assert_equal_weights(
+        hv.load_transformer(paths["transformer_file"], dtype), folder
+    )  # ComfyUI's: fused q/k/v
+    assert_equal_weights(hv.load_transformer(paths["tencent_transformer_file"], dtype), folder)  # separate
+    assert_equal_weights(hv.load_vae(paths["vae_file"], dtype), hv.load_vae(root, dtype))
     single = _single_encoders(paths)
     folder = hv.load_text_encoders(root, None, None, None, torch.float32)  # ByT5 found beside Qwen
-    _same_weights(single.qwen, folder.qwen)
-    _same_weights(single.byt5, folder.byt5)
+    assert_equal_weights(single.qwen, folder.qwen)
+    assert_equal_weights(single.byt5, folder.byt5)
     for a, b in (
         (single.qwen_tokenizer, folder.qwen_tokenizer),
         (single.byt5_tokenizer, folder.byt5_tokenizer),
@@ -124,10 +120,10 @@ def test_comfyui_prefix_and_fp8_files_load(paths, tmp_path, prefix, file):
 def test_diffusers_layout_single_files_load(paths, tmp_path):
     folder = hv.load_transformer(paths["diffusers"], torch.float32)
     save_safetensors(folder.state_dict(), tmp_path / "transformer.safetensors")
-    _same_weights(hv.load_transformer(tmp_path / "transformer.safetensors", torch.float32), folder)
+    assert_equal_weights(hv.load_transformer(tmp_path / "transformer.safetensors", torch.float32), folder)
     vae = hv.load_vae(paths["diffusers"], torch.float32)
     save_safetensors(vae.state_dict(), tmp_path / "vae.safetensors")
-    _same_weights(hv.load_vae(tmp_path / "vae.safetensors", torch.float32), vae)
+    assert_equal_weights(hv.load_vae(tmp_path / "vae.safetensors", torch.float32), vae)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,9 +271,9 @@ def test_i2v_single_files_load_like_the_diffusers_folder(i2v_paths):
 
     root = i2v_paths["diffusers"]
     single = hv.load_transformer(i2v_paths["transformer_file"], torch.float32, "i2v")
-    _same_weights(single, hv.load_transformer(root, torch.float32, "i2v"))
+    assert_equal_weights(single, hv.load_transformer(root, torch.float32, "i2v"))
     assert single.config.task_type == "i2v"
-    _same_weights(siglip.load_image_encoder(i2v_paths["image_encoder_file"], torch.float32).model,
+    assert_equal_weights(siglip.load_image_encoder(i2v_paths["image_encoder_file"], torch.float32).model,
                   siglip.load_image_encoder(root, torch.float32).model)  # fmt: skip
     with pytest.raises(CheckpointError, match='"hunyuan_video15_i2v"'):  # an I2V file trains as I2V only
         hv.load_transformer(i2v_paths["transformer_file"], torch.float32, "t2v")

@@ -13,6 +13,7 @@ from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipe
 from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
+from project import assert_equal_weights
 from test_fp8 import write_comfy_fp8_state
 from tuner import fp8
 from tuner.archs.flux import loaders as flux_models
@@ -47,17 +48,10 @@ def pipe(paths):
     return pipe
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
-
-
 def _same_encoders(a: sd3.TextEncoders, b: sd3.TextEncoders) -> None:
     for x, y in zip(a, b):
         if isinstance(x, torch.nn.Module):
-            _same_weights(x, y)
+            assert_equal_weights(x, y)
         elif x is not None:
             assert x(PROMPT).input_ids == y(PROMPT).input_ids and x.pad_token == y.pad_token
 
@@ -88,7 +82,7 @@ def _header_only_file(path, shapes: dict[str, tuple[int, ...]]) -> None:
 
 def test_single_files_load_like_the_diffusers_folder(paths):
     root = paths["diffusers"]
-    _same_weights(sd3.load_transformer(paths["transformer_file"], torch.bfloat16),
+    assert_equal_weights(sd3.load_transformer(paths["transformer_file"], torch.bfloat16),
                   sd3.load_transformer(root, torch.bfloat16))  # fmt: skip
     folder = sd3.load_text_encoders(
         (root, None, root), (None, None, None), torch.float32
@@ -108,8 +102,10 @@ def test_the_release_file_bundling_every_component_loads(paths, tmp_path):
         {k.removeprefix("model.diffusion_model."): v for k, v in load_tensors(bundled).items()}, plain
     )
     for path in (bundled, plain):
-        _same_weights(sd3.load_transformer(path, torch.float32), sd3.load_transformer(root, torch.float32))
-        _same_weights(sd3.load_vae(path, torch.float32), sd3.load_vae(root, torch.float32))
+        assert_equal_weights(
+            sd3.load_transformer(path, torch.float32), sd3.load_transformer(root, torch.float32)
+        )
+        assert_equal_weights(sd3.load_vae(path, torch.float32), sd3.load_vae(root, torch.float32))
     tokenizers = (paths["tokenizer"], paths["tokenizer_2"], paths["tokenizer_3"])
     from_bundle = sd3.load_text_encoders((bundled, None, bundled), tokenizers, torch.float32)
     _same_encoders(from_bundle, sd3.load_text_encoders((root, None, root), (None, None, None), torch.float32))
@@ -122,7 +118,7 @@ def test_comfyui_variants_of_the_single_files_load(paths, tmp_path):
     save_safetensors(
         {k.removeprefix("model.diffusion_model."): v for k, v in state.items()}, tmp_path / "t.safetensors"
     )
-    _same_weights(sd3.load_transformer(tmp_path / "t.safetensors", torch.float32),
+    assert_equal_weights(sd3.load_transformer(tmp_path / "t.safetensors", torch.float32),
                   sd3.load_transformer(paths["diffusers"], torch.float32))  # fmt: skip
     clip = load_tensors(paths["text_encoder_file"])
     clip.update({"text_projection.weight": torch.randn(32, 32), "logit_scale": torch.tensor(4.6)})
@@ -135,17 +131,17 @@ def test_comfyui_variants_of_the_single_files_load(paths, tmp_path):
     _same_encoders(sd3.load_text_encoders(files, tokenizers, torch.float32), _single_encoders(paths))
     vae = sd3.load_vae(paths["diffusers"], torch.float32)
     save_safetensors(vae_to_original(vae.state_dict()), tmp_path / "vae.safetensors")
-    _same_weights(sd3.load_vae(tmp_path / "vae.safetensors", torch.float32), vae)
+    assert_equal_weights(sd3.load_vae(tmp_path / "vae.safetensors", torch.float32), vae)
     theirs = AutoencoderKL.from_single_file(str(tmp_path / "vae.safetensors"), local_files_only=True,
                                             config=str(sd3.VAE_VARIANTS[1].config_dir))  # fmt: skip
-    _same_weights(theirs, vae)  # diffusers' LDM VAE converter reads it alike
+    assert_equal_weights(theirs, vae)  # diffusers' LDM VAE converter reads it alike
     assert vae.config.scaling_factor == 1.5305 and vae.config.shift_factor == 0.0609
 
 
 def test_diffusers_layout_single_file_loads(paths, tmp_path):
     expected = sd3.load_transformer(paths["diffusers"], torch.float32)
     save_safetensors(expected.state_dict(), tmp_path / "transformer.safetensors")
-    _same_weights(sd3.load_transformer(tmp_path / "transformer.safetensors", torch.float32), expected)
+    assert_equal_weights(sd3.load_transformer(tmp_path / "transformer.safetensors", torch.float32), expected)
 
 
 def test_wrong_files_are_refused_naming_what_they_are(paths, tmp_path):
@@ -292,7 +288,7 @@ def test_full_model_save_gives_back_the_release_file_exactly(paths, tmp_path):
     # block's modulation bias is swapped by what its weight's shape says
     fresh = fill_random_(sd3.load_transformer(paths["transformer_file"], torch.float32), seed=9)
     FullNetwork(fresh).load_weights(tmp_path / "full.safetensors", SD3_LAYOUT.inverse)
-    _same_weights(fresh, model)
+    assert_equal_weights(fresh, model)
 
 
 # ---------------------------------------------------------------------------------------------------

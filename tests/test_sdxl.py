@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
 
-from project import cfg, make_cached_project
+from project import assert_equal_weights, cfg, make_cached_project
 from tuner.archs.flux.keys import vae_to_original
 from tuner.archs.sdxl import loaders as sdxl
 from tuner.archs.sdxl.keys import SDXL_LAYOUT, clip_g_to_diffusers, clip_g_to_original, unet_key_to_original
@@ -48,13 +48,6 @@ def trainer(paths, tmp_path_factory):
     return SDXLModel(cfg(config))
 
 
-def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for key in sa:
-        assert torch.equal(sa[key], sb[key]), key
-
-
 def _unet_inputs(seed: int = 0, batch: int = 2):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(batch, 4, 8, 8, generator=g), torch.randn(batch, 77, 96, generator=g),
@@ -69,19 +62,19 @@ def _unet_inputs(seed: int = 0, batch: int = 2):
 def test_bundled_file_unet_file_and_diffusers_folder_load_identical_weights(paths, tmp_path):
     root, bundled = paths["diffusers"], paths["bundled_file"]
     unet = sdxl.load_unet(root, torch.float32)
-    _same_weights(sdxl.load_unet(bundled, torch.float32), unet)
-    _same_weights(sdxl.load_unet(paths["transformer_file"], torch.float32), unet)
+    assert_equal_weights(sdxl.load_unet(bundled, torch.float32), unet)
+    assert_equal_weights(sdxl.load_unet(paths["transformer_file"], torch.float32), unet)
     vae = sdxl.load_vae(root, torch.float32)
-    _same_weights(sdxl.load_vae(bundled, torch.float32), vae)
+    assert_equal_weights(sdxl.load_vae(bundled, torch.float32), vae)
     # a VAE file of its own in either layout: sdxl_vae.safetensors (LDM), the fp16-fix VAE's diffusers file
     save_safetensors(vae_to_original(vae.state_dict()), tmp_path / "sdxl_vae.safetensors")
     save_safetensors(vae.state_dict(), tmp_path / "diffusion_pytorch_model.safetensors")
-    _same_weights(sdxl.load_vae(tmp_path / "sdxl_vae.safetensors", torch.float32), vae)
-    _same_weights(sdxl.load_vae(tmp_path / "diffusion_pytorch_model.safetensors", torch.float32), vae)
+    assert_equal_weights(sdxl.load_vae(tmp_path / "sdxl_vae.safetensors", torch.float32), vae)
+    assert_equal_weights(sdxl.load_vae(tmp_path / "diffusion_pytorch_model.safetensors", torch.float32), vae)
     single = sdxl.load_text_encoders(bundled, None, paths["tokenizer"], paths["tokenizer_2"], torch.float32)
     folder = sdxl.load_text_encoders(root, None, None, None, torch.float32)
-    _same_weights(single.clip_l, folder.clip_l)
-    _same_weights(single.clip_g, folder.clip_g)
+    assert_equal_weights(single.clip_l, folder.clip_l)
+    assert_equal_weights(single.clip_g, folder.clip_g)
 
 
 def test_diffusers_own_single_file_loader_reads_the_bundled_file_exactly(paths, pipe):
@@ -90,7 +83,7 @@ def test_diffusers_own_single_file_loader_reads_the_bundled_file_exactly(paths, 
     loaded = StableDiffusionXLPipeline.from_single_file(str(paths["bundled_file"]), config=str(paths["diffusers"]),
                                                         local_files_only=True)  # fmt: skip
     for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
-        _same_weights(getattr(loaded, name), getattr(pipe, name))
+        assert_equal_weights(getattr(loaded, name), getattr(pipe, name))
 
 
 def test_unet_rules_name_every_tensor_of_the_real_sdxl_unet_both_ways():
@@ -404,8 +397,8 @@ def test_full_fine_tune_saves_the_bundled_checkpoint_uis_load(trainer, paths, pi
     loaded = StableDiffusionXLPipeline.from_single_file(
         str(saved), config=str(paths["diffusers"]), local_files_only=True
     )
-    _same_weights(loaded.unet, sdxl.load_unet(saved, torch.float32))
-    _same_weights(loaded.text_encoder_2, pipe.text_encoder_2)
+    assert_equal_weights(loaded.unet, sdxl.load_unet(saved, torch.float32))
+    assert_equal_weights(loaded.text_encoder_2, pipe.text_encoder_2)
 
 
 def test_bundle_companions_convert_parts_from_a_diffusers_folder(paths):
