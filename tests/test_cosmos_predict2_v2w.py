@@ -18,8 +18,8 @@ from diffusers import (
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from project import cfg, make_project, run
-from test_cosmos_predict2_models import PROMPT, _same_weights, load_pipeline
+from project import assert_equal_weights, cfg, make_project, run
+from test_cosmos_predict2_models import PROMPT, load_pipeline
 from tuner.archs.cosmos_predict2 import loaders as cosmos
 from tuner.archs.cosmos_predict2.trainer_v2w import T_CONDITIONING, CosmosPredict2V2WModel
 from tuner.errors import CheckpointError, ConfigError
@@ -50,13 +50,13 @@ def _trainer(text_length: int = 512) -> CosmosPredict2V2WModel:
 def test_single_file_loads_like_the_diffusers_folder(paths, tmp_path):
     single = cosmos.load_transformer(paths["transformer_file"], torch.float32, video2world=True)
     folder = cosmos.load_transformer(paths["diffusers"], torch.float32, video2world=True)
-    _same_weights(single, folder)
+    assert_equal_weights(single, folder)
     assert single.config.in_channels == 18  # 16 latents + condition mask + padding mask
     comfy = tmp_path / "cosmos_predict2_2B_video2world_480p_16fps.safetensors"
     save_file(
         {f"model.diffusion_model.{k}": v for k, v in load_file(paths["transformer_file"]).items()}, comfy
     )
-    _same_weights(cosmos.load_transformer(comfy, torch.float32, video2world=True), single)
+    assert_equal_weights(cosmos.load_transformer(comfy, torch.float32, video2world=True), single)
 
 
 def test_each_architecture_names_the_other(paths, tmp_path):
