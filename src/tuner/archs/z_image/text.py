@@ -72,9 +72,16 @@ class TextEncoder(NamedTuple):
     tokenizer: PreTrainedTokenizerBase
 
 
-def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype) -> TextEncoder:
+def load_text_encoder(
+    path: str | Path,
+    tokenizer_path: str | Path | None,
+    dtype: torch.dtype,
+    spec: SingleFileSpec = SPEC,
+    tokenizer_what: str = "Qwen3 tokenizer (the tokenizer/ folder of Z-Image)",
+) -> TextEncoder:
     """Load Qwen3 and its tokenizer. `tokenizer_path` may be None for a diffusers pipeline root or its
-    `text_encoder/` folder (the sibling `tokenizer/` is used); a single file needs it."""
+    `text_encoder/` folder (the sibling `tokenizer/` is used); a single file needs it. `spec` tells the
+    single files' sizes apart (another model's Qwen3: Anima's 0.6B)."""
     from transformers import Qwen3Model
 
     folder = resolve_folder(path, "text_encoder")
@@ -82,15 +89,9 @@ def load_text_encoder(path: str | Path, tokenizer_path: str | Path | None, dtype
         model = load_transformers_folder(Qwen3Model, folder, dtype, "qwen3")
         tokenizer_path = tokenizer_path or sibling(folder, "tokenizer")
     else:
-        model = _load_single_file(Path(path), dtype)
-    tokenizer = load_tokenizer(tokenizer_path, path, "Qwen3 tokenizer (the tokenizer/ folder of Z-Image)")
+        model = load_encoder_file_on_meta(Path(path), dtype, Qwen3Model, spec, _model_keys, "Qwen3")
+    tokenizer = load_tokenizer(tokenizer_path, path, tokenizer_what)
     return TextEncoder(model.eval(), tokenizer)
-
-
-def _load_single_file(path: Path, dtype: torch.dtype) -> Qwen3Model:
-    from transformers import Qwen3Model
-
-    return load_encoder_file_on_meta(path, dtype, Qwen3Model, SPEC, _model_keys, "Qwen3")
 
 
 def _model_keys(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
