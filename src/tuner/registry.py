@@ -34,6 +34,7 @@ FAMILIES = (
     "z_image",
     "lumina2",
     "cosmos_predict2",
+    "anima",
     "sdxl",
     "kandinsky5",
     "ltx2",

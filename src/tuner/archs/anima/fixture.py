@@ -10,7 +10,7 @@ small unigram one.
       diffusers/                the component folders that exist in diffusers / transformers form
         vae/  text_encoder/  tokenizer/  tokenizer_2/      (Anima itself has no diffusers pipeline)
       single/                   the release's files (ComfyUI's)
-        anima_tiny.safetensors     `net.blocks.0.self_attn.q_proj.weight`, `net.llm_adapter.embed.weight`, ...
+        anima_tiny.safetensors     `blocks.0.self_attn.q_proj.weight`, `llm_adapter.embed.weight`, ... (no `net.`)
         qwen_image_vae.safetensors original Wan VAE keys
         qwen_3_06b_tiny.safetensors Hugging Face Qwen3 keys (model.layers.0...)
         tokenizer/  tokenizer_2/   Qwen's and T5's
@@ -28,7 +28,6 @@ from transformers import Qwen3Model
 from tuner.archs.anima import loaders as anima
 from tuner.archs.anima.adapter import LLMAdapter
 from tuner.archs.anima.keys import ADAPTER, transformer_to_original
-from tuner.archs.cosmos_predict2.keys import RELEASE_PREFIX
 from tuner.archs.qwen_image.fixture import VAE_FILE
 from tuner.archs.wan.keys import vae_to_original
 from tuner.archs.z_image.text import original_key
@@ -73,9 +72,8 @@ def write_anima_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
         for name in ("vae", "text_encoder", "tokenizer", "tokenizer_2"):
             parts[name].save_pretrained(folder / name)
 
-    release = transformer_to_original(parts["transformer"].state_dict())
     single = {
-        "transformer_file": (TRANSFORMER_FILE, {RELEASE_PREFIX + k: v for k, v in release.items()}),
+        "transformer_file": (TRANSFORMER_FILE, transformer_to_original(parts["transformer"].state_dict())),
         "vae_file": (VAE_FILE, vae_to_original(parts["vae"].state_dict())),
         "text_encoder_file": (
             TEXT_ENCODER_FILE,

@@ -51,7 +51,6 @@ from tuner.models.loading import (
     normalize_state_dict,
     read_folder_config,
     read_tensor_shapes,
-    resolve_folder,
 )
 
 if TYPE_CHECKING:
@@ -142,12 +141,12 @@ def identify_transformer(path: str | Path) -> Variant:
 def load_transformer(path: str | Path, dtype: torch.dtype) -> CosmosTransformer3DModel:
     """Anima's DiT (a `CosmosTransformer3DModel`, padding mask as an input channel) holding its LLM adapter
     as `llm_adapter`, from a single file, in eval mode. The adapter is kept in `dtype` too."""
-    if resolve_folder(path, "transformer") is not None:
+    path = Path(path)
+    if path.is_dir():
         raise CheckpointError(
             f"{path}: a folder; Anima is released as a single file (anima-preview.safetensors), which "
             "`model.transformer` should point to."
         )
-    path = Path(path)
     variant = identify_transformer(path)
     stored = normalize_state_dict(load_tensors(path), dtype)
     tensors = _in_release_names({k: stored[s] for k, s in _network_keys(stored).items()}, path)

@@ -36,7 +36,7 @@ ANIMA = Architecture(
         r"llm_adapter\.blocks\.\d+\.mlp\.(0|2)",
     ),
     tokenizers=(
-        ("tokenizer", "Qwen/Qwen3-0.6B-Base:"),
+        ("tokenizer", "Qwen/Qwen3-0.6B-Base"),
         ("tokenizer_2", "nvidia/Cosmos-Predict2-2B-Text2Image:tokenizer"),  # T5-11B's
     ),
     comfy_files=(

@@ -212,6 +212,10 @@ PREDICT2 = Generation(
         ("blocks.block1.blocks.0.block.attn.to_q.0.weight", _COSMOS1),
         ("learnable_pos_embed.pos_emb_t", _COSMOS1),  # Cosmos 1.0 in diffusers' names
         ("crossattn_proj.0.weight", "a Cosmos-Predict2.5 transformer, which tuner does not train (yet)"),
+        (
+            "llm_adapter.embed.weight",
+            'an Anima transformer (its LLM adapter); train it with architecture = "anima"',
+        ),
     ),
     architectures=("cosmos_predict2", "cosmos_predict2_v2w"),
     models=("Text2Image", "Video2World"),
