@@ -129,6 +129,11 @@ def test_incomplete_or_extra_tensors_are_refused(paths, tmp_path, change):
         anima.load_transformer(tmp_path / "anima.safetensors", torch.float32)
 
 
+def test_missing_t5_tokenizer_is_named(paths):
+    with pytest.raises(CheckpointError, match="model.tokenizer_2"):
+        anima.load_text_encoder(paths["text_encoder_file"], paths["tokenizer"], None, torch.float32)
+
+
 def test_folder_is_refused(paths):
     with pytest.raises(CheckpointError, match="single file"):
         anima.load_transformer(paths["diffusers"], torch.float32)

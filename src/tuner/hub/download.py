@@ -6,7 +6,7 @@ By default the architecture's official diffusers pipeline (`Architecture.hub_rep
 encoders, tokenizers, image encoder, scheduler), and nothing else the repository holds (the release's
 single files, other weight formats); every path of the section is DIR, the pipeline folder.
 
-With `--comfy`, the single files ComfyUI users have (`Architecture.comfy_files`: Comfy-Org's repackaged
+With `--comfy` (and by default for a model released as such files only, Anima), the single files ComfyUI users have (`Architecture.comfy_files`: Comfy-Org's repackaged
 repositories, e.g. `wan2.1_t2v_1.3B_fp16.safetensors`, `wan_2.1_vae.safetensors`,
 `umt5_xxl_fp16.safetensors`), one per component, kept under DIR at their repository path; the section
 points at each file. Single-file text encoders carry no tokenizer: training uses the record's default
@@ -33,6 +33,7 @@ def download(name: str, variant: str = "", to: str | Path = ".", comfy: bool = F
     from tuner.registry import ARCHITECTURES, architecture
 
     record, to = architecture(name), Path(to)
+    comfy = comfy or not record.hub_repos  # released as single files only: there is no pipeline to fetch
     choices = dict(record.comfy_files if comfy else record.hub_repos)
     if comfy and not choices:
         covered = ", ".join(a.name for a in ARCHITECTURES.values() if a.comfy_files)

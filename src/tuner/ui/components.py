@@ -58,4 +58,9 @@ def downloads(name: str) -> list[dict]:
         if variant in comfy:
             files = ", ".join(f"{field}: {path.rsplit('/', 1)[-1]}" for field, path in comfy[variant])
             out.append({"variant": variant, "source": files, "comfy": True, "command": command + " --comfy"})
+    if not record.hub_repos:  # released as single files only (Anima): plain `tuner download` fetches them
+        for variant, files in record.comfy_files:
+            source = ", ".join(f"{field}: {path.rsplit('/', 1)[-1]}" for field, path in files)
+            command = f"tuner download {name}{' ' + variant if variant else ''} --to DIR"
+            out.append({"variant": variant, "source": source, "comfy": True, "command": command})
     return out

@@ -188,6 +188,11 @@ def load_text_encoder(
         path, tokenizer_path, dtype, QWEN3_SPEC, "Qwen3 tokenizer (Qwen/Qwen3-0.6B-Base's files)"
     )
     what = "T5 tokenizer of Anima's LLM adapter (tokenizer/ of nvidia/Cosmos-Predict2-2B-Text2Image, or google-t5/t5-11b)"
+    if t5_tokenizer_path is None:
+        raise CheckpointError(
+            f"{path}: key 'model.tokenizer_2' is not set; Anima's LLM adapter reads the caption's T5 ids: point "
+            f"it at the {what}."
+        )
     return encoder, load_tokenizer(t5_tokenizer_path, path, what)
 
 

@@ -36,7 +36,8 @@ ANIMA = Architecture(
         r"llm_adapter\.blocks\.\d+\.mlp\.(0|2)",
     ),
     tokenizers=(
-        ("tokenizer", "Qwen/Qwen3-0.6B-Base"),
+        # Qwen3's tokenizer is one for every size; Z-Image's folder holds it (Qwen3-0.6B-Base has it at its root)
+        ("tokenizer", "Tongyi-MAI/Z-Image-Turbo:tokenizer"),
         ("tokenizer_2", "nvidia/Cosmos-Predict2-2B-Text2Image:tokenizer"),  # T5-11B's
     ),
     comfy_files=(
