@@ -91,7 +91,8 @@ def test_transformer_variant_picked_from_shapes(variant):
 
 def test_released_adapter_sizes():
     """circlestone-labs/Anima's adapter (ComfyUI's LLMAdapter defaults): 6 blocks, 16 heads, width 1024,
-    the T5-11B vocabulary; its DiT is Cosmos-Predict2-2B's config."""
+    the T5-11B vocabulary; its DiT is Cosmos-Predict2-2B's config (ComfyUI's `model_detection` for Anima:
+    2048 channels, 28 blocks, 16 heads, AdaLN-LoRA 256, text 1024, RoPE extrapolation (1, 4, 4))."""
     two_b = next(v for v in anima.TRANSFORMER_VARIANTS if v.name == "2B")
     assert anima.adapter_config(two_b) == {"vocab_size": 32128, "dim": 1024, "layers": 6, "heads": 16}
     assert CosmosTransformer3DModel.load_config(two_b.config_dir) == CosmosTransformer3DModel.load_config(

@@ -16,8 +16,8 @@ ANIMA = Architecture(
     variants=("2B",),
     checkpoints=(
         "`transformer`: the release's single file (circlestone-labs/Anima `anima-preview.safetensors` and its "
-        "later files: NVIDIA's Cosmos-Predict2 names under `net.` plus the LLM adapter `llm_adapter.*`; with or "
-        "without `net.` / `model.diffusion_model.`, fp8-scaled too); a Cosmos-Predict2 file is refused naming "
+        "later files: NVIDIA's Cosmos-Predict2 names plus the LLM adapter `llm_adapter.*`; with or without "
+        "`net.` / `model.diffusion_model.`, fp8-scaled too); a Cosmos-Predict2 file is refused naming "
         "`cosmos_predict2`. `vae`: the Qwen-Image VAE (`qwen_image_vae.safetensors` or a diffusers `vae/`); "
         "`text_encoder`: Qwen3-0.6B-Base (`qwen_3_06b_base.safetensors` + `tokenizer`, or a transformers folder); "
         "`tokenizer_2`: the T5 tokenizer of the adapter's ids (the `tokenizer/` of "
