@@ -58,6 +58,14 @@ def test_release_file_loads_the_same_with_any_prefix(paths, transformer, tmp_pat
     assert "llm_adapter.blocks.0.self_attn.q_proj.weight" in stored
 
 
+def test_file_in_diffusers_names_loads_the_same(transformer, tmp_path):
+    """A full fine-tune saved with `save.format = "diffusers"`: diffusers' DiT names, the adapter's own."""
+    save_file(
+        {k: v.contiguous() for k, v in transformer.state_dict().items()}, tmp_path / "anima.safetensors"
+    )
+    assert_equal_weights(anima.load_transformer(tmp_path / "anima.safetensors", torch.float32), transformer)
+
+
 def test_every_tensor_is_used(paths, transformer):
     """The model holds exactly the file's tensors (the adapter as `llm_adapter`), bit for bit."""
     stored = load_file(paths["transformer_file"])
