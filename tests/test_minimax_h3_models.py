@@ -42,7 +42,9 @@ def test_the_release_layout_is_what_diffusers_single_file_converter_reads(fx, tr
     from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 
     release = load_file(fx["transformer_file"])
-    converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(dict(release), dict(transformer.config))
+    converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(
+        dict(release), dict(transformer.config)
+    )
     want = transformer.state_dict()
     assert converted.keys() == want.keys() and all(torch.equal(converted[k], want[k]) for k in want)
     prefixed = {f"diffusion_model.{k}": v for k, v in release.items()}
@@ -118,7 +120,9 @@ def test_the_sound_schedule_is_the_release_audio_scheduler():
     sound.set_timesteps(9)
     ours = flow_sigmas(8, 12.0)
     torch.testing.assert_close(ours, video.sigmas.float(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(_sound_stream().sound_levels(ours, 12.0), sound.sigmas.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        _sound_stream().sound_levels(ours, 12.0), sound.sigmas.float(), rtol=0, atol=1e-6
+    )
 
 
 def _sound_stream():
@@ -184,7 +188,10 @@ def test_saved_lora_is_comfyuis_layout_and_loads_in_diffusers(fx, transformer, t
         want = h3.predict_velocities(model, video, t, audio, t, [prompt])
     network.save(tmp_path / "lora.safetensors", format="comfy")
     release = set(load_file(fx["transformer_file"]))
-    stems = {k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0] for k in load_file(tmp_path / "lora.safetensors")}
+    stems = {
+        k.rsplit(".", 2)[0] if ".lora_" in k else k.rsplit(".", 1)[0]
+        for k in load_file(tmp_path / "lora.safetensors")
+    }
     assert "diffusion_model.blocks.0.attn.qkv_proj" in stems
     assert all(s.startswith("diffusion_model.") and f"{s.removeprefix('diffusion_model.')}.weight" in release
                for s in stems)  # fmt: skip
@@ -218,7 +225,10 @@ def test_generate_writes_an_mp4_with_sound_of_the_clips_length(fx, tmp_path):
     out = generate(cfg(config), opts, log=lambda s: None)
     with av.open(str(out)) as container:
         assert container.streams.video[0].frames == 22
-        assert container.streams.audio[0].rate == 32000 and container.streams.audio[0].codec_context.channels == 2
+        assert (
+            container.streams.audio[0].rate == 32000
+            and container.streams.audio[0].codec_context.channels == 2
+        )
     sound = read_audio(out, 32000, 2)
     assert torch.isfinite(sound).all() and sound.abs().max() > 0
     assert abs(sound.shape[1] / 32000 - 22 / 24) < 0.05  # 40 latents per second, hop 800

@@ -58,7 +58,10 @@ def write_minimax_h3_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Pa
             part.save_pretrained(folder / name)
 
     single = {
-        "transformer_file": (TRANSFORMER_FILE, MINIMAX_H3_LAYOUT.to_original(parts["transformer"].state_dict())),
+        "transformer_file": (
+            TRANSFORMER_FILE,
+            MINIMAX_H3_LAYOUT.to_original(parts["transformer"].state_dict()),
+        ),
         "text_encoder_file": (
             TEXT_ENCODER_FILE,
             {f"model.{k}": v for k, v in parts["text_encoder"].state_dict().items()},

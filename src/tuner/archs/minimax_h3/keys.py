@@ -56,7 +56,9 @@ MINIMAX_H3_KEYS = ArchitectureKeys(
 MINIMAX_H3_LAYOUT = CheckpointLayout(
     MINIMAX_H3_KEYS,
     tensor_renames=tuple(
-        (f"{d}.{{i}}.attn.norm_{x}.weight", f"{o}.{{i}}.attn.{x}_norm.weight") for d, o in _STACKS for x in "qk"
+        (f"{d}.{{i}}.attn.norm_{x}.weight", f"{o}.{{i}}.attn.{x}_norm.weight")
+        for d, o in _STACKS
+        for x in "qk"
     ),
     swapped_halves=tuple((f"{d}.{{i}}.ff.net.0.proj", f"{o}.{{i}}.mlp.fc1") for d, o in _STACKS),
 )

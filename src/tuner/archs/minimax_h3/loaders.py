@@ -113,7 +113,9 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
     """The video VAE: `vae/` of the diffusers folder (or that folder itself)."""
     from diffusers import AutoencoderKLMiniMaxH3
 
-    return load_diffusers_folder(AutoencoderKLMiniMaxH3, _vae_folder(path, "vae"), dtype, "AutoencoderKLMiniMaxH3")
+    return load_diffusers_folder(
+        AutoencoderKLMiniMaxH3, _vae_folder(path, "vae"), dtype, "AutoencoderKLMiniMaxH3"
+    )
 
 
 def load_audio_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
