@@ -72,6 +72,17 @@ def draw_sound_noise(cond: dict, generator: torch.Generator) -> dict:
     return {**cond, "audio_noise": torch.randn(audio.shape, generator=generator).to(audio)}
 
 
+def video_velocity(sound: SoundStream, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor,
+                   cond: dict) -> torch.Tensor:  # fmt: skip
+    """An audio-video family's `predict`: the video stream's velocity beside the batch's sound
+    (`noisy_audio`, at the sound's level for t) or, without, the stream's silence at t = 1."""
+    noisy_audio = cond.get("noisy_audio")
+    audio_t = sound.sound_levels(t)
+    if noisy_audio is None:
+        noisy_audio, audio_t = sound.silence(model, noisy), torch.ones_like(t)
+    return sound.predict_streams(model, noisy, t, noisy_audio, audio_t, cond)[0]
+
+
 def two_stream_loss(family, sound: SoundStream, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor,
                     t: torch.Tensor, cond: dict, accelerator) -> torch.Tensor:  # fmt: skip
     """The video stream's loss (with the dataset's loss mask, as the one-stream loss), plus the sound
