@@ -125,6 +125,39 @@ def test_the_sound_schedule_is_the_release_audio_scheduler():
     )
 
 
+def test_generation_steps_both_streams_down_the_release_schedulers(fx, transformer, tmp_path):
+    """tuner's sampler (both streams as one tensor, the sound's Euler step scaled onto the video's) lands
+    where the pipeline's two MiniMaxH3Schedulers (shift 12 and 3, data-ward velocities) take each stream."""
+    from diffusers import MiniMaxH3Scheduler
+
+    from project import cfg, make_project
+    from tuner.generate import GenerateOptions, sample_latents
+
+    family = ARCHITECTURES["minimax_h3"].family_model(
+        cfg(make_project(tmp_path, fx["root"], architecture="minimax_h3"))
+    )
+    prompt = torch.randn(3, 32, generator=torch.Generator().manual_seed(3))
+    cond = {"prompt_embeds": prompt[None], "prompt_mask": torch.ones(1, 3, dtype=torch.bool)}
+    opts = GenerateOptions(
+        prompt="-", out="-", width=64, height=64, frames=22, steps=4, guidance_scale=1.0, device="cpu"
+    )
+    with torch.no_grad():
+        video, sound = sample_latents(family, transformer, opts, cond, cond, torch.device("cpu"), torch.float32,
+                                      progress=False)  # fmt: skip
+        gen = torch.Generator().manual_seed(opts.seed)  # the video's noise, then the sound's
+        x = torch.randn((1, *family.latent_shape(64, 64, 22)), generator=gen)
+        a = torch.randn((1, *family.sound_stream().latent_shape(22)), generator=gen)
+        video_steps, sound_steps = MiniMaxH3Scheduler(shift=12.0), MiniMaxH3Scheduler(shift=3.0)
+        video_steps.set_timesteps(5)
+        sound_steps.set_timesteps(5)
+        for tv, ta in zip(video_steps.timesteps, sound_steps.timesteps, strict=True):
+            v, s = h3.predict_velocities(transformer, x, (1 - tv)[None], a, (1 - ta)[None], [prompt])
+            x = video_steps.step(-v, tv, x).prev_sample  # the model's own (data-ward) output
+            a = sound_steps.step(-s, ta, a).prev_sample
+    torch.testing.assert_close(video, x, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sound, a, rtol=1e-4, atol=1e-4)
+
+
 def _sound_stream():
     family = MiniMaxH3Model.__new__(MiniMaxH3Model)
     family.record = ARCHITECTURES["minimax_h3"]
