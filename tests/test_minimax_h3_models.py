@@ -265,3 +265,12 @@ def test_generate_writes_an_mp4_with_sound_of_the_clips_length(fx, tmp_path):
     sound = read_audio(out, 32000, 2)
     assert torch.isfinite(sound).all() and sound.abs().max() > 0
     assert abs(sound.shape[1] / 32000 - 22 / 24) < 0.05  # 40 latents per second, hop 800
+
+
+def test_the_audio_vae_is_found_beside_the_given_vae_folder(fx):
+    """The trainer hands `model.vae` to both VAE loaders: the pipeline root, or its `vae/` folder."""
+    beside = h3.load_audio_vae(fx["diffusers"] / "vae", torch.float32)
+    assert_equal_weights(beside, h3.load_audio_vae(fx["diffusers"], torch.float32))
+    assert_equal_weights(
+        h3.load_vae(fx["diffusers"] / "vae", torch.float32), h3.load_vae(fx["diffusers"], torch.float32)
+    )
