@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from project import assert_equal_weights
+from project import NoAccelerator, assert_equal_weights
 from tuner.archs.minimax_h3 import loaders as h3
 from tuner.archs.minimax_h3.fixture import write_minimax_h3_fixture
 from tuner.archs.minimax_h3.trainer import MiniMaxH3Model
@@ -164,13 +164,6 @@ def _sound_stream():
     return family.sound_stream()
 
 
-class _Accelerator:
-    def autocast(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
 def test_loss_noises_the_sound_at_its_own_level_and_sums_both_streams(transformer):
     from tuner.diffusion.timesteps import FlowObjective, flow_loss, flow_target
 
@@ -184,7 +177,7 @@ def test_loss_noises_the_sound_at_its_own_level_and_sums_both_streams(transforme
     cond = {"prompt_embeds": prompt[None], "prompt_mask": torch.ones(1, 3, dtype=torch.bool)}
     with torch.no_grad():
         loss = family.loss(transformer, video, noise, t, {**cond, "audio_latents": audio,
-                                                           "audio_noise": audio_noise}, _Accelerator())  # fmt: skip
+                                                           "audio_noise": audio_noise}, NoAccelerator())  # fmt: skip
         st = _sound_stream().sound_levels(t)
         assert 0 < st.item() < t.item()  # the sound is shifted less: nearer clean than the video
         v, a = h3.predict_velocities(
