@@ -186,7 +186,16 @@ def test_loss_noises_the_sound_at_its_own_level_and_sums_both_streams(transforme
         expected = flow_loss(v, flow_target(video, noise), t, "none") + flow_loss(
             a, flow_target(audio, audio_noise), st, "none"
         )
+        # a clip without sound: the video stream's loss beside the stream's silence at t = 1
+        silent = family.loss(transformer, video, noise, t, cond, NoAccelerator())
+        noisy = (1 - t) * video + t * noise
+        quiet = _sound_stream().silence(transformer, noisy)
+        assert quiet.shape == (1, 2, 32, 8)  # 5 frames (2 latent frames) at 40 latents per second
+        v, _ = h3.predict_velocities(transformer, noisy, t, quiet, torch.ones(1), [prompt])
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        silent, flow_loss(v, flow_target(video, noise), t, "none"), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_saved_lora_is_comfyuis_layout_and_loads_in_diffusers(fx, transformer, tmp_path):
