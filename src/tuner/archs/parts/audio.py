@@ -8,8 +8,8 @@ both streams together (`tuner.generate`).
 
 Training noises both streams at the same t (or, where the release gives its sound a schedule of its own,
 at that schedule's level for t: `SoundStream.sound_shift`) and the loss is the objective's loss of each
-stream, summed. A clip without sound trains video-only: its audio stream is the stream's `silence` at t = 1 (nothing to
-learn from, as at the first step of generation) and adds no loss.
+stream, summed. A clip without sound trains video-only: its audio stream is the stream's `silence` at
+t = 1 (nothing to learn from, as at the first step of generation) and adds no loss.
 """
 
 from __future__ import annotations
