@@ -182,3 +182,13 @@ def assert_equal_weights(a, b) -> None:
     assert sa.keys() == sb.keys()
     for key in sa:
         assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+
+
+class NoAccelerator:
+    """What `ArchitectureModel.loss` asks of an accelerator, for calling it outside a trainer: autocast
+    that does nothing."""
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()

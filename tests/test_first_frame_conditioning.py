@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from project import cfg, killed_at_first_save, make_project
+from project import NoAccelerator, cfg, killed_at_first_save, make_project
 from tuner.archs.hunyuan_video15.trainer import HunyuanVideo15Model
 from tuner.archs.wan.trainer import WanModel
 from tuner.cache.plan import open_training_data
@@ -217,7 +217,7 @@ def test_a_loss_mask_multiplies_the_first_frame_mask(tmp_path):
     drawn = _draw(trainer, x0, cond, 0)
     objective = trainer.training_objective()
     with torch.no_grad():
-        loss = trainer.loss(model, x0, noise, t, drawn, _NoAccelerator())
+        loss = trainer.loss(model, x0, noise, t, drawn, NoAccelerator())
         plain = {k: v for k, v in drawn.items() if k != "loss_mask"}
         pred = trainer.predict(model, objective.add_noise(x0, noise, t), t, plain).float()
         first = trainer.loss_mask(x0, plain)
@@ -226,13 +226,6 @@ def test_a_loss_mask_multiplies_the_first_frame_mask(tmp_path):
         one_only = [objective.loss(pred, x0, noise, t, mask=m) for m in (first, weights)]
     torch.testing.assert_close(loss, expected)
     assert all(not torch.allclose(loss, other) for other in one_only)
-
-
-class _NoAccelerator:
-    def autocast(self):
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 # --- LTX-Video generates from a first frame -----------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from diffusers import LTX2Pipeline
 from safetensors.torch import load_file, save_file
 
+from project import NoAccelerator
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.ltx2.fixture import write_ltx2_fixture
 from tuner.archs.ltx2.trainer import LTX2Model
@@ -135,13 +136,6 @@ def test_both_streams_match_the_pipelines_transformer_call(pipe):
     torch.testing.assert_close(audio_v, pipe._unpack_audio_latents(theirs_a, 5, 16), rtol=0, atol=0)
 
 
-class _Accelerator:
-    def autocast(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
 def test_loss_covers_both_streams(pipe, tmp_path):
     """With sound the loss is the video stream's plus the audio stream's flow-matching loss, and the
     audio output head gets gradients; without sound only the video stream counts."""
@@ -158,7 +152,7 @@ def test_loss_covers_both_streams(pipe, tmp_path):
     audio_noise = torch.randn_like(audio)
     with_sound = {**cond, "audio_latents": audio, "audio_noise": audio_noise}
     model.zero_grad()
-    loss = trainer.loss(model, x0, noise, t, with_sound, _Accelerator())
+    loss = trainer.loss(model, x0, noise, t, with_sound, NoAccelerator())
     loss.backward()
     assert model.audio_proj_out.weight.grad.abs().sum() > 0
     with torch.no_grad():
@@ -172,9 +166,9 @@ def test_loss_covers_both_streams(pipe, tmp_path):
     masked = {**with_sound, "loss_mask": torch.zeros(1, 1, *x0.shape[2:]), "loss_weight": torch.tensor([2.0])}
     with torch.no_grad():
         audio_only = flow_loss(a, flow_target(audio, audio_noise), t, "none")
-        torch.testing.assert_close(trainer.loss(model, x0, noise, t, masked, _Accelerator()), 2 * audio_only)
+        torch.testing.assert_close(trainer.loss(model, x0, noise, t, masked, NoAccelerator()), 2 * audio_only)
     model.zero_grad()
-    silent = trainer.loss(model, x0, noise, t, cond, _Accelerator())
+    silent = trainer.loss(model, x0, noise, t, cond, NoAccelerator())
     silent.backward()
     assert model.audio_proj_out.weight.grad is None or model.audio_proj_out.weight.grad.abs().sum() == 0
     model.zero_grad()

@@ -211,7 +211,7 @@ DIFFUSERS_SAMPLE = [
     pytest.param("ltx2", marks=pytest.mark.slow), pytest.param("flux", marks=pytest.mark.slow),
     pytest.param("krea2", marks=pytest.mark.slow), pytest.param("aura_flow", marks=pytest.mark.slow),
     pytest.param("ernie_image", marks=pytest.mark.slow),
-    pytest.param("ideogram4", marks=pytest.mark.slow),
+    pytest.param("ideogram4", marks=pytest.mark.slow), pytest.param("minimax_h3", marks=pytest.mark.slow),
 ]  # fmt: skip
 
 

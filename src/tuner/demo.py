@@ -41,7 +41,7 @@ VIDEOS_TOML = """
 [[datasets]]
 video_directory = "data/videos"
 batch_size = 1
-target_frames = [9]
+target_frames = [{frames}]
 frame_extraction = "head"
 source_fps = 24.0
 """
@@ -91,6 +91,16 @@ def demo_size(architecture: str) -> tuple[int, int]:
     return 64, -(-48 // step) * step
 
 
+def demo_frames(architecture: str) -> int:
+    """The demo's clip length: 9 frames, or the first count from 9 up the model accepts (22 for MiniMax
+    H3's 17N+5)."""
+    record = ARCHITECTURES[architecture]
+    frames = 9
+    while frames % record.frame_multiple != record.frame_remainder % record.frame_multiple:
+        frames += 1
+    return frames
+
+
 def frame_image_args(architecture: str, data: Path) -> list[str]:
     """`tuner generate`'s frame images for image-to-video architectures (`--image` once or twice), from
     the demo dataset's images; none for the others."""
@@ -115,7 +125,7 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
     width, height = demo_size(architecture)
     dataset = GENERAL_TOML.format(width=width, height=height)
     dataset += IMAGES_TOML + (CONTROLS_TOML if controls else "") if images else ""
-    dataset += VIDEOS_TOML if video else ""
+    dataset += VIDEOS_TOML.format(frames=demo_frames(architecture)) if video else ""
     (out / "dataset.toml").write_text(dataset)
     config = out / "train.toml"
     section = spec.model_section.format(root=Path(model).resolve())
@@ -137,7 +147,7 @@ def run(out: Path, steps: int = 50, architecture: str = "wan", model: Path | Non
         ["train", "--config", c],
         ["generate", "--config", c, "--prompt", "a red circle moving left on a black background",
          "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "{}x{}".format(*demo_size(architecture)),
-         "--frames", "9" if video else "1",
+         "--frames", str(demo_frames(architecture)) if video else "1",
          "--steps", "8", "--guidance", "3.0", "--device", "cpu",
          *(["--control", str(out / "data" / "controls" / "image_000.png")] * controls),
          *frame_image_args(architecture, out / "data"),

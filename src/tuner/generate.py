@@ -253,10 +253,19 @@ def _sample_latents(family, model, opts: GenerateOptions, guidance: float, cond:
         size = noise[0].numel()
         noise = torch.cat([noise.flatten(1), sound.flatten(1)], 1)
 
+        sigmas = flow_sigmas(opts.steps, opts.shift)
+        sound_sigmas = stream.sound_levels(sigmas, opts.shift)
+
         def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:  # noqa: F811
             video, audio = x[:, :size].reshape(-1, *shape), x[:, size:].reshape(-1, *sound_shape)
             t = t / 1000
-            v, a = stream.predict_streams(model, video.to(dtype), t, audio.to(dtype), t, c)
+            if stream.sound_shift is None:
+                v, a = stream.predict_streams(model, video.to(dtype), t, audio.to(dtype), t, c)
+            else:  # the sound down its own schedule: its Euler step scaled onto the video's
+                i = int((sigmas - t[0].cpu()).abs().argmin())
+                sound_t = torch.full_like(t, float(sound_sigmas[i]))
+                v, a = stream.predict_streams(model, video.to(dtype), t, audio.to(dtype), sound_t, c)
+                a = a * float((sound_sigmas[i + 1] - sound_sigmas[i]) / (sigmas[i + 1] - sigmas[i]))
             return torch.cat([v.float().flatten(1), a.float().flatten(1)], 1)
 
     if family.record.objective == "ddpm":  # SDXL: diffusers' Euler / DPM++ 2M on the trained schedule

@@ -18,7 +18,7 @@ from torch import nn
 
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.model import ArchitectureModel
-from tuner.archs.parts.audio import draw_sound_noise
+from tuner.archs.parts.audio import draw_sound_noise, video_velocity
 from tuner.memory import text_encoder_dtype
 
 
@@ -64,13 +64,8 @@ class LTX2Model(ArchitectureModel):
         return draw_sound_noise(cond, generator)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """The video stream's velocity; a batch's sound (`noisy_audio`) or, without, the stream's silence."""
-        sound = self.sound_stream()
-        noisy_audio = cond.get("noisy_audio")
-        audio_t = t
-        if noisy_audio is None:
-            noisy_audio, audio_t = sound.silence(model, noisy), torch.ones_like(t)
-        return sound.predict_streams(model, noisy, t, noisy_audio, audio_t, cond)[0]
+        """The video stream's velocity (`tuner.archs.parts.audio.video_velocity`)."""
+        return video_velocity(self.sound_stream(), model, noisy, t, cond)
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (128, (frames - 1) // 8 + 1, height // 32, width // 32)
