@@ -353,8 +353,15 @@ class Architecture:
 
     @property
     def model_class(self) -> str:
-        """The diffusers class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
+        """The class name of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
         return _class_name(self.variant_dir / "transformer" / "tiny" / "config.json")
+
+    def transformer_class(self) -> type:
+        """The class `model_class` names: diffusers', or, for a model diffusers lacks (OmniGen2), the
+        family's own diffusers-style class in its folder's `model.py`."""
+        import diffusers
+
+        return getattr(diffusers, self.model_class, None) or self._code(self.model_class, "model")
 
     def _code(self, ref: str, default: str = "") -> Any:
         """What `ref` names in the record's folder: `attribute` of the module `default`, or

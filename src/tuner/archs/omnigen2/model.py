@@ -1,0 +1,180 @@
+"""OmniGen2's diffusion transformer, written from the release's description (diffusers 0.42 has no class
+for it; its `OmniGenTransformer2DModel` is OmniGen v1, a different network).
+
+OmniGen2 (VectorSpaceLab, 2025) pairs Qwen2.5-VL-3B with a 4B Lumina-Image-2.0-style transformer. Facts
+used here, all from the release's `omnigen2/models/transformers/transformer_omnigen2.py` and ComfyUI's
+re-implementation (`comfy/ldm/omnigen/omnigen2.py`), which name every module the same way (so a
+ComfyUI single file, `omnigen2_fp16.safetensors`, holds exactly the release's keys):
+
+* every block is a Lumina 2 block (`OmniGen2TransformerBlock`): grouped-query self-attention with
+  RMSNorm'd q and k, rotary positions applied to (q, k) as adjacent pairs, SDPA at the default scale
+  1/√d; a SwiGLU MLP whose width is 4·dim rounded up to `multiple_of`; sandwich RMSNorms (`norm1` before,
+  `norm2` after attention, `ffn_norm1` / `ffn_norm2` around the MLP); in the modulated blocks `norm1`
+  is `LuminaRMSNormZero` (scale of the attention input, tanh gates of both residuals, scale of the MLP
+  input from SiLU(temb)). That is diffusers' `Lumina2TransformerBlock` line for line (same modules,
+  names and wiring, checked against a plain-torch computation in `tests/test_omnigen2_models.py`), so
+  this file builds on it rather than writing a second copy;
+* four block lists: `context_refiner` (text alone, unmodulated), `noise_refiner` (the noisy image
+  alone, modulated), `ref_image_refiner` (each reference image alone, modulated) and `layers` (the joint
+  sequence [text, reference images, image]);
+* the time embedding is Lumina 2's (sinusoids of 256 channels, cos first, then a 2-layer MLP to
+  min(dim, 1024)), taken of `timestep_scale` · τ (1000 in the release); the text goes through RMSNorm +
+  linear (`time_caption_embed.caption_embedder`);
+* Omni-RoPE: three axes (40 + 40 + 40 of the 120-dim heads); text token i sits at (i, i, i); the image
+  token at row r, column c at (L, r, c) with L the text's true length (reference images take (L + shift,
+  r, c), each shifting the first axis on by its larger side);
+* the output is `LuminaLayerNormContinuous` (LayerNorm without affine, scaled by 1 + linear(SiLU(temb)))
+  and a linear to the 2×2×16 patch values; time runs from noise (τ = 0) to image (τ = 1) and the model
+  predicts dx/dτ = image − noise (ComfyUI calls it at 1 − t and negates the result, as tuner does).
+
+What the description left open, and how tuner decides it:
+
+* reference images (editing, in-context generation) are not implemented: diffusion-pipe, the tool that
+  trains OmniGen2, trains text-to-image only. Their weights (`ref_image_patch_embedder`,
+  `ref_image_refiner`, `image_index_embedding`) are part of the checkpoint, so they load and save
+  (strict key checks hold), and no default adapter target touches them; the text-to-image forward never
+  runs them (in the release, text-to-image runs them on empty sequences, which changes nothing);
+* the joint attention mask: the release masks the padding of a batch of unequal captions; so does this
+  forward (the padding is at the end of each row), and passes no mask where every row is full.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.normalization import LuminaLayerNormContinuous
+from diffusers.models.transformers.transformer_lumina2 import (
+    Lumina2CombinedTimestepCaptionEmbedding,
+    Lumina2RotaryPosEmbed,
+    Lumina2TransformerBlock,
+)
+from torch import nn
+
+MAX_REFERENCE_IMAGES = 5  # rows of `image_index_embedding`
+
+
+class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
+    """OmniGen2's transformer (text-to-image forward); the config keys are the release's `config.json`'s."""
+
+    _supports_gradient_checkpointing = True
+    _skip_layerwise_casting_patterns = ["x_embedder", "norm"]
+
+    @register_to_config
+    def __init__(
+        self,
+        patch_size: int = 2,
+        in_channels: int = 16,
+        out_channels: int | None = None,
+        hidden_size: int = 2520,
+        num_layers: int = 32,
+        num_refiner_layers: int = 2,
+        num_attention_heads: int = 21,
+        num_kv_heads: int = 7,
+        multiple_of: int = 256,
+        ffn_dim_multiplier: float | None = None,
+        norm_eps: float = 1e-5,
+        axes_dim_rope: tuple[int, int, int] = (40, 40, 40),
+        axes_lens: tuple[int, int, int] = (1024, 1664, 1664),
+        text_feat_dim: int = 2048,
+        timestep_scale: float = 1000.0,
+    ) -> None:
+        super().__init__()
+        if hidden_size // num_attention_heads != sum(axes_dim_rope):
+            raise ValueError(
+                f"hidden_size // num_attention_heads ({hidden_size // num_attention_heads}) must equal "
+                f"sum(axes_dim_rope) ({sum(axes_dim_rope)}): the rotary axes split each head"
+            )
+        self.out_channels = out_channels or in_channels
+        patch_values = patch_size * patch_size * in_channels
+
+        def blocks(count: int, modulation: bool) -> nn.ModuleList:
+            return nn.ModuleList(
+                Lumina2TransformerBlock(
+                    hidden_size,
+                    num_attention_heads,
+                    num_kv_heads,
+                    multiple_of,
+                    ffn_dim_multiplier,
+                    norm_eps,
+                    modulation=modulation,
+                )
+                for _ in range(count)
+            )
+
+        self.rope_embedder = Lumina2RotaryPosEmbed(
+            theta=10000, axes_dim=list(axes_dim_rope), axes_lens=list(axes_lens), patch_size=patch_size
+        )
+        self.x_embedder = nn.Linear(patch_values, hidden_size)
+        self.ref_image_patch_embedder = nn.Linear(patch_values, hidden_size)
+        self.time_caption_embed = Lumina2CombinedTimestepCaptionEmbedding(
+            hidden_size=hidden_size, cap_feat_dim=text_feat_dim, norm_eps=norm_eps
+        )
+        self.noise_refiner = blocks(num_refiner_layers, modulation=True)
+        self.ref_image_refiner = blocks(num_refiner_layers, modulation=True)
+        self.context_refiner = blocks(num_refiner_layers, modulation=False)
+        self.layers = blocks(num_layers, modulation=True)
+        self.norm_out = LuminaLayerNormContinuous(
+            embedding_dim=hidden_size,
+            conditioning_embedding_dim=min(hidden_size, 1024),
+            elementwise_affine=False,
+            eps=1e-6,
+            bias=True,
+            out_dim=patch_size * patch_size * self.out_channels,
+        )
+        self.image_index_embedding = nn.Parameter(torch.zeros(MAX_REFERENCE_IMAGES, hidden_size))
+        self.gradient_checkpointing = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor,
+        return_dict: bool = True,
+    ) -> torch.Tensor | Transformer2DModelOutput:
+        """The velocity image − noise for latents `hidden_states` [B, C, H, W] at OmniGen2's time τ [B]
+        (0 = noise, 1 = image), given Qwen2.5-VL's hidden states [B, L, D] with their mask [B, L]
+        (True = a token; padding at the end of each row)."""
+        batch, _, height, width = hidden_states.shape
+        p = self.config.patch_size
+        temb, text = self.time_caption_embed(
+            hidden_states, timestep * self.config.timestep_scale, encoder_hidden_states
+        )
+        # Omni-RoPE without reference images is Lumina 2's layout: text at (i, i, i), image at (L, r, c)
+        image, text_rope, image_rope, joint_rope, text_lengths, lengths = self.rope_embedder(
+            hidden_states, encoder_attention_mask
+        )
+        image = self.x_embedder(image)
+
+        for block in self.context_refiner:
+            text = block(text, encoder_attention_mask, text_rope)
+        for block in self.noise_refiner:
+            image = block(image, None, image_rope, temb)
+
+        # the joint sequence [text (true length), image], right-padded to the longest row
+        joint = image.new_zeros(batch, max(lengths), self.config.hidden_size)
+        mask = torch.zeros(batch, max(lengths), dtype=torch.bool, device=image.device)
+        for i, (text_length, length) in enumerate(zip(text_lengths, lengths)):
+            joint[i, :text_length] = text[i, :text_length]
+            joint[i, text_length:length] = image[i]
+            mask[i, :length] = True
+        mask = mask if len(set(lengths)) > 1 else None
+        for block in self.layers:
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                joint = self._gradient_checkpointing_func(block, joint, mask, joint_rope, temb)
+            else:
+                joint = block(joint, mask, joint_rope, temb)
+
+        out = self.norm_out(joint, temb)
+        # each row's image tokens back to [C, H, W]: token (r, c) holds the (p, p, C) patch values
+        rows = [
+            out[i, text_length:length]
+            .view(height // p, width // p, p, p, self.out_channels)
+            .permute(4, 0, 2, 1, 3)
+            .reshape(self.out_channels, height, width)
+            for i, (text_length, length) in enumerate(zip(text_lengths, lengths))
+        ]
+        output = torch.stack(rows)
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)

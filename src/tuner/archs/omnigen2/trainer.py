@@ -1,0 +1,43 @@
+"""OmniGen2 text-to-image on its own transformer (`tuner.archs.omnigen2.model`).
+
+Latents: the FLUX.1 VAE (8× compression, 16 channels, normalized with its shift and scaling factors),
+which the transformer cuts into 2×2 patches itself, so pixel sides are multiples of 16. Text:
+Qwen2.5-VL-3B's last hidden state over the chat-templated caption, stored at its true length and padded
+per batch with a mask (`tuner.archs.omnigen2.loaders`). The model's time runs from noise (0) to image
+(1) as Lumina 2's, so Lumina 2's `predict_velocity` turns it into tuner's convention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tuner.archs.flux_vae import FluxVAEImageModel
+from tuner.archs.lumina2.loaders import predict_velocity
+from tuner.archs.model import padded_prompts
+from tuner.archs.omnigen2 import loaders as omnigen2
+from tuner.memory import text_encoder_dtype
+
+
+class OmniGen2Model(FluxVAEImageModel):
+    architecture = "omnigen2"
+
+    def load_transformer(self, dtype: torch.dtype) -> nn.Module:
+        return omnigen2.load_transformer(self.weights_path("transformer"), dtype)
+
+    def load_text_encoder(self, device: torch.device, dtype: str):
+        encoder = omnigen2.load_text_encoder(
+            self.weights_path("text_encoder"), self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
+        )
+        self.place_text_encoders(dtype, device, encoder.model)
+        return encoder
+
+    def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:
+        length = min(self.cfg.cache.text_max_length, omnigen2.MAX_TEXT_TOKENS)
+        return [{"prompt_embeds": e} for e in omnigen2.encode_prompts(encoder, captions, length)]
+
+    def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return padded_prompts(entries)
+
+    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
