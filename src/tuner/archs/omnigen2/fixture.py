@@ -1,6 +1,6 @@
 """A tiny random-weight OmniGen2, written in the layouts users have.
 
-Built from the `tiny` transformer config shipped in `configs/` (3 query heads and 1 key/value head of 32,
+Built from the `tiny` transformer config shipped in `configs/` (4 query heads and 2 key/value heads of 32,
 rotary axes 8 + 12 + 12, one refiner block of each kind, 2 layers, text width 64), FLUX.1's tiny VAE (the
 real 8× compression and 16 latent channels) and Qwen-Image's tiny Qwen2.5-VL (2 layers of width 64, a
 2-block vision tower), so loaders recognise them like real checkpoints. The Qwen2 tokenizer is learned

@@ -59,8 +59,8 @@ TRANSFORMER_VARIANTS = variant_table(
     {
         # OmniGen2 (4B): 32 layers of width 2520 (21 query heads, 7 key/value heads of 120), Qwen2.5-VL-3B
         "omnigen2": ((2520, 64), (2520, 2048), (32, (840, 2520))),
-        # the test fixture (tuner.archs.omnigen2.fixture): 3 heads of 32 (1 key/value head), 2 layers
-        "tiny": ((96, 64), (96, 64), (2, (32, 96))),
+        # the test fixture (tuner.archs.omnigen2.fixture): 4 heads of 32 (2 key/value heads), 2 layers
+        "tiny": ((128, 64), (128, 64), (2, (64, 128))),
     },
 )  # fmt: skip
 
