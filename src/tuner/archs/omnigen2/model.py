@@ -42,17 +42,55 @@ from __future__ import annotations
 
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import LuminaLayerNormContinuous
 from diffusers.models.transformers.transformer_lumina2 import (
     Lumina2CombinedTimestepCaptionEmbedding,
-    Lumina2RotaryPosEmbed,
     Lumina2TransformerBlock,
 )
 from torch import nn
 
 MAX_REFERENCE_IMAGES = 5  # rows of `image_index_embedding`
+
+
+class OmniGen2RotaryPosEmbed(nn.Module):
+    """Omni-RoPE without reference images: text token i at (i, i, i), image token (r, c) at (L, r, c), L
+    the caption's true length. (Lumina 2's own table puts text at (i, 0, 0): OmniGen2 differs there.)
+
+    Each axis a of d_a dims has the table e^{i·p·θ_j}, θ_j = 10000^(−2j / d_a), for positions p below
+    its `axes_lens` entry; a token's rotation is its three rows concatenated (complex, [head_dim / 2])."""
+
+    def __init__(self, axes_dim: tuple[int, ...], axes_lens: tuple[int, ...]) -> None:
+        super().__init__()
+        self.tables = [
+            get_1d_rotary_pos_embed(d, length, theta=10000, freqs_dtype=torch.float64)
+            for d, length in zip(axes_dim, axes_lens)
+        ]
+
+    def rotations(self, positions: torch.Tensor) -> torch.Tensor:
+        """[..., 3] integer positions -> [..., head_dim / 2] complex rotations."""
+        return torch.cat(
+            [table.to(positions.device)[positions[..., a]] for a, table in enumerate(self.tables)], dim=-1
+        )
+
+    def forward(self, text_lengths: list[int], text_len: int, rows: int, cols: int, device: torch.device):
+        """Rotations of the text [B, text_len, ·] (padding rows too: they are masked or dropped), of the
+        image [B, rows·cols, ·] and of each row's joint sequence [B, max(L) + rows·cols, ·] (its true-length
+        text, the image, then zeros for padding)."""
+        text = self.rotations(torch.arange(text_len, device=device)[:, None].expand(text_len, 3))
+        grid = torch.cartesian_prod(torch.arange(rows, device=device), torch.arange(cols, device=device))
+        images, joints = [], []
+        for length in text_lengths:
+            images.append(self.rotations(torch.cat([torch.full_like(grid[:, :1], length), grid], dim=1)))
+            joints.append(torch.cat([text[:length], images[-1]]))
+        joint = torch.zeros(
+            len(joints), max(map(len, joints)), text.shape[-1], dtype=text.dtype, device=device
+        )
+        for i, row in enumerate(joints):
+            joint[i, : len(row)] = row
+        return text.expand(len(text_lengths), -1, -1), torch.stack(images), joint
 
 
 class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
@@ -103,9 +141,7 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
                 for _ in range(count)
             )
 
-        self.rope_embedder = Lumina2RotaryPosEmbed(
-            theta=10000, axes_dim=list(axes_dim_rope), axes_lens=list(axes_lens), patch_size=patch_size
-        )
+        self.rope_embedder = OmniGen2RotaryPosEmbed(axes_dim_rope, axes_lens)
         self.x_embedder = nn.Linear(patch_values, hidden_size)
         self.ref_image_patch_embedder = nn.Linear(patch_values, hidden_size)
         self.time_caption_embed = Lumina2CombinedTimestepCaptionEmbedding(
@@ -137,16 +173,18 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
         """The velocity image − noise for latents `hidden_states` [B, C, H, W] at OmniGen2's time τ [B]
         (0 = noise, 1 = image), given Qwen2.5-VL's hidden states [B, L, D] with their mask [B, L]
         (True = a token; padding at the end of each row)."""
-        batch, _, height, width = hidden_states.shape
+        batch, channels, height, width = hidden_states.shape
         p = self.config.patch_size
         temb, text = self.time_caption_embed(
             hidden_states, timestep * self.config.timestep_scale, encoder_hidden_states
         )
-        # Omni-RoPE without reference images is Lumina 2's layout: text at (i, i, i), image at (L, r, c)
-        image, text_rope, image_rope, joint_rope, text_lengths, lengths = self.rope_embedder(
-            hidden_states, encoder_attention_mask
+        text_lengths = encoder_attention_mask.sum(dim=1).tolist()
+        text_rope, image_rope, joint_rope = self.rope_embedder(
+            text_lengths, text.shape[1], height // p, width // p, hidden_states.device
         )
-        image = self.x_embedder(image)
+        # 2x2 patches; token (r, c) holds its values in (row in patch, column in patch, channel) order
+        patches = hidden_states.view(batch, channels, height // p, p, width // p, p)
+        image = self.x_embedder(patches.permute(0, 2, 4, 3, 5, 1).flatten(3).flatten(1, 2))
 
         for block in self.context_refiner:
             text = block(text, encoder_attention_mask, text_rope)
@@ -154,6 +192,7 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
             image = block(image, None, image_rope, temb)
 
         # the joint sequence [text (true length), image], right-padded to the longest row
+        lengths = [length + image.shape[1] for length in text_lengths]
         joint = image.new_zeros(batch, max(lengths), self.config.hidden_size)
         mask = torch.zeros(batch, max(lengths), dtype=torch.bool, device=image.device)
         for i, (text_length, length) in enumerate(zip(text_lengths, lengths)):
@@ -168,7 +207,7 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
                 joint = block(joint, mask, joint_rope, temb)
 
         out = self.norm_out(joint, temb)
-        # each row's image tokens back to [C, H, W]: token (r, c) holds the (p, p, C) patch values
+        # each row's image tokens back to [C, H, W]
         rows = [
             out[i, text_length:length]
             .view(height // p, width // p, p, p, self.out_channels)
