@@ -22,7 +22,8 @@ ComfyUI single file, `omnigen2_fp16.safetensors`, holds exactly the release's ke
   linear (`time_caption_embed.caption_embedder`);
 * Omni-RoPE: three axes (40 + 40 + 40 of the 120-dim heads); text token i sits at (i, i, i); the image
   token at row r, column c at (L, r, c) with L the text's true length (reference images take (L + shift,
-  r, c), each shifting the first axis on by its larger side);
+  r, c), each shifting the first axis on by its larger side). Lumina 2 puts text at (i, 0, 0), so the
+  rotary table here is this file's own (`OmniGen2RotaryPosEmbed`);
 * the output is `LuminaLayerNormContinuous` (LayerNorm without affine, scaled by 1 + linear(SiLU(temb)))
   and a linear to the 2×2×16 patch values; time runs from noise (τ = 0) to image (τ = 1) and the model
   predicts dx/dτ = image − noise (ComfyUI calls it at 1 − t and negates the result, as tuner does).
