@@ -179,6 +179,9 @@ class Architecture:
     hub_repos: tuple[tuple[str, str], ...] = ()
     """(variant, repository) of the official diffusers pipelines, the first the default: what
     `tuner download ARCH [VARIANT]` fetches the components from."""
+    hub_folders: tuple[tuple[str, str], ...] = ()
+    """(config field, folder) of a component its pipeline keeps in a folder of another name than the field
+    (OmniGen2's Qwen2.5-VL in `mllm/`): `tuner download` points that field at the pipeline too."""
     comfy_files: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     """(variant, ((config field, hub file), ...)) of the single files ComfyUI users have, from Comfy-Org's
     repackaged repositories (`repo/split_files/...`): what `tuner download ARCH [VARIANT] --comfy` fetches;

@@ -21,8 +21,8 @@ OMNIGEN2 = Architecture(
         "ComfyUI's `omnigen2_fp16.safetensors` (the release's keys; `model.diffusion_model.` optional, fp8 too) "
         "or the release's folder (`OmniGen2/OmniGen2`, `transformer/`); `vae`: the FLUX.1 VAE (`ae.safetensors` "
         "or `vae/`); `text_encoder`: Qwen2.5-VL-3B (ComfyUI's `qwen_2.5_vl_fp16.safetensors` + `tokenizer`, or "
-        "the release's `mllm/` with `processor/`: point `text_encoder` at the pipeline folder, which "
-        "`tuner download omnigen2` does not name). Adapters: `auto` = `comfy` (ComfyUI's generic "
+        "the release's `mllm/` with `processor/`, given as the pipeline folder). Adapters: `auto` = `comfy` "
+        "(ComfyUI's generic "
         "`diffusion_model.` names); diffusers has no OmniGen2 pipeline"
     ),
     save_format_loads="ComfyUI; diffusers has no OmniGen2 pipeline",
@@ -37,6 +37,7 @@ OMNIGEN2 = Architecture(
     ),
     tokenizers=(("tokenizer", "OmniGen2/OmniGen2:processor"),),  # Qwen2.5-VL's, in the release's processor/
     hub_repos=(("", "OmniGen2/OmniGen2"),),
+    hub_folders=(("text_encoder", "mllm"),),  # its tokenizer is then found in the sibling processor/
     comfy_files=(
         (
             "",
