@@ -5,6 +5,12 @@ which the transformer cuts into 2×2 patches itself, so pixel sides are multiple
 Qwen2.5-VL-3B's last hidden state over the chat-templated caption, stored at its true length and padded
 per batch with a mask (`tuner.archs.omnigen2.loaders`). The model's time runs from noise (0) to image
 (1) as Lumina 2's, so Lumina 2's `predict_velocity` turns it into tuner's convention.
+
+Timesteps: the release's scheduler shifts time by the image size, s = √(latent pixels) / 40 (3.2 at
+1024×1024, in tuner's t: t' = s·t / (1 + (s − 1)·t)), and trains on logit-normal times so shifted (the
+training configs' `transport`: lognorm, do_shift, dynamic_time_shift). tuner has no mode for that
+square-root rule: the example config trains with `mode = "shift"` at 3.2, and sampling uses 3.2 at every
+size (the record's `sampling.shift`).
 """
 
 from __future__ import annotations
