@@ -174,6 +174,24 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
         """The velocity image − noise for latents `hidden_states` [B, C, H, W] at OmniGen2's time τ [B]
         (0 = noise, 1 = image), given Qwen2.5-VL's hidden states [B, L, D] with their mask [B, L]
         (True = a token; padding at the end of each row)."""
+        joint, mask, rope, temb = self.embed(
+            hidden_states, timestep, encoder_hidden_states, encoder_attention_mask
+        )
+        for block in self.layers:
+            joint = self.run_layer(block, joint, mask, rope, temb)
+        text_lengths = encoder_attention_mask.sum(dim=1).tolist()
+        output = self.project_out(joint, temb, text_lengths, *hidden_states.shape[-2:])
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def embed(
+        self,
+        hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_attention_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before the joint layers: (joint sequence [B, S, dim] (each row its true-length text,
+        the image, then padding), its mask [B, S] (True = a token), its rotations, temb)."""
         batch, channels, height, width = hidden_states.shape
         p = self.config.patch_size
         temb, text = self.time_caption_embed(
@@ -192,7 +210,6 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
         for block in self.noise_refiner:
             image = block(image, None, image_rope, temb)
 
-        # the joint sequence [text (true length), image], right-padded to the longest row
         lengths = [length + image.shape[1] for length in text_lengths]
         joint = image.new_zeros(batch, max(lengths), self.config.hidden_size)
         mask = torch.zeros(batch, max(lengths), dtype=torch.bool, device=image.device)
@@ -200,21 +217,34 @@ class OmniGen2Transformer2DModel(ModelMixin, ConfigMixin):
             joint[i, :text_length] = text[i, :text_length]
             joint[i, text_length:length] = image[i]
             mask[i, :length] = True
-        mask = mask if len(set(lengths)) > 1 else None
-        for block in self.layers:
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                joint = self._gradient_checkpointing_func(block, joint, mask, joint_rope, temb)
-            else:
-                joint = block(joint, mask, joint_rope, temb)
+        return joint, mask, joint_rope, temb
 
+    def run_layer(
+        self,
+        block: nn.Module,
+        joint: torch.Tensor,
+        mask: torch.Tensor,
+        rope: torch.Tensor,
+        temb: torch.Tensor,
+    ) -> torch.Tensor:
+        """One joint layer (checkpointed when gradient checkpointing is on); no mask where no row is padded."""
+        mask = None if bool(mask.all()) else mask
+        if torch.is_grad_enabled() and self.gradient_checkpointing:
+            return self._gradient_checkpointing_func(block, joint, mask, rope, temb)
+        return block(joint, mask, rope, temb)
+
+    def project_out(
+        self, joint: torch.Tensor, temb: torch.Tensor, text_lengths: list[int], height: int, width: int
+    ) -> torch.Tensor:
+        """The output layer on each row's image tokens, back to latents [B, C, height, width]."""
+        p = self.config.patch_size
+        image_tokens = (height // p) * (width // p)
         out = self.norm_out(joint, temb)
-        # each row's image tokens back to [C, H, W]
         rows = [
-            out[i, text_length:length]
+            out[i, length : length + image_tokens]
             .view(height // p, width // p, p, p, self.out_channels)
             .permute(4, 0, 2, 1, 3)
             .reshape(self.out_channels, height, width)
-            for i, (text_length, length) in enumerate(zip(text_lengths, lengths))
+            for i, length in enumerate(text_lengths)
         ]
-        output = torch.stack(rows)
-        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+        return torch.stack(rows)

@@ -47,3 +47,35 @@ class OmniGen2Model(FluxVAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+
+    def pipeline_parts(self, model: nn.Module):
+        """The refiners and embeddings as the prologue, the joint layers as blocks, the output layer (and
+        Lumina 2's time convention: τ = 1 − t, output negated) as the epilogue. The rotations travel as
+        real pairs, the mask as a tensor (a block gets none where no row is padded, as in `forward`)."""
+        from tuner.archs.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            text, mask = cond["prompt_embeds"].to(noisy.dtype), cond["prompt_mask"].to(noisy.device)
+            joint, joint_mask, rope, temb = model.embed(noisy, 1 - t.float(), text, mask)
+            return joint, joint_mask, torch.view_as_real(rope), temb
+
+        def run_block(block: nn.Module, carried: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            joint, mask, rope, temb = carried
+            return model.run_layer(block, joint, mask, torch.view_as_complex(rope), temb), mask, rope, temb
+
+        def epilogue(carried, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+            lengths = cond["prompt_mask"].sum(dim=1).tolist()
+            return -model.project_out(carried[0], carried[3], lengths, *noisy.shape[-2:])
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=list(model.layers),
+            run_block=run_block,
+            epilogue=epilogue,
+            prologue_modules=(
+                model.x_embedder,
+                model.time_caption_embed,
+                model.context_refiner,
+                model.noise_refiner,
+            ),
+        )
