@@ -39,7 +39,7 @@ def test_pipeline_parts_follow_the_predict_they_cut():
     """A trainer offering parts must predict as the class that wrote them (or a subclass of it) does; one
     that predicts otherwise must opt out, or its stages would train another model than `predict`."""
     offered = pipeline_architectures()
-    assert offered == ["wan", "flux", "flux_kontext"]
+    assert offered == ["wan", "flux", "flux_kontext", "omnigen2"]
     for name, record in ARCHITECTURES.items():
         cls = record.family_class()
         if cls.pipeline_parts is ArchitectureModel.pipeline_parts:
@@ -53,13 +53,20 @@ def _inputs(architecture: str, trainer, batch: int = 2) -> tuple[torch.Tensor, t
     t = torch.tensor([0.3, 0.8][:batch])
     if architecture == "wan":
         return noisy, t, {"context": torch.randn(batch, 16, 64, generator=g)}
+    if architecture == "omnigen2":  # captions of unequal length: the joint layers see the padding mask
+        mask = torch.arange(7)[None] < torch.tensor([7, 4][:batch])[:, None]
+        return (
+            noisy,
+            t,
+            {"prompt_embeds": torch.randn(batch, 7, 64, generator=g) * mask[..., None], "prompt_mask": mask},
+        )
     cond = {"t5": torch.randn(batch, 7, 64, generator=g), "pooled": torch.randn(batch, 32, generator=g)}
     if architecture == "flux_kontext":
         cond["control_0"] = torch.randn(batch, 16, 2, 4, generator=g)
     return noisy, t, cond
 
 
-@pytest.mark.parametrize("architecture", ["wan", "flux", "flux_kontext"])
+@pytest.mark.parametrize("architecture", ["wan", "flux", "flux_kontext", "omnigen2"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, tmp_path):
     """Prologue → every block → epilogue equals `trainer.predict` on the tiny fixture, output and adapter

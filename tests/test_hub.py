@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hub_server import FakeHub
+from project import assert_equal_weights
 from tuner.config.schema import ModelConfig
 from tuner.hub import HubError, HubRef, parse_ref, resolve, resolve_model_paths
 from tuner.registry import ARCHITECTURES
@@ -262,6 +263,28 @@ def test_download_fetches_the_pipeline_and_writes_the_model_section(wan_hub, tmp
             assert (to / p.relative_to(folder)).read_bytes() == p.read_bytes(), p
     assert not (to / "wan2.1_t2v_1.3B.safetensors").exists()
     assert not (to / "transformer/diffusion_pytorch_model.bin").exists()
+
+
+@pytest.mark.slow
+def test_download_points_a_renamed_component_folder_at_the_pipeline(hub, tmp_path, capsys):
+    """OmniGen2 keeps Qwen2.5-VL in `mllm/` (`Architecture.hub_folders`): the section points `text_encoder`
+    at the pipeline, which loads with the tokenizer of its `processor/`."""
+    import torch
+
+    from tuner.archs.omnigen2 import loaders as omnigen2
+    from tuner.cli import main
+    from tuner.fixtures import write_fixture
+
+    folder = write_fixture("omnigen2", tmp_path / "fixture")["diffusers"]
+    hub.repos["OmniGen2/OmniGen2"] = {
+        str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
+    to = tmp_path / "omnigen2"
+    assert main(["download", "omnigen2", "--to", str(to)]) == 0
+    out = capsys.readouterr().out
+    assert all(f'{field} = "{to}"' in out for field in ("transformer", "vae", "text_encoder")), out
+    encoder = omnigen2.load_text_encoder(to, None, torch.float32)
+    assert_equal_weights(encoder.model, omnigen2.load_text_encoder(folder, None, torch.float32).model)
 
 
 def test_download_resumes_and_checks_checksums(wan_hub, tmp_path, capsys):

@@ -50,7 +50,7 @@ def fixtures(tmp_path_factory):
 def _model(arch, paths):
     record = ARCHITECTURES[arch]
     sub = "unet" if record.model_class == "UNet2DConditionModel" else "transformer"
-    return getattr(diffusers, record.model_class).from_pretrained(paths["diffusers"] / sub).eval()
+    return record.transformer_class().from_pretrained(paths["diffusers"] / sub).eval()
 
 
 def _save(arch, model, path, layout) -> set[str]:

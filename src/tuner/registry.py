@@ -45,6 +45,7 @@ FAMILIES = (
     "ideogram4",
     "hunyuan_image",
     "minimax_h3",
+    "omnigen2",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""

@@ -180,6 +180,9 @@ class Architecture:
     """(variant, repository) of the official diffusers pipelines, the first the default: what
     `tuner download ARCH [VARIANT]` fetches the components from; empty for a model released as single files
     only (Anima), whose `comfy_files` it then fetches."""
+    hub_folders: tuple[tuple[str, str], ...] = ()
+    """(config field, folder) of a component its pipeline keeps in a folder of another name than the field
+    (OmniGen2's Qwen2.5-VL in `mllm/`): `tuner download` points that field at the pipeline too."""
     comfy_files: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     """(variant, ((config field, hub file), ...)) of the single files ComfyUI users have, from Comfy-Org's
     repackaged repositories (`repo/split_files/...`): what `tuner download ARCH [VARIANT] --comfy` fetches;
@@ -354,8 +357,15 @@ class Architecture:
 
     @property
     def model_class(self) -> str:
-        """The diffusers class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
+        """The class name of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
         return _class_name(self.variant_dir / "transformer" / "tiny" / "config.json")
+
+    def transformer_class(self) -> type:
+        """The class `model_class` names: diffusers', or, for a model diffusers lacks (OmniGen2), the
+        family's own diffusers-style class in its folder's `model.py`."""
+        import diffusers
+
+        return getattr(diffusers, self.model_class, None) or self._code(self.model_class, "model")
 
     def _code(self, ref: str, default: str = "") -> Any:
         """What `ref` names in the record's folder: `attribute` of the module `default`, or

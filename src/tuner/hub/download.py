@@ -47,14 +47,19 @@ def download(name: str, variant: str = "", to: str | Path = ".", comfy: bool = F
             f"{name}: no variant {variant!r} to download{' with --comfy' * comfy}; known: {known}."
         )
     variant = variant or next(iter(choices))
-    paths = _single_files(choices[variant], to) if comfy else _pipeline(HubRef(choices[variant]), to)
+    paths = (
+        _single_files(choices[variant], to)
+        if comfy
+        else _pipeline(HubRef(choices[variant]), to, record.hub_folders)
+    )
     section = "[model]\n" + "".join(f'{k} = "{v}"\n' for k, v in {"architecture": name, **paths}.items())
     write_text(to / "model.toml", section)
     return section
 
 
-def _pipeline(ref: HubRef, to: Path) -> dict[str, str]:
-    """The components of a diffusers pipeline into `to`; every config field that names one points at `to`."""
+def _pipeline(ref: HubRef, to: Path, renamed: tuple[tuple[str, str], ...] = ()) -> dict[str, str]:
+    """The components of a diffusers pipeline into `to`; every config field that names one (or whose
+    `renamed` folder is one) points at `to`."""
     from huggingface_hub import hf_hub_download
 
     listing = _listing(ref)
@@ -67,6 +72,7 @@ def _pipeline(ref: HubRef, to: Path) -> dict[str, str]:
     folders = {f.split("/")[0] for f in wanted}
     fields = folders & {"transformer", "transformer_2", "vae", "image_encoder"}
     fields |= {f for f in folders if f.startswith(("text_encoder", "tokenizer"))}
+    fields |= {field for field, folder in renamed if folder in folders}
     return {f: str(to.resolve()) for f in sorted(fields)}
 
 

@@ -147,18 +147,25 @@ class QwenTextEncoder:
 
 
 def load_text_encoder(
-    path: str | Path, tokenizer_path: str | Path | None, dtype: torch.dtype
+    path: str | Path,
+    tokenizer_path: str | Path | None,
+    dtype: torch.dtype,
+    spec: SingleFileSpec = SPEC,
+    folders: tuple[str, str] = ("text_encoder", "tokenizer"),
 ) -> QwenTextEncoder:
     """Load Qwen2.5-VL (base model, eval mode), its tokenizer and image processor.
 
     `tokenizer_path` may be None when `path` is a diffusers pipeline root or its `text_encoder` folder
     (the sibling `tokenizer/` is used); a single file needs it. The image processor's settings come
     from a `preprocessor_config.json` in the tokenizer folder or a sibling `processor/` folder, else
-    Qwen2-VL's defaults (those of the released models).
+    Qwen2-VL's defaults (those of the released models). `spec` names the sizes a single file may have
+    (Qwen-Image's 7B by default) and `folders` the pipeline's (text encoder, tokenizer) subfolders
+    (OmniGen2's release calls them `mllm/` and `processor/`).
     """
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    folder = resolve_folder(path, "text_encoder")
+    subfolder, tokenizer_folder = folders
+    folder = resolve_folder(path, subfolder)
     if folder is not None:
         if read_folder_config(folder).get("model_type") != "qwen2_5_vl":
             raise CheckpointError(
@@ -171,20 +178,22 @@ def load_text_encoder(
         except (OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{folder}: cannot be loaded as Qwen2.5-VL: {e}") from None
         model = full.model
-        if tokenizer_path is None and (folder.parent / "tokenizer").is_dir():
-            tokenizer_path = folder.parent / "tokenizer"
+        if tokenizer_path is None and (folder.parent / tokenizer_folder).is_dir():
+            tokenizer_path = folder.parent / tokenizer_folder
     else:
-        model = load_single_file(Path(path), dtype)
+        model = load_single_file(Path(path), dtype, spec)
     tokenizer = load_tokenizer(
-        tokenizer_path, path, "Qwen2.5-VL tokenizer (the tokenizer/ folder of Qwen-Image)"
+        tokenizer_path,
+        path,
+        "Qwen2.5-VL tokenizer (the tokenizer/ folder of Qwen-Image, processor/ of OmniGen2)",
     )
     return QwenTextEncoder(model.eval(), tokenizer, _load_image_processor(Path(tokenizer_path)))
 
 
-def load_single_file(path: Path, dtype: torch.dtype) -> Qwen2_5_VLModel:
+def load_single_file(path: Path, dtype: torch.dtype, spec: SingleFileSpec = SPEC) -> Qwen2_5_VLModel:
     from transformers import Qwen2_5_VLModel
 
-    return load_encoder_file_on_meta(path, dtype, Qwen2_5_VLModel, SPEC, _model_keys, "Qwen2.5-VL")
+    return load_encoder_file_on_meta(path, dtype, Qwen2_5_VLModel, spec, _model_keys, "Qwen2.5-VL")
 
 
 def _model_keys(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -227,7 +236,7 @@ def encode_prompts(
         truncation=True,
         return_tensors="pt",
     )
-    rows = _hidden_rows(encoder.model, tokens.input_ids, tokens.attention_mask)
+    rows = hidden_rows(encoder.model, tokens.input_ids, tokens.attention_mask)
     return [r[TEXT_TO_IMAGE_DROP:][:max_length] for r in rows]
 
 
@@ -258,11 +267,11 @@ def encode_edit_prompts(
             "image_grid_thw": torch.cat(grids),
             "mm_token_type_ids": (tokens.input_ids == image_token).int(),
         }
-    rows = _hidden_rows(encoder.model, tokens.input_ids, tokens.attention_mask, **image_inputs)
+    rows = hidden_rows(encoder.model, tokens.input_ids, tokens.attention_mask, **image_inputs)
     return [r[EDIT_DROP:] for r in rows]
 
 
-def _hidden_rows(model: Qwen2_5_VLModel, input_ids, attention_mask, **image_inputs) -> list[torch.Tensor]:
+def hidden_rows(model: Qwen2_5_VLModel, input_ids, attention_mask, **image_inputs) -> list[torch.Tensor]:
     """The last hidden state at each sequence's unmasked positions."""
     device = model.device
     extra = {k: v.to(device) for k, v in image_inputs.items()}  # the model casts pixels to its dtype
