@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.ltx2.fixture import write_ltx2_fixture
+from tuner.archs.ltx2.keys import CONNECTORS_LAYOUT, LTX2_LAYOUT
 from tuner.archs.ltx2.trainer import LTX2Model
 from tuner.errors import CheckpointError
 from tuner.registry import ARCHITECTURES
@@ -50,8 +51,12 @@ def test_single_file_and_diffusers_folder_load_identical_weights(fx, file):
     assert "model.diffusion_model.av_ca_a2v_gate_adaln_single.linear.weight" in keys
 
 
-@pytest.mark.parametrize("load", [ltx2.load_vae, ltx2.load_audio_vae], ids=["video", "audio"])
-def test_vaes_of_the_release_file_equal_the_diffusers_folders(fx, load):
+@pytest.mark.parametrize(
+    "load",
+    [ltx2.load_vae, ltx2.load_audio_vae, ltx2.load_connectors, ltx2.load_vocoder],
+    ids=["video", "audio", "connectors", "vocoder"],
+)
+def test_components_of_the_release_file_equal_the_diffusers_folders(fx, load):
     single, folder = load(fx["checkpoint_file"], torch.float32), load(fx["diffusers"], torch.float32)
     a, b = single.state_dict(), folder.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -60,6 +65,16 @@ def test_vaes_of_the_release_file_equal_the_diffusers_folders(fx, load):
     assert "vae.encoder.down_blocks.8.res_blocks.0.conv1.conv.weight" in keys
     assert "vae.decoder.up_blocks.1.conv.conv.weight" in keys
     assert "audio_vae.per_channel_statistics.mean-of-means" in keys
+    # the connectors: the projection at the top level, the connector transformers beside the transformer
+    assert "text_embedding_projection.aggregate_embed.weight" in keys
+    assert (
+        "model.diffusion_model.video_embeddings_connector.transformer_1d_blocks.0.attn1.q_norm.weight" in keys
+    )
+    assert (
+        "vocoder.conv_pre.weight" in keys
+        and "vocoder.ups.0.weight" in keys
+        and "vocoder.resblocks.0.convs1.0.weight" in keys
+    )
 
 
 def test_a_file_without_vaes_is_named(fx):
@@ -272,3 +287,157 @@ def test_the_audio_vae_is_found_beside_the_given_vae_folder(fx):
     beside = ltx2.load_audio_vae(Path(fx["diffusers"]) / "vae", torch.float32).state_dict()
     root = ltx2.load_audio_vae(fx["diffusers"], torch.float32).state_dict()
     assert beside.keys() == root.keys() and all(torch.equal(beside[k], root[k]) for k in root)
+
+
+# ---------------------------------------------------------------- ComfyUI's Gemma 3 file, LTX-2.3
+
+
+def _release_entries(path) -> dict[str, torch.Tensor]:
+    """A release file's tensors, `model.diffusion_model.` dropped (the projection has none)."""
+    return {k.removeprefix("model.diffusion_model."): v for k, v in load_file(path).items()}
+
+
+def test_comfy_gemma_file_and_the_release_connectors_encode_as_the_pipeline(fx, pipe):
+    """ComfyUI's single-file Gemma 3 (its vision and tokenizer entries left out) holds the folder's
+    language model, and with the connectors of the release's file encodes prompts as LTX2Pipeline does."""
+    model, tokenizer = ltx2.load_text_encoder(fx["gemma_file"], fx["tokenizer"], torch.float32)
+    folder = pipe.text_encoder.model.state_dict()
+    ours = model.state_dict()
+    assert ours.keys() == folder.keys() and all(torch.equal(ours[k], folder[k]) for k in ours)
+    assert {"spiece_model", "vision_model.embeddings.patch_embedding.weight"} <= load_file(
+        fx["gemma_file"]
+    ).keys()
+    connectors = ltx2.load_connectors(fx["checkpoint_file"], torch.float32)
+    encoded = ltx2.encode_prompts(model, tokenizer, connectors, CAPTIONS, MAX_LENGTH)
+    with torch.no_grad():
+        embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
+                                                max_sequence_length=MAX_LENGTH, device="cpu")  # fmt: skip
+        video, audio, _ = pipe.connectors(embeds, mask, padding_side="left")
+    torch.testing.assert_close(encoded["video_context"], video, rtol=0, atol=0)
+    torch.testing.assert_close(encoded["audio_context"], audio, rtol=0, atol=0)
+
+
+def test_ltx23_file_is_told_from_ltx2_by_shapes_and_loads_its_own_weights(fx):
+    """The same sizes as LTX-2; the prompt modulation's shapes (and the per-stream projections of the
+    connectors) tell LTX-2.3 apart, and every tensor loads unchanged."""
+    transformer = ltx2.load_transformer(fx["ltx23_file"], torch.float32)
+    assert transformer.config.gated_attn and transformer.config.cross_attn_mod
+    assert not transformer.config.use_prompt_embeddings
+    assert not ltx2.load_transformer(fx["checkpoint_file"], torch.float32).config.gated_attn
+    stored = _release_entries(fx["ltx23_file"])
+    ours = LTX2_LAYOUT.to_original(transformer.state_dict())
+    assert all(torch.equal(v, stored[k]) for k, v in ours.items())
+    assert (
+        "prompt_adaln_single.linear.weight" in ours
+        and "transformer_blocks.0.attn1.to_gate_logits.weight" in ours
+    )
+    connectors = ltx2.load_connectors(fx["ltx23_file"], torch.float32)
+    assert connectors.config.per_modality_projections
+    ours = CONNECTORS_LAYOUT.to_original(connectors.state_dict())
+    assert all(torch.equal(v, stored[k]) for k, v in ours.items())
+    assert "text_embedding_projection.video_aggregate_embed.bias" in ours
+
+
+@pytest.fixture(scope="module")
+def pipe23(fx, pipe):
+    """LTX2Pipeline holding the LTX-2.3 file's transformer and connectors (the rest the tiny pipeline's)."""
+    parts = {name: getattr(pipe, name) for name in ("scheduler", "vae", "audio_vae", "text_encoder", "tokenizer",
+                                                    "vocoder")}  # fmt: skip
+    return LTX2Pipeline(transformer=ltx2.load_transformer(fx["ltx23_file"], torch.float32).eval(),
+                        connectors=ltx2.load_connectors(fx["ltx23_file"], torch.float32).eval(), **parts)  # fmt: skip
+
+
+def test_ltx23_text_and_both_streams_match_the_pipeline(fx, pipe23):
+    """LTX-2.3's text contexts (the per-stream projections) and transformer call (each stream's noise level
+    as `sigma` / `audio_sigma`, the cross-modal modulation by the other stream's) are LTX2Pipeline's."""
+    model, tokenizer = ltx2.load_text_encoder(fx["gemma_file"], fx["tokenizer"], torch.float32)
+    ours = ltx2.encode_prompts(model, tokenizer, pipe23.connectors, CAPTIONS, MAX_LENGTH)
+    with torch.no_grad():
+        embeds, mask, _, _ = pipe23.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
+                                                  max_sequence_length=MAX_LENGTH, device="cpu")  # fmt: skip
+        video, audio, _ = pipe23.connectors(embeds, mask, padding_side="left")
+    torch.testing.assert_close(ours["video_context"], video, rtol=0, atol=0)
+    torch.testing.assert_close(ours["audio_context"], audio, rtol=0, atol=0)
+    noisy, audio, cond = _inputs()
+    t = torch.tensor([0.7])
+    transformer = pipe23.transformer
+    with torch.no_grad():
+        video_v, audio_v = (
+            _bare_trainer().sound_stream().predict_streams(transformer, noisy, t, audio, t, cond)
+        )
+        coords = transformer.rope.prepare_video_coords(1, 2, 2, 3, noisy.device, fps=24.0)
+        audio_coords = transformer.audio_rope.prepare_audio_coords(1, 5, noisy.device)
+        theirs_v, theirs_a = transformer(
+            hidden_states=pipe23._pack_latents(noisy, 1, 1), audio_hidden_states=pipe23._pack_audio_latents(audio),
+            encoder_hidden_states=cond["video_context"], audio_encoder_hidden_states=cond["audio_context"],
+            timestep=(t * 1000).expand(1), sigma=(t * 1000).expand(1), encoder_attention_mask=cond["text_mask"],
+            audio_encoder_attention_mask=cond["text_mask"], num_frames=2, height=2, width=3, fps=24.0,
+            audio_num_frames=5, video_coords=coords, audio_coords=audio_coords, use_cross_timestep=True,
+            return_dict=False,
+        )  # fmt: skip
+    torch.testing.assert_close(video_v, pipe23._unpack_latents(theirs_v, 2, 2, 3, 1, 1), rtol=0, atol=0)
+    torch.testing.assert_close(audio_v, pipe23._unpack_audio_latents(theirs_a, 5, 16), rtol=0, atol=0)
+
+
+def _fp8_scaled(tensors: dict, key: str, scale: float = 0.5) -> dict:
+    """`tensors` with `key` stored as ComfyUI's scaled fp8 (`.weight_scale` beside it)."""
+    return {**tensors, key: (tensors[key] / scale).to(torch.float8_e4m3fn),
+            key.removesuffix(".weight") + ".weight_scale": torch.tensor(scale)}  # fmt: skip
+
+
+def test_fp8_release_and_gemma_files_load_dequantized(fx, tmp_path):
+    """The release's fp8 transformer (and connectors) and ComfyUI's fp8 Gemma load through the fp8 path:
+    each scaled weight is its fp8 value times the scale, the rest unchanged."""
+    key = "model.diffusion_model.transformer_blocks.0.attn1.to_q.weight"
+    conn = "model.diffusion_model.video_embeddings_connector.transformer_1d_blocks.0.attn1.to_q.weight"
+    tensors = load_file(fx["ltx23_file"])
+    fp8 = _fp8_scaled(_fp8_scaled(tensors, key), conn)
+    save_file(fp8, tmp_path / "ltx-2.3-tiny-fp8.safetensors")
+    model = ltx2.load_transformer(tmp_path / "ltx-2.3-tiny-fp8.safetensors", torch.float32)
+    assert torch.equal(model.transformer_blocks[0].attn1.to_q.weight, fp8[key].float() * 0.5)
+    assert torch.equal(model.proj_in.weight, tensors["model.diffusion_model.patchify_proj.weight"])
+    connectors = ltx2.load_connectors(tmp_path / "ltx-2.3-tiny-fp8.safetensors", torch.float32)
+    assert torch.equal(
+        connectors.video_connector.transformer_blocks[0].attn1.to_q.weight, fp8[conn].float() * 0.5
+    )
+    gemma = load_file(fx["gemma_file"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    save_file(_fp8_scaled(gemma, q), tmp_path / "gemma_3_tiny_fp8_scaled.safetensors")
+    model, _ = ltx2.load_text_encoder(
+        tmp_path / "gemma_3_tiny_fp8_scaled.safetensors", fx["tokenizer"], torch.float32
+    )
+    assert torch.equal(
+        model.layers[0].self_attn.q_proj.weight, (gemma[q] / 0.5).to(torch.float8_e4m3fn).float() * 0.5
+    )
+
+
+def test_wrong_files_are_refused_by_name(fx):
+    with pytest.raises(CheckpointError, match=r"holds no LTX-2 text connectors .*Set model.transformer"):
+        ltx2.load_connectors(fx["transformer_file"], torch.float32)
+    with pytest.raises(CheckpointError, match="holds no LTX-2 vocoder"):
+        ltx2.load_vocoder(fx["ltx23_file"], torch.float32)
+    with pytest.raises(CheckpointError, match="Gemma 3 text encoder"):
+        ltx2.load_text_encoder(fx["checkpoint_file"], fx["tokenizer"], torch.float32)
+    with pytest.raises(CheckpointError, match="no tokenizer"):
+        ltx2.load_text_encoder(fx["gemma_file"], None, torch.float32)
+    with pytest.raises(CheckpointError, match="LTX-2 transformer"):
+        ltx2.load_transformer(fx["gemma_file"], torch.float32)
+
+
+@pytest.mark.slow
+def test_generate_from_single_files_only_with_the_ltx23_variant(fx, tmp_path):
+    """No diffusers folder: LTX-2.3's release file (transformer, connectors), LTX-2's (VAEs, vocoder) and
+    ComfyUI's Gemma 3 file give an mp4 with sound."""
+    from project import cfg, make_project
+    from tuner.data.audio import has_audio
+    from tuner.generate import GenerateOptions, generate
+
+    single = {"transformer": fx["ltx23_file"], "vae": fx["checkpoint_file"],
+              "text_encoder": f'{fx["gemma_file"]}"\ntokenizer = "{fx["tokenizer"]}'}  # fmt: skip
+    config = make_project(
+        tmp_path, fx["root"], architecture="ltx2", **{k: f'"{v}"' for k, v in single.items()}
+    )
+    opts = GenerateOptions(prompt="a red circle", out=str(tmp_path / "clip.mp4"), width=64, height=64, frames=17,
+                           steps=2, guidance_scale=2.0, device="cpu")  # fmt: skip
+    out = generate(cfg(config), opts, log=lambda s: None)
+    assert out.suffix == ".mp4" and has_audio(out)
