@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tuner.archs.ltx2 import loaders as ltx2
 from tuner.archs.ltx2.fixture import write_ltx2_fixture
-from tuner.archs.ltx2.keys import CONNECTORS_LAYOUT, LTX2_LAYOUT
+from tuner.archs.ltx2.keys import BWE_VOCODER_LAYOUT, CONNECTORS_LAYOUT, LTX2_LAYOUT
 from tuner.archs.ltx2.trainer import LTX2Model
 from tuner.errors import CheckpointError
 from tuner.registry import ARCHITECTURES
@@ -336,6 +336,19 @@ def test_ltx23_file_is_told_from_ltx2_by_shapes_and_loads_its_own_weights(fx):
     ours = CONNECTORS_LAYOUT.to_original(connectors.state_dict())
     assert all(torch.equal(v, stored[k]) for k, v in ours.items())
     assert "text_embedding_projection.video_aggregate_embed.bias" in ours
+    vocoder = ltx2.load_vocoder(fx["ltx23_file"], torch.float32)
+    assert vocoder.config.output_sampling_rate == 48000
+    stored = {
+        k.removeprefix("vocoder."): v
+        for k, v in load_file(fx["ltx23_file"]).items()
+        if k.startswith("vocoder.")
+    }
+    ours = BWE_VOCODER_LAYOUT.to_original(vocoder.state_dict())
+    assert ours.keys() == stored.keys() and all(torch.equal(v, stored[k]) for k, v in ours.items())
+    assert (
+        "vocoder.resblocks.0.acts1.0.downsample.lowpass.filter" in ours
+        and "bwe_generator.ups.0.weight" in ours
+    )
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +428,7 @@ def test_wrong_files_are_refused_by_name(fx):
     with pytest.raises(CheckpointError, match=r"holds no LTX-2 text connectors .*Set model.transformer"):
         ltx2.load_connectors(fx["transformer_file"], torch.float32)
     with pytest.raises(CheckpointError, match="holds no LTX-2 vocoder"):
-        ltx2.load_vocoder(fx["ltx23_file"], torch.float32)
+        ltx2.load_vocoder(fx["transformer_file"], torch.float32)
     with pytest.raises(CheckpointError, match="Gemma 3 text encoder"):
         ltx2.load_text_encoder(fx["checkpoint_file"], fx["tokenizer"], torch.float32)
     with pytest.raises(CheckpointError, match="no tokenizer"):
@@ -426,13 +439,15 @@ def test_wrong_files_are_refused_by_name(fx):
 
 @pytest.mark.slow
 def test_generate_from_single_files_only_with_the_ltx23_variant(fx, tmp_path):
-    """No diffusers folder: LTX-2.3's release file (transformer, connectors), LTX-2's (VAEs, vocoder) and
-    ComfyUI's Gemma 3 file give an mp4 with sound."""
+    """No diffusers folder: LTX-2.3's release file (transformer, connectors, VAEs, vocoder) and ComfyUI's
+    Gemma 3 file give an mp4 with sound, at the bandwidth extension's 48 kHz."""
+    import av
+
     from project import cfg, make_project
     from tuner.data.audio import has_audio
     from tuner.generate import GenerateOptions, generate
 
-    single = {"transformer": fx["ltx23_file"], "vae": fx["checkpoint_file"],
+    single = {"transformer": fx["ltx23_file"], "vae": fx["ltx23_file"],
               "text_encoder": f'{fx["gemma_file"]}"\ntokenizer = "{fx["tokenizer"]}'}  # fmt: skip
     config = make_project(
         tmp_path, fx["root"], architecture="ltx2", **{k: f'"{v}"' for k, v in single.items()}
@@ -441,3 +456,5 @@ def test_generate_from_single_files_only_with_the_ltx23_variant(fx, tmp_path):
                            steps=2, guidance_scale=2.0, device="cpu")  # fmt: skip
     out = generate(cfg(config), opts, log=lambda s: None)
     assert out.suffix == ".mp4" and has_audio(out)
+    with av.open(str(out)) as container:
+        assert container.streams.audio[0].rate == 48000

@@ -5,7 +5,8 @@ per stream, 128 video and 128 audio input channels as the release; video VAE wit
 compression and 128 channels; audio VAE over 64 mel bins with 8 latent channels; connectors of one
 layer with 8 registers; Gemma 3 text model of 2 layers of width 32) and the offline Gemma tokenizer.
 An LTX-2.3 file is built from the `tiny23` configs (the 2.3 transformer: attention gates, prompt
-modulation, no caption projections; its connectors: a projection per stream) beside the same VAEs.
+modulation, no caption projections; its connectors: a projection per stream; its vocoder with the
+bandwidth extension to 48 kHz) beside the same tiny VAEs.
 
     out_dir/
       single/ltx-2-tiny.safetensors   the release's layout: transformer (`model.diffusion_model.*`), its
@@ -13,7 +14,7 @@ modulation, no caption projections; its connectors: a projection per stream) bes
                                       `text_embedding_projection.*`), video VAE (`vae.*`), audio VAE
                                       (`audio_vae.*`) and vocoder (`vocoder.*`) in one file
       single/ltx-2-tiny-transformer.safetensors   the transformer alone (what a full fine-tune saves)
-      single/ltx-2.3-tiny.safetensors   LTX-2.3's release layout: transformer, connectors and VAEs
+      single/ltx-2.3-tiny.safetensors   LTX-2.3's release layout: transformer, connectors, VAEs, vocoder
       single/gemma_3_tiny.safetensors   ComfyUI's single-file Gemma 3 (`model.*`, with its vision tower's,
                                         projector's and `spiece_model` entries, which are not read)
       single/tokenizer/                 the Gemma tokenizer (a single file carries none)
@@ -30,6 +31,7 @@ import torch
 
 from tuner.archs.ltx2.keys import (
     AUDIO_VAE_LAYOUT,
+    BWE_VOCODER_LAYOUT,
     CONNECTORS_LAYOUT,
     LTX2_LAYOUT,
     VIDEO_VAE_LAYOUT,
@@ -81,6 +83,7 @@ def write_ltx2_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     transformer_file, ltx23_file, gemma_file, tokenizer}."""
     from diffusers import LTX2Pipeline, LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 
     parts = build_ltx2_components(seed)
     # the release bundles the transformer, its connectors, both VAEs and the vocoder in one file; a full
@@ -93,16 +96,16 @@ def write_ltx2_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
         LTX2VideoTransformer3DModel, tiny_config("ltx2", "transformer", "tiny23"), seed + 10
     )
     connectors23 = tiny_model(LTX2TextConnectors, tiny_config("ltx2", "connectors", "tiny23"), seed + 11)
+    vocoder23 = tiny_model(LTX2VocoderWithBWE, tiny_config("ltx2", "vocoder", "tiny23"), seed + 12)
+    release23 = _release_transformer(transformer23) | _release_connectors(connectors23) | vaes
+    release23 |= prefixed("vocoder.", BWE_VOCODER_LAYOUT.to_original(vocoder23.state_dict()))
     single = {
         "checkpoint_file": (
             CHECKPOINT_FILE,
             alone | _release_connectors(parts["connectors"]) | vaes | vocoder,
         ),
         "transformer_file": (TRANSFORMER_FILE, alone),
-        "ltx23_file": (
-            LTX23_FILE,
-            _release_transformer(transformer23) | _release_connectors(connectors23) | vaes,
-        ),
+        "ltx23_file": (LTX23_FILE, release23),
         "gemma_file": (GEMMA_FILE, _comfy_gemma(parts["text_encoder"])),
     }
     tokenizers = {"tokenizer": parts["tokenizer"]}

@@ -145,12 +145,36 @@ blocks `transformer_1d_blocks`, q/k norms `q_norm` / `k_norm`). Facts: diffusers
 `model.diffusion_model.*_embeddings_connector.` from the checkpoint)."""
 
 
-VOCODER_LAYOUT = CheckpointLayout(
+def _hifigan_renames(stage: str) -> tuple[tuple[str, str], ...]:
+    """A HiFi-GAN's module renames (diffusers, release) under `stage` ("" for LTX-2's vocoder itself)."""
+    renames = (("conv_in", "conv_pre"), ("conv_out", "conv_post"), ("act_out", "act_post"),
+               ("upsamplers.{i}", "ups.{i}"), ("resnets.{i}", "resblocks.{i}"))  # fmt: skip
+    return tuple((f"{stage}{d}", f"{stage}{o}") for d, o in renames)
+
+
+_BWE_STAGES = ("vocoder.", "bwe_generator.")
+_RESNET_CONVS = 3  # the convolutions of each HiFi-GAN ResNet (its three dilations)
+BWE_VOCODER_LAYOUT = CheckpointLayout(
     ArchitectureKeys(
-        "ltx2 vocoder",
-        (("conv_in", "conv_pre"), ("conv_out", "conv_post"), ("upsamplers.{i}", "ups.{i}"),
-         ("resnets.{i}", "resblocks.{i}")),
-    )
+        "ltx2.3 vocoder",
+        (*(r for stage in _BWE_STAGES for r in _hifigan_renames(stage)), ("mel_stft", "mel_stft")),
+    ),
+    tensor_renames=tuple(
+        (f"{stage}{d}.downsample.filter", f"{stage}{o}.downsample.lowpass.filter")
+        for stage in _BWE_STAGES
+        for d, o in (
+            ("act_out", "act_post"),
+            *((f"resnets.{{i}}.{acts}.{j}", f"resblocks.{{i}}.{acts}.{j}") for acts in ("acts1", "acts2")
+              for j in range(_RESNET_CONVS)),
+        )
+    ),
 )  # fmt: skip
+"""LTX-2.3's vocoder (`vocoder.*` of its release file) relative to diffusers' `LTX2VocoderWithBWE`: the
+vocoder and its bandwidth extender (`vocoder.`, `bwe_generator.`) in HiFi-GAN's names, anti-aliased
+activations' low-pass filters under `downsample.lowpass`. These are the renames diffusers'
+`scripts/convert_ltx2_to_diffusers.py` applies before loading the release's tensors strictly (its 2.3
+vocoder table); the file itself was not at hand offline."""
+
+VOCODER_LAYOUT = CheckpointLayout(ArchitectureKeys("ltx2 vocoder", _hifigan_renames("")))
 """LTX-2's vocoder (`vocoder.*` in the release's file) relative to diffusers' `LTX2Vocoder` (HiFi-GAN's
 names there: `conv_pre`, `ups`, `resblocks`, `conv_post`; diffusers' converter's 2.0 vocoder renames)."""

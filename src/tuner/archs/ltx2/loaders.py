@@ -32,6 +32,7 @@ import torch
 
 from tuner.archs.ltx2.keys import (
     AUDIO_VAE_LAYOUT,
+    BWE_VOCODER_LAYOUT,
     CONNECTORS_LAYOUT,
     LTX2_LAYOUT,
     VAE_STATISTICS_UNUSED,
@@ -199,15 +200,16 @@ def load_audio_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
 
 
 def load_vocoder(path: str | Path, dtype: torch.dtype) -> nn.Module:
-    """The vocoder: `vocoder/` of the diffusers folder (beside the `vae/` given), or `vocoder.*` of
-    LTX-2's release file (`ltx-2-19b-*.safetensors`). LTX-2.3's vocoder (a HiFi-GAN followed by a
-    bandwidth extension to 48 kHz, diffusers' `LTX2VocoderWithBWE`) is not read from its file: its
-    release names could not be confirmed offline; a diffusers folder's `vocoder/` holds it."""
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    """The vocoder: `vocoder/` of the diffusers folder (beside the `vae/` given), or `vocoder.*` of the
+    release's file: LTX-2's HiFi-GAN (`LTX2Vocoder`), or LTX-2.3's, followed by a bandwidth extension to
+    48 kHz (`LTX2VocoderWithBWE`, `vocoder.vocoder.*` and `vocoder.bwe_generator.*`)."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
-    if Path(path).is_file():
-        return _bundled(LTX2Vocoder, path, "vocoder", VOCODER_LAYOUT, dtype, "LTX-2 vocoder")
-    return _from_pretrained(LTX2Vocoder, path, "vocoder", dtype)
+    if not Path(path).is_file():
+        return _from_pretrained(LTX2Vocoder, path, "vocoder", dtype)
+    if bundles(path, "vocoder.bwe_generator"):
+        return _bundled(LTX2VocoderWithBWE, path, "vocoder", BWE_VOCODER_LAYOUT, dtype, "LTX-2.3 vocoder")
+    return _bundled(LTX2Vocoder, path, "vocoder", VOCODER_LAYOUT, dtype, "LTX-2 vocoder")
 
 
 def bundles(path: str | Path, name: str) -> bool:
@@ -224,7 +226,7 @@ def _entries_under(path: str | Path, prefix: str) -> dict[str, torch.Tensor]:
 
 
 def _bundled(cls, path: str | Path, name: str, layout, dtype: torch.dtype, what: str) -> nn.Module:
-    """A component stored as `<name>.*` in the release's single file; its variant is the config of
+    """A component stored as `<name>.*` in the release's single file; its variant is the config of `cls` in
     `configs/<name>/` whose signature tensor (`_SIGNATURES`) has the file's shape."""
     prefix = f"{name}."
     tensors = _entries_under(path, prefix)
@@ -235,10 +237,11 @@ def _bundled(cls, path: str | Path, name: str, layout, dtype: torch.dtype, what:
         )
     for unused in VAE_STATISTICS_UNUSED:
         tensors.pop(unused, None)
-    signature = _SIGNATURES[name]
+    signature = _SIGNATURES[cls.__name__]
     variants = [
         Variant(d.name, d, {layout.key_to_original(signature): _meta_shapes(cls, d)[signature]})
         for d in sorted((CONFIGS / name).iterdir())
+        if cls.load_config(d)["_class_name"] == cls.__name__
     ]
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     variant = pick_variant(shapes, variants, path, what)
@@ -249,11 +252,12 @@ def _bundled(cls, path: str | Path, name: str, layout, dtype: torch.dtype, what:
     return from_state_dict(cls, state_dict, variant.config_dir, dtype, Path(path))
 
 
-# the diffusers tensor whose shape tells a bundled component's variant
+# the diffusers tensor whose shape tells a bundled component's variant, per class
 _SIGNATURES = {
-    "vae": "encoder.conv_out.conv.weight",
-    "audio_vae": "encoder.conv_out.conv.weight",
-    "vocoder": "conv_in.weight",
+    "AutoencoderKLLTX2Video": "encoder.conv_out.conv.weight",
+    "AutoencoderKLLTX2Audio": "encoder.conv_out.conv.weight",
+    "LTX2Vocoder": "conv_in.weight",
+    "LTX2VocoderWithBWE": "vocoder.conv_in.weight",
 }
 
 

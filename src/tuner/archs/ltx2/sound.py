@@ -67,9 +67,8 @@ class LTX2Sound(SoundStream):
     def decode(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
         path = self.family.weights_path("vae")
         audio_vae = ltx2.load_audio_vae(path, dtype).to(device)
-        # the vocoder is in the diffusers folder (`vocoder/`), or bundled in LTX-2's release file
-        # (`vocoder.*`); a release file without it (LTX-2.3's vocoder is not read from its file) leaves
-        # it to the text encoder's diffusers folder
+        # the vocoder is in the diffusers folder (`vocoder/`) or bundled in the release's file
+        # (`vocoder.*`); beside a file without it, the text encoder's diffusers folder holds it
         vocoder_path = path
         if Path(path).is_file() and not ltx2.bundles(path, "vocoder"):
             vocoder_path = self.family.weights_path("text_encoder")
