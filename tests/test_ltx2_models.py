@@ -424,7 +424,7 @@ def test_fp8_release_and_gemma_files_load_dequantized(fx, tmp_path):
     )
 
 
-def test_wrong_files_are_refused_by_name(fx):
+def test_wrong_files_are_refused_by_name(fx, tmp_path):
     with pytest.raises(CheckpointError, match=r"holds no LTX-2 text connectors .*Set model.transformer"):
         ltx2.load_connectors(fx["transformer_file"], torch.float32)
     with pytest.raises(CheckpointError, match="holds no LTX-2 vocoder"):
@@ -435,6 +435,14 @@ def test_wrong_files_are_refused_by_name(fx):
         ltx2.load_text_encoder(fx["gemma_file"], None, torch.float32)
     with pytest.raises(CheckpointError, match="LTX-2 transformer"):
         ltx2.load_transformer(fx["gemma_file"], torch.float32)
+    gemma = load_file(fx["gemma_file"])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    fp4 = {**gemma, q: torch.zeros(32, 16, dtype=torch.uint8), q + "_scale_2": torch.tensor(1.0)}
+    save_file(fp4, tmp_path / "gemma_3_tiny_fp4_mixed.safetensors")
+    with pytest.raises(CheckpointError, match=r"fp4_mixed.*gemma_3_12B_it_fp8_scaled"):
+        ltx2.load_text_encoder(
+            tmp_path / "gemma_3_tiny_fp4_mixed.safetensors", fx["tokenizer"], torch.float32
+        )
 
 
 @pytest.mark.slow

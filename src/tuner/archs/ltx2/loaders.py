@@ -336,6 +336,16 @@ def _gemma_text_entries(entries: dict) -> dict:
     return out
 
 
+def _refuse_fp4(shapes: dict, path: Path) -> None:
+    """ComfyUI's `gemma_3_12B_it_fp4_mixed.safetensors` packs NVFP4 weights (two per byte, with a second
+    scale `.weight_scale_2`, as diffusers' converter's Comfy dequantizer reads them): not read here."""
+    if any(k.endswith(".weight_scale_2") for k in shapes):
+        raise CheckpointError(
+            f"{path}: a 4-bit (fp4_mixed, NVFP4) Gemma 3 file, which tuner does not read. Use "
+            "gemma_3_12B_it.safetensors or gemma_3_12B_it_fp8_scaled.safetensors (Comfy-Org/ltx-2)."
+        )
+
+
 TEXT_ENCODER_SPEC = SingleFileSpec(
     what="Gemma 3 text encoder",
     variants=TEXT_ENCODER_VARIANTS,
@@ -343,6 +353,7 @@ TEXT_ENCODER_SPEC = SingleFileSpec(
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
     diffusers_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
     to_original=_gemma_original_key,
+    refuse=_refuse_fp4,
 )
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, comfy, hub_tokenizers
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, hub_tokenizers
 
-GEMMA_FILE = dict(comfy("Comfy-Org/ltx-2", text_encoder="text_encoders/gemma_3_12B_it.safetensors"))[
-    "text_encoder"
-]
+# Comfy-Org's single-file Gemma 3 12B (ComfyUI's LTX-2 text encoder; fp8_scaled and fp4_mixed beside it)
+GEMMA_FILE = "Comfy-Org/ltx-2/split_files/text_encoders/gemma_3_12B_it.safetensors"
 
 LTX2 = Architecture(
     name="ltx2",
