@@ -101,10 +101,8 @@ def test_release_file_bundling_connectors_loads_and_another_architecture_is_name
         wan.load_transformer(fx["transformer_file"], torch.float32)
 
 
-def test_text_encoding_matches_the_pipeline(fx, pipe):
-    model, tokenizer = ltx2.load_text_encoder(fx["diffusers"], None, torch.float32)
-    connectors = ltx2.load_connectors(fx["diffusers"], torch.float32)
-    ours = ltx2.encode_prompts(model, tokenizer, connectors, CAPTIONS, MAX_LENGTH)
+def _assert_pipeline_contexts(pipe, ours: dict) -> None:
+    """`ours` (encode_prompts' output) are the contexts and mask LTX2Pipeline computes for CAPTIONS."""
     with torch.no_grad():
         embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
                                                 max_sequence_length=MAX_LENGTH, device="cpu")  # fmt: skip
@@ -112,6 +110,12 @@ def test_text_encoding_matches_the_pipeline(fx, pipe):
     torch.testing.assert_close(ours["video_context"], video, rtol=0, atol=0)
     torch.testing.assert_close(ours["audio_context"], audio, rtol=0, atol=0)
     assert torch.equal(ours["text_mask"], text_mask)
+
+
+def test_text_encoding_matches_the_pipeline(fx, pipe):
+    model, tokenizer = ltx2.load_text_encoder(fx["diffusers"], None, torch.float32)
+    connectors = ltx2.load_connectors(fx["diffusers"], torch.float32)
+    _assert_pipeline_contexts(pipe, ltx2.encode_prompts(model, tokenizer, connectors, CAPTIONS, MAX_LENGTH))
 
 
 def _inputs(seed: int = 0):
@@ -308,13 +312,7 @@ def test_comfy_gemma_file_and_the_release_connectors_encode_as_the_pipeline(fx, 
         fx["gemma_file"]
     ).keys()
     connectors = ltx2.load_connectors(fx["checkpoint_file"], torch.float32)
-    encoded = ltx2.encode_prompts(model, tokenizer, connectors, CAPTIONS, MAX_LENGTH)
-    with torch.no_grad():
-        embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
-                                                max_sequence_length=MAX_LENGTH, device="cpu")  # fmt: skip
-        video, audio, _ = pipe.connectors(embeds, mask, padding_side="left")
-    torch.testing.assert_close(encoded["video_context"], video, rtol=0, atol=0)
-    torch.testing.assert_close(encoded["audio_context"], audio, rtol=0, atol=0)
+    _assert_pipeline_contexts(pipe, ltx2.encode_prompts(model, tokenizer, connectors, CAPTIONS, MAX_LENGTH))
 
 
 def test_ltx23_file_is_told_from_ltx2_by_shapes_and_loads_its_own_weights(fx):
@@ -364,13 +362,9 @@ def test_ltx23_text_and_both_streams_match_the_pipeline(fx, pipe23):
     """LTX-2.3's text contexts (the per-stream projections) and transformer call (each stream's noise level
     as `sigma` / `audio_sigma`, the cross-modal modulation by the other stream's) are LTX2Pipeline's."""
     model, tokenizer = ltx2.load_text_encoder(fx["gemma_file"], fx["tokenizer"], torch.float32)
-    ours = ltx2.encode_prompts(model, tokenizer, pipe23.connectors, CAPTIONS, MAX_LENGTH)
-    with torch.no_grad():
-        embeds, mask, _, _ = pipe23.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
-                                                  max_sequence_length=MAX_LENGTH, device="cpu")  # fmt: skip
-        video, audio, _ = pipe23.connectors(embeds, mask, padding_side="left")
-    torch.testing.assert_close(ours["video_context"], video, rtol=0, atol=0)
-    torch.testing.assert_close(ours["audio_context"], audio, rtol=0, atol=0)
+    _assert_pipeline_contexts(
+        pipe23, ltx2.encode_prompts(model, tokenizer, pipe23.connectors, CAPTIONS, MAX_LENGTH)
+    )
     noisy, audio, cond = _inputs()
     t = torch.tensor([0.7])
     transformer = pipe23.transformer

@@ -42,7 +42,13 @@ from tuner.archs.ltx2.keys import (
 from tuner.data.audio import log_mel
 from tuner.errors import CheckpointError
 from tuner.models.component import component_spec
-from tuner.models.encoders import CAUSAL_LM_COLUMNS, base_model_keys, load_encoder_file, model_keys
+from tuner.models.encoders import (
+    CAUSAL_LM_COLUMNS,
+    base_model_keys,
+    causal_lm_key,
+    load_encoder_file,
+    model_keys,
+)
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -318,11 +324,6 @@ _GEMMA_NOT_TEXT = (
 )  # fmt: skip
 
 
-def _gemma_original_key(key: str) -> str:
-    """A `Gemma3TextModel` key (`layers.0...`) in the file's layout (`model.layers.0...`)."""
-    return key if key.startswith("model.") else f"model.{key}"
-
-
 def _gemma_text_entries(entries: dict) -> dict:
     """A Gemma 3 file's language-model entries under `model.`: ComfyUI's names, or transformers'
     multimodal ones (`language_model.model.*`, `model.language_model.*`)."""
@@ -349,10 +350,10 @@ def _refuse_fp4(shapes: dict, path: Path) -> None:
 TEXT_ENCODER_SPEC = SingleFileSpec(
     what="Gemma 3 text encoder",
     variants=TEXT_ENCODER_VARIANTS,
-    expected_keys=model_keys("Gemma3TextModel", to_original=_gemma_original_key),
+    expected_keys=model_keys("Gemma3TextModel", to_original=causal_lm_key),
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
     diffusers_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
-    to_original=_gemma_original_key,
+    to_original=causal_lm_key,
     refuse=_refuse_fp4,
 )
 
