@@ -439,21 +439,43 @@ def test_wrong_files_are_refused_by_name(fx, tmp_path):
         )
 
 
+def _single_files_project(fx, root: Path) -> Path:
+    """A project on LTX-2.3's release file (transformer, connectors, VAEs, vocoder) and ComfyUI's Gemma 3."""
+    from project import make_project
+
+    single = {"transformer": fx["ltx23_file"], "vae": fx["ltx23_file"],
+              "text_encoder": f'{fx["gemma_file"]}"\ntokenizer = "{fx["tokenizer"]}'}  # fmt: skip
+    return make_project(root, fx["root"], architecture="ltx2", **{k: f'"{v}"' for k, v in single.items()})
+
+
+@pytest.mark.slow
+def test_ltx23_trains_a_lora_in_comfyuis_names_from_single_files(fx, tmp_path, capsys):
+    """Caching and training run on LTX-2.3's files alone; the adapter keeps the release's block names."""
+    from project import run
+
+    config = _single_files_project(fx, tmp_path)
+    for argv in (("cache", "latents"), ("cache", "text")):
+        code, log = run(capsys, *argv, "--config", config)
+        assert code == 0, log
+    out = tmp_path / "out"
+    code, log = run(capsys, "train", "--config", config, "--set", f"save.output_dir='{out}'",
+                    "--set", "train.max_steps=2")  # fmt: skip
+    assert code == 0, log
+    keys = load_file(out / "demo_lora.safetensors").keys()
+    assert "diffusion_model.transformer_blocks.0.audio_to_video_attn.to_q.lora_A.weight" in keys
+
+
 @pytest.mark.slow
 def test_generate_from_single_files_only_with_the_ltx23_variant(fx, tmp_path):
     """No diffusers folder: LTX-2.3's release file (transformer, connectors, VAEs, vocoder) and ComfyUI's
     Gemma 3 file give an mp4 with sound, at the bandwidth extension's 48 kHz."""
     import av
 
-    from project import cfg, make_project
+    from project import cfg
     from tuner.data.audio import has_audio
     from tuner.generate import GenerateOptions, generate
 
-    single = {"transformer": fx["ltx23_file"], "vae": fx["ltx23_file"],
-              "text_encoder": f'{fx["gemma_file"]}"\ntokenizer = "{fx["tokenizer"]}'}  # fmt: skip
-    config = make_project(
-        tmp_path, fx["root"], architecture="ltx2", **{k: f'"{v}"' for k, v in single.items()}
-    )
+    config = _single_files_project(fx, tmp_path)
     opts = GenerateOptions(prompt="a red circle", out=str(tmp_path / "clip.mp4"), width=64, height=64, frames=17,
                            steps=2, guidance_scale=2.0, device="cpu")  # fmt: skip
     out = generate(cfg(config), opts, log=lambda s: None)
