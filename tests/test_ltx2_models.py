@@ -403,6 +403,13 @@ def test_fp8_release_and_gemma_files_load_dequantized(fx, tmp_path):
     model = ltx2.load_transformer(tmp_path / "ltx-2.3-tiny-fp8.safetensors", torch.float32)
     assert torch.equal(model.transformer_blocks[0].attn1.to_q.weight, fp8[key].float() * 0.5)
     assert torch.equal(model.proj_in.weight, tensors["model.diffusion_model.patchify_proj.weight"])
+    # fp8 storage (memory.fp8_base) keeps the file's fp8 layers of the transformer, not those of the
+    # connectors it bundles under the same prefix
+    from tuner.fp8 import load_comfy_fp8_weights
+
+    stored = load_comfy_fp8_weights(model.requires_grad_(False), tmp_path / "ltx-2.3-tiny-fp8.safetensors",
+                                    LTX2_LAYOUT.inverse, skip=LTX2Model.bundled_in_transformer)  # fmt: skip
+    assert stored == ["transformer_blocks.0.attn1.to_q"]
     connectors = ltx2.load_connectors(tmp_path / "ltx-2.3-tiny-fp8.safetensors", torch.float32)
     assert torch.equal(
         connectors.video_connector.transformer_blocks[0].attn1.to_q.weight, fp8[conn].float() * 0.5

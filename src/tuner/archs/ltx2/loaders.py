@@ -134,7 +134,7 @@ TEXT_ENCODER_VARIANTS = variant_table(
 )  # fmt: skip
 # what the release's file holds under `model.diffusion_model.` beside the transformer: the text
 # connectors (diffusers keeps them apart, in `connectors/`)
-_NOT_TRANSFORMER = (
+NOT_TRANSFORMER = (
     "video_embeddings_connector.",
     "audio_embeddings_connector.",
     "text_embedding_projection.",
@@ -158,7 +158,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
     from diffusers import LTX2VideoTransformer3DModel
 
     return load_release_transformer(
-        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, _NOT_TRANSFORMER
+        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, NOT_TRANSFORMER
     )
 
 
