@@ -489,3 +489,36 @@ def test_generate_from_single_files_only_with_the_ltx23_variant(fx, tmp_path):
     assert out.suffix == ".mp4" and has_audio(out)
     with av.open(str(out)) as container:
         assert container.streams.audio[0].rate == 48000
+
+
+def _meta_state(cls, config_dir) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        if hasattr(cls, "load_config"):
+            return cls.from_config(cls.load_config(config_dir)).state_dict()
+        return cls(cls.config_class.from_pretrained(config_dir)).state_dict()
+
+
+def test_every_shipped_config_is_the_variant_its_shapes_name():
+    """Each real and tiny config, built on the meta device and named as the release's files name it, is
+    picked as its own variant (19b and 22b differ only where the table says), and its layout converts
+    every tensor both ways (LTX-2.3's fourth VAE decoder stage, its vocoder's bandwidth extension)."""
+    from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+    from transformers import Gemma3TextModel
+
+    from tuner.archs.ltx2.keys import VIDEO_VAE_LAYOUT
+    from tuner.models.encoders import causal_lm_key
+    from tuner.models.identify import pick_variant
+
+    tables = [(ltx2.TRANSFORMER_VARIANTS, LTX2VideoTransformer3DModel, LTX2_LAYOUT.to_original),
+              (ltx2.CONNECTORS_VARIANTS, LTX2TextConnectors, CONNECTORS_LAYOUT.to_original),
+              (ltx2.TEXT_ENCODER_VARIANTS, Gemma3TextModel, lambda sd: {causal_lm_key(k): v for k, v in sd.items()})]  # fmt: skip
+    for variants, cls, to_original in tables:
+        for variant in variants:
+            shapes = {k: tuple(v.shape) for k, v in to_original(_meta_state(cls, variant.config_dir)).items()}
+            assert pick_variant(shapes, variants, variant.config_dir, cls.__name__) == variant
+    for cls, layout, name in ((AutoencoderKLLTX2Video, VIDEO_VAE_LAYOUT, "vae/22b"),
+                              (LTX2VocoderWithBWE, BWE_VOCODER_LAYOUT, "vocoder/22b")):  # fmt: skip
+        state = _meta_state(cls, ltx2.CONFIGS / name)
+        assert layout.to_diffusers(layout.to_original(state)).keys() == state.keys()
