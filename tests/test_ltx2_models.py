@@ -408,7 +408,7 @@ def test_fp8_release_and_gemma_files_load_dequantized(fx, tmp_path):
     from tuner.fp8 import load_comfy_fp8_weights
 
     stored = load_comfy_fp8_weights(model.requires_grad_(False), tmp_path / "ltx-2.3-tiny-fp8.safetensors",
-                                    LTX2_LAYOUT.inverse, skip=LTX2Model.bundled_in_transformer)  # fmt: skip
+                                    LTX2_LAYOUT.inverse)  # fmt: skip
     assert stored == ["transformer_blocks.0.attn1.to_q"]
     connectors = ltx2.load_connectors(tmp_path / "ltx-2.3-tiny-fp8.safetensors", torch.float32)
     assert torch.equal(

@@ -341,17 +341,15 @@ def load_comfy_fp8_weights(
     name_map: Callable[[str], str] | None = None,
     *,
     fp8_matmul: bool = False,
-    skip: tuple[str, ...] = (),
 ) -> list[str]:
     """Store the linear layers of `model` that a ComfyUI fp8 file holds in fp8 with the file's exact
     values and scales (no dequantize / requantize round trip). `name_map` turns the file's layer names
     (original release layout, e.g. `blocks.0.self_attn.q`) into `model`'s (`blocks.0.attn1.to_q`); when
     it is an architecture layout's `inverse` (`tuner.networks.layouts`), a fused layer (FLUX's
     `img_attn.qkv`) is split into its parts: each gets its rows of the stored fp8 weight and the layer's
-    per-tensor scale, which is exact. Only fp8 layers are touched; load the rest as usual. Layers whose
-    file name (prefix dropped) starts with one of `skip` belong to another component the file bundles
-    under the model's prefix (LTX-2's text connectors) and are left alone. Returns the model names of the
-    layers."""
+    per-tensor scale, which is exact. Only fp8 layers are touched; load the rest as usual. Layers of the
+    other components a layout says the file bundles under the model's prefix (`CheckpointLayout.bundled`:
+    LTX-2's text connectors) are left alone. Returns the model names of the layers."""
     from safetensors import safe_open
 
     from tuner.networks.layouts import diffusers_tensors
@@ -363,6 +361,8 @@ def load_comfy_fp8_weights(
         scale_stems = {k.rsplit(".", 1)[0] for k in keys if k.endswith(_COMFY_SCALE_SUFFIXES)}
         tensors = {k: f.get_tensor(k) for k in keys if k.rsplit(".", 1)[0] in scale_stems}
     modules = dict(model.named_modules())
+    layout = getattr(name_map, "layout", name_map)  # a layout's inverse carries the layout
+    skip = getattr(layout, "bundled", ())
     done = []
     for stem, (w8, scale) in read_comfy_fp8(tensors).items():
         if stem.startswith(skip):

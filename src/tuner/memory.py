@@ -98,7 +98,6 @@ def apply_memory_settings(
     block_lists: Sequence[str] | None = None,
     fp8_source: str | None = None,
     name_map: Callable[[str], str] | None = None,
-    fp8_skip: tuple[str, ...] = (),
     probe_forwards: int = 1,
     transfer: Transfer | None = None,
     compile: bool | str | Callable = False,
@@ -108,8 +107,7 @@ def apply_memory_settings(
 
     `block_lists` defaults to those of the architecture record naming the model's class. `fp8_source` is the checkpoint the
     model came from: when it is a ComfyUI fp8 file its fp8 layers keep their exact stored values
-    (`name_map` turns its layer names into the model's; `fp8_skip`: name prefixes of the other components
-    it bundles under the model's prefix). `probe_forwards`: with blocks_to_swap = "auto",
+    (`name_map` turns its layer names into the model's). `probe_forwards`: with blocks_to_swap = "auto",
     the forward passes measured before N is chosen (training: the gradient-accumulation steps, so an
     optimizer step is included). `transfer` replaces the CUDA copy engine (tests pass a FakeTransfer).
     `compile`: True compiles each block with torch.compile's default backend; a backend name or callable
@@ -125,7 +123,7 @@ def apply_memory_settings(
         if settings.fp8_matmul and not matmul:
             logger.warning("memory.fp8_matmul: %s cannot multiply in fp8; dequantizing instead", device)
         if fp8_source and fp8.is_comfy_fp8_file(fp8_source):
-            fp8.load_comfy_fp8_weights(model, fp8_source, name_map, fp8_matmul=matmul, skip=fp8_skip)
+            fp8.load_comfy_fp8_weights(model, fp8_source, name_map, fp8_matmul=matmul)
         fp8.quantize_linears(model, prefixes=lists, fp8_matmul=matmul)
         handle.fp8_layers = fp8.fp8_linear_names(model)
 

@@ -34,9 +34,6 @@ class ArchitectureModel:
     """What one architecture computes; family classes implement the methods without a default."""
 
     architecture: ClassVar[str]  # the name of its record in tuner.registry
-    bundled_in_transformer: ClassVar[tuple[str, ...]] = ()
-    """Layer-name prefixes of other components a release's transformer file holds under the model's own
-    prefix (LTX-2's text connectors): fp8 storage leaves them to their own loader."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -262,8 +259,7 @@ class ArchitectureModel:
             return apply_memory_settings(
                 module, settings, device, block_lists=self.record.block_lists,
                 fp8_source=getattr(self.cfg.model, field), name_map=self.layout.inverse,
-                fp8_skip=self.bundled_in_transformer, probe_forwards=probe_forwards,
-                compile=self.cfg.train.compile,
+                probe_forwards=probe_forwards, compile=self.cfg.train.compile,
             )  # fmt: skip
 
         if isinstance(model, experts.TimestepExperts):

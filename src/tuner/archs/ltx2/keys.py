@@ -69,6 +69,8 @@ LTX2_LAYOUT = CheckpointLayout(
         ("scale_shift_table", "scale_shift_table"),
         ("audio_scale_shift_table", "audio_scale_shift_table"),
     ),
+    # the text connectors (diffusers keeps them apart, in `connectors/`)
+    bundled=("video_embeddings_connector.", "audio_embeddings_connector.", "text_embedding_projection."),
 )  # fmt: skip
 
 

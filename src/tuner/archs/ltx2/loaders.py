@@ -132,13 +132,6 @@ TEXT_ENCODER_VARIANTS = variant_table(
         "tiny": ((1536, 32), (2, (64, 32))),  # the fixture's: 2 layers of width 32
     },
 )  # fmt: skip
-# what the release's file holds under `model.diffusion_model.` beside the transformer: the text
-# connectors (diffusers keeps them apart, in `connectors/`)
-NOT_TRANSFORMER = (
-    "video_embeddings_connector.",
-    "audio_embeddings_connector.",
-    "text_embedding_projection.",
-)
 
 
 _ORIGINAL_MARKERS = (
@@ -158,7 +151,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
     from diffusers import LTX2VideoTransformer3DModel
 
     return load_release_transformer(
-        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, NOT_TRANSFORMER
+        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, LTX2_LAYOUT.bundled
     )
 
 

@@ -26,7 +26,6 @@ from tuner.memory import text_encoder_dtype
 
 class LTX2Model(ArchitectureModel):
     architecture = "ltx2"
-    bundled_in_transformer = ltx2.NOT_TRANSFORMER
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return ltx2.load_transformer(self.weights_path("transformer"), dtype)
