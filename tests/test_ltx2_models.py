@@ -315,7 +315,7 @@ def test_comfy_gemma_file_and_the_release_connectors_encode_as_the_pipeline(fx, 
     _assert_pipeline_contexts(pipe, ltx2.encode_prompts(model, tokenizer, connectors, CAPTIONS, MAX_LENGTH))
 
 
-def test_ltx23_file_is_told_from_ltx2_by_shapes_and_loads_its_own_weights(fx):
+def test_ltx23_file_is_told_from_ltx2_by_shapes_and_loads_its_own_weights(fx, tmp_path):
     """The same sizes as LTX-2; the prompt modulation's shapes (and the per-stream projections of the
     connectors) tell LTX-2.3 apart, and every tensor loads unchanged."""
     transformer = ltx2.load_transformer(fx["ltx23_file"], torch.float32)
@@ -336,6 +336,9 @@ def test_ltx23_file_is_told_from_ltx2_by_shapes_and_loads_its_own_weights(fx):
     assert "text_embedding_projection.video_aggregate_embed.bias" in ours
     vocoder = ltx2.load_vocoder(fx["ltx23_file"], torch.float32)
     assert vocoder.config.output_sampling_rate == 48000
+    vocoder.save_pretrained(tmp_path / "LTX-2.3" / "vocoder")  # a diffusers folder's LTX2VocoderWithBWE
+    folder = ltx2.load_vocoder(tmp_path / "LTX-2.3", torch.float32).state_dict()
+    assert all(torch.equal(v, folder[k]) for k, v in vocoder.state_dict().items())
     stored = {
         k.removeprefix("vocoder."): v
         for k, v in load_file(fx["ltx23_file"]).items()

@@ -205,7 +205,11 @@ def load_vocoder(path: str | Path, dtype: torch.dtype) -> nn.Module:
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 
     if not Path(path).is_file():
-        return _from_pretrained(LTX2Vocoder, path, "vocoder", dtype)
+        folder = _component(path, "vocoder")
+        bwe = (
+            json.loads((folder / "config.json").read_text()).get("_class_name") == LTX2VocoderWithBWE.__name__
+        )
+        return _from_pretrained(LTX2VocoderWithBWE if bwe else LTX2Vocoder, folder, "vocoder", dtype)
     if bundles(path, "vocoder.bwe_generator"):
         return _bundled(LTX2VocoderWithBWE, path, "vocoder", BWE_VOCODER_LAYOUT, dtype, "LTX-2.3 vocoder")
     return _bundled(LTX2Vocoder, path, "vocoder", VOCODER_LAYOUT, dtype, "LTX-2 vocoder")
