@@ -347,8 +347,9 @@ def load_comfy_fp8_weights(
     (original release layout, e.g. `blocks.0.self_attn.q`) into `model`'s (`blocks.0.attn1.to_q`); when
     it is an architecture layout's `inverse` (`tuner.networks.layouts`), a fused layer (FLUX's
     `img_attn.qkv`) is split into its parts: each gets its rows of the stored fp8 weight and the layer's
-    per-tensor scale, which is exact. Only fp8 layers are touched; load the rest as usual. Returns the
-    model names of the layers."""
+    per-tensor scale, which is exact. Only fp8 layers are touched; load the rest as usual. Layers of the
+    other components a layout says the file bundles under the model's prefix (`CheckpointLayout.bundled`:
+    LTX-2's text connectors) are left alone. Returns the model names of the layers."""
     from safetensors import safe_open
 
     from tuner.networks.layouts import diffusers_tensors
@@ -360,8 +361,12 @@ def load_comfy_fp8_weights(
         scale_stems = {k.rsplit(".", 1)[0] for k in keys if k.endswith(_COMFY_SCALE_SUFFIXES)}
         tensors = {k: f.get_tensor(k) for k in keys if k.rsplit(".", 1)[0] in scale_stems}
     modules = dict(model.named_modules())
+    layout = getattr(name_map, "layout", name_map)  # a layout's inverse carries the layout
+    skip = getattr(layout, "bundled", ())
     done = []
     for stem, (w8, scale) in read_comfy_fp8(tensors).items():
+        if stem.startswith(skip):
+            continue
         try:
             parts = diffusers_tensors(f"{stem}.weight", w8, name_map)
         except KeyError as e:

@@ -127,6 +127,12 @@ def encoder_from_state_dict(
     return model_cls.from_pretrained(None, config=config, state_dict=state_dict, dtype=dtype).eval()
 
 
+def causal_lm_key(key: str) -> str:
+    """A base model's key (`layers.0...`) as a causal language model's file names it (`model.layers.0...`):
+    a `SingleFileSpec.to_original` for the decoder-only text encoders (Gemma, Llama, Qwen)."""
+    return key if key.startswith("model.") else f"model.{key}"
+
+
 def base_model_keys(state_dict: StateDict) -> StateDict:
     """A causal language model's tensors under its base model's keys (`model.layers.0.*` -> `layers.0.*`):
     the released files are saved from the `...ForCausalLM`, the text encoders are its base model."""

@@ -50,6 +50,9 @@ class CheckpointLayout:
     """(diffusers tensor key, original tensor key) patterns for tensors whose leaf name changes."""
     swapped_halves: tuple[tuple[str, str], ...] = ()
     """(diffusers module, original module) whose weight and bias rows are the same halves swapped."""
+    bundled: tuple[str, ...] = ()
+    """Original-name prefixes of other components a release's file holds under the model's own prefix
+    (LTX-2's text connectors beside its transformer): not the model's, skipped by its loaders."""
 
     @cached_property
     def _tensors(self) -> ArchitectureKeys:

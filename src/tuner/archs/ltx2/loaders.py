@@ -30,10 +30,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.ltx2.keys import AUDIO_VAE_LAYOUT, LTX2_LAYOUT, VAE_STATISTICS_UNUSED, VIDEO_VAE_LAYOUT
+from tuner.archs.ltx2.keys import (
+    AUDIO_VAE_LAYOUT,
+    BWE_VOCODER_LAYOUT,
+    CONNECTORS_LAYOUT,
+    LTX2_LAYOUT,
+    VAE_STATISTICS_UNUSED,
+    VIDEO_VAE_LAYOUT,
+    VOCODER_LAYOUT,
+)
 from tuner.data.audio import log_mel
 from tuner.errors import CheckpointError
 from tuner.models.component import component_spec
+from tuner.models.encoders import (
+    CAUSAL_LM_COLUMNS,
+    base_model_keys,
+    causal_lm_key,
+    load_encoder_file,
+    model_keys,
+)
 from tuner.models.identify import (
     SingleFileSpec,
     Variant,
@@ -46,8 +61,10 @@ from tuner.models.loading import (
     from_state_dict,
     load_diffusers_folder,
     load_tensors_of,
+    load_tokenizer,
     normalize_shapes,
     normalize_state_dict,
+    read_safetensors_header,
     read_shapes_of,
     resolve_folder,
 )
@@ -79,21 +96,42 @@ def _from_pretrained(cls, path: str | Path, name: str, dtype: torch.dtype):
 CONFIGS = Path(__file__).parent / "configs"
 TRANSFORMER_VARIANTS = variant_table(
     CONFIGS / "transformer",
-    ("patchify_proj.weight", "audio_patchify_proj.weight", "transformer_blocks.{}.attn1.to_q.weight"),
+    ("patchify_proj.weight", "audio_patchify_proj.weight", "transformer_blocks.{}.attn1.to_q.weight",
+     "prompt_adaln_single.linear.weight"),
     {
         # LTX-2 19B (dev and distilled): 48 blocks, video width 4096, audio width 2048
-        "19b": ((4096, 128), (2048, 128), (48, (4096, 4096))),
-        # the test fixture (tuner.archs.ltx2.fixture): 2 blocks, 2 heads of 16 per stream
-        "tiny": ((32, 128), (32, 128), (2, (32, 32))),
+        "19b": ((4096, 128), (2048, 128), (48, (4096, 4096)), None),
+        # LTX-2.3 (22B with its connectors): the same sizes, plus the text cross-attention's timestep
+        # modulation (and attention gates, no caption projections)
+        "22b": ((4096, 128), (2048, 128), (48, (4096, 4096)), (8192, 4096)),
+        # the test fixtures (tuner.archs.ltx2.fixture): 2 blocks, 2 heads of 16 per stream
+        "tiny": ((32, 128), (32, 128), (2, (32, 32)), None),
+        "tiny23": ((32, 128), (32, 128), (2, (32, 32)), (64, 32)),
     },
 )  # fmt: skip
-# what the release's file holds under `model.diffusion_model.` beside the transformer: the text
-# connectors (diffusers keeps them apart, in `connectors/`)
-_NOT_TRANSFORMER = (
-    "video_embeddings_connector.",
-    "audio_embeddings_connector.",
-    "text_embedding_projection.",
-)
+CONNECTORS_VARIANTS = variant_table(
+    CONFIGS / "connectors",
+    ("text_embedding_projection.aggregate_embed.weight", "text_embedding_projection.video_aggregate_embed.weight",
+     "video_embeddings_connector.transformer_1d_blocks.{}.attn1.to_q.weight",
+     "audio_embeddings_connector.transformer_1d_blocks.{}.attn1.to_q.weight"),
+    {
+        # LTX-2: one projection of Gemma 3 12B's 49 hidden states, two connectors of 2 blocks of width 3840
+        "19b": ((3840, 188160), None, (2, (3840, 3840)), (2, (3840, 3840))),
+        # LTX-2.3: a projection per stream to its width, connectors of 8 blocks (4096 and 2048 wide)
+        "22b": (None, (4096, 188160), (8, (4096, 4096)), (8, (2048, 2048))),
+        "tiny": ((32, 96), None, (1, (32, 32)), (1, (32, 32))),
+        "tiny23": (None, (32, 96), (1, (32, 32)), (1, (32, 32))),
+    },
+)  # fmt: skip
+TEXT_ENCODER_VARIANTS = variant_table(
+    CONFIGS / "text_encoder",
+    CAUSAL_LM_COLUMNS,
+    {
+        # Gemma 3 12B (google/gemma-3-12b-it's text config): 48 layers of width 3840
+        "gemma3-12b": ((262208, 3840), (48, (15360, 3840))),
+        "tiny": ((1536, 32), (2, (64, 32))),  # the fixture's: 2 layers of width 32
+    },
+)  # fmt: skip
 
 
 _ORIGINAL_MARKERS = (
@@ -113,7 +151,7 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
     from diffusers import LTX2VideoTransformer3DModel
 
     return load_release_transformer(
-        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, _NOT_TRANSFORMER
+        LTX2VideoTransformer3DModel, path, dtype, TRANSFORMER_SPEC, LTX2_LAYOUT, LTX2_LAYOUT.bundled
     )
 
 
@@ -146,7 +184,7 @@ def load_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
     from diffusers import AutoencoderKLLTX2Video
 
     if Path(path).is_file():
-        return _bundled_vae(AutoencoderKLLTX2Video, path, "vae", VIDEO_VAE_LAYOUT, dtype, "LTX-2 video VAE")
+        return _bundled(AutoencoderKLLTX2Video, path, "vae", VIDEO_VAE_LAYOUT, dtype, "LTX-2 video VAE")
     return _from_pretrained(AutoencoderKLLTX2Video, path, "vae", dtype)
 
 
@@ -156,19 +194,45 @@ def load_audio_vae(path: str | Path, dtype: torch.dtype) -> nn.Module:
     from diffusers import AutoencoderKLLTX2Audio
 
     if Path(path).is_file():
-        return _bundled_vae(
-            AutoencoderKLLTX2Audio, path, "audio_vae", AUDIO_VAE_LAYOUT, dtype, "LTX-2 audio VAE"
-        )
+        return _bundled(AutoencoderKLLTX2Audio, path, "audio_vae", AUDIO_VAE_LAYOUT, dtype, "LTX-2 audio VAE")
     return _from_pretrained(AutoencoderKLLTX2Audio, path, "audio_vae", dtype)
 
 
-def _bundled_vae(cls, path: str | Path, name: str, layout, dtype: torch.dtype, what: str) -> nn.Module:
-    """A VAE stored as `<name>.*` in the release's single file (read alone, not the whole file)."""
+def load_vocoder(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The vocoder: `vocoder/` of the diffusers folder (beside the `vae/` given), or `vocoder.*` of the
+    release's file: LTX-2's HiFi-GAN (`LTX2Vocoder`), or LTX-2.3's, followed by a bandwidth extension to
+    48 kHz (`LTX2VocoderWithBWE`, `vocoder.vocoder.*` and `vocoder.bwe_generator.*`)."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+
+    if not Path(path).is_file():
+        folder = _component(path, "vocoder")
+        bwe = (
+            json.loads((folder / "config.json").read_text()).get("_class_name") == LTX2VocoderWithBWE.__name__
+        )
+        return _from_pretrained(LTX2VocoderWithBWE if bwe else LTX2Vocoder, folder, "vocoder", dtype)
+    if bundles(path, "vocoder.bwe_generator"):
+        return _bundled(LTX2VocoderWithBWE, path, "vocoder", BWE_VOCODER_LAYOUT, dtype, "LTX-2.3 vocoder")
+    return _bundled(LTX2Vocoder, path, "vocoder", VOCODER_LAYOUT, dtype, "LTX-2 vocoder")
+
+
+def bundles(path: str | Path, name: str) -> bool:
+    """Whether a single file holds the component `name` (`vae`, `audio_vae`, `vocoder`: its `name.*` keys)."""
+    return any(k.startswith(f"{name}.") for k in read_safetensors_header(path))
+
+
+def _entries_under(path: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of a single file stored under `prefix`, prefix dropped (read alone, not the whole file)."""
     from safetensors import safe_open
 
-    prefix = f"{name}."
     with safe_open(str(path), "pt") as f:
-        tensors = {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        return {k.removeprefix(prefix): f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+
+
+def _bundled(cls, path: str | Path, name: str, layout, dtype: torch.dtype, what: str) -> nn.Module:
+    """A component stored as `<name>.*` in the release's single file; its variant is the config of `cls` in
+    `configs/<name>/` whose signature tensor (`_SIGNATURES`) has the file's shape."""
+    prefix = f"{name}."
+    tensors = _entries_under(path, prefix)
     if not tensors:
         raise CheckpointError(
             f"{path}: holds no {what} (no `{prefix}*` keys, as the release's ltx-2-19b-*.safetensors has). "
@@ -176,9 +240,11 @@ def _bundled_vae(cls, path: str | Path, name: str, layout, dtype: torch.dtype, w
         )
     for unused in VAE_STATISTICS_UNUSED:
         tensors.pop(unused, None)
+    signature = _SIGNATURES[cls.__name__]
     variants = [
-        Variant(d.name, d, {_SIGNATURE: _meta_shapes(cls, d)[_SIGNATURE]})
+        Variant(d.name, d, {layout.key_to_original(signature): _meta_shapes(cls, d)[signature]})
         for d in sorted((CONFIGS / name).iterdir())
+        if cls.load_config(d)["_class_name"] == cls.__name__
     ]
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     variant = pick_variant(shapes, variants, path, what)
@@ -189,7 +255,13 @@ def _bundled_vae(cls, path: str | Path, name: str, layout, dtype: torch.dtype, w
     return from_state_dict(cls, state_dict, variant.config_dir, dtype, Path(path))
 
 
-_SIGNATURE = "encoder.conv_out.conv.weight"  # the same name in both layouts; its shape tells the variant
+# the diffusers tensor whose shape tells a bundled component's variant, per class
+_SIGNATURES = {
+    "AutoencoderKLLTX2Video": "encoder.conv_out.conv.weight",
+    "AutoencoderKLLTX2Audio": "encoder.conv_out.conv.weight",
+    "LTX2Vocoder": "conv_in.weight",
+    "LTX2VocoderWithBWE": "vocoder.conv_in.weight",
+}
 
 
 def _meta_shapes(cls, config_dir: Path) -> dict[str, tuple[int, ...]]:
@@ -198,23 +270,105 @@ def _meta_shapes(cls, config_dir: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def load_vocoder(path: str | Path, dtype: torch.dtype) -> nn.Module:
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-
-    return _from_pretrained(LTX2Vocoder, path, "vocoder", dtype)
+_CONNECTOR_PREFIXES = (
+    "text_embedding_projection.",
+    "video_embeddings_connector.",
+    "audio_embeddings_connector.",
+)
+_CONNECTORS_WHAT = "LTX-2 text connectors"
 
 
 def load_connectors(path: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The text connectors: `connectors/` of a diffusers folder, or the release's single file (LTX-2 and
+    LTX-2.3 alike; `tuner.archs.ltx2.keys.CONNECTORS_LAYOUT`), fp8 too."""
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
-    return _from_pretrained(LTX2TextConnectors, path, "connectors", dtype)
+    if not Path(path).is_file():
+        return _from_pretrained(LTX2TextConnectors, path, "connectors", dtype)
+    stored = {}  # connector key -> the file's key: the projection at the top level, the connectors under
+    for name in read_safetensors_header(path):  # `model.diffusion_model.` (some files put both there)
+        key = name.removeprefix("model.diffusion_model.")
+        if key.startswith(_CONNECTOR_PREFIXES):
+            stored[key] = name
+    if not stored:
+        raise CheckpointError(
+            f"{path}: holds no {_CONNECTORS_WHAT} (no `text_embedding_projection.*` and "
+            "`model.diffusion_model.video_embeddings_connector.*` keys, as the release's ltx-2-19b-*.safetensors "
+            "and ltx-2.3-22b-*.safetensors have). Set model.transformer to that file, or model.text_encoder "
+            "to a diffusers folder with `connectors/`."
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        tensors = normalize_state_dict({k: f.get_tensor(name) for k, name in stored.items()}, dtype)
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    variant = pick_variant(shapes, CONNECTORS_VARIANTS, path, _CONNECTORS_WHAT)
+    expected = _meta_shapes(LTX2TextConnectors, variant.config_dir)
+    check_keys([CONNECTORS_LAYOUT.key_to_original(k) for k in expected], shapes, path, _CONNECTORS_WHAT)
+    state_dict = {k: v.to(dtype) for k, v in CONNECTORS_LAYOUT.to_diffusers(tensors).items()}
+    return from_state_dict(LTX2TextConnectors, state_dict, variant.config_dir, dtype, Path(path))
+
+
+# ComfyUI's single-file Gemma 3 (`gemma_3_12B_it*.safetensors` of Comfy-Org/ltx-2): the language model under
+# `model.` (transformers' `Gemma3ForCausalLM` names), beside the vision tower (`vision_model.*`), its
+# projector (`multi_modal_projector.*`) and the SentencePiece model as a byte tensor (`spiece_model`),
+# which the text encoder does not use. Facts: ComfyUI's `comfy/text_encoders/lt.py` (a Gemma 3 12B file is
+# told by `model.layers.47.self_attn.q_norm.weight`) and the Comfy -> transformers converter of
+# diffusers' `scripts/convert_ltx2_to_diffusers.py` (`convert_comfy_gemma3_to_transformers`).
+_GEMMA_NOT_TEXT = (
+    "vision_model.", "multi_modal_projector.", "spiece_model", "lm_head.",
+    "model.vision_tower.", "model.multi_modal_projector.", "language_model.lm_head.",
+)  # fmt: skip
+
+
+def _gemma_text_entries(entries: dict) -> dict:
+    """A Gemma 3 file's language-model entries under `model.`: ComfyUI's names, or transformers'
+    multimodal ones (`language_model.model.*`, `model.language_model.*`)."""
+    out = {}
+    for key, value in entries.items():
+        for multimodal in ("language_model.model.", "model.language_model."):
+            if key.startswith(multimodal):
+                key = "model." + key.removeprefix(multimodal)
+        if not key.startswith(_GEMMA_NOT_TEXT):
+            out[key] = value
+    return out
+
+
+def _refuse_fp4(shapes: dict, path: Path) -> None:
+    """ComfyUI's `gemma_3_12B_it_fp4_mixed.safetensors` packs NVFP4 weights (two per byte, with a second
+    scale `.weight_scale_2`, as diffusers' converter's Comfy dequantizer reads them): not read here."""
+    if any(k.endswith(".weight_scale_2") for k in shapes):
+        raise CheckpointError(
+            f"{path}: a 4-bit (fp4_mixed, NVFP4) Gemma 3 file, which tuner does not read. Use "
+            "gemma_3_12B_it.safetensors or gemma_3_12B_it_fp8_scaled.safetensors (Comfy-Org/ltx-2)."
+        )
+
+
+TEXT_ENCODER_SPEC = SingleFileSpec(
+    what="Gemma 3 text encoder",
+    variants=TEXT_ENCODER_VARIANTS,
+    expected_keys=model_keys("Gemma3TextModel", to_original=causal_lm_key),
+    original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
+    diffusers_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
+    to_original=causal_lm_key,
+    refuse=_refuse_fp4,
+)
 
 
 def load_text_encoder(path: str | Path, tokenizer: str | None, dtype: torch.dtype):
-    """Gemma 3 (the release's multimodal `Gemma3ForConditionalGeneration`, or a text-only
-    `Gemma3ForCausalLM`) and its tokenizer, from a diffusers folder."""
-    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+    """Gemma 3 and its tokenizer: from a diffusers folder (the release's multimodal
+    `Gemma3ForConditionalGeneration`, or a text-only `Gemma3ForCausalLM`, with `tokenizer/` beside it),
+    or from one single file (ComfyUI's `gemma_3_12B_it*.safetensors`, fp8 too: its language model, as a
+    `Gemma3TextModel`) with the `tokenizer` folder given (the record's default when the config names none)."""
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextModel
 
+    if Path(path).is_file():
+        model = load_encoder_file(
+            path, dtype, Gemma3TextModel, TEXT_ENCODER_SPEC, base_model_keys, _gemma_text_entries
+        )
+        return model, load_tokenizer(
+            tokenizer or None, path, "Gemma 3 tokenizer (Lightricks/LTX-2's tokenizer/)"
+        )
     folder = _component(path, "text_encoder")
     model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     cls = Gemma3ForConditionalGeneration if model_type == "gemma3" else Gemma3ForCausalLM

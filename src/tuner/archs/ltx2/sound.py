@@ -24,7 +24,8 @@ class LTX2Sound(SoundStream):
 
     def predict_streams(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, noisy_sound: torch.Tensor,
                         sound_t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The model's velocities of both streams: video [B, C, F, H, W] and audio [B, C, L, M]."""
+        """The model's velocities of both streams: video [B, C, F, H, W] and audio [B, C, L, M]. LTX-2.3's
+        text cross-attention is modulated by each stream's own noise level (`sigma`, `audio_sigma`)."""
         b, _, frames, height, width = noisy.shape
         mel_bins = noisy_sound.shape[-1]
         mask = cond["text_mask"]
@@ -36,6 +37,10 @@ class LTX2Sound(SoundStream):
             timestep=(t * 1000).to(noisy.dtype),
             audio_timestep=(sound_t * 1000).to(noisy.dtype),
             sigma=(t * 1000).to(noisy.dtype),
+            audio_sigma=(sound_t * 1000).to(noisy.dtype),
+            # LTX-2.3 modulates each stream's cross-modal attention by the other stream's noise level
+            # (diffusers' `use_cross_timestep`, "the LTX-2.3 behavior"); LTX-2 by its own
+            use_cross_timestep=model.config.cross_attn_mod,
             encoder_attention_mask=mask,
             audio_encoder_attention_mask=mask,
             num_frames=frames,
@@ -62,9 +67,11 @@ class LTX2Sound(SoundStream):
     def decode(self, latents: torch.Tensor, device: torch.device, dtype: torch.dtype):
         path = self.family.weights_path("vae")
         audio_vae = ltx2.load_audio_vae(path, dtype).to(device)
-        # the vocoder is in the diffusers folder (`vocoder/`); beside a single file, the text encoder's
-        # diffusers folder holds it
-        vocoder_path = path if Path(path).is_dir() else self.family.weights_path("text_encoder")
+        # the vocoder is in the diffusers folder (`vocoder/`) or bundled in the release's file
+        # (`vocoder.*`); beside a file without it, the text encoder's diffusers folder holds it
+        vocoder_path = path
+        if Path(path).is_file() and not ltx2.bundles(path, "vocoder"):
+            vocoder_path = self.family.weights_path("text_encoder")
         vocoder = ltx2.load_vocoder(vocoder_path, dtype).to(device)
         waveform = ltx2.decode_audio(audio_vae, vocoder, latents.to(device))[0]
         return waveform.clamp(-1, 1), vocoder.config.output_sampling_rate

@@ -13,6 +13,8 @@ and sums their losses; generation denoises both and writes the vocoder's wavefor
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -51,7 +53,9 @@ class LTX2Model(ArchitectureModel):
             path, self.cfg.model.tokenizer or None, text_encoder_dtype(dtype)
         )
         self.place_text_encoders(dtype, device, model)
-        connectors = ltx2.load_connectors(path, torch.float32).to(device)
+        # beside a single-file Gemma (ComfyUI's), the connectors are those the release's file bundles
+        connectors_path = self.weights_path("transformer") if Path(path).is_file() else path
+        connectors = ltx2.load_connectors(connectors_path, torch.float32).to(device)
         return model, tokenizer, connectors
 
     def encode_text(self, encoder, captions: list[str], controls=None) -> list[dict[str, torch.Tensor]]:

@@ -39,7 +39,7 @@ from tuner.archs.lumina2.keys import (
     transformer_to_diffusers,
     transformer_to_original,
 )
-from tuner.models.encoders import CAUSAL_LM_COLUMNS, base_model_keys, load_encoder, model_keys
+from tuner.models.encoders import CAUSAL_LM_COLUMNS, base_model_keys, causal_lm_key, load_encoder, model_keys
 from tuner.models.identify import (
     SingleFileSpec,
     check_keys,
@@ -107,19 +107,14 @@ _ORIGINAL_MARKERS = ("cap_embedder.0.weight", "layers.0.attention.qkv.weight")
 _DIFFUSERS_MARKERS = ("time_caption_embed.caption_embedder.0.weight", "layers.0.attn.to_q.weight")
 
 
-def _gemma_original_key(key: str) -> str:
-    """A `Gemma2Model` key (`layers.0...`) in the layout of the released files (`model.layers.0...`)."""
-    return key if key.startswith("model.") else f"model.{key}"
-
-
 _LM_HEAD = "lm_head.weight"
 TEXT_ENCODER_SPEC = SingleFileSpec(
     what="Gemma 2 text encoder",
     variants=TEXT_ENCODER_VARIANTS,
-    expected_keys=model_keys("Gemma2Model", to_original=_gemma_original_key),
+    expected_keys=model_keys("Gemma2Model", to_original=causal_lm_key),
     original_markers=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
     diffusers_markers=("embed_tokens.weight", "layers.0.self_attn.q_proj.weight"),
-    to_original=_gemma_original_key,
+    to_original=causal_lm_key,
     aliases={_LM_HEAD: "model.embed_tokens.weight"},  # tied to the embedding; the hidden states skip it
 )
 
