@@ -104,6 +104,55 @@ def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, t
         torch.testing.assert_close(parts.epilogue(carried, noisy, t, cond), whole, rtol=0, atol=1e-6)
 
 
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "layout"),
+    [("wan", "single"), ("wan", "diffusers"), ("flux", "single"), ("flux", "diffusers")],
+)
+def test_each_stage_loads_only_its_own_blocks(architecture, layout, tmp_path):
+    """Under the strategy's `loading`, each of two stages builds the transformer empty and loads only its
+    share: its blocks, the prologue's modules on the first stage, and the output layers every stage keeps.
+    Its resident parameter bytes are that share's (the two stages' sum is the whole model plus the output
+    layers twice), every tensor it holds is the whole model's, and it trains on it (an adapter on every
+    block, built on the host where the block is not loaded)."""
+    from tuner.fixtures import write_fixture
+    from tuner.models.loading import loading_only
+
+    write_fixture(architecture, tmp_path / "model")
+    config = make_project(tmp_path / "p", tmp_path / "model", architecture=architecture)
+    single = {"wan": "wan2.1_t2v_tiny.safetensors", "flux": "flux1-dev_tiny.safetensors"}[architecture]
+    transformer = tmp_path / "model" / layout / (single if layout == "single" else "")
+    c = cfg(config, 'distributed.strategy="pipeline"', f"model.transformer='{transformer}'")
+    trainer = trainer_class(architecture)(c)
+    whole = trainer.load_transformer(torch.float32)
+    parts = trainer.pipeline_parts(whole)
+    blocks = [_bytes(b.parameters()) for b in parts.blocks]
+    prologue = _bytes(p for m in parts.prologue_modules for p in m.parameters())
+    shared = _bytes(whole.parameters()) - sum(blocks) - prologue  # the output layers (and what blocks share)
+    expected = whole.state_dict()
+
+    held = []
+    for rank in (0, 1):
+        strategy = PipelineStrategy(c)
+        strategy.rank, strategy.world = rank, 2
+        with loading_only(lambda model, s=strategy: s.not_held(trainer, model)):
+            model = trainer.load_transformer(torch.float32)
+        assert strategy.loaded_own_blocks and strategy.stages == [range(0, 1), range(1, 2)]
+        resident = _bytes(model.parameters())
+        assert resident == blocks[rank] + shared + (prologue if rank == 0 else 0)
+        held.append(resident)
+        for key, tensor in model.state_dict().items():
+            if not tensor.is_meta:
+                torch.testing.assert_close(tensor, expected[key], rtol=0, atol=0, msg=key)
+        assert all(p.is_meta for p in trainer.pipeline_parts(model).blocks[1 - rank].parameters())
+        network = trainer.build_trained(model)  # adapters of the block held elsewhere live on the host
+        assert not any(p.is_meta for p in network.parameters())
+    assert sum(held) == _bytes(whole.parameters()) + shared
+
+
 def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
     config = make_project(tmp_path / "p", wan_model)
 
@@ -208,6 +257,7 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
     logs = [(piped / f"log{r}.txt").read_text() for r in (0, 1)]
     assert "pipeline, 2 stages over 2 blocks" in logs[0] and not logs[1]  # the main process logs
     assert "stage 0: blocks 0 (0.05M)" in logs[0] and "stage 1: blocks 1 (0.05M)" in logs[0]
+    assert "each stage loaded only its own blocks" in logs[0]
 
     # each stage holds its own half: weights, gradients and optimizer state (measured at the last save)
     figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]

@@ -6,6 +6,7 @@ few named points and never branches on the strategy itself:
     accelerator_kwargs()      what `Accelerator(...)` is built with (an FSDP or DeepSpeed plugin)
     check(...)                refusals of settings the strategy cannot combine with, before step 1
     data_share(accelerator)   which share of the batches this process reads (rank, of how many)
+    loading(trainer)          the context the model is loaded in (pipeline: its stage's tensors only)
     placing(trainer, model)   the context the model is placed on the device in (pipeline: its stage only)
     prepare(...)              wrap the model / trained weights / optimizer once they exist
     loss(trainer, run, ...)   one batch's training loss (`trainer.loss`; DDP runs it inside its wrapper)
@@ -65,6 +66,11 @@ class Strategy:
     def data_share(self, accelerator) -> tuple[int, int]:
         """(this process's index, how many processes) that `open_training_data` shards batches over."""
         return accelerator.process_index, accelerator.num_processes
+
+    @contextlib.contextmanager
+    def loading(self, trainer) -> Iterator[None]:
+        """The context `trainer.load_transformer` runs in."""
+        yield
 
     @contextlib.contextmanager
     def placing(self, trainer, model) -> Iterator[None]:

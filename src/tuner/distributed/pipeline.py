@@ -32,9 +32,14 @@ no optimizer state). Before a save, the owners' adapter weights and optimizer st
 the main process, which writes the same adapter and state files as one process: resume (on any number of
 processes), `tuner lora ...` and generation take them unchanged.
 
-Memory: loading still reads the whole model on every process (host memory); the blocks of other stages
-(and, after the first stage, the embeddings before the blocks) are never placed on the device and are
-freed (moved to the meta device) as soon as the adapter exists.
+Memory: no process holds the whole model. Each loads only its stage's tensors (`loading`: the shared
+diffusers loaders of `tuner.models.loading` build the model on the meta device and fill only the modules
+this stage runs; a diffusers folder's safetensors files give only those tensors' bytes, a single file is
+mapped and converted, and the tensors of other stages are dropped before the model exists). The blocks of
+other stages (and, after the first stage, the embeddings before the blocks) stay on the meta device; their
+adapters are built on the host (every process holds the whole adapter). An architecture whose loader
+does not go through those loaders loads whole, and the modules of other stages are freed (moved to the
+meta device) as soon as the adapter exists.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tuner.archs.model import pipeline_unavailable
-from tuner.archs.stages import Carried, PipelineParts, balanced_stages
+from tuner.archs.stages import Carried, PipelineParts, cut_stages
 from tuner.distributed import Strategy
 from tuner.errors import ConfigError
 
@@ -137,6 +142,7 @@ class PipelineStrategy(Strategy):
         self._schedules: dict = {}  # (micro-batches, input shapes) -> schedule
         self._batch: _Batch | None = None  # the batch the schedule is running
         self._drop_foreign_state = True  # a resumed or gathered optimizer holds other stages' state
+        self.loaded_own_blocks = False  # the loader read only this stage's tensors (`loading`)
 
     # ---- before step 1 ----
     def accelerator_kwargs(self) -> dict:
@@ -157,22 +163,41 @@ class PipelineStrategy(Strategy):
         return 0, 1  # every stage reads every batch
 
     @contextlib.contextmanager
-    def placing(self, trainer, model) -> Iterator[None]:
-        """Cut the blocks into stages; place only this stage's (the others, and after the first stage the
-        prologue's modules, wait on the host until the adapter exists, then `prepare` frees them)."""
+    def loading(self, trainer) -> Iterator[None]:
+        """Load only this stage's tensors: the loaders build the model on the meta device and leave the
+        blocks of other stages (and, after the first stage, the prologue's modules) there."""
+        from tuner.models.loading import loading_only
+
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        parts = trainer.pipeline_parts(model)
-        blocks = parts.blocks
-        if len(blocks) < self.world:
+        with loading_only(lambda model: self.not_held(trainer, model)):
+            yield
+
+    def not_held(self, trainer, model: nn.Module) -> list[nn.Module]:
+        """The modules of `model` (built empty by a loader) that this stage does not run; none for a model
+        that is not the transformer (an auxiliary model its loader builds, read whole)."""
+        try:
+            parts = trainer.pipeline_parts(model)
+        except AttributeError:
+            return []
+        self.loaded_own_blocks = True
+        return self._elsewhere(self._cut(trainer, parts))
+
+    def _cut(self, trainer, parts: PipelineParts) -> PipelineParts:
+        """Cut `parts`' blocks into this run's stages (`self.stages`); return `parts`."""
+        if len(parts.blocks) < self.world:
             raise ConfigError(
-                f"key 'distributed.strategy': {trainer.architecture} has {len(blocks)} blocks, fewer than the "
-                f"{self.world} pipeline stages (processes); start at most {len(blocks)} processes."
+                f"key 'distributed.strategy': {trainer.architecture} has {len(parts.blocks)} blocks, fewer than "
+                f"the {self.world} pipeline stages (processes); start at most {len(parts.blocks)} processes."
             )
-        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        sizes[0] += sum(
-            p.numel() for m in parts.prologue_modules for p in m.parameters()
-        )  # the first stage's
-        self.stages = balanced_stages(sizes, self.world)
+        self.stages = cut_stages(parts, self.world)
+        return parts
+
+    @contextlib.contextmanager
+    def placing(self, trainer, model) -> Iterator[None]:
+        """Place only this stage's blocks on the device: the others (and after the first stage the
+        prologue's modules) were left on the meta device by `loading`, or, where the architecture's loader
+        read them whole, wait on the host until the adapter exists and `prepare` frees them."""
+        parts = self._cut(trainer, trainer.pipeline_parts(model))
         others = self._elsewhere(parts)
         slots = _slots(model, others)
         for (parent, key), _ in zip(slots, others, strict=True):
@@ -354,9 +379,13 @@ class PipelineStrategy(Strategy):
                 f"weights {mb['frozen']:.2f} MB, trained {mb['trained']:.3f} MB, gradients "
                 f"{mb['gradients']:.3f} MB, optimizer state {mb['optimizer']:.3f} MB"
             )
+        loaded = (
+            "each stage loaded only its own blocks"
+            if self.loaded_own_blocks
+            else "loading read the whole model into host memory before the blocks of other stages were freed"
+        )
         lines.append(
-            "  (each process also keeps the other stages' adapters, untrained, for the saves; loading reads "
-            "the whole model into host memory before the blocks of other stages are freed)"
+            f"  (each process also keeps the other stages' adapters, untrained, for the saves; {loaded})"
         )
         return "\n".join(lines)
 
