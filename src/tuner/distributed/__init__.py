@@ -13,6 +13,7 @@ few named points and never branches on the strategy itself:
     accumulating(run, last)   the context one batch's forward and backward run in (no gradient sync
                               on batches that are not the last of their accumulation group)
     loss(trainer, run, ...)   one batch's loss (pipeline: forward and backward through the stages)
+    held_out_loss(...)        one held-out batch's loss, without gradients (validation)
     backward(run, loss)       backpropagate one batch's loss
     reduce_gradients(run)     after a group's last backward: gradients equal on every process
     mean_loss(run, value)     a step's loss averaged over the processes that share the batches (logged)
@@ -89,6 +90,10 @@ class Strategy:
         """One training batch's loss: the trainer's own (`ArchitectureModel.loss` or an architecture's
         override) on the model. A strategy that must see the forward (DDP) runs the same call inside its
         wrapper."""
+        return trainer.loss(run.model, x0, noise, t, cond, run.accelerator)
+
+    def held_out_loss(self, trainer, run, x0, noise, t, cond):
+        """One held-out batch's loss (no gradients), on every process."""
         return trainer.loss(run.model, x0, noise, t, cond, run.accelerator)
 
     def backward(self, run, loss) -> None:
