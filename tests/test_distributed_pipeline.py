@@ -179,13 +179,19 @@ def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
             PipelineStrategy(c).check(trainer, 2)
         return str(e.value)
 
-    PipelineStrategy(cfg(config, 'distributed.strategy="pipeline"')).check(
-        trainer_class("wan")(cfg(config)), 2
-    )
+    for combines in (
+        [],
+        ["memory.blocks_to_swap=1"],
+        ["distributed.pipeline_stages=2"],
+    ):  # block swap, replicas
+        PipelineStrategy(cfg(config, 'distributed.strategy="pipeline"', *combines)).check(
+            trainer_class("wan")(cfg(config)), 2 if not combines or "memory" in combines[0] else 4
+        )
     for overrides, key in (
         (["memory.activation_offload=true"], "memory.activation_offload"),
         (["train.fused_backward=true", "train.max_grad_norm=0"], "train.fused_backward"),
         (["train.ema_decay=0.99"], "train.ema_decay"),
+        (['network.type="full"'], "network.type"),
         (['train.mixed_precision="fp16"'], "train.mixed_precision"),
         (["sample.every_n_steps=5", "sample.prompts=['a cat']"], "sample.every_n_steps"),
     ):

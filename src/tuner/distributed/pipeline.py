@@ -81,7 +81,8 @@ def _refusals(trainer, cfg) -> list[tuple[str, str]]:
         (cfg.train.fused_backward, "train.fused_backward",
          "the schedule runs the backward; gradients are clipped over all stages before any step"),
         (cfg.network.type == "full", "network.type",
-         "stages train adapters; a full fine-tune splits with strategy = \"fsdp\" or \"deepspeed\""),
+         "stages train adapters inside their blocks; a full fine-tune also trains the layers outside them and "
+         "saves the whole model from one process: split it with strategy = \"fsdp\" or \"deepspeed\""),
         (cfg.train.ema_decay, "train.ema_decay", "the EMA would follow only one stage's adapters"),
         (cfg.train.mixed_precision == "fp16", "train.mixed_precision",
          "fp16's gradient scaler does not scale the schedule's backward; use bf16"),
