@@ -215,6 +215,13 @@ def _assert_same_adapter(a: Path, b: Path) -> None:
         torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=5e-6, msg=key)
 
 
+def _assert_as_one_process(piped: Path, one, folder: Path) -> None:
+    """The multi-process run in `piped` logged the losses of the one-process run `one` (trained into
+    `folder`) and saved its adapter."""
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", folder / "demo_lora.safetensors")
+
+
 @pytest.fixture(scope="module")
 def cached_project(tmp_path_factory, wan_model):
     return make_cached_project(tmp_path_factory.mktemp("pipeline") / "p", wan_model)
@@ -361,8 +368,7 @@ def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cac
     whose steps scale with the gradient (Adam's would hide a wrong clipping factor)."""
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *ACCUMULATE)
     piped = runs["accumulate"]
-    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
-    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_as_one_process(piped, one, tmp_path / "one")
     figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
     assert all(f["trained"] for f in figures)
 
@@ -390,8 +396,7 @@ def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_pro
     others are freed unquantized) and gradient checkpointing inside the stages' blocks."""
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *FP8)
     piped = runs["fp8"]
-    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
-    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_as_one_process(piped, one, tmp_path / "one")
     log = (piped / "log0.txt").read_text()
     assert "gradient checkpointing on" in log and "fp8" in log
     frozen = [json.loads((piped / f"memory{r}.json").read_text())["frozen"] for r in (0, 1)]
@@ -408,8 +413,7 @@ def test_two_stages_of_flux_train_what_one_process_trains(tmp_path, flux_project
     )
     one.train(log=lambda s: None)
     piped = runs["flux"]
-    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
-    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_as_one_process(piped, one, tmp_path / "one")
     assert "stage 1: blocks 1" in (piped / "log0.txt").read_text()
 
 
@@ -420,8 +424,7 @@ def test_two_stages_each_swapping_its_blocks_train_what_one_process_trains(tmp_p
     one process's without swap."""
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", "train.lr_warmup_steps=0")
     piped = runs["swap"]
-    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
-    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_as_one_process(piped, one, tmp_path / "one")
     assert "1 of 1 blocks swapped" in (piped / "log0.txt").read_text()
 
 
