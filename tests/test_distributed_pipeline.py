@@ -313,6 +313,10 @@ def test_two_stages_by_two_replicas_train_what_one_process_trains(tmp_path, cach
     _assert_same_adapter(grid_run / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
     log = (grid_run / "log0.txt").read_text()
     assert "pipeline, 2 stages over 2 blocks" in log and "2 replicas of the pipeline" in log
+    # the saved state: each stage's optimizer state gathered through its pipeline's group, one process's
+    state, alone = grid_run / "state" / "step000002", tmp_path / "one" / "state" / "step000002"
+    assert json.loads((state / "processes.json").read_text()) == {"data_shares": 2, "processes": 4}
+    _assert_same_adapter(state / "optimizer.safetensors", alone / "optimizer.safetensors")
     figures = [json.loads((grid_run / f"memory{r}.json").read_text()) for r in range(4)]
     assert figures[0] == figures[1] and figures[2] == figures[3]  # a stage's replicas hold the same share
     adapter = load_file(grid_run / "demo_lora.safetensors")
