@@ -149,6 +149,10 @@ def test_each_stage_loads_only_its_own_blocks(architecture, layout, tmp_path):
     prologue = _bytes(p for m in parts.prologue_modules for p in m.parameters())
     shared = _bytes(whole.parameters()) - sum(blocks) - prologue  # the output layers (and what blocks share)
     expected = whole.state_dict()
+    too_many = PipelineStrategy(c)
+    too_many.num_stages = 3
+    with pytest.raises(ConfigError, match="pipeline_stages.*2 blocks, fewer than the 3 pipeline stages"):
+        too_many.not_held(trainer, whole)
 
     held = []
     for rank in (0, 1):

@@ -266,8 +266,9 @@ class PipelineStrategy(Strategy):
         """Cut `parts`' blocks into this run's stages (`self.stages`); return `parts`."""
         if len(parts.blocks) < self.num_stages:
             raise ConfigError(
-                f"key 'distributed.strategy': {trainer.architecture} has {len(parts.blocks)} blocks, fewer than "
-                f"the {self.num_stages} pipeline stages (processes); start at most {len(parts.blocks)} processes."
+                f"key 'distributed.pipeline_stages': {trainer.architecture} has {len(parts.blocks)} blocks, fewer "
+                f"than the {self.num_stages} pipeline stages; use at most {len(parts.blocks)} stages (fewer "
+                "processes, or set distributed.pipeline_stages)."
             )
         self.stages = cut_stages(parts, self.num_stages)
         return parts
