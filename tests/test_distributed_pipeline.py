@@ -14,7 +14,7 @@ from launch import launch
 from project import cfg, make_cached_project, make_project, train_wan
 from tuner.archs.model import ArchitectureModel, pipeline_architectures
 from tuner.archs.stages import balanced_stages
-from tuner.distributed.pipeline import PipelineStrategy
+from tuner.distributed.pipeline import Grid, PipelineStrategy
 from tuner.errors import ConfigError
 from tuner.registry import ARCHITECTURES
 from tuner.trainers import trainer_class
@@ -29,6 +29,22 @@ def test_stages_are_contiguous_and_balanced_by_parameter_count():
         assert max(sum(sizes[i] for i in run) for run in runs) == best  # no cut has a smaller largest stage
     with pytest.raises(ValueError):
         balanced_stages([1, 1], 3)
+
+
+def test_processes_form_stages_by_replicas_as_deepspeed_lays_them_out():
+    """rank = stage · replicas + replica (DeepSpeed's PipeDataParallelTopology: the replicas of a stage are
+    adjacent ranks); a pipeline is one replica's stages, the data-parallel group one stage's replicas."""
+    grid = Grid.of(4, 2)
+    assert (grid.stages, grid.replicas) == (2, 2)
+    assert [(grid.stage(r), grid.replica(r)) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [grid.pipeline(r) for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert [grid.replicas_of(s) for s in (0, 1)] == [[0, 1], [2, 3]]
+    grid = Grid.of(6, 3)
+    assert grid.pipeline(1) == [1, 3, 5] and grid.replicas_of(2) == [4, 5] and grid.rank(2, 1) == 5
+    assert Grid.of(3, 0) == Grid(3, 1)  # 0: one stage per process
+    for processes, stages in ((4, 3), (4, 1), (2, 4)):
+        with pytest.raises(ConfigError, match="distributed.pipeline_stages"):
+            Grid.of(processes, stages)
 
 
 def _rule_of(cls: type, name: str) -> type:
@@ -111,6 +127,59 @@ def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, t
         torch.testing.assert_close(parts.epilogue(carried, noisy, t, cond), whole, rtol=0, atol=1e-6)
 
 
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "layout"),
+    [("wan", "single"), ("wan", "diffusers"), ("flux", "single"), ("flux", "diffusers")],
+)
+def test_each_stage_loads_only_its_own_blocks(architecture, layout, tmp_path):
+    """Under the strategy's `loading`, each of two stages builds the transformer empty and loads only its
+    share: its blocks, the prologue's modules on the first stage, and the output layers every stage keeps.
+    Its resident parameter bytes are that share's (the two stages' sum is the whole model plus the output
+    layers twice), every tensor it holds is the whole model's, and it trains on it (an adapter on every
+    block, built on the host where the block is not loaded)."""
+    from tuner.fixtures import write_fixture
+    from tuner.models.loading import loading_only
+
+    write_fixture(architecture, tmp_path / "model")
+    config = make_project(tmp_path / "p", tmp_path / "model", architecture=architecture)
+    single = {"wan": "wan2.1_t2v_tiny.safetensors", "flux": "flux1-dev_tiny.safetensors"}[architecture]
+    transformer = tmp_path / "model" / layout / (single if layout == "single" else "")
+    c = cfg(config, 'distributed.strategy="pipeline"', f"model.transformer='{transformer}'")
+    trainer = trainer_class(architecture)(c)
+    whole = trainer.load_transformer(torch.float32)
+    parts = trainer.pipeline_parts(whole)
+    blocks = [_bytes(b.parameters()) for b in parts.blocks]
+    prologue = _bytes(p for m in parts.prologue_modules for p in m.parameters())
+    shared = _bytes(whole.parameters()) - sum(blocks) - prologue  # the output layers (and what blocks share)
+    expected = whole.state_dict()
+    too_many = PipelineStrategy(c)
+    too_many.num_stages = 3
+    with pytest.raises(ConfigError, match="pipeline_stages.*2 blocks, fewer than the 3 pipeline stages"):
+        too_many.not_held(trainer, whole)
+
+    held = []
+    for rank in (0, 1):
+        strategy = PipelineStrategy(c)
+        strategy.stage, strategy.num_stages = rank, 2
+        with loading_only(lambda model, s=strategy: s.not_held(trainer, model)):
+            model = trainer.load_transformer(torch.float32)
+        assert strategy.loaded_own_blocks and strategy.stages == [range(0, 1), range(1, 2)]
+        resident = _bytes(model.parameters())
+        assert resident == blocks[rank] + shared + (prologue if rank == 0 else 0)
+        held.append(resident)
+        for key, tensor in model.state_dict().items():
+            if not tensor.is_meta:
+                torch.testing.assert_close(tensor, expected[key], rtol=0, atol=0, msg=key)
+        assert all(p.is_meta for p in trainer.pipeline_parts(model).blocks[1 - rank].parameters())
+        network = trainer.build_trained(model)  # adapters of the block held elsewhere live on the host
+        assert not any(p.is_meta for p in network.parameters())
+    assert sum(held) == _bytes(whole.parameters()) + shared
+
+
 def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
     config = make_project(tmp_path / "p", wan_model)
 
@@ -121,19 +190,28 @@ def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
             PipelineStrategy(c).check(trainer, 2)
         return str(e.value)
 
-    PipelineStrategy(cfg(config, 'distributed.strategy="pipeline"')).check(
-        trainer_class("wan")(cfg(config)), 2
-    )
+    for combines in (
+        [],
+        ["memory.blocks_to_swap=1"],
+        ["distributed.pipeline_stages=2"],
+    ):  # block swap, replicas
+        PipelineStrategy(cfg(config, 'distributed.strategy="pipeline"', *combines)).check(
+            trainer_class("wan")(cfg(config)), 2 if not combines or "memory" in combines[0] else 4
+        )
     for overrides, key in (
-        (["memory.blocks_to_swap=1"], "memory.blocks_to_swap"),
         (["memory.activation_offload=true"], "memory.activation_offload"),
         (["train.fused_backward=true", "train.max_grad_norm=0"], "train.fused_backward"),
         (["train.ema_decay=0.99"], "train.ema_decay"),
+        (['network.type="full"'], "network.type"),
         (['train.mixed_precision="fp16"'], "train.mixed_precision"),
         (["sample.every_n_steps=5", "sample.prompts=['a cat']"], "sample.every_n_steps"),
     ):
         message = refusal(*overrides)
         assert "distributed.strategy" in message and key in message, message
+    with pytest.raises(ConfigError, match="2 stages do not divide 3 processes"):  # stages x replicas
+        PipelineStrategy(cfg(config, "distributed.pipeline_stages=2")).check(
+            trainer_class("wan")(cfg(config)), 3
+        )
     message = refusal(trainer_cls=trainer_class("wan_i2v"))
     assert "not available for wan_i2v" in message and "available for wan, flux, flux_kontext" in message
 
@@ -146,6 +224,13 @@ def _assert_same_adapter(a: Path, b: Path) -> None:
     assert x.keys() == y.keys() and x
     for key in x:
         torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=5e-6, msg=key)
+
+
+def _assert_as_one_process(piped: Path, one, folder: Path) -> None:
+    """The multi-process run in `piped` logged the losses of the one-process run `one` (trained into
+    `folder`) and saved its adapter."""
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(piped / "demo_lora.safetensors", folder / "demo_lora.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +253,20 @@ SAVES = ("save.every_n_steps=2", "save.save_state=true")
 ACCUMULATE = ("train.gradient_accumulation_steps=2", "train.max_grad_norm=0.01", "train.lr_warmup_steps=0",
               'train.optimizer="sgd"', "train.learning_rate=10")  # fmt: skip
 FP8 = ("memory.fp8_base=true", "train.gradient_checkpointing=true", "train.lr_warmup_steps=0")
+# each stage streams its one block from host memory; four samples in two micro-batches (1F1B: forwards
+# between backwards), the shared host copy refused (the stages swap different blocks)
+SWAP = ("memory.blocks_to_swap=1", "train.lr_warmup_steps=0")
+VALIDATE = ("train.validate_every_n_steps=1", "train.lr_warmup_steps=0")
+
+
+def _held_out_videos(config: Path) -> Path:
+    """A dataset config of the demo project whose videos are held out for validation (already cached)."""
+    dataset = config.parent / "dataset_val.toml"
+    text = (config.parent / "dataset.toml").read_text()
+    dataset.write_text(
+        text.replace('video_directory = "data/videos"', 'video_directory = "data/videos"\nvalidation = true')
+    )
+    return dataset
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +276,7 @@ def runs(cached_project, flux_project, tmp_path_factory) -> dict[str, Path]:
     continues the state `piped` saved at step 2."""
     root = tmp_path_factory.mktemp("pipeline_runs")
     wan, flux = str(cached_project), str(flux_project)
+    held_out = _held_out_videos(cached_project)
     state = str(root / "piped" / "state" / "step000002")
     specs = {
         "piped": (wan, 4, None, SAVES),
@@ -184,6 +284,8 @@ def runs(cached_project, flux_project, tmp_path_factory) -> dict[str, Path]:
         "accumulate": (wan, 2, None, ("distributed.pipeline_microbatches=1", *ACCUMULATE)),
         "fp8": (wan, 2, None, FP8),
         "flux": (flux, 3, None, ("train.lr_warmup_steps=0",)),
+        "swap": (wan, 2, None, SWAP),
+        "validate": (wan, 2, None, (f"data.dataset_config='{held_out}'", *VALIDATE)),
     }
     file = root / "runs.json"
     file.write_text(json.dumps([{"config": c, "out": str(root / name), "steps": steps, "resume": resume,
@@ -193,6 +295,46 @@ def runs(cached_project, flux_project, tmp_path_factory) -> dict[str, Path]:
     result = launch([str(worker), str(file)], env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return {name: root / name for name in specs}
+
+
+@pytest.fixture(scope="module")
+def grid_run(cached_project, tmp_path_factory) -> Path:
+    """Four processes as 2 stages × 2 replicas (tests/distributed_pipeline_worker.py), two steps."""
+    root = tmp_path_factory.mktemp("pipeline_grid")
+    file = root / "runs.json"
+    file.write_text(json.dumps([{"config": str(cached_project), "out": str(root / "grid"), "steps": 2, "resume": None,
+                                 "overrides": ["distributed.pipeline_stages=2", "train.lr_warmup_steps=0"]}]))  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    worker = Path(__file__).parent / "distributed_pipeline_worker.py"
+    result = launch([str(worker), str(file)], processes=4, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root / "grid"
+
+
+@pytest.mark.slow
+def test_two_stages_by_two_replicas_train_what_one_process_trains(tmp_path, cached_project, grid_run):
+    """Pipeline × data parallel on four processes: each replica (ranks 0, 2 and ranks 1, 3) reads half the
+    batches, each stage's two replicas average its gradients; adapter and logged losses equal one process
+    accumulating the two replicas' batches (the same global batch)."""
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", "train.lr_warmup_steps=0",
+                    "train.gradient_accumulation_steps=2")  # fmt: skip
+    histories = [torch.load(grid_run / f"history{r}.pt") for r in range(4)]
+    assert all(h == histories[0] for h in histories)  # every process logs the mean over the replicas
+    assert histories[0] == pytest.approx(one.history, rel=1e-5)
+    _assert_same_adapter(grid_run / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    log = (grid_run / "log0.txt").read_text()
+    assert "pipeline, 2 stages over 2 blocks" in log and "2 replicas of the pipeline" in log
+    # the saved state: each stage's optimizer state gathered through its pipeline's group, one process's
+    state, alone = grid_run / "state" / "step000002", tmp_path / "one" / "state" / "step000002"
+    assert json.loads((state / "processes.json").read_text()) == {"data_shares": 2, "processes": 4}
+    _assert_same_adapter(state / "optimizer.safetensors", alone / "optimizer.safetensors")
+    figures = [json.loads((grid_run / f"memory{r}.json").read_text()) for r in range(4)]
+    assert figures[0] == figures[1] and figures[2] == figures[3]  # a stage's replicas hold the same share
+    adapter = load_file(grid_run / "demo_lora.safetensors")
+    assert (
+        figures[0]["trained"] + figures[2]["trained"]
+        == sum(p.numel() for p in adapter.values() if p.ndim) * 4
+    )
 
 
 @pytest.mark.slow
@@ -215,6 +357,7 @@ def test_two_stages_train_what_one_process_trains_and_resume(tmp_path, cached_pr
     logs = [(piped / f"log{r}.txt").read_text() for r in (0, 1)]
     assert "pipeline, 2 stages over 2 blocks" in logs[0] and not logs[1]  # the main process logs
     assert "stage 0: blocks 0 (0.05M)" in logs[0] and "stage 1: blocks 1 (0.05M)" in logs[0]
+    assert "each stage loaded only its own blocks" in logs[0]
 
     # each stage holds its own half: weights, gradients and optimizer state (measured at the last save)
     figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
@@ -240,8 +383,7 @@ def test_two_stages_accumulate_and_clip_by_the_norm_of_every_stage(tmp_path, cac
     whose steps scale with the gradient (Adam's would hide a wrong clipping factor)."""
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *ACCUMULATE)
     piped = runs["accumulate"]
-    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
-    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_as_one_process(piped, one, tmp_path / "one")
     figures = [json.loads((piped / f"memory{r}.json").read_text()) for r in (0, 1)]
     assert all(f["trained"] for f in figures)
 
@@ -269,8 +411,7 @@ def test_two_stages_with_fp8_base_weights_and_checkpointing(tmp_path, cached_pro
     others are freed unquantized) and gradient checkpointing inside the stages' blocks."""
     one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", *FP8)
     piped = runs["fp8"]
-    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
-    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_as_one_process(piped, one, tmp_path / "one")
     log = (piped / "log0.txt").read_text()
     assert "gradient checkpointing on" in log and "fp8" in log
     frozen = [json.loads((piped / f"memory{r}.json").read_text())["frozen"] for r in (0, 1)]
@@ -287,6 +428,34 @@ def test_two_stages_of_flux_train_what_one_process_trains(tmp_path, flux_project
     )
     one.train(log=lambda s: None)
     piped = runs["flux"]
-    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)
-    _assert_same_adapter(piped / "demo_lora.safetensors", tmp_path / "one" / "demo_lora.safetensors")
+    _assert_as_one_process(piped, one, tmp_path / "one")
     assert "stage 1: blocks 1" in (piped / "log0.txt").read_text()
+
+
+@pytest.mark.slow
+def test_two_stages_each_swapping_its_blocks_train_what_one_process_trains(tmp_path, cached_project, runs):
+    """Block swap inside each stage (`memory.blocks_to_swap` counts the stage's own blocks): the stage's
+    block streams from host memory through each micro-batch's forward and backward, and the run equals
+    one process's without swap."""
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", "train.lr_warmup_steps=0")
+    piped = runs["swap"]
+    _assert_as_one_process(piped, one, tmp_path / "one")
+    assert "1 of 1 blocks swapped" in (piped / "log0.txt").read_text()
+
+
+@pytest.mark.slow
+def test_two_stages_validate_what_one_process_validates(tmp_path, cached_project, runs):
+    """The validation loss, the held-out batches' forward alone through the stages (the schedule's eval),
+    after every step: equal to one process's, on every process."""
+    dataset = _held_out_videos(cached_project)
+    one = train_wan(cached_project, tmp_path / "one", "train.max_steps=2", f"data.dataset_config='{dataset}'",
+                    *VALIDATE)  # fmt: skip
+    piped = runs["validate"]
+    assert [step for step, _ in one.val_history] == [1, 2]
+    for rank in (0, 1):
+        validated = torch.load(piped / f"validation{rank}.pt")
+        assert [step for step, _ in validated] == [1, 2]
+        assert [loss for _, loss in validated] == pytest.approx(
+            [loss for _, loss in one.val_history], rel=1e-5
+        )
+    assert torch.load(piped / "history0.pt") == pytest.approx(one.history, rel=1e-5)

@@ -559,6 +559,13 @@ class DistributedConfig:
         "more than the batch's samples.",
         ge=0,
     )
+    pipeline_stages: int = option(
+        0,
+        'strategy = "pipeline": stages each pipeline has; the processes form (processes / stages) replicas of '
+        "it that share the batches out and average each stage's gradients (pipeline × data parallel, laid "
+        "out as DeepSpeed's pipeline engine: rank = stage × replicas + replica). 0: one stage per process.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ few named points and never branches on the strategy itself:
     accelerator_kwargs()      what `Accelerator(...)` is built with (an FSDP or DeepSpeed plugin)
     check(...)                refusals of settings the strategy cannot combine with, before step 1
     data_share(accelerator)   which share of the batches this process reads (rank, of how many)
+    loading(trainer)          the context the model is loaded in (pipeline: its stage's tensors only)
     placing(trainer, model)   the context the model is placed on the device in (pipeline: its stage only)
     prepare(...)              wrap the model / trained weights / optimizer once they exist
     loss(trainer, run, ...)   one batch's training loss (`trainer.loss`; DDP runs it inside its wrapper)
     accumulating(run, last)   the context one batch's forward and backward run in (no gradient sync
                               on batches that are not the last of their accumulation group)
     loss(trainer, run, ...)   one batch's loss (pipeline: forward and backward through the stages)
+    held_out_loss(...)        one held-out batch's loss, without gradients (validation)
     backward(run, loss)       backpropagate one batch's loss
     reduce_gradients(run)     after a group's last backward: gradients equal on every process
     mean_loss(run, value)     a step's loss averaged over the processes that share the batches (logged)
@@ -67,6 +69,11 @@ class Strategy:
         return accelerator.process_index, accelerator.num_processes
 
     @contextlib.contextmanager
+    def loading(self, trainer) -> Iterator[None]:
+        """The context `trainer.load_transformer` runs in."""
+        yield
+
+    @contextlib.contextmanager
     def placing(self, trainer, model) -> Iterator[None]:
         """The context `apply_memory` places the loaded model on the device in."""
         yield
@@ -83,6 +90,10 @@ class Strategy:
         """One training batch's loss: the trainer's own (`ArchitectureModel.loss` or an architecture's
         override) on the model. A strategy that must see the forward (DDP) runs the same call inside its
         wrapper."""
+        return trainer.loss(run.model, x0, noise, t, cond, run.accelerator)
+
+    def held_out_loss(self, trainer, run, x0, noise, t, cond):
+        """One held-out batch's loss (no gradients), on every process."""
         return trainer.loss(run.model, x0, noise, t, cond, run.accelerator)
 
     def backward(self, run, loss) -> None:

@@ -18,9 +18,11 @@ file and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
@@ -247,6 +249,39 @@ def read_folder_config(folder: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Loading only a part of a model (pipeline stages)
+# ---------------------------------------------------------------------------------------------------
+
+# Inside `loading_only`: the model built empty -> the modules the loading process leaves on the meta device
+_SKIPPING: ContextVar[Callable[[torch.nn.Module], list[torch.nn.Module]] | None] = ContextVar(
+    "skipping", default=None
+)
+
+
+@contextlib.contextmanager
+def loading_only(skipping: Callable[[torch.nn.Module], list[torch.nn.Module]]) -> Iterator[None]:
+    """Inside, the diffusers loaders below (`load_diffusers_folder`, `load_diffusers_single_file`,
+    `from_state_dict`) build the model on the meta device, ask `skipping` which of its modules this process
+    does not hold, and load every tensor but theirs: those modules stay on the meta device (a diffusers
+    folder's files give only the kept tensors' bytes). `skipping` returns [] for a model it does not cut
+    (an auxiliary model the architecture's loader builds), which loads whole."""
+    token = _SKIPPING.set(skipping)
+    try:
+        yield
+    finally:
+        _SKIPPING.reset(token)
+
+
+def skipped_prefixes(model: torch.nn.Module) -> tuple[str, ...]:
+    """The state-dict prefixes (`name.`) of the modules of `model` that `loading_only` leaves empty."""
+    skipping = _SKIPPING.get()
+    if skipping is None:
+        return ()
+    names = {id(m): name for name, m in model.named_modules()}
+    return tuple(names[id(m)] + "." for m in skipping(model))
+
+
+# ---------------------------------------------------------------------------------------------------
 # Loading through diffusers
 # ---------------------------------------------------------------------------------------------------
 
@@ -261,11 +296,35 @@ def load_diffusers_folder(
             f"{folder}: config.json describes a {config.get('_class_name')!r}, not a {class_name}. "
             f"Point to a {class_name} folder or to a single checkpoint file."
         )
+    if _SKIPPING.get() is not None:  # a pipeline stage: read only the tensors it keeps
+        model = _empty_model(model_cls, folder)
+        return _fill(model, _read_kept(folder, model), dtype, folder)
     try:
         model = model_cls.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{folder}: cannot be loaded as a {class_name}: {e}") from None
     return model.eval()
+
+
+def _read_kept(folder: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of a diffusers folder's weight files (`diffusion_pytorch_model*.safetensors`, one or
+    the shards its index names) outside the prefixes `skipping` says the loading process leaves on the
+    meta device; a safetensors file gives only those tensors' bytes."""
+    files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{folder}: no diffusion_pytorch_model*.safetensors; pipeline stages read only their own tensors "
+            "from safetensors files. Convert the folder's weights to .safetensors."
+        )
+    from safetensors import safe_open
+
+    skipped = skipped_prefixes(model)
+    kept = {}
+    for file in files:
+        read_safetensors_header(file)  # clear errors for truncated or non-safetensors files
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            kept.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith(skipped)})
+    return kept
 
 
 def load_diffusers_single_file(
@@ -312,11 +371,15 @@ def _empty_model(model_cls: type, config_dir: Path) -> torch.nn.Module:
 
 
 def _fill(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, path: Path):
+    skipped = skipped_prefixes(model)
+    if skipped:  # the skipped modules keep their empty (meta) tensors; the rest must all be there
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith(skipped)}
+        state_dict |= {k: v for k, v in model.state_dict().items() if k.startswith(skipped)}
     try:
         model.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as e:  # shapes or names that do not fit the identified variant
         raise CheckpointError(f"{path}: cannot be loaded as a {type(model).__name__}: {e}") from None
-    assert_materialized(model, path)
+    assert_materialized(model, path, skipped)
     cast_like_from_pretrained_(model, dtype)
     return model.eval()
 
@@ -377,9 +440,11 @@ def cast_like_from_pretrained_(model: torch.nn.Module, dtype: torch.dtype) -> No
             tensor.data = tensor.data.to(target)
 
 
-def assert_materialized(model: torch.nn.Module, path: str | Path) -> None:
-    """Raise CheckpointError if any parameter or buffer was left without data (on the meta device)."""
-    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+def assert_materialized(model: torch.nn.Module, path: str | Path, skipped: tuple[str, ...] = ()) -> None:
+    """Raise CheckpointError if any parameter or buffer (outside the `skipped` prefixes) was left without
+    data (on the meta device)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    empty = [n for n, t in tensors if t.is_meta and not n.startswith(skipped)]
     if empty:
         raise CheckpointError(
             f"{path}: {len(empty)} tensors were not in the checkpoint (e.g. {', '.join(empty[:3])}). "

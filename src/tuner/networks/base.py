@@ -64,6 +64,13 @@ def init_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
+def adapter_device(base: nn.Module) -> torch.device:
+    """Where an adapter of the layer `base` is created: on the base's device, or on the CPU where the base
+    was left on the meta device (a pipeline stage's view of the blocks other stages hold and load)."""
+    device = base.weight.device
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def check_probability(p: float, what: str) -> None:
     """Dropout probabilities must leave something to keep (p = 1 would divide by zero)."""
     if not 0.0 <= p < 1.0:

@@ -49,6 +49,8 @@ class DoRAModule(AdapterModule):
         with torch.no_grad():
             if magnitude is None:
                 magnitude = self._norm(0)
+            if magnitude.is_meta:  # a base another pipeline stage holds: that stage's magnitude is saved
+                magnitude = torch.zeros(magnitude.shape)
             device = next(inner.parameters()).device
             self.magnitude = nn.Parameter(magnitude.detach().float().to(device))
 

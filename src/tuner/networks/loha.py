@@ -28,7 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
-from tuner.networks.base import AdapterModule, AdapterNetwork, drop_output_channels, init_generator
+from tuner.networks.base import (
+    AdapterModule,
+    AdapterNetwork,
+    adapter_device,
+    drop_output_channels,
+    init_generator,
+)
 from tuner.networks.delta import LOHA, ROLES, ModuleWeights
 from tuner.networks.dora import wrap_dora
 from tuner.networks.keys import COMFY_PREFIX, NameMap
@@ -79,7 +85,7 @@ class LoHaModule(AdapterModule):
         self.rank = rank
         self.alpha = float(alpha) if alpha else float(rank)
         out_features, in_features = base.out_features, base.in_features
-        device = base.weight.device
+        device = adapter_device(base)
         gen = init_generator(seed, name)  # drawn on the CPU in fp32, then moved
 
         def normal(rows: int, cols: int, std: float = 1.0) -> nn.Parameter:

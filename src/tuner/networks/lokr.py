@@ -33,7 +33,13 @@ import torch
 from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
-from tuner.networks.base import AdapterModule, AdapterNetwork, drop_output_channels, init_generator
+from tuner.networks.base import (
+    AdapterModule,
+    AdapterNetwork,
+    adapter_device,
+    drop_output_channels,
+    init_generator,
+)
 from tuner.networks.delta import LOKR, ModuleWeights, lokr_factor
 from tuner.networks.dora import wrap_dora
 from tuner.networks.keys import COMFY_PREFIX, NameMap
@@ -123,7 +129,7 @@ class LoKrModule(AdapterModule):
         self.rank = layout.rank2 or layout.rank1  # the r of alpha / r (w2's when both are decomposed)
         self.alpha = float(alpha) if alpha else float(self.rank or 1)
         self.b_out, self.b_in = out_features // layout.a_out, in_features // layout.a_in
-        gen, kw = init_generator(seed, name), {"device": base.weight.device, "dtype": dtype}
+        gen, kw = init_generator(seed, name), {"device": adapter_device(base), "dtype": dtype}
 
         def init(rows: int, cols: int, zero: bool) -> nn.Parameter:  # drawn on the CPU in fp32, then moved
             tensor = torch.zeros(rows, cols)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tuner.errors import CheckpointError, TunerError
-from tuner.networks.base import AdapterModule, AdapterNetwork, init_generator
+from tuner.networks.base import AdapterModule, AdapterNetwork, adapter_device, init_generator
 from tuner.networks.delta import LORA, ModuleWeights
 from tuner.networks.dora import wrap_dora
 from tuner.networks.formats import read_modules
@@ -86,7 +86,7 @@ class LoRAModule(AdapterModule):
         self.alpha = float(alpha) if alpha else float(rank)
         # Created in the adapter dtype on the base's device, never in the base's dtype: a base
         # stored in fp8 would otherwise give fp8 adapter weights.
-        device = base.weight.device
+        device = adapter_device(base)
         down = torch.empty(rank, base.in_features)  # drawn on the CPU in fp32 (`init_generator`)
         nn.init.kaiming_uniform_(down, a=math.sqrt(5), generator=init_generator(seed, name))
         self.down = nn.Parameter(down.to(device=device, dtype=dtype))

@@ -151,7 +151,10 @@ class BlockSwap:
         if ring < 1:
             raise TunerError(f"the block-swap ring needs at least one slot, got {ring}")
         self.model, self.transfer, self.mode, self.ring, self.trace = model, transfer, mode, ring, trace
-        self.blocks = [_Block(i, m) for i, m in enumerate(block_modules(model, block_lists))]
+        # a block without tensors (a pipeline stage's stand-in for a block another stage holds) has
+        # nothing to stream: the count and the order are the blocks this process holds
+        held = [m for m in block_modules(model, block_lists) if next(_tensors(m), None) is not None]
+        self.blocks = [_Block(i, m) for i, m in enumerate(held)]
         for block in self.blocks:
             self._collect(block)
         n = len(self.blocks)
@@ -232,6 +235,17 @@ class BlockSwap:
         self.shared = None
 
     # --- the schedule ----------------------------------------------------------------------------
+
+    @staticmethod
+    def streaming(block: nn.Module) -> BlockSwap | None:
+        """The BlockSwap that streams `block`, if one does."""
+        forward = block.__dict__.get("forward")
+        return forward.swap if isinstance(forward, _Forward) else None
+
+    def forward_starts(self) -> None:
+        """A forward through the blocks begins without a call of the model (pipeline stages run their
+        blocks themselves, one micro-batch at a time, forwards between backwards under 1F1B)."""
+        self._on_model_forward(self.model, ())
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
         self._forwards += 1

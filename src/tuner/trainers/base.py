@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from tuner.config import Config
 from tuner.distributed.failures import watching
@@ -201,7 +200,7 @@ class NetworkTrainer:
         every, step = self.cfg.train.validate_every_n_steps, run.pos.step
         if run.held_out and ((every and step % every == 0) or step >= run.total_steps):
             with averaged_weights(run.optimizer):
-                val_loss = self.validation_loss(run.model, run.trained, run.held_out, run.accelerator)
+                val_loss = self.validation_loss(run)
             self.val_history.append((step, val_loss))
             run.log(f"step {step}: validation loss {val_loss:.4f}")
             run.metrics.validation(step, val_loss)
@@ -224,21 +223,21 @@ class NetworkTrainer:
         with run.strategy.whole_state(run.trained):
             return run.checkpoints.save(run.trained, run.pos, run.metadata, self.export_layout(), final=final)
 
-    def validation_loss(self, model: nn.Module, trained: nn.Module, held_out, accelerator) -> float:
+    def validation_loss(self, run: Run) -> float:
         """Mean loss on the held-out batches at fixed timesteps with fixed noise, so values
         at different steps compare. Draws nothing from the global random state."""
-        cfg = self.cfg
+        cfg, trained = self.cfg, run.trained
         trained.eval()
         losses = []
         with torch.no_grad():
-            for i, batch in enumerate(held_out.epoch(0)):
-                x0, cond = self._inputs(batch, accelerator.device)
+            for i, batch in enumerate(run.held_out.epoch(0)):
+                x0, cond = self._inputs(batch, run.accelerator.device)
                 for j, t_value in enumerate(cfg.train.validation_timesteps):
                     gen = torch.Generator().manual_seed(_mix(cfg.train.seed, i, j))
                     noise = torch.randn(x0.shape, generator=gen).to(x0)
                     t = torch.full((x0.shape[0],), t_value, device=x0.device)
                     drawn = self.draw_conditions(x0, cond, gen)
-                    losses.append(self.loss(model, x0, noise, t, drawn, accelerator).item())
+                    losses.append(run.strategy.held_out_loss(self, run, x0, noise, t, drawn).item())
         trained.train()
         return sum(losses) / len(losses)
 

@@ -210,7 +210,8 @@ def _open_data(trainer, strategy, accelerator, log):
 def _load_model(trainer, strategy, accelerator):
     """The frozen base model placed on the device, and the handle of its memory settings."""
     cfg, tc = trainer.cfg, trainer.cfg.train
-    model = trainer.load_transformer(DTYPES[cfg.model.dtype])
+    with strategy.loading(trainer):  # pipeline stages load only their own blocks
+        model = trainer.load_transformer(DTYPES[cfg.model.dtype])
     trainer.merge_base_adapters(model)
     model.requires_grad_(False)
     if tc.gradient_checkpointing:
