@@ -43,6 +43,7 @@ FAMILIES = (
     "ernie_image",
     "ideogram4",
     "hunyuan_image",
+    "hidream_o1",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""

@@ -207,6 +207,10 @@ class Architecture:
     """Frame images generation is given (image-to-video: the first[, and the last])."""
     latent_encoders: tuple[str, ...] = ("vae",)
     """Config fields (`model.<name>`) whose weights shape latent entries (part of their cache key)."""
+    latent_space: str = "vae"
+    """What latent entries hold (part of their cache key): "vae", the latents of the models named in
+    `latent_encoders`; or "pixels", the resized pictures themselves (pixel-space models, HiDream-O1:
+    `tuner.archs.pixel_space`, with no `latent_encoders`)."""
     text_extra_encoders: tuple[str, ...] = ()
     """Config fields beyond the text encoders and tokenizers whose weights shape text entries (part of their
     cache key): FramePack one-frame conditions its prompt on the reference image's `image_encoder` tokens."""
