@@ -256,6 +256,13 @@ class Architecture:
     objective: str = "flow"
     """"flow" (flow matching, velocity at t), "ddpm" (SD's discrete noise schedule; epsilon or v) or "edm"
     (Karras' preconditioned denoiser and loss weight over flow time, `tuner.diffusion.edm`; Cosmos 1.0)."""
+    flow_prediction: str = "velocity"
+    """What a flow model's network predicts: "velocity" (noise − x0) or "x0" (the clean sample, trained on its
+    squared error and sampled along (x_t − x̂0)/t: `tuner.diffusion.timesteps.X0FlowObjective`; HiDream-O1)."""
+    noise_scales: tuple[tuple[str, float, float], ...] = ()
+    """`flow_prediction = "x0"` models: (regex, scale, clip) of the noise they train on and sample from, the
+    first whose regex is found (case-insensitive) in `model.transformer`'s file or folder name: ε·scale, ε
+    first clipped to ± clip of its standard deviation (0: not clipped). Empty: standard normal noise."""
     cache_format_version: int = 1
     """Version of its cache entries' format (part of their cache key)."""
     text_encoder_training: str = ""
@@ -304,6 +311,13 @@ class Architecture:
     def flow_sampler_function(self) -> Any:
         """The `flow_sampler` function, or None for one pass."""
         return self._code(self.flow_sampler) if self.flow_sampler else None
+
+    def noise_scale(self, transformer: str | Path | None) -> tuple[float, float]:
+        """(scale, clip) of the noise for the transformer file or folder `transformer` (`noise_scales`)."""
+        for pattern, scale, clip in self.noise_scales:
+            if re.search(pattern, str(transformer or ""), re.IGNORECASE):
+                return scale, clip
+        return 1.0, 0.0
 
     def flow_schedule_function(self) -> Any:
         """The `flow_schedule` function, or None for the shifted linear schedule."""
@@ -357,8 +371,25 @@ class Architecture:
 
     @property
     def model_class(self) -> str:
-        """The diffusers class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
+        """The class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
         return _class_name(self.variant_dir / "transformer" / "tiny" / "config.json")
+
+    def transformer_class(self) -> type:
+        """The `model_class`: diffusers' class, or where diffusers has none the one its folder's `model.py`
+        defines (a transformers model then, built from its configs as transformers builds them)."""
+        import diffusers
+
+        if hasattr(diffusers, self.model_class):
+            return getattr(diffusers, self.model_class)
+        return self._code(self.model_class, "model")
+
+    def build_transformer(self, variant: str) -> Any:
+        """A `transformer_class` of the config folder `variant` with initial weights (call it under
+        `init_empty_weights` for the shapes alone)."""
+        cls, folder = self.transformer_class(), self.variant_dir / "transformer" / variant
+        if hasattr(cls, "load_config"):  # a diffusers model
+            return cls.from_config(cls.load_config(folder))
+        return cls(cls.config_class.from_pretrained(folder))
 
     def _code(self, ref: str, default: str = "") -> Any:
         """What `ref` names in the record's folder: `attribute` of the module `default`, or

@@ -60,7 +60,9 @@ def release_folder(parts: dict, seed: int):
         network.config.save_pretrained(folder)
         parts["tokenizer"].save_pretrained(folder)
         text = network.config.text_config
-        head = torch.randn(text.vocab_size, text.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
+        head = torch.randn(
+            text.vocab_size, text.hidden_size, generator=torch.Generator().manual_seed(seed + 1)
+        )
         save_safetensors(
             {**prefixed("model.", network.state_dict()), "lm_head.weight": head}, folder / "model.safetensors"
         )

@@ -131,7 +131,9 @@ def load_prompt_tokenizer(tokenizer: str | Path | None, transformer: str | Path)
     know HiDream's two added tokens."""
     if tokenizer is None and Path(transformer).is_dir():
         tokenizer = transformer
-    loaded = load_tokenizer(tokenizer, transformer, "HiDream-O1 tokenizer (the release folder's tokenizer files)")
+    loaded = load_tokenizer(
+        tokenizer, transformer, "HiDream-O1 tokenizer (the release folder's tokenizer files)"
+    )
     unknown = [t for t in SPECIAL_TOKENS if loaded.convert_tokens_to_ids(t) in (None, loaded.unk_token_id)]
     if unknown:
         raise CheckpointError(

@@ -56,7 +56,9 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         half = FREQUENCIES // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        freqs = torch.exp(
+            -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+        )
         angles = (t.float() * 1000.0)[:, None] * freqs[None]
         features = torch.cat([angles.cos(), angles.sin()], dim=-1)
         return self.mlp(features.to(self.mlp[0].weight.dtype))

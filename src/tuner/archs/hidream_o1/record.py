@@ -59,6 +59,9 @@ HIDREAM_O1 = Architecture(
     # the release's names under `diffusion_model.`, with `.alpha` keys (ComfyUI's key map)
     save_format="comfy",
     timestep_mode="uniform",
+    # the network predicts the clean picture, from noise 8x (dev: 7.5x, clipped at 2.5 std) the unit normal's
+    flow_prediction="x0",
+    noise_scales=((r"dev", 7.5, 2.5), (r"", 8.0, 0.0)),
 )
 
 
