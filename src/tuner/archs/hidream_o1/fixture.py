@@ -47,7 +47,19 @@ def build_hidream_o1_components(seed: int = 0) -> dict:
     config = Qwen3VLConfig.from_pretrained(tiny_config("hidream_o1", "transformer"))
     tokenizer = build_tokenizer()
     assert len(tokenizer) <= config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
-    return {"transformer": tiny_model(HiDreamO1Transformer, config, seed), "tokenizer": tokenizer}
+    network = _quiet_residual_writes_(tiny_model(HiDreamO1Transformer, config, seed))
+    return {"transformer": network, "tokenizer": tokenizer}
+
+
+@torch.no_grad()
+def _quiet_residual_writes_(network: HiDreamO1Transformer) -> HiDreamO1Transformer:
+    """Scale what each decoder layer adds to the residual stream (`o_proj`, `down_proj`) by 1/4. A trained
+    model's layers refine the stream; random ones each replace it, and a few percent of fp8 rounding per
+    weight then compounds past the contract suite's 5% bound on the output."""
+    for name, param in network.language_model.layers.named_parameters():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            param.mul_(0.25)
+    return network
 
 
 def release_folder(parts: dict, seed: int):
