@@ -21,6 +21,16 @@ What the published descriptions left open, and what tuner does:
 * Image-to-image (reference images read by the vision tower, musubi-tuner's `--task i2i`) is not trained:
   control images are refused (`control_images` is (0, 0)).
 * Which checkpoint is dev is read from its name (`dev` in it), as the shapes are the same.
+* The real variants' config (`configs/transformer/full`) is Qwen3-VL-8B's (36 layers of width 4096, a
+  27-block vision tower): the release's config.json could not be read offline; the file's shapes are
+  checked against it when loading, so a different size is refused by name rather than misread.
+* The prompt is Qwen3-VL's chat template of one user turn (no system prompt, no thinking tags) followed by
+  `<|boi_token|><|tms_token|>`, as musubi-tuner renders it with the release's processor; the timestep
+  token is found as each prompt's last token (the template ends with it) rather than by its id, so the
+  tiny fixture's vocabulary needs no id of 151673.
+* A batch of prompts of different lengths is padded on the right and the padding masked, which gives each
+  sample what the release computes for it alone (it runs one sample per forward); the image's positions
+  do not depend on the prompt's length.
 """
 
 from __future__ import annotations
