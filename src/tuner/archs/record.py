@@ -178,7 +178,8 @@ class Architecture:
     single file, which carries none (see `tuner.hub`). Every record names one per text encoder."""
     hub_repos: tuple[tuple[str, str], ...] = ()
     """(variant, repository) of the official diffusers pipelines, the first the default: what
-    `tuner download ARCH [VARIANT]` fetches the components from."""
+    `tuner download ARCH [VARIANT]` fetches the components from (a release that is no pipeline, HiDream-O1's,
+    names its repository: the download then asks for `--comfy`)."""
     comfy_files: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     """(variant, ((config field, hub file), ...)) of the single files ComfyUI users have, from Comfy-Org's
     repackaged repositories (`repo/split_files/...`): what `tuner download ARCH [VARIANT] --comfy` fetches;
