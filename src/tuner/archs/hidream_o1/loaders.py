@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tuner.archs.hidream_o1.model import HiDreamO1Transformer, patchify, unpatchify
+from tuner.archs.hidream_o1.model import PATCH_SIZE, HiDreamO1Transformer, patchify, unpatchify
 from tuner.errors import CheckpointError
 from tuner.models.encoders import load_encoder_file_on_meta
 from tuner.models.identify import SingleFileSpec, variant_table
@@ -163,13 +163,25 @@ def padded_ids(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     return {"input_ids": ids, "text_mask": mask}
 
 
+def model_inputs(
+    noisy: torch.Tensor, t: torch.Tensor, input_ids: torch.Tensor, text_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
+    """The network's arguments for pixels `noisy` [B, 3, 1, H, W] at t ∈ [0, 1] (1 = noise): the prompts,
+    the patches, the timestep 1 − t and the patch grid."""
+    height, width = noisy.shape[-2:]
+    grid = (height // PATCH_SIZE, width // PATCH_SIZE)
+    return input_ids.long(), text_mask.long(), patchify(noisy[:, :, 0]), (1.0 - t).float(), grid
+
+
+def as_image(patches: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """Predicted patches [B, N, 3072] as an image shaped like `noisy` [B, 3, 1, H, W]."""
+    height, width = noisy.shape[-2:]
+    return unpatchify(patches, height, width).unsqueeze(2).to(noisy.dtype)
+
+
 def predict_clean(
     model: HiDreamO1Transformer, noisy: torch.Tensor, t: torch.Tensor, input_ids: torch.Tensor,
     text_mask: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """The clean image the network predicts for pixels `noisy` [B, 3, 1, H, W] at t ∈ [0, 1] (1 = noise)."""
-    height, width = noisy.shape[-2:]
-    patches = patchify(noisy[:, :, 0])
-    grid = (height // 32, width // 32)
-    x0 = model(input_ids.long(), text_mask.long(), patches, (1.0 - t).float(), grid)
-    return unpatchify(x0, height, width).unsqueeze(2).to(noisy.dtype)
+    return as_image(model(*model_inputs(noisy, t, input_ids, text_mask)), noisy)

@@ -106,20 +106,35 @@ class HiDreamO1Transformer(Qwen3VLModel):
         """The clean patches [B, N, 3072] predicted from noisy `patches` [B, N, 3072] (row-major over the
         `grid` (rows, columns)) at `timestep` [B] (1 − σ), given the prompts' token ids [B, L] padded on
         the right, `text_mask` [B, L] marking the real ones (each prompt ends with its timestep token)."""
+        hidden, cos, sin, mask = self.embed(input_ids, text_mask, patches, timestep, grid)
+        for layer in self.language_model.layers:
+            hidden = self.run_layer(layer, hidden, cos, sin, mask)
+        return self.pixels(hidden, input_ids.shape[1])
+
+    def embed(
+        self, input_ids: torch.Tensor, text_mask: torch.Tensor, patches: torch.Tensor, timestep: torch.Tensor,
+        grid: tuple[int, int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`forward` up to the decoder layers: the sequence [B, L + N, width], its RoPE cos and sin, and the
+        attention mask (what each layer takes)."""
         lengths = text_mask.sum(dim=1)
-        text = self.language_model.embed_tokens(input_ids)
+        text = self.language_model.embed_tokens(input_ids).clone()
         rows = torch.arange(text.shape[0], device=text.device)
-        text = text.clone()
         text[rows, lengths - 1] = self.t_embedder1(timestep).to(text.dtype)
         image = self.x_embedder(patches.to(text.dtype))
         hidden = torch.cat([text, image], dim=1)
-        positions = sequence_positions(text_mask, grid)
-        position_embeddings = self.language_model.rotary_emb(hidden, positions)
-        mask = attention_mask(text_mask, image.shape[1])
-        for layer in self.language_model.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=mask)
-        hidden = self.language_model.norm(hidden[:, text.shape[1] :])
-        return self.final_layer2(hidden)
+        cos, sin = self.language_model.rotary_emb(hidden, sequence_positions(text_mask, grid))
+        return hidden, cos, sin, attention_mask(text_mask, image.shape[1])
+
+    @staticmethod
+    def run_layer(layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """One decoder layer of `forward`."""
+        return layer(hidden, position_embeddings=(cos, sin), attention_mask=mask)
+
+    def pixels(self, hidden: torch.Tensor, text_length: int) -> torch.Tensor:
+        """`forward` after the decoder layers: the image tokens' predicted patches."""
+        return self.final_layer2(self.language_model.norm(hidden[:, text_length:]))
 
 
 def sequence_positions(text_mask: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:

@@ -66,3 +66,20 @@ class HiDreamO1Model(PixelSpaceImageModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The clean image x̂0 (the record's `flow_prediction = "x0"`), not a velocity."""
         return hidream_o1.predict_clean(model, noisy, t, cond["input_ids"], cond["text_mask"])
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            return model.embed(*hidream_o1.model_inputs(noisy, t, cond["input_ids"], cond["text_mask"]))
+
+        def epilogue(carried, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+            return hidream_o1.as_image(model.pixels(carried[0], cond["input_ids"].shape[1]), noisy)
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=list(model.language_model.layers),
+            run_block=lambda layer, carried: (model.run_layer(layer, *carried), *carried[1:]),
+            epilogue=epilogue,
+            prologue_modules=(model.language_model.embed_tokens, model.t_embedder1, model.x_embedder),
+        )
