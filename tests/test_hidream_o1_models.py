@@ -240,3 +240,31 @@ def test_shipped_configs_build_the_released_shapes():
     assert "language_model.layers.35.mlp.gate_proj.weight" in shapes and not any(
         "deepstack" in k for k in shapes
     )
+
+
+@pytest.mark.parametrize("contract", ["hidream_o1"], indirect=True)
+def test_a_pixel_cache_of_another_size_or_dtype_is_refused_like_latents(contract, tmp_path):
+    """The contract project's cached pictures train; asked for another resolution or pixel dtype, the same
+    cache is missing those entries and training is refused before it starts, as for a VAE's latents."""
+    import shutil
+
+    from project import cfg
+    from tuner.cache.plan import open_training_data
+    from tuner.errors import CacheError
+    from tuner.trainers import trainer_class
+
+    _, config, _ = contract
+    project = tmp_path / "project"
+    shutil.copytree(config.parent, project, ignore=shutil.ignore_patterns("output"))
+    config = project / config.name
+    trainer = trainer_class("hidream_o1")(cfg(config))
+    batch = next(iter(open_training_data(trainer, trainer.cfg, log=lambda s: None).epoch(0)))
+    assert batch["latents"].shape[1:] == (3, 1, 64, 64) and batch["latents"].abs().max() <= 1
+    with pytest.raises(CacheError, match="cache latents"):
+        other = trainer_class("hidream_o1")(cfg(config, "model.vae_dtype='bf16'"))
+        open_training_data(other, other.cfg, log=lambda s: None)
+    dataset = project / "dataset.toml"
+    dataset.write_text(dataset.read_text().replace("resolution = [64, 64]", "resolution = [96, 96]"))
+    with pytest.raises(CacheError, match="cache latents"):
+        resized = trainer_class("hidream_o1")(cfg(config))
+        open_training_data(resized, resized.cfg, log=lambda s: None)
