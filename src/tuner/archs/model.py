@@ -403,12 +403,17 @@ class ArchitectureModel:
 def padded_prompts(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A `collate_text` for entries kept at their caption's length (`prompt_embeds` [L, ...]): padded with
     zeros to the batch's longest, and `prompt_mask` [B, L] marking each caption's real rows."""
-    rows = [entry["prompt_embeds"] for entry in entries]
-    embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    mask = torch.zeros(embeds.shape[:2], dtype=torch.bool)
+    embeds, mask = padded_rows([entry["prompt_embeds"] for entry in entries])
+    return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+
+def padded_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensors [L_i, ...] padded with zeros to the longest, [B, L, ...], and the mask [B, L] of real rows."""
+    padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.zeros(padded.shape[:2], dtype=torch.bool)
     for i, r in enumerate(rows):
         mask[i, : r.shape[0]] = True
-    return {"prompt_embeds": embeds, "prompt_mask": mask}
+    return padded, mask
 
 
 def pipeline_architectures() -> list[str]:

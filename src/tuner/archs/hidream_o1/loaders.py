@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tuner.archs.hidream_o1.model import PATCH_SIZE, HiDreamO1Transformer, patchify, unpatchify
+from tuner.archs.model import padded_rows
 from tuner.errors import CheckpointError
 from tuner.models.encoders import load_encoder_file_on_meta
 from tuner.models.identify import SingleFileSpec, variant_table
@@ -155,12 +156,8 @@ def tokenize(tokenizer, captions: list[str], max_length: int) -> list[torch.Tens
 
 def padded_ids(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Cached prompts as a batch: `input_ids` [B, L] padded with 0 on the right, `text_mask` [B, L]."""
-    rows = [e["input_ids"] for e in entries]
-    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    mask = torch.zeros(ids.shape, dtype=torch.long)
-    for i, row in enumerate(rows):
-        mask[i, : len(row)] = 1
-    return {"input_ids": ids, "text_mask": mask}
+    ids, mask = padded_rows([e["input_ids"] for e in entries])
+    return {"input_ids": ids, "text_mask": mask.long()}
 
 
 def model_inputs(
