@@ -77,8 +77,8 @@ def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, t
     config = make_project(tmp_path / "p", tmp_path / "model", architecture=architecture)
     trainer = trainer_class(architecture)(cfg(config))
     model = trainer.load_transformer(torch.float32).requires_grad_(False)
-    if checkpointing:  # diffusers' name, or transformers' (HiDream-O1's Qwen3-VL)
-        (getattr(model, "enable_gradient_checkpointing", None) or model.gradient_checkpointing_enable)()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
     model.train(checkpointing)
     network = trainer.build_trained(model)
     with torch.no_grad():

@@ -268,3 +268,19 @@ def test_a_pixel_cache_of_another_size_or_dtype_is_refused_like_latents(contract
     with pytest.raises(CacheError, match="cache latents"):
         resized = trainer_class("hidream_o1")(cfg(config))
         open_training_data(resized, resized.cfg, log=lambda s: None)
+
+
+def test_gradient_checkpointing_recomputes_the_layers_to_the_same_gradients(parts):
+    import copy
+
+    noisy = torch.randn(1, 3, 1, 32, 32, generator=torch.Generator().manual_seed(1))
+    ids, mask = torch.tensor([[5, 9, 11, 7]]), torch.ones(1, 4, dtype=torch.long)
+    grads = []
+    for checkpointing in (False, True):
+        network = copy.deepcopy(parts["transformer"]).train()
+        if checkpointing:
+            network.enable_gradient_checkpointing()
+            assert all(layer.gradient_checkpointing for layer in network.language_model.layers)
+        hidream_o1.predict_clean(network, noisy, torch.tensor([0.5]), ids, mask).square().mean().backward()
+        grads.append(network.language_model.layers[0].self_attn.q_proj.weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)

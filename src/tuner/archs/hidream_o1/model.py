@@ -99,6 +99,11 @@ class HiDreamO1Transformer(Qwen3VLModel):
         self.final_layer2 = PixelHead(width)
         self.post_init()
 
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each decoder layer in backward (the training loop asks under diffusers' name;
+        transformers' layers then checkpoint themselves in train mode, non-reentrant)."""
+        self.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
     def forward(
         self, input_ids: torch.Tensor, text_mask: torch.Tensor, patches: torch.Tensor, timestep: torch.Tensor,
         grid: tuple[int, int],
