@@ -55,7 +55,7 @@ def test_pipeline_parts_follow_the_predict_they_cut():
     """A trainer offering parts must predict as the class that wrote them (or a subclass of it) does; one
     that predicts otherwise must opt out, or its stages would train another model than `predict`."""
     offered = pipeline_architectures()
-    assert offered == ["wan", "flux", "flux_kontext", "omnigen2"]
+    assert offered == ["wan", "flux", "flux_kontext", "omnigen2", "hidream_o1"]
     for name, record in ARCHITECTURES.items():
         cls = record.family_class()
         if cls.pipeline_parts is ArchitectureModel.pipeline_parts:
@@ -76,13 +76,20 @@ def _inputs(architecture: str, trainer, batch: int = 2) -> tuple[torch.Tensor, t
             t,
             {"prompt_embeds": torch.randn(batch, 7, 64, generator=g) * mask[..., None], "prompt_mask": mask},
         )
+    if architecture == "hidream_o1":  # prompts of 5 and 3 token ids, padded
+        mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]][:batch])
+        return (
+            noisy,
+            t,
+            {"input_ids": torch.randint(0, 2048, (batch, 5), generator=g) * mask, "text_mask": mask},
+        )
     cond = {"t5": torch.randn(batch, 7, 64, generator=g), "pooled": torch.randn(batch, 32, generator=g)}
     if architecture == "flux_kontext":
         cond["control_0"] = torch.randn(batch, 16, 2, 4, generator=g)
     return noisy, t, cond
 
 
-@pytest.mark.parametrize("architecture", ["wan", "flux", "flux_kontext", "omnigen2"])
+@pytest.mark.parametrize("architecture", ["wan", "flux", "flux_kontext", "omnigen2", "hidream_o1"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, tmp_path):
     """Prologue → every block → epilogue equals `trainer.predict` on the tiny fixture, output and adapter
@@ -101,7 +108,7 @@ def test_pipeline_parts_compute_what_predict_does(architecture, checkpointing, t
         for p in network.parameters():  # the up matrices start at zero: give the adapter an effect
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     parts = trainer.pipeline_parts(model)
-    assert len(parts.blocks) == 2  # wan: two blocks; flux: one dual- and one single-stream block
+    assert len(parts.blocks) == 2  # wan, hidream_o1: two blocks; flux: one dual- and one single-stream block
     noisy, t, cond = _inputs(architecture, trainer)
 
     results = []

@@ -128,6 +128,7 @@ def test_model_quantization_keeps_norms_embeddings_and_modulation():
     )
     assert fp8.keeps_high_precision("transformer_blocks.0.norm1.linear")  # FLUX AdaLayerNormZero
     assert fp8.keeps_high_precision("transformer_blocks.0.img_mod.1")  # Qwen-Image modulation
+    assert not fp8.keeps_high_precision("language_model.layers.0.self_attn.q_proj")  # HiDream-O1: not `_mod`
 
 
 def test_fp8_model_output_close_to_fp32():

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import diffusers
 import pytest
 
 from tuner.archs.model import ArchitectureModel
@@ -44,10 +45,14 @@ def test_record_is_complete(name):
     assert architecture_keys(name) is record.key_table()
     fixture = record.load_fixture()
     assert isinstance(fixture, Fixture) and f'architecture = "{name}"' in fixture.model_section
-    assert record.transformer_class().__name__ == record.model_class  # diffusers' or the family's own
+    # diffusers' class, or where diffusers has none the family's own (`model.py`)
+    cls = record.transformer_class()
+    assert cls.__name__ == record.model_class and (
+        hasattr(diffusers, record.model_class) or cls.__module__ == f"tuner.archs.{record.folder}.model"
+    ), record.model_class
     for config in (record.variant_dir / "transformer").glob("*/config.json"):
         assert json.loads(config.read_text())["_class_name"] == record.model_class, config
-    assert record.block_lists and all(re.fullmatch(r"[a-z_]+", b) for b in record.block_lists)
+    assert record.block_lists and all(re.fullmatch(r"[a-z_]+(\.[a-z_]+)*", b) for b in record.block_lists)
     assert record.default_targets
     for pattern in record.default_targets:
         re.compile(pattern)
@@ -66,7 +71,9 @@ def test_record_describes_the_model(name):
     assert r.frame_multiple >= 1 and 0 <= r.frame_remainder < r.frame_multiple
     assert r.model_fps > 0 and r.min_frames >= 1 and r.frame_images in (0, 1, 2)
     assert r.supports_video or r.supports_images
-    assert r.latent_encoders and r.latent_encoders[0] == "vae"
+    # a VAE's latents (the VAE first of the models that shape them), or the pictures themselves
+    assert r.latent_space in ("vae", "pixels")
+    assert r.latent_encoders[:1] == ("vae",) if r.latent_space == "vae" else not r.latent_encoders
     low, high = r.control_images
     assert 0 <= low <= high
     assert not r.text_uses_controls or high > 0
@@ -74,6 +81,10 @@ def test_record_describes_the_model(name):
     assert len(r.latent_patch) in (2, 3) and all(p >= 1 for p in r.latent_patch)
     assert r.audio_format is None or (r.audio_format[0] > 0 and r.audio_format[1] in (1, 2))
     assert r.objective in ("flow", "ddpm", "edm") and r.cache_format_version >= 1
+    assert r.flow_prediction in ("velocity", "x0") and (
+        r.objective == "flow" or r.flow_prediction == "velocity"
+    )
+    assert not r.noise_scales or r.flow_prediction == "x0"
     assert not r.first_frame_image or r.first_frame is not None
 
 

@@ -85,9 +85,14 @@ def test_every_architecture_caches_the_same_text_with_streamed_layers(
         "cache.text_encoder_blocks_to_swap=1",
     )
     assert code == 0, out
-    assert streamed and set(streamed) == {1}, f"{arch}: load_text_encoder does not pass the stream count"
     want = CacheStore(config.parent / "cache", readonly=True)
     got = CacheStore(project / "cache", readonly=True)
+    # entries of token ids alone (HiDream-O1, whose network embeds its prompt itself): no encoder runs
+    ids_only = all(not t.is_floating_point() for key in want.keys("text") for t in want.get(key).values())
+    if ids_only:
+        assert not streamed, f"{arch}: caches token ids, yet streamed an encoder"
+    else:
+        assert streamed and set(streamed) == {1}, f"{arch}: load_text_encoder does not pass the stream count"
     keys = got.keys("text")
     assert summary(out) == (len(keys), 0, 0) and sorted(keys) == sorted(want.keys("text"))
     for key in keys:

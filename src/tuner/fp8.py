@@ -58,9 +58,10 @@ BLOCK = 64
 SCALE_KEY = "fp8_scale"
 FORMAT = "tuner.fp8.e4m3fn.block64"
 
-# Module-name fragments (lower case) of layers kept in high precision. Data, not code: a new architecture
-# whose modulation layer is called something else adds its fragment here.
-KEEP_HIGH_PRECISION = ("norm", "embed", "modulation", "_mod", "adaln", "time")
+# Module-name fragments (lower case, regexes searched in the name) of layers kept in high precision. Data,
+# not code: a new architecture whose modulation layer is called something else adds its fragment here.
+# `_mod` is a whole word (`img_mod.lin`, `txt_mod`), not the start of one (`language_model.layers`).
+KEEP_HIGH_PRECISION = ("norm", "embed", "modulation", "_mod(?![a-z])", "adaln", "time")
 # Layers whose weight dtype a model reads to cast its inputs: diffusers' Wan casts the timestep to the
 # time embedder's dtype, so an fp8 weight there would make the timestep fp8. Even when a ComfyUI fp8
 # file stores them in fp8, they are left as the loader put them (dequantized); they are tiny.
@@ -215,7 +216,7 @@ def keeps_high_precision(
 ) -> bool:
     """Whether the layer called `name` stays out of fp8 (norms, embeddings, modulation, fp32 modules)."""
     lower = name.lower()
-    if any(fragment in lower for fragment in keep):
+    if any(re.search(fragment, lower) for fragment in keep):
         return True
     fp32_modules = set(getattr(model, "_keep_in_fp32_modules", None) or [])
     return bool(fp32_modules.intersection(name.split(".")))

@@ -46,6 +46,7 @@ FAMILIES = (
     "hunyuan_image",
     "minimax_h3",
     "omnigen2",
+    "hidream_o1",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""

@@ -165,6 +165,12 @@ class ArchitectureModel:
 
         if (schedule := self.record.flow_schedule_function()) is not None:
             sigmas = schedule(len(sigmas) - 1, noise).to(sigmas.device)
+        objective = self.training_objective()  # networks predicting x0: sampled along their velocity
+        predict, noise = model_fn, objective.initial_noise(noise)
+
+        def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
+            return objective.velocity(x, t / 1000, predict(x, t, c))
+
         settings = self.record.sample_guidance if guidance_method != "cfg" else ()
         apg = ProjectedGuidance(**dict(settings)) if settings else None
 
@@ -300,15 +306,22 @@ class ArchitectureModel:
 
     # --- the one loss ------------------------------------------------------------------------------
     def training_objective(self):
-        """What the model is trained on: flow matching (`tuner.diffusion.timesteps.FlowObjective`), or for
+        """What the model is trained on: flow matching (`tuner.diffusion.timesteps.FlowObjective`; for
+        networks predicting x0, `X0FlowObjective` with the record's noise scale), or for
         `objective = "ddpm"` architectures the DDPM schedule with the configured prediction type and
         weights (`tuner.diffusion.ddpm.DDPMObjective`), for `"edm"` ones EDM's (`tuner.diffusion.edm`)."""
         if self._objective is None:
-            from tuner.diffusion.ddpm import objective_from_config
+            from dataclasses import fields
 
-            self._objective = objective_from_config(
-                self.record.objective, self.cfg.timesteps, self.architecture
-            )
+            from tuner.diffusion.ddpm import objective_from_config
+            from tuner.diffusion.timesteps import X0FlowObjective
+
+            objective = objective_from_config(self.record.objective, self.cfg.timesteps, self.architecture)
+            if self.record.flow_prediction == "x0":
+                scale, clip = self.record.noise_scale(self.cfg.model.transformer)
+                given = {f.name: getattr(objective, f.name) for f in fields(objective)}
+                objective = X0FlowObjective(**given, noise_scale=scale, noise_clip_std=clip)
+            self._objective = objective
         return self._objective
 
     def loss(self, model: nn.Module, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: dict,
@@ -390,12 +403,17 @@ class ArchitectureModel:
 def padded_prompts(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A `collate_text` for entries kept at their caption's length (`prompt_embeds` [L, ...]): padded with
     zeros to the batch's longest, and `prompt_mask` [B, L] marking each caption's real rows."""
-    rows = [entry["prompt_embeds"] for entry in entries]
-    embeds = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    mask = torch.zeros(embeds.shape[:2], dtype=torch.bool)
+    embeds, mask = padded_rows([entry["prompt_embeds"] for entry in entries])
+    return {"prompt_embeds": embeds, "prompt_mask": mask}
+
+
+def padded_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensors [L_i, ...] padded with zeros to the longest, [B, L, ...], and the mask [B, L] of real rows."""
+    padded = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.zeros(padded.shape[:2], dtype=torch.bool)
     for i, r in enumerate(rows):
         mask[i, : r.shape[0]] = True
-    return {"prompt_embeds": embeds, "prompt_mask": mask}
+    return padded, mask
 
 
 def pipeline_architectures() -> list[str]:

@@ -179,7 +179,8 @@ class Architecture:
     hub_repos: tuple[tuple[str, str], ...] = ()
     """(variant, repository) of the official diffusers pipelines, the first the default: what
     `tuner download ARCH [VARIANT]` fetches the components from; empty for a model released as single files
-    only (Anima), whose `comfy_files` it then fetches."""
+    only (Anima), whose `comfy_files` it then fetches (a release that is no pipeline, HiDream-O1's, names its
+    repository: the download then asks for `--comfy`)."""
     hub_folders: tuple[tuple[str, str], ...] = ()
     """(config field, folder) of a component its pipeline keeps in a folder of another name than the field
     (OmniGen2's Qwen2.5-VL in `mllm/`): `tuner download` points that field at the pipeline too."""
@@ -211,6 +212,10 @@ class Architecture:
     """Frame images generation is given (image-to-video: the first[, and the last])."""
     latent_encoders: tuple[str, ...] = ("vae",)
     """Config fields (`model.<name>`) whose weights shape latent entries (part of their cache key)."""
+    latent_space: str = "vae"
+    """What latent entries hold (part of their cache key): "vae", the latents of the models named in
+    `latent_encoders`; or "pixels", the resized pictures themselves (pixel-space models, HiDream-O1:
+    `tuner.archs.pixel_space`, with no `latent_encoders`)."""
     text_extra_encoders: tuple[str, ...] = ()
     """Config fields beyond the text encoders and tokenizers whose weights shape text entries (part of their
     cache key): FramePack one-frame conditions its prompt on the reference image's `image_encoder` tokens."""
@@ -256,6 +261,13 @@ class Architecture:
     objective: str = "flow"
     """"flow" (flow matching, velocity at t), "ddpm" (SD's discrete noise schedule; epsilon or v) or "edm"
     (Karras' preconditioned denoiser and loss weight over flow time, `tuner.diffusion.edm`; Cosmos 1.0)."""
+    flow_prediction: str = "velocity"
+    """What a flow model's network predicts: "velocity" (noise − x0) or "x0" (the clean sample, trained on its
+    squared error and sampled along (x_t − x̂0)/t: `tuner.diffusion.timesteps.X0FlowObjective`; HiDream-O1)."""
+    noise_scales: tuple[tuple[str, float, float], ...] = ()
+    """`flow_prediction = "x0"` models: (regex, scale, clip) of the noise they train on and sample from, the
+    first whose regex is found (case-insensitive) in `model.transformer`'s file or folder name: ε·scale, ε
+    first clipped to ± clip of its standard deviation (0: not clipped). Empty: standard normal noise."""
     cache_format_version: int = 1
     """Version of its cache entries' format (part of their cache key)."""
     text_encoder_training: str = ""
@@ -304,6 +316,13 @@ class Architecture:
     def flow_sampler_function(self) -> Any:
         """The `flow_sampler` function, or None for one pass."""
         return self._code(self.flow_sampler) if self.flow_sampler else None
+
+    def noise_scale(self, transformer: str | Path | None) -> tuple[float, float]:
+        """(scale, clip) of the noise for the transformer file or folder `transformer` (`noise_scales`)."""
+        for pattern, scale, clip in self.noise_scales:
+            if re.search(pattern, str(transformer or ""), re.IGNORECASE):
+                return scale, clip
+        return 1.0, 0.0
 
     def flow_schedule_function(self) -> Any:
         """The `flow_schedule` function, or None for the shifted linear schedule."""
@@ -357,15 +376,25 @@ class Architecture:
 
     @property
     def model_class(self) -> str:
-        """The class name of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
+        """The class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
         return _class_name(self.variant_dir / "transformer" / "tiny" / "config.json")
 
     def transformer_class(self) -> type:
-        """The class `model_class` names: diffusers', or, for a model diffusers lacks (OmniGen2), the
-        family's own diffusers-style class in its folder's `model.py`."""
+        """The `model_class`: diffusers' class, or where diffusers has none the one its folder's `model.py`
+        defines (a transformers model then, built from its configs as transformers builds them)."""
         import diffusers
 
-        return getattr(diffusers, self.model_class, None) or self._code(self.model_class, "model")
+        if hasattr(diffusers, self.model_class):
+            return getattr(diffusers, self.model_class)
+        return self._code(self.model_class, "model")
+
+    def build_transformer(self, variant: str) -> Any:
+        """A `transformer_class` of the config folder `variant` with initial weights (call it under
+        `init_empty_weights` for the shapes alone)."""
+        cls, folder = self.transformer_class(), self.variant_dir / "transformer" / variant
+        if hasattr(cls, "load_config"):  # a diffusers model
+            return cls.from_config(cls.load_config(folder))
+        return cls(cls.config_class.from_pretrained(folder))
 
     def _code(self, ref: str, default: str = "") -> Any:
         """What `ref` names in the record's folder: `attribute` of the module `default`, or

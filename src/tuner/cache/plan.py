@@ -160,8 +160,10 @@ _LATENT_FOLDERS = {"vae": ("vae", "audio_vae"), "image_encoder": ("image_encoder
 
 
 def latent_encoder(model) -> EncoderIdentity:
-    """The identity of every model that shapes a latent entry (the record's `latent_encoders`: the VAE,
-    plus e.g. the CLIP image encoder of image-to-video models); all run in `model.vae_dtype`."""
+    """The identity of what a latent entry holds (the record's `latent_space`: a VAE's latents, or a
+    pixel-space model's resized pictures) and of every model that shapes it (the record's `latent_encoders`:
+    the VAE, plus e.g. the CLIP image encoder of image-to-video models; none for pixels); all run in
+    `model.vae_dtype`."""
     cfg = model.cfg
     fingerprints = [
         _fingerprint(model.weights_path(name), _LATENT_FOLDERS.get(name, (name,)))
@@ -174,7 +176,7 @@ def latent_encoder(model) -> EncoderIdentity:
             {"clean_indices": list(one.clean_indices), "target_index": one.target("frames")}
         )
     return EncoderIdentity(
-        architecture=f"{model.architecture}-vae{order}",
+        architecture=f"{model.architecture}-{model.record.latent_space}{order}",
         weights_fingerprint="+".join(fingerprints),
         dtype=cfg.model.vae_dtype,
         format_version=model.record.cache_format_version,

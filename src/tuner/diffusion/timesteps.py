@@ -430,3 +430,49 @@ class FlowObjective:
     ) -> torch.Tensor:  # fmt: skip
         weights = loss_weight(t, self.weighting, self.logit_mean, self.logit_std, self.mode_scale)
         return weighted_mse(pred.float(), flow_target(x0, noise).float(), weights, mask)
+
+    def initial_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        """Generation's starting point x_1 from standard normal `noise`."""
+        return noise
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        """The velocity generation steps along, from the network's output `pred` at x_t, t[B] ∈ [0, 1]."""
+        return pred
+
+
+@dataclass(frozen=True)
+class X0FlowObjective(FlowObjective):
+    """Flow matching for a network that predicts the clean sample x0 (a record's `flow_prediction = "x0"`;
+    HiDream-O1), on noise of a larger scale.
+
+    x_t = (1 − t)·x0 + t·s·ε (ε first clipped to ± `noise_clip_std` of its standard deviation, when set) and
+    the loss is the squared error of x̂0 to x0: for pixels, a target of the picture's own scale whatever t.
+    Sampling starts from s·ε and steps along the velocity (x_t − x̂0)/t, with t floored at 1e-3 (as HiDream-O1's
+    own sampler does), which is the same ODE a velocity-predicting network would be trained to follow."""
+
+    noise_scale: float = 1.0
+    noise_clip_std: float = 0.0
+    t_floor: float = 1e-3
+
+    def scaled_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        if self.noise_clip_std > 0:
+            bound = self.noise_clip_std * noise.float().std()
+            noise = noise.clamp(-bound, bound)
+        return noise * self.noise_scale
+
+    def add_noise(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return add_noise(x0, self.scaled_noise(noise), t)
+
+    def loss(
+        self, pred: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        weights = loss_weight(t, self.weighting, self.logit_mean, self.logit_std, self.mode_scale)
+        return weighted_mse(pred.float(), x0.float(), weights, mask)
+
+    def initial_noise(self, noise: torch.Tensor) -> torch.Tensor:
+        return self.scaled_noise(noise)
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+        tb = t.float().clamp_min(self.t_floor).reshape(-1, *([1] * (x.ndim - 1)))
+        return (x.float() - pred.float()) / tb

@@ -64,7 +64,10 @@ def _pipeline(ref: HubRef, to: Path, renamed: tuple[tuple[str, str], ...] = ()) 
 
     listing = _listing(ref)
     if "model_index.json" not in listing:
-        raise ConfigError(f"{ref.repo}: has no model_index.json; it is not a diffusers pipeline.")
+        raise ConfigError(
+            f"{ref.repo}: has no model_index.json; it is not a diffusers pipeline. Fetch the model's "
+            "single files with --comfy."
+        )
     index = json.loads(_fetch(ref, listing["model_index.json"], to, hf_hub_download).read_text())
     wanted = pipeline_files(list(listing), index)
     for path in wanted:

@@ -338,9 +338,8 @@ def _targets(architecture: str) -> dict[str, tuple[int, int]]:
     record = _record(architecture)
     folders = [p.name for p in (record.variant_dir / "transformer").glob("tiny*")]
     tiny = max(folders, key=lambda f: (f == "tiny" or f[5:] in record.variants[0]) * (len(f) + 1))
-    cls = record.transformer_class()
     with init_empty_weights():
-        model = cls.from_config(cls.load_config(record.variant_dir / "transformer" / tiny))
+        model = record.build_transformer(tiny)
     found = find_targets(model, TargetSpec(record.default_targets))
     return {name: (m.out_features, m.in_features) for name, m in found.items()}
 
