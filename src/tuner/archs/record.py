@@ -125,6 +125,23 @@ class SamplingDefaults:
 
 _FORM_NOTE = {"plain": "", "cond_plus": " (cond + g·(cond − uncond))"}
 
+PIPELINE_DIFFERENCES = {
+    "sigmas": "the pipeline is given tuner's sigmas (evenly spaced from 1 to 1/steps, then shifted)",
+}
+"""What a `ReferencePipeline.differs` name makes the generate-equals-pipeline test give the pipeline."""
+
+
+@dataclass(frozen=True)
+class ReferencePipeline:
+    """The diffusers pipeline `tuner generate` equals: on the same seed, steps, guidance, shift and size it
+    draws the same image within float tolerance, with and without a LoRA (tests/test_contract_generate.py)."""
+
+    name: str
+    """Its class in `diffusers`, as the diffusers folder's `model_index.json` names it."""
+    differs: tuple[tuple[str, str], ...] = ()
+    """(a `PIPELINE_DIFFERENCES` name, why): where tuner samples otherwise on purpose. The test gives the
+    pipeline exactly that difference and then asks for the same image."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Architecture:
@@ -275,6 +292,8 @@ class Architecture:
     layer, so on the parts of a fused layer it is written apart, and the tool the layout is for may have no
     name for a part (ComfyUI maps diffusers' names onto row slices for FLUX only). Empty: DoRA saves."""
 
+    pipeline: ReferencePipeline | None = None
+    """The diffusers pipeline `tuner generate` equals; None: not checked against one yet."""
     diffusers_loader: str = ""
     """The LoRA loader mixin of its diffusers pipeline (`diffusers.loaders.lora_pipeline`), whose
     `load_lora_weights` reads adapter files; empty: the pipeline has none (HunyuanVideo 1.5,

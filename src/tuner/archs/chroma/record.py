@@ -13,6 +13,7 @@ RECORDS = (
     replace(
         FLUX,
         name="chroma",
+        pipeline=None,  # FLUX.1's is not its pipeline
         sampling=SamplingDefaults(
             steps=35,
             guidance=5.0,
