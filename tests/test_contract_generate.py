@@ -16,6 +16,7 @@ import diffusers
 import numpy as np
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 import tuner.generate
 from project import cfg, run
@@ -76,20 +77,22 @@ def _pipeline_call(family, pipe, opts: GenerateOptions) -> dict:
         kw["max_sequence_length"] = family.cfg.cache.text_max_length
     if "num_frames" in params:
         kw["num_frames"] = opts.frames
-    differs = dict(record.pipeline.differs)
-    if "sigmas" in differs:
-        kw["sigmas"] = np.linspace(1.0, 1.0 / opts.steps, opts.steps)
     return kw
 
 
 def _same_schedule(record, pipe, opts: GenerateOptions) -> None:
     """The pipeline's scheduler at tuner's shift; one that shifts with the resolution keeps its own (tuner's
-    equals it: the shift is part of what is compared)."""
+    equals it: the shift is part of what is compared). A "sigmas" difference spaces its steps as tuner does."""
     config = pipe.scheduler.config
-    if opts.shift is None or config.get("use_dynamic_shifting"):
-        return
-    key = "shift" if "shift" in config else "flow_shift"
-    pipe.scheduler = type(pipe.scheduler).from_config(config, **{key: opts.shift})
+    if "euler" in dict(record.pipeline.differs):
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(config, shift=opts.shift)
+    elif opts.shift is not None and not config.get("use_dynamic_shifting"):
+        pipe.scheduler = type(pipe.scheduler).from_config(config, shift=opts.shift)
+    if "sigmas" in dict(record.pipeline.differs):  # this pipeline's scheduler only, whatever it is asked
+        set_timesteps = pipe.scheduler.set_timesteps
+        pipe.scheduler.set_timesteps = lambda steps, device=None, **_: set_timesteps(
+            sigmas=np.linspace(1.0, 1.0 / steps, steps), device=device
+        )
 
 
 def _theirs(pipe, kw: dict, seed: int = 0) -> torch.Tensor:
@@ -127,7 +130,8 @@ def test_generate_equals_the_diffusers_pipeline(contract, tmp_path, capsys, monk
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
     # with a LoRA: the file tuner saves, read by both
-    network = _random_lora(record, pipe.transformer)
+    denoiser = getattr(pipe, "transformer", None) or pipe.unet
+    network = _random_lora(record, denoiser)
     loads = record.diffusers_loader and record.diffusers_reads.get("diffusers") == "loads"
     lora = tmp_path / "lora.safetensors"
     network.save(lora, record.checkpoint_layout(), **({"format": "diffusers"} if loads else {}))
@@ -137,7 +141,7 @@ def test_generate_equals_the_diffusers_pipeline(contract, tmp_path, capsys, monk
     if loads:
         pipe.load_lora_weights(str(lora))
     else:
-        apply_adapter_file(pipe.transformer, lora, 1.0, name_map=record.checkpoint_layout())
+        apply_adapter_file(denoiser, lora, 1.0, name_map=record.checkpoint_layout())
     torch.testing.assert_close(adapted, _theirs(pipe, kw), rtol=1e-4, atol=1e-4)
 
 

@@ -8,6 +8,7 @@ from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     LOADS_EVERY_LAYOUT,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     comfy,
     hub_tokenizers,
@@ -55,6 +56,7 @@ QWEN_IMAGE = Architecture(
         ),
     ),  # fmt: skip
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
+    pipeline=ReferencePipeline("QwenImagePipeline"),
     diffusers_loader="QwenImageLoraLoaderMixin",
     diffusers_reads=LOADS_EVERY_LAYOUT,
     musubi_trains=True,
@@ -68,6 +70,7 @@ RECORDS = (
     replace(
         QWEN_IMAGE,
         name="qwen_image_edit",
+        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=40,
             guidance=4.0,
