@@ -82,12 +82,15 @@ def _pipeline_call(family, pipe, opts: GenerateOptions) -> dict:
 
 def _same_schedule(record, pipe, opts: GenerateOptions) -> None:
     """The pipeline's scheduler at tuner's shift; one that shifts with the resolution keeps its own (tuner's
-    equals it: the shift is part of what is compared). A "sigmas" difference spaces its steps as tuner does."""
+    equals it: the shift is part of what is compared). A "sigmas" difference spaces its steps as tuner does; "area" makes the asked size its default."""
     config = pipe.scheduler.config
     if "euler" in dict(record.pipeline.differs):
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(config, shift=opts.shift)
     elif opts.shift is not None and not config.get("use_dynamic_shifting"):
         pipe.scheduler = type(pipe.scheduler).from_config(config, shift=opts.shift)
+    if "area" in dict(record.pipeline.differs):
+        assert opts.width == opts.height
+        pipe.default_sample_size = opts.width // pipe.vae_scale_factor
     if "sigmas" in dict(record.pipeline.differs):  # this pipeline's scheduler only, whatever it is asked
         set_timesteps = pipe.scheduler.set_timesteps
         pipe.scheduler.set_timesteps = lambda steps, device=None, **_: set_timesteps(

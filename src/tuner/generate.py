@@ -269,8 +269,9 @@ def _sample_latents(family, model, opts: GenerateOptions, guidance: float, cond:
 
         return edm_sample(model_fn, noise.to(device), opts.steps, cond, uncond, guidance, progress,
                           family.combine_guidance)  # fmt: skip
+    sigmas = flow_sigmas(opts.steps, opts.shift, family.sampling_defaults().shift_terminal)
     with torch.no_grad():
-        latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, opts.shift), cond, uncond,
+        latents = family.sample_flow(model_fn, noise.to(device), sigmas, cond, uncond,
                                       guidance, progress, opts.guidance_method)  # fmt: skip
     if sound_shape is None:
         return latents

@@ -78,6 +78,9 @@ class SamplingDefaults:
     shift: float | str | None = 3.0
     """The flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name (a shift that grows with the
     token count); None for DDPM models, which sample their trained schedule."""
+    shift_terminal: float | None = None
+    """Where the release's scheduler stretches the shifted times to end at this one before 0 (diffusers'
+    `shift_terminal`); None: no stretch."""
     embedded_guidance: float | None = None
     """Guidance-distilled models: the value fed to the guidance embedding while sampling (training feeds
     `model.guidance`); None for models without one."""
@@ -115,6 +118,8 @@ class SamplingDefaults:
             parts.append(f"embedded guidance {self.embedded_guidance:g}")
         if self.shift is not None:
             parts.append(f"shift {self.shift}" if isinstance(self.shift, str) else f"shift {self.shift:g}")
+        if self.shift_terminal is not None:
+            parts.append(f"stretched to end at {self.shift_terminal:g}")
         if self.negative_prompt:
             short = (
                 self.negative_prompt if len(self.negative_prompt) <= 24 else self.negative_prompt[:21] + "..."
@@ -128,6 +133,7 @@ _FORM_NOTE = {"plain": "", "cond_plus": " (cond + g·(cond − uncond))"}
 PIPELINE_DIFFERENCES = {
     "sigmas": "the pipeline is given tuner's sigmas (evenly spaced from 1 to 1/steps, then shifted)",
     "euler": "the pipeline's scheduler is diffusers' flow-matching Euler at the same shift",
+    "area": "the pipeline's default size (which it scales every asked size to, keeping the aspect) is the asked one",
 }
 """What a `ReferencePipeline.differs` name makes the generate-equals-pipeline test give the pipeline."""
 

@@ -20,9 +20,11 @@ QWEN_IMAGE = Architecture(
         steps=50,
         guidance=4.0,
         shift="qwen_shift",
+        shift_terminal=0.02,
         negative_prompt=" ",
-        source="diffusers QwenImagePipeline's defaults (50 steps, `true_cfg_scale` 4.0) and the model card's "
-        'negative prompt " " (the pipeline runs no CFG without a negative prompt)',
+        source="diffusers QwenImagePipeline's defaults (50 steps, `true_cfg_scale` 4.0), its scheduler config's "
+        '`shift_terminal` 0.02 and the model card\'s negative prompt " " (the pipeline runs no CFG without a '
+        "negative prompt)",
     ),
     variants=("qwen-image",),
     checkpoints=(
