@@ -81,7 +81,10 @@ def resolve_options(family, opts: GenerateOptions) -> GenerateOptions:
     )
     if opts.shift is None and family.record.objective == "flow":
         opts = replace(
-            opts, shift=family.default_sample_shift(family.latent_shape(opts.width, opts.height, opts.frames))
+            opts,
+            shift=family.default_sample_shift(
+                family.latent_shape(opts.width, opts.height, opts.frames), opts.steps
+            ),
         )
     return opts
 

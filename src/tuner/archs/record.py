@@ -76,7 +76,7 @@ class SamplingDefaults:
     cfg_form: str = "plain"
     """A `CFG_FORMS` name: how `guidance` combines the conditional and unconditional predictions."""
     shift: float | str | None = 3.0
-    """The flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name (a shift that grows with the
+    """The flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` or `STEP_SHIFTS` name (a shift that grows with the
     token count); None for DDPM models, which sample their trained schedule."""
     shift_terminal: float | None = None
     """Where the release's scheduler stretches the shifted times to end at this one before 0 (diffusers'

@@ -97,6 +97,21 @@ RESOLUTION_SHIFTS = {
     "qwen_shift": _QWEN_LINE,
     "krea2_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=6400, max_shift=1.15),
 }
+
+
+def flux2_empirical_mu(tokens: int, steps: int) -> float:
+    """FLUX.2's sampling μ, fitted to the token count and the step count (diffusers
+    `pipelines/flux2/pipeline_flux2.py`, `compute_empirical_mu`): from 4300 tokens up the line fitted at 200
+    steps; below, a line in the step count through the 10-step and 200-step fits at this token count."""
+    at_200 = 0.00016927 * tokens + 0.45666666
+    if tokens > 4300:
+        return at_200
+    at_10 = 8.73809524e-05 * tokens + 1.89833333
+    return at_200 + (at_200 - at_10) / 190.0 * (steps - 200)
+
+
+STEP_SHIFTS = {"flux2_empirical": flux2_empirical_mu}
+"""Sampling shifts e^μ whose μ depends on the step count too: name → μ(tokens, steps)."""
 # The Qinglong mixtures: the resolution-shifted part and its weight, then two logsnr parts
 # (weight, mean, std); None takes the configured logit_mean / logit_std (musubi-tuner's values).
 QINGLONG = {"qinglong_flux": "flux_shift", "qinglong_qwen": "qwen_shift"}
