@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import (
-    CONVERTS_FOLDED,
-    Architecture,
-    ReferencePipeline,
-    SamplingDefaults,
-    comfy,
-    hub_tokenizers,
-)
+from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, comfy, hub_tokenizers
 
 IDEOGRAM4 = Architecture(
     name="ideogram4",
@@ -60,7 +53,6 @@ IDEOGRAM4 = Architecture(
     ),
     # the release's names under `diffusion_model.` with `.alpha`: ComfyUI and diffusers both load it
     save_format="comfy",
-    pipeline=ReferencePipeline("Ideogram4Pipeline"),
     diffusers_loader="Ideogram4LoraLoaderMixin",
     # its converter reads the release's names under `diffusion_model.` (splitting qkv, folding `.alpha`) and
     # diffusers' own; kohya's `lora_unet_` names it does not know
