@@ -19,12 +19,10 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 import tuner.generate
-from project import cfg, run
+from project import cfg, random_lora, run
 from tuner.diffusion.sampling import flow_sigmas
 from tuner.generate import GenerateOptions, resolve_options
 from tuner.networks.factory import apply_adapter_file
-from tuner.networks.lora import LoRANetwork
-from tuner.networks.targets import TargetSpec
 from tuner.registry import ARCHITECTURES
 
 PROMPT = "a red dog"
@@ -73,6 +71,14 @@ def _pipeline_call(family, pipe, opts: GenerateOptions) -> dict:
         kw["guidance_scale"] = opts.guidance_scale
     if opts.negative_prompt:
         kw["negative_prompt"] = opts.negative_prompt
+    if "boolean_text_mask" in dict(record.pipeline.differs):
+        embeds, _, mask, negative, _, negative_mask = pipe.encode_prompt(
+            PROMPT, opts.negative_prompt, max_sequence_length=family.cfg.cache.text_max_length
+        )
+        del kw["prompt"]
+        kw.pop("negative_prompt", None)
+        kw.update(prompt_embeds=embeds, prompt_attention_mask=mask.bool(), negative_prompt_embeds=negative,
+                  negative_prompt_attention_mask=negative_mask.bool())  # fmt: skip
     if "max_sequence_length" in params:
         kw["max_sequence_length"] = family.cfg.cache.text_max_length
     if "num_frames" in params:
@@ -104,16 +110,6 @@ def _theirs(pipe, kw: dict, seed: int = 0) -> torch.Tensor:
     return pixels[:, None] if pixels.dim() == 3 else pixels.permute(1, 0, 2, 3)
 
 
-def _random_lora(record, model) -> LoRANetwork:
-    """A trained-looking LoRA on `model` (up is zero at init)."""
-    network = LoRANetwork.apply_to(model, TargetSpec(record.default_targets), rank=4, alpha=2,
-                                   name_map=record.checkpoint_layout())  # fmt: skip
-    gen = torch.Generator().manual_seed(0)
-    for adapter in network:
-        adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
-    return network
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("contract", WITH_PIPELINES, indirect=True)
 def test_generate_equals_the_diffusers_pipeline(contract, tmp_path, capsys, monkeypatch):
@@ -134,7 +130,7 @@ def test_generate_equals_the_diffusers_pipeline(contract, tmp_path, capsys, monk
 
     # with a LoRA: the file tuner saves, read by both
     denoiser = getattr(pipe, "transformer", None) or pipe.unet
-    network = _random_lora(record, denoiser)
+    network = random_lora(denoiser, record.default_targets, record.checkpoint_layout())
     loads = record.diffusers_loader and record.diffusers_reads.get("diffusers") == "loads"
     lora = tmp_path / "lora.safetensors"
     network.save(lora, record.checkpoint_layout(), **({"format": "diffusers"} if loads else {}))

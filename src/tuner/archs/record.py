@@ -133,6 +133,7 @@ _FORM_NOTE = {"plain": "", "cond_plus": " (cond + g·(cond − uncond))"}
 PIPELINE_DIFFERENCES = {
     "sigmas": "the pipeline is given tuner's sigmas (evenly spaced from 1 to 1/steps, then shifted)",
     "euler": "the pipeline's scheduler is diffusers' flow-matching Euler at the same shift",
+    "boolean_text_mask": "the pipeline is given its own text embeddings with its text masks as booleans",
     "area": "the pipeline's default size (which it scales every asked size to, keeping the aspect) is the asked one",
 }
 """What a `ReferencePipeline.differs` name makes the generate-equals-pipeline test give the pipeline."""

@@ -112,7 +112,6 @@ RECORDS = (
     replace(
         WAN,
         name="wan22_t2v",
-        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=40,
             guidance=4.0,
@@ -167,7 +166,6 @@ RECORDS = (
     replace(
         WAN,
         name="wan22_ti2v",
-        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=50,
             guidance=5.0,
