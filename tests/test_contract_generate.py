@@ -67,8 +67,10 @@ def _pipeline_call(family, pipe, opts: GenerateOptions) -> dict:
             assert opts.guidance_scale == 1, f"{record.pipeline.name} has no real CFG beside the embedding"
     elif "true_cfg_scale" in params:  # real CFG apart from a (here unused) distilled guidance argument
         kw["true_cfg_scale"] = opts.guidance_scale
-    else:
+    elif "guidance_scale" in params:
         kw["guidance_scale"] = opts.guidance_scale
+    else:  # pipelines that guide through their `guider` component
+        pipe.guider = pipe.guider.new(guidance_scale=opts.guidance_scale)
     if opts.negative_prompt:
         kw["negative_prompt"] = opts.negative_prompt
     if "boolean_text_mask" in dict(record.pipeline.differs):
@@ -81,6 +83,8 @@ def _pipeline_call(family, pipe, opts: GenerateOptions) -> dict:
                   negative_prompt_attention_mask=negative_mask.bool())  # fmt: skip
     if "max_sequence_length" in params:
         kw["max_sequence_length"] = family.cfg.cache.text_max_length
+    elif hasattr(pipe, "tokenizer_max_length"):  # pipelines that keep the text length as an attribute
+        pipe.tokenizer_max_length = family.cfg.cache.text_max_length
     if "num_frames" in params:
         kw["num_frames"] = opts.frames
     return kw
