@@ -96,6 +96,9 @@ RESOLUTION_SHIFTS = {
     "flux2_shift": _FLUX_LINE,
     "qwen_shift": _QWEN_LINE,
     "krea2_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=6400, max_shift=1.15),
+    # LTX-Video's diffusers scheduler config (Lightricks' LTX-Video `ltx_video/utils/diffusers_config_mapping.py`,
+    # `DIFFUSERS_SCHEDULER_CONFIG`: base 1024 → 0.95, max 4096 → 2.05, `shift_terminal` 0.1): sampling only
+    "ltx_shift": ResolutionShift(base_seq_len=1024, base_shift=0.95, max_seq_len=4096, max_shift=2.05),
 }
 
 
