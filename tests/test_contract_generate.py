@@ -54,7 +54,8 @@ def _ours(capsys, monkeypatch, config, out, opts: GenerateOptions, *lora: str) -
 
 def _pipeline_call(family, pipe, opts: GenerateOptions) -> dict:
     """The pipeline's keyword arguments for the settings `opts` (resolved) samples with, its prompts padded
-    or cut to the cache's text length as tuner's are."""
+    or cut to the cache's text length as tuner's are. Pipelines that keep the guidance in their `guider` or
+    the text length in `tokenizer_max_length` are set there."""
     record = family.record
     params = inspect.signature(pipe.__call__).parameters
     kw = {"prompt": PROMPT, "height": opts.height, "width": opts.width, "num_inference_steps": opts.steps,
@@ -92,7 +93,8 @@ def _pipeline_call(family, pipe, opts: GenerateOptions) -> dict:
 
 def _same_schedule(record, pipe, opts: GenerateOptions) -> None:
     """The pipeline's scheduler at tuner's shift; one that shifts with the resolution keeps its own (tuner's
-    equals it: the shift is part of what is compared). A "sigmas" difference spaces its steps as tuner does; "area" makes the asked size its default."""
+    equals it: the shift is part of what is compared). A "sigmas" difference spaces its steps as tuner does;
+    "area" makes the asked size its default."""
     config = pipe.scheduler.config
     if "euler" in dict(record.pipeline.differs):
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(config, shift=opts.shift)
