@@ -174,6 +174,21 @@ def check_comfy_stems_and_diffusers_load(pipe, network, predict, release: set, l
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def random_lora(model, targets, name_map, rank: int = 4, alpha: float = 2, seed: int = 0):
+    """A rank-`rank` LoRA on `model`'s `targets` (regexes) that looks trained: its up weights drawn from
+    `seed` (they start at zero), so it changes the output."""
+    import torch
+
+    from tuner.networks.lora import LoRANetwork
+    from tuner.networks.targets import TargetSpec
+
+    network = LoRANetwork.apply_to(model, TargetSpec(targets), rank=rank, alpha=alpha, name_map=name_map)
+    gen = torch.Generator().manual_seed(seed)
+    for adapter in network:
+        adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
+    return network
+
+
 def assert_equal_weights(a, b) -> None:
     """The two models hold the same tensors (dtype and values, bit for bit) under the same names."""
     import torch

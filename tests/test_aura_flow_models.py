@@ -16,9 +16,7 @@ from tuner.archs.aura_flow import loaders as aura_flow
 from tuner.archs.aura_flow.fixture import build_aura_flow_components, write_aura_flow_fixture
 from tuner.archs.aura_flow.trainer import AuraFlowModel
 from tuner.archs.sdxl import loaders as sdxl
-from tuner.diffusion.sampling import flow_sigmas
 from tuner.errors import CheckpointError
-from tuner.generate import GenerateOptions, sample_latents
 from tuner.io import save_safetensors
 from tuner.models.loading import load_tensors
 from tuner.networks.lora import LoRANetwork
@@ -170,38 +168,6 @@ def test_predict_matches_the_pipelines_transformer_call(pipe, parts):
             parts["transformer"], args[0], kw["timestep"], {"prompt_embeds": kw["encoder_hidden_states"]}
         )
         torch.testing.assert_close(got, out, rtol=0, atol=0)
-
-
-@torch.no_grad()
-def test_two_guided_euler_steps_match_the_pipeline(pipe, parts):
-    """What `tuner generate` computes (our encoding, the release's shift 1.73 over tuner's evenly spaced
-    sigmas, the Euler steps and guidance of `sample_flow`) gives the latents AuraFlowPipeline gives for the
-    same noise, steps, guidance and spacing. (Without `sigmas` the pipeline spaces its steps from 1 down to
-    the scheduler's σ_min, not to 1/N: another schedule, not another model.)"""
-    import numpy as np
-
-    trainer = _trainer(24)
-    cond, uncond = (
-        trainer.collate_text(trainer.encode_text(_encoder(parts), [p])) for p in (CAPTIONS[0], "")
-    )
-    x = torch.randn(1, 4, 8, 4, generator=torch.Generator().manual_seed(0))  # a 64x32 image
-    out = pipe(CAPTIONS[0], height=64, width=32, num_inference_steps=2, guidance_scale=3.5, output_type="latent",
-               latents=x, max_sequence_length=24, sigmas=np.linspace(1.0, 0.5, 2)).images  # fmt: skip
-    sigmas = flow_sigmas(2, trainer.default_sample_shift(x.shape[1:]))
-    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas, rtol=1e-6, atol=1e-6)
-
-    # `tuner generate`'s sampling with the record's defaults but the steps: guidance 3.5 (the pipeline's
-    # default, plain CFG) and shift 1.73; its noise is the seed's, as `x` above
-    opts = GenerateOptions(prompt=CAPTIONS[0], out="", width=32, height=64, frames=1, steps=2)
-    got = sample_latents(
-        trainer, parts["transformer"], opts, cond, uncond, "cpu", torch.float32, progress=False
-    )
-    torch.testing.assert_close(got, out, rtol=1e-5, atol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Adapter files
-# ---------------------------------------------------------------------------------------------------
 
 
 def _lora(model) -> LoRANetwork:

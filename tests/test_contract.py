@@ -10,14 +10,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from project import base_transformer, cfg
+from project import base_transformer, cfg, random_lora
 from tuner.cache.plan import open_training_data
 from tuner.config.schema import MemorySettings
 from tuner.memory import apply_memory_settings
 from tuner.models.loading import read_tensor_shapes
 from tuner.networks.factory import apply_adapter_file
 from tuner.networks.lora import LoRANetwork
-from tuner.networks.targets import TargetSpec
 from tuner.offload import FakeTransfer
 from tuner.registry import ARCHITECTURES
 from tuner.trainers import trainer_class
@@ -102,12 +101,7 @@ def _setup(case):
 
 
 def _lora(trainer, model, seed=0) -> LoRANetwork:
-    network = LoRANetwork.apply_to(model, TargetSpec(trainer.default_targets), rank=4, alpha=2,
-                                   name_map=trainer.layout)  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
-    for adapter in network:  # a trained-looking adapter: up is zero at init
-        adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)
-    return network
+    return random_lora(model, trainer.default_targets, trainer.layout, seed=seed)
 
 
 def test_forward_shape(case):

@@ -27,6 +27,19 @@ def test_default_sample_shift_follows_the_model(arch, size, expected):
     assert trainer.default_sample_shift(trainer.latent_shape(*size)) == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("tokens, steps", [(4096, 50), (256, 2), (1024, 28), (8100, 50)])
+def test_flux2_sample_shift_is_its_pipelines_empirical_mu(tokens, steps):
+    """FLUX.2's shift e^μ with μ from the token count and the step count, as Flux2Pipeline computes it."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    trainer = trainer_class("flux2")(
+        cfg=SimpleNamespace(model=SimpleNamespace(transformer="model.safetensors"))
+    )
+    side = round(math.sqrt(tokens)) * 16
+    got = trainer.default_sample_shift(trainer.latent_shape(side, side, 1), steps)
+    assert got == pytest.approx(math.exp(compute_empirical_mu(tokens, steps)), rel=1e-6)
+
+
 def test_write_media_png_and_mp4(tmp_path):
     video = torch.rand(3, 5, 32, 48) * 2 - 1
     out = write_media(video, tmp_path / "v.mp4", fps=16)

@@ -26,6 +26,20 @@ def test_flow_sigmas_run_from_one_to_zero_and_shift_towards_noise():
         flow_sigmas(4, shift=0.0)
 
 
+def test_flow_sigmas_stretched_to_a_terminal_equal_diffusers_scheduler():
+    """`terminal` (Qwen-Image's `shift_terminal` 0.02): the times diffusers' scheduler steps through when
+    given the same evenly spaced times and shift; the last before 0 is the terminal."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, shift_terminal=0.02)
+    for steps in (2, 9):
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1.0 / steps, steps))
+        ours = flow_sigmas(steps, 3.0, terminal=0.02)
+        torch.testing.assert_close(ours, scheduler.sigmas.float(), rtol=1e-6, atol=1e-6)
+        assert ours[-2].item() == pytest.approx(0.02) and ours[-1] == 0
+
+
 @pytest.mark.parametrize("steps, shift", [(1, 1.0), (7, 3.0)])
 def test_exact_velocity_model_recovers_x0(steps, shift):
     x0, noise = latents()

@@ -12,7 +12,7 @@ from project import make_project, run
 from tuner.archs.record import CFG_FORMS
 from tuner.cli import build_parser
 from tuner.config.schema import OneFrameConfig
-from tuner.diffusion.timesteps import RESOLUTION_SHIFTS
+from tuner.diffusion.timesteps import RESOLUTION_SHIFTS, STEP_SHIFTS
 from tuner.generate import GenerateOptions, check_options, resolve_options, sample_latents, sampling_summary
 from tuner.registry import ARCHITECTURES
 from tuner.trainers import trainer_class
@@ -35,7 +35,11 @@ def test_every_architectures_defaults_resolve(name):
         assert defaults.steps >= 1 and defaults.guidance >= 0 and defaults.cfg_form in CFG_FORMS
         assert defaults.source and not (pattern and defaults.by_name)
         assert (defaults.shift is None) == (record.objective != "flow")
-        assert defaults.shift is None or defaults.shift in RESOLUTION_SHIFTS or float(defaults.shift) > 0
+        assert (
+            defaults.shift is None
+            or defaults.shift in {**RESOLUTION_SHIFTS, **STEP_SHIFTS}
+            or float(defaults.shift) > 0
+        )
         assert defaults.embedded_guidance is None or defaults.embedded_guidance > 0
         assert not defaults.zero_empty_negative or record.objective == "ddpm"
     family = _family(name)

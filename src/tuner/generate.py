@@ -81,7 +81,10 @@ def resolve_options(family, opts: GenerateOptions) -> GenerateOptions:
     )
     if opts.shift is None and family.record.objective == "flow":
         opts = replace(
-            opts, shift=family.default_sample_shift(family.latent_shape(opts.width, opts.height, opts.frames))
+            opts,
+            shift=family.default_sample_shift(
+                family.latent_shape(opts.width, opts.height, opts.frames), opts.steps
+            ),
         )
     return opts
 
@@ -278,8 +281,9 @@ def _sample_latents(family, model, opts: GenerateOptions, guidance: float, cond:
 
         return edm_sample(model_fn, noise.to(device), opts.steps, cond, uncond, guidance, progress,
                           family.combine_guidance)  # fmt: skip
+    sigmas = flow_sigmas(opts.steps, opts.shift, family.sampling_defaults().shift_terminal)
     with torch.no_grad():
-        latents = family.sample_flow(model_fn, noise.to(device), flow_sigmas(opts.steps, opts.shift), cond, uncond,
+        latents = family.sample_flow(model_fn, noise.to(device), sigmas, cond, uncond,
                                       guidance, progress, opts.guidance_method)  # fmt: skip
     if sound_shape is None:
         return latents

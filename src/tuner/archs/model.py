@@ -384,14 +384,17 @@ class ArchitectureModel:
         entry: HiDream Dev, Kandinsky 5 distilled, Krea 2 Turbo)."""
         return self.record.sampling.for_transformer(self.cfg.model.transformer)
 
-    def default_sample_shift(self, latent_shape: tuple[int, ...]) -> float | None:
-        """Flow shift for sampling a latent of this shape (without batch): the defaults' constant, or the
-        model's resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count; None for DDPM."""
-        from tuner.diffusion.timesteps import RESOLUTION_SHIFTS
+    def default_sample_shift(self, latent_shape: tuple[int, ...], steps: int | None = None) -> float | None:
+        """Flow shift for sampling a latent of this shape (without batch) in `steps` steps: the defaults'
+        constant, or the model's resolution-dependent shift (FLUX.1, Qwen-Image) evaluated at its token count
+        (FLUX.2's at the step count too); None for DDPM."""
+        from tuner.diffusion.timesteps import RESOLUTION_SHIFTS, STEP_SHIFTS
 
         shift = self.sampling_defaults().shift
         if isinstance(shift, str):
             tokens = math.prod(latent_shape[1:]) // math.prod(self.record.latent_patch)
+            if shift in STEP_SHIFTS:
+                return math.exp(STEP_SHIFTS[shift](tokens, steps or self.sampling_defaults().steps))
             return math.exp(RESOLUTION_SHIFTS[shift].mu(tokens))
         return None if shift is None else float(shift)
 

@@ -76,8 +76,11 @@ class SamplingDefaults:
     cfg_form: str = "plain"
     """A `CFG_FORMS` name: how `guidance` combines the conditional and unconditional predictions."""
     shift: float | str | None = 3.0
-    """The flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` name (a shift that grows with the
+    """The flow shift, or a `tuner.diffusion.timesteps.RESOLUTION_SHIFTS` or `STEP_SHIFTS` name (a shift that grows with the
     token count); None for DDPM models, which sample their trained schedule."""
+    shift_terminal: float | None = None
+    """Where the release's scheduler stretches the shifted times to end at this one before 0 (diffusers'
+    `shift_terminal`); None: no stretch."""
     embedded_guidance: float | None = None
     """Guidance-distilled models: the value fed to the guidance embedding while sampling (training feeds
     `model.guidance`); None for models without one."""
@@ -115,6 +118,8 @@ class SamplingDefaults:
             parts.append(f"embedded guidance {self.embedded_guidance:g}")
         if self.shift is not None:
             parts.append(f"shift {self.shift}" if isinstance(self.shift, str) else f"shift {self.shift:g}")
+        if self.shift_terminal is not None:
+            parts.append(f"stretched to end at {self.shift_terminal:g}")
         if self.negative_prompt:
             short = (
                 self.negative_prompt if len(self.negative_prompt) <= 24 else self.negative_prompt[:21] + "..."
@@ -124,6 +129,26 @@ class SamplingDefaults:
 
 
 _FORM_NOTE = {"plain": "", "cond_plus": " (cond + g·(cond − uncond))"}
+
+PIPELINE_DIFFERENCES = {
+    "sigmas": "the pipeline is given tuner's sigmas (evenly spaced from 1 to 1/steps, then shifted)",
+    "euler": "the pipeline's scheduler is diffusers' flow-matching Euler at the same shift",
+    "boolean_text_mask": "the pipeline is given its own text embeddings with its text masks as booleans",
+    "area": "the pipeline's default size (which it scales every asked size to, keeping the aspect) is the asked one",
+}
+"""What a `ReferencePipeline.differs` name makes the generate-equals-pipeline test give the pipeline."""
+
+
+@dataclass(frozen=True)
+class ReferencePipeline:
+    """The diffusers pipeline `tuner generate` equals: on the same seed, steps, guidance, shift and size it
+    draws the same image within float tolerance, with and without a LoRA (tests/test_contract_generate.py)."""
+
+    name: str
+    """Its class in `diffusers`, as the diffusers folder's `model_index.json` names it."""
+    differs: tuple[tuple[str, str], ...] = ()
+    """(a `PIPELINE_DIFFERENCES` name, why): where tuner samples otherwise on purpose. The test gives the
+    pipeline exactly that difference and then asks for the same image."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,6 +316,8 @@ class Architecture:
     layer, so on the parts of a fused layer it is written apart, and the tool the layout is for may have no
     name for a part (ComfyUI maps diffusers' names onto row slices for FLUX only). Empty: DoRA saves."""
 
+    pipeline: ReferencePipeline | None = None
+    """The diffusers pipeline `tuner generate` equals; None: not checked against one yet."""
     diffusers_loader: str = ""
     """The LoRA loader mixin of its diffusers pipeline (`diffusers.loaders.lora_pipeline`), whose
     `load_lora_weights` reads adapter files; empty: the pipeline has none (HunyuanVideo 1.5,

@@ -31,14 +31,18 @@ ModelFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 """model_fn(x, t, cond) -> velocity, with t a float32 tensor [B] in 0..1000 (t · 1000)."""
 
 
-def flow_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
-    """`steps + 1` times from 1 down to 0, evenly spaced and then shifted by s·σ / (1 + (s − 1)·σ)."""
+def flow_sigmas(steps: int, shift: float = 1.0, terminal: float | None = None) -> torch.Tensor:
+    """`steps + 1` times from 1 down to 0, evenly spaced and then shifted by s·σ / (1 + (s − 1)·σ); with
+    `terminal`, the times before 0 stretched so the last is `terminal`: 1 − (1 − σ)·(1 − terminal) / (1 − σ_last)
+    (diffusers' `FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal`, its `shift_terminal`)."""
     if steps < 1:
         raise ConfigError(f"sample steps must be at least 1, got {steps}.")
     if not shift > 0:
         raise ConfigError(f"sample shift must be positive, got {shift}.")
-    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-    return shift_timesteps(sigmas, shift).float()
+    sigmas = shift_timesteps(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
+    if terminal is not None:
+        sigmas[:-1] = 1 - (1 - sigmas[:-1]) * (1 - terminal) / (1 - sigmas[-2])
+    return sigmas.float()
 
 
 class _Unstackable(Exception):

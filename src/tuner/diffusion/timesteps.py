@@ -96,7 +96,25 @@ RESOLUTION_SHIFTS = {
     "flux2_shift": _FLUX_LINE,
     "qwen_shift": _QWEN_LINE,
     "krea2_shift": ResolutionShift(base_seq_len=256, base_shift=0.5, max_seq_len=6400, max_shift=1.15),
+    # LTX-Video's diffusers scheduler config (Lightricks' LTX-Video `ltx_video/utils/diffusers_config_mapping.py`,
+    # `DIFFUSERS_SCHEDULER_CONFIG`: base 1024 → 0.95, max 4096 → 2.05, `shift_terminal` 0.1): sampling only
+    "ltx_shift": ResolutionShift(base_seq_len=1024, base_shift=0.95, max_seq_len=4096, max_shift=2.05),
 }
+
+
+def flux2_empirical_mu(tokens: int, steps: int) -> float:
+    """FLUX.2's sampling μ, fitted to the token count and the step count (diffusers
+    `pipelines/flux2/pipeline_flux2.py`, `compute_empirical_mu`): from 4300 tokens up the line fitted at 200
+    steps; below, a line in the step count through the 10-step and 200-step fits at this token count."""
+    at_200 = 0.00016927 * tokens + 0.45666666
+    if tokens > 4300:
+        return at_200
+    at_10 = 8.73809524e-05 * tokens + 1.89833333
+    return at_200 + (at_200 - at_10) / 190.0 * (steps - 200)
+
+
+STEP_SHIFTS = {"flux2_empirical": flux2_empirical_mu}
+"""Sampling shifts e^μ whose μ depends on the step count too: name → μ(tokens, steps)."""
 # The Qinglong mixtures: the resolution-shifted part and its weight, then two logsnr parts
 # (weight, mean, std); None takes the configured logit_mean / logit_std (musubi-tuner's values).
 QINGLONG = {"qinglong_flux": "flux_shift", "qinglong_qwen": "qwen_shift"}

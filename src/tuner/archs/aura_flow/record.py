@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import DIFFUSERS_ONLY, Architecture, SamplingDefaults, hub_tokenizers
+from tuner.archs.record import (
+    DIFFUSERS_ONLY,
+    Architecture,
+    ReferencePipeline,
+    SamplingDefaults,
+    hub_tokenizers,
+)
 
 _JOINT = r"joint_transformer_blocks\.\d+\."
 _SINGLE = r"single_transformer_blocks\.\d+\."
@@ -55,6 +61,15 @@ AURA_FLOW = Architecture(
     # reads them under `transformer.`: the one layout both load. `comfy` is the release's names under
     # `diffusion_model.` (ComfyUI only); full fine-tunes are written in the release's file layout
     save_format="diffusers",
+    pipeline=ReferencePipeline(
+        "AuraFlowPipeline",
+        differs=(
+            (
+                "sigmas",
+                "the pipeline spaces its steps from 1 down to the scheduler's σ_min, tuner (as ComfyUI) evenly to 1/steps before the shift",
+            ),
+        ),
+    ),
     diffusers_loader="AuraFlowLoraLoaderMixin",
     diffusers_reads=DIFFUSERS_ONLY,
     timestep_mode="shift",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tuner.archs.flux.record import FLUX
-from tuner.archs.record import SamplingDefaults
+from tuner.archs.record import ReferencePipeline, SamplingDefaults
 
 RECORDS = (
     # Chroma: FLUX.1-schnell with T5 only and a guidance approximator in place of the modulation
@@ -13,6 +13,16 @@ RECORDS = (
     replace(
         FLUX,
         name="chroma",
+        pipeline=ReferencePipeline(
+            "ChromaPipeline",
+            differs=(
+                (
+                    "boolean_text_mask",
+                    "diffusers 0.42 hands the transformer its text mask as floats, which attention adds instead of "
+                    "masking (huggingface/diffusers#12116); tuner masks the padding (keeps the tokens and one pad)",
+                ),
+            ),
+        ),
         sampling=SamplingDefaults(
             steps=35,
             guidance=5.0,

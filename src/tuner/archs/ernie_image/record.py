@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, hub_tokenizers
+from tuner.archs.record import (
+    CONVERTS_FOLDED,
+    Architecture,
+    ReferencePipeline,
+    SamplingDefaults,
+    hub_tokenizers,
+)
 
 _COMFY = "Comfy-Org/ERNIE-Image"  # no `split_files/` in this repository
 
@@ -58,6 +64,7 @@ ERNIE_IMAGE = Architecture(
     # diffusers' ErnieImageLoraLoaderMixin renames `diffusion_model.` to `transformer.` (it refuses
     # `.alpha` keys: its check wants 'lora' in every key)
     save_format="comfy_folded",
+    pipeline=ReferencePipeline("ErnieImagePipeline"),
     diffusers_loader="ErnieImageLoraLoaderMixin",
     diffusers_reads=CONVERTS_FOLDED,
     timestep_mode="shift",

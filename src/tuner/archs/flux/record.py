@@ -10,6 +10,7 @@ from tuner.archs.record import (
     LOADS_EVERY_LAYOUT,
     SINGLE_STREAM,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     hub_tokenizers,
 )
@@ -46,6 +47,7 @@ FLUX = Architecture(
     # BFL names in kohya's spelling: ComfyUI maps them, and diffusers converts them (its loader ignores
     # the comfy layout's `diffusion_model.` FLUX names with only a warning)
     save_format="kohya",
+    pipeline=ReferencePipeline("FluxPipeline"),
     diffusers_loader="FluxLoraLoaderMixin",
     # kohya: its FLUX.1 converter, at the release's width (test_diffusers_interop.py)
     diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": "ignores", "comfy_folded": "ignores"},
@@ -61,6 +63,7 @@ RECORDS = (
     replace(
         FLUX,
         name="flux_kontext",
+        pipeline=None,  # FLUX.1's is not its pipeline
         sampling=SamplingDefaults(
             steps=28,
             guidance=1.0,

@@ -9,6 +9,7 @@ from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     LOADS_EVERY_LAYOUT,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     hub_tokenizers,
 )
@@ -19,9 +20,9 @@ FLUX2 = Architecture(
         steps=50,
         guidance=1.0,
         embedded_guidance=4.0,
-        shift="flux_shift",
-        source="diffusers Flux2Pipeline's defaults (50 steps, embedded guidance 4.0); shift: FLUX.1's "
-        "resolution-dependent μ (the pipeline's empirical μ also depends on the step count)",
+        shift="flux2_empirical",
+        source="diffusers Flux2Pipeline's defaults (50 steps, embedded guidance 4.0); shift: its empirical μ "
+        "(`compute_empirical_mu`: fitted to the token count and the step count)",
     ),
     variants=("dev",),
     checkpoints=(
@@ -52,6 +53,7 @@ FLUX2 = Architecture(
     # BFL names in kohya's spelling, with alphas: ComfyUI maps them and diffusers' FLUX.2 loader converts
     # them (its loader for the comfy layout refuses `.alpha` keys)
     save_format="kohya",
+    pipeline=ReferencePipeline("Flux2Pipeline"),
     diffusers_loader="Flux2LoraLoaderMixin",
     diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": ALPHA_LEFT_OVER},
     musubi_trains=True,
@@ -67,11 +69,13 @@ RECORDS = (
     replace(
         FLUX2,
         name="flux2_klein",
+        pipeline=ReferencePipeline("Flux2KleinPipeline"),
         sampling=SamplingDefaults(
             steps=50,
             guidance=4.0,
-            shift="flux_shift",
-            source="diffusers Flux2KleinPipeline's defaults (50 steps, real CFG 4.0: the undistilled models)",
+            shift="flux2_empirical",
+            source="diffusers Flux2KleinPipeline's defaults (50 steps, real CFG 4.0: the undistilled models) and "
+            "FLUX.2's empirical μ",
         ),
         variants=("klein-4b", "klein-9b"),
         checkpoints=(

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, hub_tokenizers
+from tuner.archs.record import (
+    CONVERTS_FOLDED,
+    Architecture,
+    ReferencePipeline,
+    SamplingDefaults,
+    hub_tokenizers,
+)
 
 HIDREAM = Architecture(
     name="hidream",
@@ -54,6 +60,19 @@ HIDREAM = Architecture(
     # keys (the comfy layout), and ComfyUI's HiDream key map takes `transformer.<name>` (SimpleTuner's
     # format); the release's names are diffusers' own
     save_format="diffusers",
+    pipeline=ReferencePipeline(
+        "HiDreamImagePipeline",
+        differs=(
+            (
+                "area",
+                "the pipeline draws every size at 1024² pixels, keeping the aspect; tuner the size asked",
+            ),
+            (
+                "sigmas",
+                "the pipeline spaces its steps from 1 to the scheduler's σ_min, tuner evenly to 1/steps",
+            ),
+        ),
+    ),
     diffusers_loader="HiDreamImageLoraLoaderMixin",
     diffusers_reads=CONVERTS_FOLDED,
     latent_patch=(2, 2),

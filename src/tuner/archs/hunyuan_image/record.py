@@ -7,6 +7,7 @@ from tuner.archs.record import (
     DUAL_STREAM_FEED_FORWARD,
     SINGLE_STREAM,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     comfy,
     hub_tokenizers,
@@ -71,6 +72,7 @@ HUNYUAN_IMAGE = Architecture(
     # ComfyUI's module names with "_" under `lora_unet_` (q/k/v and linear1 fused): what its key map holds
     # for HunyuanImage 2.1, whose model is no HunyuanVideo (the release's names under `diffusion_model.`,
     # the comfy layout, are not)
+    pipeline=ReferencePipeline("HunyuanImagePipeline"),
     save_format="kohya",
     dora_refused=(
         "ComfyUI's HunyuanImage 2.1 model (its HunyuanVideo class) keeps q, k and v in one linear "

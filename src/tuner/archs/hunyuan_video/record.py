@@ -9,6 +9,7 @@ from tuner.archs.record import (
     RELEASE_SIZES,
     SINGLE_STREAM,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     comfy,
     hub_tokenizers,
@@ -68,6 +69,7 @@ HUNYUAN_VIDEO = Architecture(
     # Tencent names (fused qkv / linear1) under `diffusion_model.`: ComfyUI's key map, and diffusers'
     # HunyuanVideo loader converts them
     save_format="comfy",
+    pipeline=ReferencePipeline("HunyuanVideoPipeline"),
     diffusers_loader="HunyuanVideoLoraLoaderMixin",
     diffusers_reads={
         "comfy": ALPHA_CHUNKED,

@@ -8,6 +8,7 @@ from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     DUAL_STREAM_FEED_FORWARD,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     comfy,
 )
@@ -79,6 +80,7 @@ HUNYUAN_VIDEO15 = Architecture(
     ),  # fmt: skip
     # Tencent names under `diffusion_model.`, q/k/v fused: ComfyUI's key map (diffusers has no HunyuanVideo
     # 1.5 LoRA loader)
+    pipeline=ReferencePipeline("HunyuanVideo15Pipeline"),
     save_format="comfy",
     musubi_trains=True,
     dora_refused=(
@@ -101,6 +103,7 @@ RECORDS = (
     replace(
         HUNYUAN_VIDEO15,
         name="hunyuan_video15_i2v",
+        pipeline=None,  # not checked against its pipeline yet
         variants=("480p_i2v", "720p_i2v"),
         checkpoints=(
             "Variants: `480p_i2v`, `720p_i2v` (the T2V network's shapes, other weights). `transformer`: "

@@ -8,6 +8,7 @@ from tuner.archs.record import (
     ALPHA_LEFT_OVER,
     CONVERTS_FOLDED,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     comfy,
     hub_tokenizers,
@@ -69,6 +70,7 @@ KREA2 = Architecture(
     # the release's names under `diffusion_model.`, as ComfyUI and Krea's trainer write, no `.alpha` keys:
     # ComfyUI and diffusers load it
     save_format="comfy_folded",
+    pipeline=ReferencePipeline("Krea2Pipeline"),
     diffusers_loader="Krea2LoraLoaderMixin",
     diffusers_reads={**CONVERTS_FOLDED, "comfy": ALPHA_LEFT_OVER},
     musubi_trains=True,

@@ -22,6 +22,11 @@ from tuner.fixtures.weights import tiny_config, tiny_model
 TRANSFORMER_FILE = "ltx-video-tiny.safetensors"
 
 
+# The release's diffusers scheduler config (Lightricks' LTX-Video `ltx_video/utils/diffusers_config_mapping.py`)
+SCHEDULER_CONFIG = {"base_image_seq_len": 1024, "base_shift": 0.95, "max_image_seq_len": 4096, "max_shift": 2.05,
+                    "shift_terminal": 0.1, "use_dynamic_shifting": True}  # fmt: skip
+
+
 def build_ltx_video_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32): the arguments of `LTXPipeline`."""
     from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
@@ -32,7 +37,7 @@ def build_ltx_video_components(seed: int = 0) -> dict:
         "vae": tiny_model(AutoencoderKLLTXVideo, tiny_config("ltx_video", "vae"), seed + 1),
         "text_encoder": tiny_model(T5EncoderModel, tiny_config("flux", "t5"), seed + 2),
         "tokenizer": build_t5_tokenizer(),
-        "scheduler": FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        "scheduler": FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG),
     }
 
 

@@ -7,6 +7,7 @@ from tuner.archs.record import (
     FEED_FORWARD,
     SELF_AND_CROSS_ATTENTION,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     hub_tokenizers,
 )
@@ -16,8 +17,10 @@ LTX_VIDEO = Architecture(
     sampling=SamplingDefaults(
         steps=50,
         guidance=3.0,
-        shift=3.0,
-        source="diffusers LTXPipeline's defaults (50 steps, guidance 3.0)",
+        shift="ltx_shift",
+        shift_terminal=0.1,
+        source="diffusers LTXPipeline's defaults (50 steps, guidance 3.0) and the release's scheduler config "
+        "(μ from the token count, 1024 → 0.95 to 4096 → 2.05, stretched to end at 0.1)",
     ),
     variants=("0.9",),
     checkpoints=(
@@ -37,6 +40,7 @@ LTX_VIDEO = Architecture(
     # the self- and text attention and the feed-forward of every block
     default_targets=(SELF_AND_CROSS_ATTENTION, FEED_FORWARD),
     save_format="comfy_folded",  # the release's names, no `.alpha` keys: ComfyUI and diffusers load it
+    pipeline=ReferencePipeline("LTXPipeline"),
     diffusers_loader="LTXVideoLoraLoaderMixin",
     diffusers_reads=CONVERTS_FOLDED,
     tokenizers=hub_tokenizers("Lightricks/LTX-Video", "tokenizer"),  # T5-XXL

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from tuner.archs.record import DIFFUSERS_ONLY, RELEASE_SIZES, Architecture, SamplingDefaults, hub_tokenizers
+from tuner.archs.record import (
+    DIFFUSERS_ONLY,
+    RELEASE_SIZES,
+    Architecture,
+    ReferencePipeline,
+    SamplingDefaults,
+    hub_tokenizers,
+)
 
 LUMINA2 = Architecture(
     name="lumina2",
@@ -38,6 +45,7 @@ LUMINA2 = Architecture(
     tokenizers=hub_tokenizers("Alpha-VLLM/Lumina-Image-2.0", "tokenizer"),  # Gemma 2
     hub_repos=(("", "Alpha-VLLM/Lumina-Image-2.0"),),
     save_format="comfy",  # Alpha-VLLM's names with the fused qkv: ComfyUI's key map
+    pipeline=ReferencePipeline("Lumina2Pipeline"),
     diffusers_loader="Lumina2LoraLoaderMixin",
     diffusers_reads={**DIFFUSERS_ONLY, "comfy": RELEASE_SIZES, "comfy_folded": RELEASE_SIZES},
     dora_refused=(

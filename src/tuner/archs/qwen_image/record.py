@@ -8,6 +8,7 @@ from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     LOADS_EVERY_LAYOUT,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     comfy,
     hub_tokenizers,
@@ -19,9 +20,11 @@ QWEN_IMAGE = Architecture(
         steps=50,
         guidance=4.0,
         shift="qwen_shift",
+        shift_terminal=0.02,
         negative_prompt=" ",
-        source="diffusers QwenImagePipeline's defaults (50 steps, `true_cfg_scale` 4.0) and the model card's "
-        'negative prompt " " (the pipeline runs no CFG without a negative prompt)',
+        source="diffusers QwenImagePipeline's defaults (50 steps, `true_cfg_scale` 4.0), its scheduler config's "
+        '`shift_terminal` 0.02 and the model card\'s negative prompt " " (the pipeline runs no CFG without a '
+        "negative prompt)",
     ),
     variants=("qwen-image",),
     checkpoints=(
@@ -55,6 +58,7 @@ QWEN_IMAGE = Architecture(
         ),
     ),  # fmt: skip
     save_format="comfy",  # the release uses diffusers' module names; both loaders read the comfy layout
+    pipeline=ReferencePipeline("QwenImagePipeline"),
     diffusers_loader="QwenImageLoraLoaderMixin",
     diffusers_reads=LOADS_EVERY_LAYOUT,
     musubi_trains=True,
@@ -68,6 +72,7 @@ RECORDS = (
     replace(
         QWEN_IMAGE,
         name="qwen_image_edit",
+        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=40,
             guidance=4.0,

@@ -7,6 +7,7 @@ from tuner.archs.record import (
     DUAL_STREAM_ATTENTION,
     DUAL_STREAM_FEED_FORWARD,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     hub_tokenizers,
 )
@@ -60,6 +61,15 @@ SD3 = Architecture(
     # (`mmdit_to_diffusers`) maps them onto the fused qkv's rows: the one layout both load. `comfy` keeps
     # the release's fused qkv (ComfyUI only); full fine-tunes are written in the release's file layout
     save_format="diffusers",
+    pipeline=ReferencePipeline(
+        "StableDiffusion3Pipeline",
+        differs=(
+            (
+                "sigmas",
+                "the pipeline spaces its steps from 1 to the scheduler's σ_min, tuner evenly to 1/steps",
+            ),
+        ),
+    ),
     diffusers_loader="SD3LoraLoaderMixin",
     diffusers_reads=DIFFUSERS_ONLY,
     latent_patch=(2, 2),

@@ -6,6 +6,7 @@ from tuner.archs.record import (
     ALPHA_REFUSED,
     LOADS_EVERY_LAYOUT,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     hub_tokenizers,
 )
@@ -47,6 +48,7 @@ SDXL = Architecture(
     hub_repos=(("base", "stabilityai/stable-diffusion-xl-base-1.0"),),
     # kohya's `lora_unet_input_blocks_4_1_...` names: A1111, Forge, ComfyUI and diffusers all load them
     save_format="kohya",
+    pipeline=ReferencePipeline("StableDiffusionXLPipeline"),
     diffusers_loader="StableDiffusionXLLoraLoaderMixin",
     diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": ALPHA_REFUSED, "comfy_folded": "ignores"},
     spatial_step=64,

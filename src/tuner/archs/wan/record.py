@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.archs.record import LOADS_EVERY_LAYOUT, Architecture, SamplingDefaults, comfy, hub_tokenizers
+from tuner.archs.record import (
+    LOADS_EVERY_LAYOUT,
+    Architecture,
+    ReferencePipeline,
+    SamplingDefaults,
+    comfy,
+    hub_tokenizers,
+)
 
 _WAN21_COMFY, _WAN22_COMFY = "Comfy-Org/Wan_2.1_ComfyUI_repackaged", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
 
@@ -66,6 +73,16 @@ WAN = Architecture(
         r"blocks\.\d+\.ffn\.net\.(0\.proj|2)",
     ),
     save_format="comfy",  # original names: ComfyUI's key map, and diffusers' Wan loader reads them too
+    pipeline=ReferencePipeline(
+        "WanPipeline",
+        differs=(
+            ("euler", "tuner samples flow models with Euler (as ComfyUI); the pipeline defaults to UniPC"),
+            (
+                "sigmas",
+                "diffusers' Euler spaces its steps from 1 to the scheduler's σ_min, tuner evenly to 1/steps",
+            ),
+        ),
+    ),
     diffusers_loader="WanLoraLoaderMixin",
     diffusers_reads=LOADS_EVERY_LAYOUT,
     musubi_trains=True,
@@ -121,6 +138,7 @@ RECORDS = (
     replace(
         WAN,
         name="wan22_i2v",
+        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=40,
             guidance=3.5,
@@ -186,6 +204,7 @@ RECORDS = (
     replace(
         WAN,
         name="wan_i2v",
+        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=40,
             guidance=5.0,
@@ -216,6 +235,7 @@ RECORDS = (
     replace(
         WAN,
         name="wan_1f",
+        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=40,
             guidance=5.0,
@@ -244,6 +264,7 @@ RECORDS = (
     replace(
         WAN,
         name="wan_flf2v",
+        pipeline=None,  # not checked against its pipeline yet
         sampling=SamplingDefaults(
             steps=50,
             guidance=5.0,

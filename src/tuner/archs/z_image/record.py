@@ -6,6 +6,7 @@ from tuner.archs.record import (
     ALPHA_LEFT_OVER,
     LOADS_EVERY_LAYOUT,
     Architecture,
+    ReferencePipeline,
     SamplingDefaults,
     comfy,
     hub_tokenizers,
@@ -65,6 +66,7 @@ Z_IMAGE = Architecture(
     # them, and diffusers' Z-Image converter splits the fused qkv again (it leaves a comfy file's
     # `attention.out.alpha` unread and refuses it)
     save_format="kohya",
+    pipeline=ReferencePipeline("ZImagePipeline"),
     diffusers_loader="ZImageLoraLoaderMixin",
     diffusers_reads={**LOADS_EVERY_LAYOUT, "comfy": ALPHA_LEFT_OVER},
     # its Z-Image converter takes the feed-forwards of a `diffusion_model.` file, not the fused
