@@ -407,8 +407,11 @@ def pipeline_architectures() -> list[str]:
 
 
 def pipeline_unavailable(architecture: str) -> str:
+    from tuner import registry
+
+    why = registry.ARCHITECTURES[architecture].pipeline_refused or "its forward has not been cut into stages"
     return (
-        f"key 'distributed.strategy': pipeline stages are not available for {architecture} (its forward has "
-        f"not been cut into stages); available for {', '.join(pipeline_architectures())}. Use strategy = "
+        f"key 'distributed.strategy': pipeline stages are not available for {architecture} ({why}); "
+        f"available for {', '.join(pipeline_architectures())}. Use strategy = "
         '"fsdp" or "deepspeed" to split this model across processes.'
     )

@@ -275,6 +275,11 @@ class Architecture:
     layer, so on the parts of a fused layer it is written apart, and the tool the layout is for may have no
     name for a part (ComfyUI maps diffusers' names onto row slices for FLUX only). Empty: DoRA saves."""
 
+    pipeline_refused: str = ""
+    """Why `distributed.strategy = "pipeline"` is refused, where its model offers no `pipeline_parts`
+    (`tuner.archs.stages`): what a user reads in the refusal. Empty: its model is cut into stages (the
+    completeness test in tests/test_distributed_pipeline.py holds every record to one of the two)."""
+
     diffusers_loader: str = ""
     """The LoRA loader mixin of its diffusers pipeline (`diffusers.loaders.lora_pipeline`), whose
     `load_lora_weights` reads adapter files; empty: the pipeline has none (HunyuanVideo 1.5,
