@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from project import base_transformer, cfg
-from tuner.cache.plan import open_training_data
 from tuner.archs.stages import cut_stages
+from tuner.cache.plan import open_training_data
 from tuner.config.schema import MemorySettings
 from tuner.errors import ConfigError
 from tuner.memory import apply_memory_settings
