@@ -21,6 +21,7 @@ _HV15_PARTS = {"vae": "vae/hunyuanvideo15_vae_fp16.safetensors",
 
 HUNYUAN_VIDEO15 = Architecture(
     name="hunyuan_video15",
+    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=6.0,

@@ -6,6 +6,7 @@ from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, 
 
 LTX2 = Architecture(
     name="ltx2",
+    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=30,
         guidance=3.0,

@@ -13,6 +13,7 @@ from tuner.archs.record import (
 
 SD3 = Architecture(
     name="sd3",
+    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=28,

@@ -12,6 +12,10 @@ from tuner.archs.record import (
 
 SDXL = Architecture(
     name="sdxl",
+    pipeline_refused=(
+        "a UNet: each down block's output skips to its up block, so a cut carries every skip tensor "
+        'across stages; split it with strategy = "fsdp" or "deepspeed"'
+    ),
     sampling=SamplingDefaults(
         steps=50,
         guidance=5.0,
