@@ -49,6 +49,15 @@ def call_block(model: nn.Module, block: nn.Module, *args):
     return block(*args)
 
 
+def unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int) -> torch.Tensor:
+    """Output tokens [B, (H/p)·(W/p), p·p·C] in row-major patch order, each patch's values (row, column,
+    channel) → latents [B, C, H, W]: the last step of DiT-style image transformers' forwards (SD3's,
+    AuraFlow's)."""
+    b, rows, cols = tokens.shape[0], height // patch, width // patch
+    grid = tokens.reshape(b, rows, cols, patch, patch, -1)
+    return grid.permute(0, 5, 1, 3, 2, 4).reshape(b, -1, rows * patch, cols * patch)
+
+
 def balanced_stages(sizes: list[int], stages: int) -> list[range]:
     """Cut blocks of these sizes into `stages` contiguous non-empty runs whose largest total is the
     smallest possible (a linear partition, by dynamic programming: a few hundred blocks at most)."""

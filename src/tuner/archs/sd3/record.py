@@ -13,7 +13,6 @@ from tuner.archs.record import (
 
 SD3 = Architecture(
     name="sd3",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=28,

@@ -53,6 +53,20 @@ class SD3Model(FluxVAEImageModel):
         return sd3.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        return sd3.predict_velocity(
+        return model(**self.model_inputs(model, noisy, t, cond), return_dict=False)[0]
+
+    def model_inputs(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
+        return sd3.model_inputs(
             model, noisy, t, cond["clip"], cond["pooled"], cond.get("t5"), self.cfg.cache.text_max_length
+        )
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: sd3.embed(model, self.model_inputs(model, noisy, t, cond)),
+            blocks=list(model.transformer_blocks),
+            run_block=lambda block, carried: sd3.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: sd3.project_out(model, carried, noisy),
+            prologue_modules=(model.pos_embed, model.time_text_embed, model.context_embedder),
         )
