@@ -322,26 +322,30 @@ def _two_stage_step(trainer, model, parts, x0, noise, t, cond) -> None:
 
 
 def test_two_pipeline_stages_train_what_one_process_trains(case):
-    """Three AdamW steps on the cached batch through two stages (blocks cut by parameter count) give the
-    adapter one process gives, within fp32 summation order; every adapter lies inside a block (the
-    stages train only those) and both stages hold some."""
+    """Three SGD steps on the cached batch through two stages (blocks cut by parameter count) give the
+    adapter one process gives, within fp32 summation order (SGD: Adam's normalization would magnify the
+    order's differences where a gradient is near zero); every adapter lies inside a block (the stages
+    train only those), and each stage's adapters moved."""
     trainer, model, x0, cond = _batch(case)
     parts = _parts(trainer, model)
     names = {id(m): n for n, m in model.named_modules()}
-    stages = [[names[id(parts.blocks[i])] + "." for i in run] for run in cut_stages(parts, 2)]
+    stages = [tuple(names[id(parts.blocks[i])] + "." for i in run) for run in cut_stages(parts, 2)]
     trained = []
     for step in (_one_process_step, _two_stage_step):
         network = _lora(trainer, model)
-        owners = [[a.name for a in network if a.name.startswith(tuple(blocks))] for blocks in stages]
-        assert sum(map(len, owners)) == len(network) and all(owners), owners
-        optimizer = torch.optim.AdamW(network.parameters(), lr=1e-2)
+        owners = [[a for a in network if a.name.startswith(blocks)] for blocks in stages]
+        assert sum(map(len, owners)) == len(network) and all(owners), [a.name for a in network]
+        initial = [p.detach().clone() for p in network.parameters()]
+        optimizer = torch.optim.SGD(network.parameters(), lr=0.1)
         for seed in range(3):
             g = torch.Generator().manual_seed(seed)
             noise, t = torch.randn(x0.shape, generator=g), torch.rand(x0.shape[0], generator=g)
             optimizer.zero_grad(set_to_none=True)
             step(trainer, model, parts, x0, noise, t, cond)
             optimizer.step()
+        moved = {id(p) for p, q in zip(network.parameters(), initial, strict=True) if not torch.equal(p, q)}
+        assert all(any(id(p) in moved for a in run for p in a.parameters()) for run in owners)
         trained.append([p.detach().clone() for p in network.parameters()])
         network.remove()
     for a, b in zip(*trained, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

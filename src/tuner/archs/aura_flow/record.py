@@ -9,7 +9,6 @@ _SINGLE = r"single_transformer_blocks\.\d+\."
 
 AURA_FLOW = Architecture(
     name="aura_flow",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=3.5,
