@@ -256,7 +256,8 @@ def _parts(trainer, model):
 
 
 def _gradients(network) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in network.parameters()]
+    """Each adapter weight's gradient; zeros where no output used it (a last block's text stream)."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in network.parameters()]
 
 
 def test_pipeline_parts_compute_what_predict_does(case):

@@ -49,6 +49,16 @@ def call_block(model: nn.Module, block: nn.Module, *args):
     return block(*args)
 
 
+def optional(value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A tensor-or-None the blocks take, as a carried tensor: None travels as an empty tensor."""
+    return like.new_zeros(0) if value is None else value
+
+
+def given(value: torch.Tensor) -> torch.Tensor | None:
+    """`optional`'s tensor back: None where it was empty."""
+    return value if value.numel() else None
+
+
 def unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int) -> torch.Tensor:
     """Output tokens [B, (H/p)·(W/p), p·p·C] in row-major patch order, each patch's values (row, column,
     channel) → latents [B, C, H, W]: the last step of DiT-style image transformers' forwards (SD3's,

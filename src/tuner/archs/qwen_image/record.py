@@ -15,7 +15,6 @@ from tuner.archs.record import (
 
 QWEN_IMAGE = Architecture(
     name="qwen_image",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=4.0,
