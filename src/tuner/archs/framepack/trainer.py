@@ -32,6 +32,7 @@ from torch import nn
 from tuner.archs.framepack import loaders as framepack
 from tuner.archs.hunyuan_video import loaders as hunyuan_video
 from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan.trainer_i2v import LatentEncoders
 from tuner.memory import text_encoder_dtype
 
@@ -77,6 +78,8 @@ class FramePackModel(HunyuanVideoModel):
         }
 
     # ---- the model's inputs ----
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
+
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The section's velocity from the model; for the image's frame (frame 0) the straight line from
         x_t to the given latent, (x_t − x0) / t, which sampling follows to land on it."""
@@ -169,6 +172,8 @@ class FramePackOneFrameModel(HunyuanVideoModel):
             **super().collate_text(entries),
             "image_embeds": torch.stack([e["image_embeds"] for e in entries]),
         }
+
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         one = self.cfg.one_frame

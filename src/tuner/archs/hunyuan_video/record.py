@@ -18,7 +18,6 @@ from tuner.archs.record import (
 # sampler and diffusion-pipe do (musubi-tuner's training passes it raw); why: the trainer's docstring.
 HUNYUAN_VIDEO = Architecture(
     name="hunyuan_video",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=1.0,

@@ -65,5 +65,20 @@ class HunyuanVideoModel(ArchitectureModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hunyuan_video.predict_velocity(model, noisy, t, cond, self.cfg.model.guidance)
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            inputs = hunyuan_video.model_inputs(model, noisy, t, cond, self.cfg.model.guidance)
+            return hunyuan_video.embed(model, inputs)
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
+            run_block=lambda block, carried: hunyuan_video.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: hunyuan_video.project_out(model, carried, noisy),
+            prologue_modules=(model.x_embedder, model.time_text_embed, model.context_embedder),
+        )
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, (frames - 1) // 4 + 1, height // 8, width // 8)

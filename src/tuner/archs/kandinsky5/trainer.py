@@ -22,6 +22,7 @@ from torch import nn
 
 from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
 from tuner.archs.kandinsky5 import loaders as kandinsky5
+from tuner.archs.model import ArchitectureModel
 from tuner.memory import text_encoder_dtype
 
 
@@ -50,6 +51,8 @@ class Kandinsky5Model(HunyuanVideoModel):
 
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return kandinsky5.collate(entries)
+
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return kandinsky5.predict_velocity(model, noisy, t, cond)
