@@ -15,7 +15,6 @@ from tuner.archs.record import (
 
 FLUX2 = Architecture(
     name="flux2",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=1.0,

@@ -49,11 +49,30 @@ class Flux2Model(Flux2VAEImageModel):
         return [{"prompt_embeds": e} for e in embeds]
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return flux2.velocity(model(**self.model_inputs(model, noisy, t, cond), return_dict=False)[0], noisy)
+
+    def model_inputs(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
         references = []
         while f"control_{len(references)}" in cond:
             references.append(cond[f"control_{len(references)}"])
-        return flux2.predict_velocity(
-            model, noisy, t, cond["prompt_embeds"], self.cfg.model.guidance, references
+        return flux2.model_inputs(model, noisy, t, cond["prompt_embeds"], self.cfg.model.guidance, references)
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: flux2.embed(model, self.model_inputs(model, noisy, t, cond)),
+            blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
+            run_block=lambda block, carried: flux2.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: flux2.project_out(model, carried, noisy),
+            prologue_modules=(
+                model.x_embedder,
+                model.context_embedder,
+                model.time_guidance_embed,
+                model.double_stream_modulation_img,
+                model.double_stream_modulation_txt,
+                model.single_stream_modulation,
+            ),  # fmt: skip
         )
 
 
