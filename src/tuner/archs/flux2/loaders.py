@@ -250,7 +250,8 @@ def model_inputs(
     """The transformer's keyword arguments for latents `noisy` [B, 128, H, W] at t ∈ [0, 1].
 
     `references` are reference latents [B, 128, H', W'] (multi-reference editing): their tokens follow
-    the target's, with position t = 10, 20, ..., and their outputs are dropped (`velocity`).
+    the target's, with position t = 10, 20, ..., and their outputs are dropped (`velocity`). The model's velocity is
+    `velocity(model(**model_inputs(...), return_dict=False)[0], noisy)`.
     """
     b, _, h, w = noisy.shape
     tokens, ids = [pack(noisy)], [image_ids(h, w, 0, noisy.device)]
@@ -268,13 +269,6 @@ def model_inputs(
         "txt_ids": text_ids(prompt_embeds.shape[1], noisy.device).expand(b, -1, -1),
         "img_ids": torch.cat(ids).expand(b, -1, -1),
     }
-
-
-def predict_velocity(model: Flux2Transformer2DModel, noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor,
-                     guidance: float, references: Sequence[torch.Tensor] = ()) -> torch.Tensor:  # fmt: skip
-    """The model's velocity for `noisy` (its shape) on `model_inputs`."""
-    inputs = model_inputs(model, noisy, t, prompt_embeds, guidance, references)
-    return velocity(model(**inputs, return_dict=False)[0], noisy)
 
 
 def velocity(out: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
