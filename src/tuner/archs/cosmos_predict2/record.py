@@ -25,7 +25,6 @@ COSMOS_NEGATIVE_PROMPT = (
 
 COSMOS_PREDICT2 = Architecture(
     name="cosmos_predict2",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=35,
         guidance=7.0,
