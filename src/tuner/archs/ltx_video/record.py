@@ -13,7 +13,6 @@ from tuner.archs.record import (
 
 LTX_VIDEO = Architecture(
     name="ltx_video",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=3.0,
