@@ -21,7 +21,6 @@ _COMFY_PARTS = dict(
 
 HUNYUAN_IMAGE = Architecture(
     name="hunyuan_image",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=50,
