@@ -329,6 +329,8 @@ def test_two_pipeline_stages_train_what_one_process_trains(case):
     train only those), and each stage's adapters moved."""
     trainer, model, x0, cond = _batch(case)
     parts = _parts(trainer, model)
+    if len(parts.blocks) < 2:  # the pipeline refuses more stages than blocks
+        pytest.skip(f"the {trainer.architecture} fixture has {len(parts.blocks)} block; two stages need two")
     names = {id(m): n for n, m in model.named_modules()}
     stages = [tuple(names[id(parts.blocks[i])] + "." for i in run) for run in cut_stages(parts, 2)]
     trained = []

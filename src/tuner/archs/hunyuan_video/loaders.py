@@ -379,11 +379,15 @@ def run_block(model: HunyuanVideoTransformer3DModel, block: torch.nn.Module, car
 
 
 def project_out(model: HunyuanVideoTransformer3DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
-    """The forward after its last block: output norm, projection, unpatchify to `noisy`'s shape (each
-    token's values are channel, then frame, row and column within its patch)."""
+    """The forward after its last block: output norm, projection, unpatchify to `noisy`'s shape."""
     hidden, temb = carried[0], carried[2]
     tokens = model.proj_out(model.norm_out(hidden, temb))
-    p, p_t = model.config.patch_size, model.config.patch_size_t
+    return unpatchify(tokens, noisy, model.config.patch_size_t, model.config.patch_size)
+
+
+def unpatchify(tokens: torch.Tensor, noisy: torch.Tensor, p_t: int, p: int) -> torch.Tensor:
+    """Output tokens [B, N, C·p_t·p·p] (frame, row, column order; each token's values channel, then frame,
+    row and column within its patch) → latents of `noisy`'s frames and sides."""
     b, _, frames, height, width = noisy.shape
     grid = tokens.reshape(b, frames // p_t, height // p, width // p, -1, p_t, p, p)
     return grid.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)

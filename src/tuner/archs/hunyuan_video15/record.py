@@ -21,7 +21,6 @@ _HV15_PARTS = {"vae": "vae/hunyuanvideo15_vae_fp16.safetensors",
 
 HUNYUAN_VIDEO15 = Architecture(
     name="hunyuan_video15",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=6.0,
@@ -102,6 +101,10 @@ RECORDS = (
     replace(
         HUNYUAN_VIDEO15,
         name="hunyuan_video15_i2v",
+        pipeline_refused=(
+            "its predict runs the samples given their first frame and those not given it as two batches; "
+            "not cut into stages yet"
+        ),
         variants=("480p_i2v", "720p_i2v"),
         checkpoints=(
             "Variants: `480p_i2v`, `720p_i2v` (the T2V network's shapes, other weights). `transformer`: "
