@@ -17,7 +17,6 @@ _BLOCKS = r"(transformer_blocks|text_fusion\.layerwise_blocks|text_fusion\.refin
 
 KREA2 = Architecture(
     name="krea2",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=28,
