@@ -8,7 +8,6 @@ _COMFY = "Comfy-Org/ERNIE-Image"  # no `split_files/` in this repository
 
 ERNIE_IMAGE = Architecture(
     name="ernie_image",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=50,
