@@ -6,7 +6,6 @@ from tuner.archs.record import DIFFUSERS_ONLY, RELEASE_SIZES, Architecture, Samp
 
 LUMINA2 = Architecture(
     name="lumina2",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=30,
         guidance=4.0,
