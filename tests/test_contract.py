@@ -264,8 +264,9 @@ def _gradients(network) -> list[torch.Tensor]:
 
 def test_pipeline_parts_compute_what_predict_does(case):
     """Prologue → every block → epilogue equals `predict`: the output and the adapters' gradients, with
-    gradient checkpointing too (the parts call blocks as the model's loop does); and after the prologue
-    nothing uses the prologue's modules (the stages after the first free them)."""
+    gradient checkpointing too (the parts call blocks as the model's loop does); only tensors pass
+    between the parts, and after the prologue nothing uses the prologue's modules (the stages after the
+    first free them)."""
     trainer, model, noisy, t, cond = _setup(case)
     parts = _parts(trainer, model)
     network = _lora(trainer, model)
@@ -291,6 +292,7 @@ def test_pipeline_parts_compute_what_predict_does(case):
         for module in parts.prologue_modules:
             module.to("meta")
         for block in parts.blocks:
+            assert all(isinstance(c, torch.Tensor) for c in carried), "only tensors pass between stages"
             carried = parts.run_block(block, carried)
         torch.testing.assert_close(parts.epilogue(carried, noisy, t, cond), whole, rtol=0, atol=1e-6)
 

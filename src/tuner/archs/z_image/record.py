@@ -13,7 +13,6 @@ from tuner.archs.record import (
 
 Z_IMAGE = Architecture(
     name="z_image",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=50,
