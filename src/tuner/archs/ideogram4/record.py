@@ -6,7 +6,6 @@ from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, 
 
 IDEOGRAM4 = Architecture(
     name="ideogram4",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=48,
         guidance=7.0,
