@@ -13,7 +13,6 @@ RECORDS = (
     replace(
         FLUX,
         name="chroma",
-        pipeline_refused="its forward has not been cut into stages yet",
         sampling=SamplingDefaults(
             steps=35,
             guidance=5.0,
