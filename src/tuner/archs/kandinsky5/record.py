@@ -12,7 +12,6 @@ KANDINSKY5_NEGATIVE_PROMPT = (
 
 KANDINSKY5 = Architecture(
     name="kandinsky5",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=50,

@@ -22,7 +22,6 @@ from torch import nn
 
 from tuner.archs.hunyuan_video.trainer import HunyuanVideoModel
 from tuner.archs.kandinsky5 import loaders as kandinsky5
-from tuner.archs.model import ArchitectureModel
 from tuner.memory import text_encoder_dtype
 
 
@@ -52,7 +51,22 @@ class Kandinsky5Model(HunyuanVideoModel):
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return kandinsky5.collate(entries)
 
-    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
-
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return kandinsky5.predict_velocity(model, noisy, t, cond)
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: kandinsky5.embed(model, noisy, t, cond),
+            blocks=list(model.visual_transformer_blocks),
+            run_block=lambda block, carried: kandinsky5.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: kandinsky5.project_out(model, carried, noisy),
+            prologue_modules=(
+                model.text_embeddings,
+                model.time_embeddings,
+                model.pooled_text_embeddings,
+                model.visual_embeddings,
+                model.text_transformer_blocks,
+            ),  # fmt: skip
+        )
