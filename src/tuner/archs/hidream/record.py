@@ -6,7 +6,6 @@ from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, 
 
 HIDREAM = Architecture(
     name="hidream",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=(
         SamplingDefaults(
             steps=50,
