@@ -12,7 +12,6 @@ from tuner.archs.record import SamplingDefaults
 FRAMEPACK = replace(
     HUNYUAN_VIDEO,
     name="framepack",
-    pipeline_refused="its forward has not been cut into stages yet",
     sampling=SamplingDefaults(
         steps=50,
         guidance=1.0,
