@@ -6,7 +6,10 @@ from tuner.archs.record import CONVERTS_FOLDED, Architecture, SamplingDefaults, 
 
 LTX2 = Architecture(
     name="ltx2",
-    pipeline_refused="its forward has not been cut into stages yet",
+    pipeline_refused=(
+        "its loss covers two streams, video and sound (tuner.archs.parts.audio), where pipeline stages "
+        "compute the loss of one prediction"
+    ),
     sampling=SamplingDefaults(
         steps=30,
         guidance=3.0,
