@@ -13,8 +13,8 @@ from tuner.archs.record import (
 SDXL = Architecture(
     name="sdxl",
     pipeline_refused=(
-        "a UNet: each down block's output skips to its up block, so a cut carries every skip tensor "
-        'across stages; split it with strategy = "fsdp" or "deepspeed"'
+        "a UNet: each down block's output skips to its up block, so a cut would carry every skip tensor "
+        "across stages"
     ),
     sampling=SamplingDefaults(
         steps=50,
