@@ -292,7 +292,9 @@ def test_pipeline_parts_compute_what_predict_does(case):
         for module in parts.prologue_modules:
             module.to("meta")
         for block in parts.blocks:
-            assert all(isinstance(c, torch.Tensor) and not c.is_complex() for c in carried), "real tensors only"
+            assert all(isinstance(c, torch.Tensor) and not c.is_complex() for c in carried), (
+                "real tensors only"
+            )
             carried = parts.run_block(block, carried)
         torch.testing.assert_close(parts.epilogue(carried, noisy, t, cond), whole, rtol=0, atol=1e-6)
 
