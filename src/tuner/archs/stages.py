@@ -41,6 +41,20 @@ class PipelineParts:
         return self.epilogue(carried, noisy, t, cond)
 
 
+def cut_at_blocks(model: nn.Module, family, inputs: Callable[[torch.Tensor, torch.Tensor, dict], dict],
+                  blocks, prologue_modules) -> PipelineParts:  # fmt: skip
+    """The parts of a model whose family module cuts its forward as `embed(model, inputs)` (the forward up
+    to its first block on the transformer's keyword arguments), `run_block(model, block, carried)` and
+    `project_out(model, carried, noisy)` (the prediction); `inputs(noisy, t, cond)` gives those arguments."""
+    return PipelineParts(
+        prologue=lambda noisy, t, cond: family.embed(model, inputs(noisy, t, cond)),
+        blocks=list(blocks),
+        run_block=lambda block, carried: family.run_block(model, block, carried),
+        epilogue=lambda carried, noisy, t, cond: family.project_out(model, carried, noisy),
+        prologue_modules=tuple(m for m in prologue_modules if m is not None),
+    )
+
+
 def call_block(model: nn.Module, block: nn.Module, *args):
     """Call a block as the model's own loop does: through its checkpointing function when gradient
     checkpointing is on (diffusers' `enable_gradient_checkpointing`)."""

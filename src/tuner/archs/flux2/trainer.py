@@ -58,21 +58,19 @@ class Flux2Model(Flux2VAEImageModel):
         return flux2.model_inputs(model, noisy, t, cond["prompt_embeds"], self.cfg.model.guidance, references)
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        return PipelineParts(
-            prologue=lambda noisy, t, cond: flux2.embed(model, self.model_inputs(model, noisy, t, cond)),
-            blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
-            run_block=lambda block, carried: flux2.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: flux2.project_out(model, carried, noisy),
-            prologue_modules=(
-                model.x_embedder,
-                model.context_embedder,
-                model.time_guidance_embed,
-                model.double_stream_modulation_img,
-                model.double_stream_modulation_txt,
-                model.single_stream_modulation,
-            ),  # fmt: skip
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]  # dual-, then single-stream
+        embedders = (
+            model.x_embedder,
+            model.context_embedder,
+            model.time_guidance_embed,
+            model.double_stream_modulation_img,
+            model.double_stream_modulation_txt,
+            model.single_stream_modulation,
+        )
+        return cut_at_blocks(
+            model, flux2, lambda noisy, t, cond: self.model_inputs(model, noisy, t, cond), blocks, embedders
         )
 
 

@@ -70,18 +70,21 @@ class HunyuanImageModel(ArchitectureModel):
         return hunyuan_image.predict_velocity(model, noisy, t, cond)
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        embedders = [m for m in (model.x_embedder, model.time_guidance_embed, model.context_embedder,
-                                 model.context_embedder_2) if m is not None]  # fmt: skip
-        return PipelineParts(
-            prologue=lambda noisy, t, cond: hunyuan_image.embed(
-                model, hunyuan_image.model_inputs(model, noisy, t, cond)
-            ),
-            blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
-            run_block=lambda block, carried: hunyuan_image.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: hunyuan_image.project_out(model, carried, noisy),
-            prologue_modules=tuple(embedders),
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]  # dual-, then single-stream
+        embedders = (
+            model.x_embedder,
+            model.time_guidance_embed,
+            model.context_embedder,
+            model.context_embedder_2,
+        )
+        return cut_at_blocks(
+            model,
+            hunyuan_image,
+            lambda noisy, t, cond: hunyuan_image.model_inputs(model, noisy, t, cond),
+            blocks,
+            embedders,
         )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

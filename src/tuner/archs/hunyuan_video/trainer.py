@@ -66,18 +66,16 @@ class HunyuanVideoModel(ArchitectureModel):
         return hunyuan_video.predict_velocity(model, noisy, t, cond, self.cfg.model.guidance)
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
-            inputs = hunyuan_video.model_inputs(model, noisy, t, cond, self.cfg.model.guidance)
-            return hunyuan_video.embed(model, inputs)
-
-        return PipelineParts(
-            prologue=prologue,
-            blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
-            run_block=lambda block, carried: hunyuan_video.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: hunyuan_video.project_out(model, carried, noisy),
-            prologue_modules=(model.x_embedder, model.time_text_embed, model.context_embedder),
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]  # dual-, then single-stream
+        embedders = (model.x_embedder, model.time_text_embed, model.context_embedder)
+        return cut_at_blocks(
+            model,
+            hunyuan_video,
+            lambda noisy, t, cond: hunyuan_video.model_inputs(model, noisy, t, cond, self.cfg.model.guidance),
+            blocks,
+            embedders,
         )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

@@ -63,23 +63,23 @@ class HunyuanVideo15Model(ArchitectureModel):
         return hunyuan_video15.predict_velocity(model, noisy, t, cond)
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        return PipelineParts(
-            prologue=lambda noisy, t, cond: hunyuan_video15.embed(
-                model, hunyuan_video15.model_inputs(model, noisy, t, cond)
-            ),
-            blocks=list(model.transformer_blocks),
-            run_block=lambda block, carried: hunyuan_video15.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: hunyuan_video15.project_out(model, carried, noisy),
-            prologue_modules=(
-                model.time_embed,
-                model.x_embedder,
-                model.context_embedder,
-                model.context_embedder_2,
-                model.image_embedder,
-                model.cond_type_embed,
-            ),  # fmt: skip
+        blocks = model.transformer_blocks
+        embedders = (
+            model.time_embed,
+            model.x_embedder,
+            model.context_embedder,
+            model.context_embedder_2,
+            model.image_embedder,
+            model.cond_type_embed,
+        )
+        return cut_at_blocks(
+            model,
+            hunyuan_video15,
+            lambda noisy, t, cond: hunyuan_video15.model_inputs(model, noisy, t, cond),
+            blocks,
+            embedders,
         )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

@@ -76,25 +76,25 @@ class Ideogram4Model(ArchitectureModel):
         return ideogram4.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
-            inputs = ideogram4.model_inputs(noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
-            return ideogram4.embed(model, inputs)
-
-        return PipelineParts(
-            prologue=prologue,
-            blocks=list(model.layers),
-            run_block=lambda block, carried: ideogram4.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: ideogram4.project_out(model, carried, noisy),
-            prologue_modules=(
-                model.input_proj,
-                model.t_embedding,
-                model.adaln_proj,
-                model.llm_cond_norm,
-                model.llm_cond_proj,
-                model.embed_image_indicator,
-            ),  # fmt: skip
+        blocks = model.layers
+        embedders = (
+            model.input_proj,
+            model.t_embedding,
+            model.adaln_proj,
+            model.llm_cond_norm,
+            model.llm_cond_proj,
+            model.embed_image_indicator,
+        )
+        return cut_at_blocks(
+            model,
+            ideogram4,
+            lambda noisy, t, cond: ideogram4.model_inputs(
+                noisy, t, cond["prompt_embeds"], cond["prompt_mask"]
+            ),
+            blocks,
+            embedders,
         )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

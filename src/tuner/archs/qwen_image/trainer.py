@@ -53,14 +53,12 @@ class QwenImageModel(QwenVAEImageModel):
         return qwen_image.model_inputs(noisy, t, cond["prompt_embeds"], cond.get("prompt_mask"), controls)
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        return PipelineParts(
-            prologue=lambda noisy, t, cond: qwen_image.embed(model, self.model_inputs(noisy, t, cond)),
-            blocks=list(model.transformer_blocks),
-            run_block=lambda block, carried: qwen_image.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: qwen_image.project_out(model, carried, noisy),
-            prologue_modules=(model.img_in, model.txt_norm, model.txt_in, model.time_text_embed),
+        blocks = model.transformer_blocks
+        embedders = (model.img_in, model.txt_norm, model.txt_in, model.time_text_embed)
+        return cut_at_blocks(
+            model, qwen_image, lambda noisy, t, cond: self.model_inputs(noisy, t, cond), blocks, embedders
         )
 
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:

@@ -61,12 +61,10 @@ class SD3Model(FluxVAEImageModel):
         )
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        return PipelineParts(
-            prologue=lambda noisy, t, cond: sd3.embed(model, self.model_inputs(model, noisy, t, cond)),
-            blocks=list(model.transformer_blocks),
-            run_block=lambda block, carried: sd3.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: sd3.project_out(model, carried, noisy),
-            prologue_modules=(model.pos_embed, model.time_text_embed, model.context_embedder),
+        blocks = model.transformer_blocks
+        embedders = (model.pos_embed, model.time_text_embed, model.context_embedder)
+        return cut_at_blocks(
+            model, sd3, lambda noisy, t, cond: self.model_inputs(model, noisy, t, cond), blocks, embedders
         )
