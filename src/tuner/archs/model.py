@@ -180,7 +180,8 @@ class ArchitectureModel:
         """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
         a `tuner.archs.stages.PipelineParts` whose prologue, blocks and epilogue compute exactly
         what `predict` does, passing only tensors between blocks. Architectures that have one override this;
-        a subclass whose `predict` differs sets it back to `ArchitectureModel.pipeline_parts`."""
+        one that cannot keeps this refusal and says why in its record (`Architecture.pipeline_refused`),
+        and a subclass whose `predict` differs cuts its own or sets it back to `ArchitectureModel.pipeline_parts`."""
         raise ConfigError(pipeline_unavailable(self.architecture))
 
     # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
