@@ -174,7 +174,7 @@ def check_comfy_stems_and_diffusers_load(pipe, network, predict, release: set, l
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def random_lora(model, targets, name_map, rank: int = 4, alpha: float = 2, seed: int = 0):
+def random_lora(model, targets, name_map, rank: int = 4, alpha: float = 2, seed: int = 0, exclude=()):
     """A rank-`rank` LoRA on `model`'s `targets` (regexes) that looks trained: its up weights drawn from
     `seed` (they start at zero), so it changes the output."""
     import torch
@@ -182,7 +182,9 @@ def random_lora(model, targets, name_map, rank: int = 4, alpha: float = 2, seed:
     from tuner.networks.lora import LoRANetwork
     from tuner.networks.targets import TargetSpec
 
-    network = LoRANetwork.apply_to(model, TargetSpec(targets), rank=rank, alpha=alpha, name_map=name_map)
+    network = LoRANetwork.apply_to(
+        model, TargetSpec(targets, exclude=exclude), rank=rank, alpha=alpha, name_map=name_map
+    )
     gen = torch.Generator().manual_seed(seed)
     for adapter in network:
         adapter.up.data.copy_(torch.randn(adapter.up.shape, generator=gen) * 0.1)

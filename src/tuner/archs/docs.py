@@ -164,6 +164,17 @@ def tool_table() -> str:
     return layout_table()
 
 
+def pipeline_table() -> str:
+    """Per architecture, whether `distributed.strategy = "pipeline"` cuts it into stages, else why not."""
+    from tuner.archs.model import pipeline_architectures
+
+    offered = set(pipeline_architectures())
+    lines = ['| `model.architecture` | `strategy = "pipeline"` |', "|---|---|"]
+    for name, record in ARCHITECTURES.items():
+        lines.append(f"| `{name}` | {'yes' if name in offered else 'refused: ' + record.pipeline_refused} |")
+    return "\n".join(lines)
+
+
 FRAGMENTS: dict[str, tuple[str, Callable[[], str]]] = {
     "record-fields": ("docs/architectures.md", record_fields),
     "architectures": ("README.md", architecture_table),
@@ -174,6 +185,7 @@ FRAGMENTS: dict[str, tuple[str, Callable[[], str]]] = {
     "variants": ("docs/architectures.md", variants_table),
     "adapter-layouts": ("docs/architectures.md", adapter_layouts),
     "tools": ("docs/architectures.md", tool_table),
+    "pipeline-stages": ("docs/distributed.md", pipeline_table),
 }
 """name -> (file relative to the repository, what renders it)."""
 

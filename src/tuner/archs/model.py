@@ -186,7 +186,8 @@ class ArchitectureModel:
         """The model's forward cut where pipeline stages may split it (`distributed.strategy = "pipeline"`):
         a `tuner.archs.stages.PipelineParts` whose prologue, blocks and epilogue compute exactly
         what `predict` does, passing only tensors between blocks. Architectures that have one override this;
-        a subclass whose `predict` differs sets it back to `ArchitectureModel.pipeline_parts`."""
+        one that cannot keeps this refusal and says why in its record (`Architecture.pipeline_refused`),
+        and a subclass whose `predict` differs cuts its own or sets it back to `ArchitectureModel.pipeline_parts`."""
         raise ConfigError(pipeline_unavailable(self.architecture))
 
     # --- text encoders that train (`network.train_text_encoder`, SDXL) ---------------------------
@@ -428,8 +429,11 @@ def pipeline_architectures() -> list[str]:
 
 
 def pipeline_unavailable(architecture: str) -> str:
+    from tuner import registry
+
+    why = registry.ARCHITECTURES[architecture].pipeline_refused or "its forward has not been cut into stages"
     return (
-        f"key 'distributed.strategy': pipeline stages are not available for {architecture} (its forward has "
-        f"not been cut into stages); available for {', '.join(pipeline_architectures())}. Use strategy = "
+        f"key 'distributed.strategy': pipeline stages are not available for {architecture} ({why}); "
+        f"available for {', '.join(pipeline_architectures())}. Use strategy = "
         '"fsdp" or "deepspeed" to split this model across processes.'
     )

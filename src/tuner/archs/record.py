@@ -318,6 +318,11 @@ class Architecture:
 
     pipeline: ReferencePipeline | None = None
     """The diffusers pipeline `tuner generate` equals; None: not checked against one yet."""
+    pipeline_refused: str = ""
+    """Why `distributed.strategy = "pipeline"` is refused, where its model offers no `pipeline_parts`
+    (`tuner.archs.stages`): what a user reads in the refusal. Empty: its model is cut into stages (the
+    completeness test in tests/test_distributed_pipeline.py holds every record to one of the two)."""
+
     diffusers_loader: str = ""
     """The LoRA loader mixin of its diffusers pipeline (`diffusers.loaders.lora_pipeline`), whose
     `load_lora_weights` reads adapter files; empty: the pipeline has none (HunyuanVideo 1.5,

@@ -41,12 +41,45 @@ class PipelineParts:
         return self.epilogue(carried, noisy, t, cond)
 
 
+def cut_at_blocks(model: nn.Module, family, inputs: Callable[[torch.Tensor, torch.Tensor, dict], dict],
+                  blocks, prologue_modules) -> PipelineParts:  # fmt: skip
+    """The parts of a model whose family module cuts its forward as `embed(model, inputs)` (the forward up
+    to its first block on the transformer's keyword arguments), `run_block(model, block, carried)` and
+    `project_out(model, carried, noisy)` (the prediction); `inputs(noisy, t, cond)` gives those arguments."""
+    return PipelineParts(
+        prologue=lambda noisy, t, cond: family.embed(model, inputs(noisy, t, cond)),
+        blocks=list(blocks),
+        run_block=lambda block, carried: family.run_block(model, block, carried),
+        epilogue=lambda carried, noisy, t, cond: family.project_out(model, carried, noisy),
+        prologue_modules=tuple(m for m in prologue_modules if m is not None),
+    )
+
+
 def call_block(model: nn.Module, block: nn.Module, *args):
     """Call a block as the model's own loop does: through its checkpointing function when gradient
     checkpointing is on (diffusers' `enable_gradient_checkpointing`)."""
     if torch.is_grad_enabled() and getattr(model, "gradient_checkpointing", False):
         return model._gradient_checkpointing_func(block, *args)
     return block(*args)
+
+
+def optional(value: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A tensor-or-None the blocks take, as a carried tensor: None travels as an empty tensor."""
+    return like.new_zeros(0) if value is None else value
+
+
+def given(value: torch.Tensor) -> torch.Tensor | None:
+    """`optional`'s tensor back: None where it was empty."""
+    return value if value.numel() else None
+
+
+def unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int) -> torch.Tensor:
+    """Output tokens [B, (H/p)·(W/p), p·p·C] in row-major patch order, each patch's values (row, column,
+    channel) → latents [B, C, H, W]: the last step of DiT-style image transformers' forwards (SD3's,
+    AuraFlow's)."""
+    b, rows, cols = tokens.shape[0], height // patch, width // patch
+    grid = tokens.reshape(b, rows, cols, patch, patch, -1)
+    return grid.permute(0, 5, 1, 3, 2, 4).reshape(b, -1, rows * patch, cols * patch)
 
 
 def balanced_stages(sizes: list[int], stages: int) -> list[range]:

@@ -86,8 +86,8 @@ def _refusals(trainer, cfg) -> list[tuple[str, str]]:
         (cfg.train.ema_decay, "train.ema_decay", "the EMA would follow only one stage's adapters"),
         (cfg.train.mixed_precision == "fp16", "train.mixed_precision",
          "fp16's gradient scaler does not scale the schedule's backward; use bf16"),
-        (trainer.record.boundary is not None, "model.architecture",
-         f"{trainer.architecture} has two experts; stages split one transformer"),
+        (cfg.model.expert == "both", "model.expert",
+         f"{trainer.architecture} trains two experts; stages split one transformer (train one expert)"),
         (bool(sc.prompts) and bool(sc.every_n_steps or sc.at_start), "sample.every_n_steps",
          "drawing samples needs the whole model on one process; draw them after training with tuner generate"),
     ]  # fmt: skip

@@ -165,10 +165,15 @@ def predict_velocity(
 ) -> torch.Tensor:
     """The velocity ε − x0 at `x_t` = `noisy` [B, 16, F, H, W], t ∈ [0, 1] [B], given a batch of `collate`d
     captions: the adapter's rows, zero-padded to 512, are the DiT's context."""
-    context = model.llm_adapter(
-        cond["qwen"].to(noisy.dtype), cond["t5_ids"], cond["qwen_mask"], cond["t5_mask"]
-    )
-    return cosmos.predict_velocity(model, noisy, t, cosmos.collate(list(context), CONTEXT_ROWS))
+    return model(**cosmos.model_inputs(model, noisy, t, context(model, noisy, cond)), return_dict=False)[0]
+
+
+def context(
+    model: CosmosTransformer3DModel, noisy: torch.Tensor, cond: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """The DiT's text context: the LLM adapter's rows of each caption, zero-padded to 512."""
+    rows = model.llm_adapter(cond["qwen"].to(noisy.dtype), cond["t5_ids"], cond["qwen_mask"], cond["t5_mask"])
+    return cosmos.collate(list(rows), CONTEXT_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------------

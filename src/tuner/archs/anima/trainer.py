@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tuner.archs.anima import loaders as anima
+from tuner.archs.cosmos_predict2 import loaders as cosmos
 from tuner.archs.qwen_vae import QwenVAEImageModel
 from tuner.memory import text_encoder_dtype
 
@@ -46,3 +47,27 @@ class AnimaModel(QwenVAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return anima.predict_velocity(model, noisy, t, cond)
+
+    def pipeline_parts(self, model: nn.Module):
+        """Cosmos-Predict2's cut (`cosmos_predict2.loaders.embed` / `run_block` / `project_out`) with the LLM
+        adapter in the prologue: stages train adapters inside the blocks only, so the adapter's own LoRA
+        (a default target) is left out with `network.exclude` there."""
+        from tuner.archs.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple:
+            return cosmos.embed(
+                model, cosmos.model_inputs(model, noisy, t, anima.context(model, noisy, cond))
+            )
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=list(model.transformer_blocks),
+            run_block=lambda block, carried: cosmos.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: cosmos.project_out(model, carried, noisy),
+            prologue_modules=(
+                model.patch_embed,
+                model.time_embed,
+                model.llm_adapter,
+                *filter(None, [getattr(model, "crossattn_proj", None)]),
+            ),  # fmt: skip
+        )

@@ -142,3 +142,44 @@ def predict_velocity(
         timestep=t.to(noisy.dtype),
         return_dict=False,
     )[0]
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# AuraFlowTransformer2DModel.forward; the contract suite checks the parts against the whole forward.
+
+
+def embed(model: AuraFlowTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor,
+          prompt_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`predict_velocity`'s forward up to its first block: (image tokens with their positions, the register
+    tokens followed by the text tokens, the timestep embedding)."""
+    hidden = model.pos_embed(noisy)
+    temb = model.time_step_proj(model.time_step_embed(t.to(noisy.dtype)).to(next(model.parameters()).dtype))
+    text = model.context_embedder(prompt_embeds.to(noisy.dtype))
+    registers = model.register_tokens.to(text.dtype).expand(text.shape[0], -1, -1)
+    return hidden, torch.cat([registers, text], dim=1), temb
+
+
+def run_block(
+    model: AuraFlowTransformer2DModel, block: torch.nn.Module, carried: tuple
+) -> tuple[torch.Tensor, ...]:
+    """One joint block (the streams apart), or one single block on the text then image tokens joined (split
+    again after it: the next single block joins them as they were)."""
+    from diffusers.models.transformers.auraflow_transformer_2d import AuraFlowJointTransformerBlock
+
+    from tuner.archs.stages import call_block
+
+    hidden, text, temb = carried
+    if isinstance(block, AuraFlowJointTransformerBlock):
+        text, hidden = call_block(model, block, hidden, text, temb)
+        return hidden, text, temb
+    joined = call_block(model, block, torch.cat([text, hidden], dim=1), temb)
+    return joined[:, text.shape[1] :], joined[:, : text.shape[1]], temb
+
+
+def project_out(model: AuraFlowTransformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection and unpatchify to `noisy`'s shape."""
+    from tuner.archs.stages import unpatchify
+
+    hidden, _, temb = carried
+    tokens = model.proj_out(model.norm_out(hidden, temb))
+    return unpatchify(tokens, *noisy.shape[-2:], model.config.patch_size)

@@ -48,5 +48,21 @@ class AuraFlowModel(ArchitectureModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return aura_flow.predict_velocity(model, noisy, t, cond["prompt_embeds"])
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: aura_flow.embed(model, noisy, t, cond["prompt_embeds"]),
+            blocks=[*model.joint_transformer_blocks, *model.single_transformer_blocks],  # joint, then single
+            run_block=lambda block, carried: aura_flow.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: aura_flow.project_out(model, carried, noisy),
+            prologue_modules=(
+                model.pos_embed,
+                model.time_step_embed,
+                model.time_step_proj,
+                model.context_embedder,
+            ),
+        )
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (4, height // 8, width // 8)

@@ -37,7 +37,7 @@ import torch
 
 from tuner.archs.chroma.keys import transformer_key_to_original, transformer_to_diffusers
 from tuner.archs.flux.loaders import image_ids, load_t5, pack_latents, unpack_latents
-from tuner.errors import CheckpointError
+from tuner.errors import CheckpointError, ConfigError
 from tuner.models.component import component_spec, load_component
 from tuner.models.identify import CHROMA_MARKER, variant_table
 from tuner.models.loading import (
@@ -181,12 +181,70 @@ def _velocity(
     model: ChromaTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor, t5: torch.Tensor
 ) -> torch.Tensor:
     _, _, h, w = noisy.shape
-    out = model(
-        hidden_states=pack_latents(noisy),
-        timestep=t,
-        encoder_hidden_states=t5.to(noisy.dtype),
-        txt_ids=torch.zeros(t5.shape[1], 3, device=noisy.device),
-        img_ids=image_ids(h, w, 0, noisy.device),
-        return_dict=False,
-    )[0]
+    out = model(**model_inputs(noisy, t, t5), return_dict=False)[0]
     return unpack_latents(out, h, w)
+
+
+def model_inputs(noisy: torch.Tensor, t: torch.Tensor, t5: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The transformer's keyword arguments for captions of one length (`t5` [B, L, D], every row seen)."""
+    _, _, h, w = noisy.shape
+    return {
+        "hidden_states": pack_latents(noisy),
+        "timestep": t,
+        "encoder_hidden_states": t5.to(noisy.dtype),
+        "txt_ids": torch.zeros(t5.shape[1], 3, device=noisy.device),
+        "img_ids": image_ids(h, w, 0, noisy.device),
+    }
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# ChromaTransformer2DModel.forward without ControlNet residuals, IP-Adapter inputs or an attention mask
+# (`predict_velocity` passes none); the contract suite checks the parts against the whole forward.
+
+
+def embed(model: ChromaTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor, t5: torch.Tensor,
+          mask: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`predict_velocity`'s forward up to its first block, for a micro-batch whose captions are of one
+    length: (image tokens, text tokens, every block's modulation from the guidance approximator, rotary cos
+    and sin)."""
+    lengths = mask.sum(dim=1).tolist()
+    if len(set(lengths)) > 1:  # predict runs such samples one by one; one stage input cannot
+        raise ConfigError(
+            "key 'distributed.pipeline_microbatches': chroma's pipeline stages take micro-batches of captions "
+            f"of one length (got {sorted(set(lengths))} tokens); set it to the batch size (one sample each)."
+        )
+    inputs = model_inputs(noisy, t, t5[:, : lengths[0]])
+    hidden = model.x_embedder(inputs["hidden_states"])
+    timestep = inputs["timestep"].to(hidden.dtype) * 1000
+    modulation = model.distilled_guidance_layer(model.time_text_embed(timestep))
+    text = model.context_embedder(inputs["encoder_hidden_states"])
+    cos, sin = model.pos_embed(torch.cat((inputs["txt_ids"], inputs["img_ids"]), dim=0))
+    return hidden, text, modulation, cos, sin
+
+
+def run_block(model: ChromaTransformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    """One dual-stream block with its image and text rows of the modulation, or one single-stream block
+    with its own on the text then image tokens joined (split again after it)."""
+    from tuner.archs.stages import call_block
+
+    hidden, text, modulation, cos, sin = carried
+    singles, duals = len(model.single_transformer_blocks), len(model.transformer_blocks)
+    if block in model.transformer_blocks:
+        i = list(model.transformer_blocks).index(block)
+        image_rows, text_rows = 3 * singles + 6 * i, 3 * singles + 6 * duals + 6 * i
+        temb = torch.cat(
+            [modulation[:, image_rows : image_rows + 6], modulation[:, text_rows : text_rows + 6]], 1
+        )
+        text, hidden = call_block(model, block, hidden, text, temb, (cos, sin), None)
+        return hidden, text, modulation, cos, sin
+    i = list(model.single_transformer_blocks).index(block)
+    joined = call_block(
+        model, block, torch.cat([text, hidden], dim=1), modulation[:, 3 * i : 3 * i + 3], (cos, sin)
+    )
+    return joined[:, text.shape[1] :], joined[:, : text.shape[1]], modulation, cos, sin
+
+
+def project_out(model: ChromaTransformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm (the modulation's last two rows), projection, unpack."""
+    hidden, _, modulation = carried[:3]
+    return unpack_latents(model.proj_out(model.norm_out(hidden, modulation[:, -2:])), *noisy.shape[-2:])

@@ -15,7 +15,6 @@ from torch import nn
 
 from tuner.archs.chroma import loaders as chroma
 from tuner.archs.flux.trainer import FluxModel
-from tuner.archs.model import ArchitectureModel
 from tuner.memory import text_encoder_dtype
 
 
@@ -40,7 +39,21 @@ class ChromaModel(FluxModel):
     def collate_text(self, entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return chroma.collate(entries)
 
-    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
-
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return chroma.predict_velocity(model, noisy, t, cond["t5"], cond["t5_mask"])
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: chroma.embed(model, noisy, t, cond["t5"], cond["t5_mask"]),
+            blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
+            run_block=lambda block, carried: chroma.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: chroma.project_out(model, carried, noisy),
+            prologue_modules=(
+                model.x_embedder,
+                model.time_text_embed,
+                model.distilled_guidance_layer,
+                model.context_embedder,
+            ),  # fmt: skip
+        )

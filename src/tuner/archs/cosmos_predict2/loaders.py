@@ -23,7 +23,7 @@ one more input channel, a mask of padded pixels resized to the latent grid. Both
 an all-zero mask (`latents.new_zeros(1, 1, height, width)`), and so does training on unpadded images.
 diffusers resizes the mask with torchvision, which cannot be imported beside this torch, so the model is
 built with the mask channel as an ordinary input channel (`in_channels + 1`, `concat_padding_mask=False`;
-the weights and their names are unchanged) and `predict_velocity` appends the zero channel itself.
+the weights and their names are unchanged) and `model_inputs` appends the zero channel itself.
 
 **The parameterization.** Cosmos2TextToImagePipeline runs an EDM-style loop on σ ∈ [0.002, 80] and
 calls the transformer on `c_in · x_σ` at timestep `t = σ / (1 + σ)` with `c_in = 1 − t`, then takes
@@ -291,20 +291,66 @@ def mask_as_input_channel(config: dict) -> dict:
     return config
 
 
-def predict_velocity(
-    model: CosmosTransformer3DModel, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor
-) -> torch.Tensor:
-    """The velocity ε − x0 at `x_t` = `noisy` [B, 16, F, H, W], t ∈ [0, 1] [B], given T5 rows [B, L, 1024]
-    zero-padded as the pipeline pads them (see the module docstring)."""
+def model_inputs(model: CosmosTransformer3DModel, noisy: torch.Tensor, t: torch.Tensor,
+                 context: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The network's keyword arguments at `x_t` = `noisy` [B, 16, F, H, W], t ∈ [0, 1] [B], given T5 rows
+    [B, L, 1024] zero-padded as the pipeline pads them (see the module docstring); its output is the
+    velocity ε − x0."""
     b, c, f, h, w = noisy.shape
     mask_channels = model.config.in_channels - c  # the all-zero padding mask the pipelines pass
-    inputs = torch.cat([noisy, noisy.new_zeros(b, mask_channels, f, h, w)], dim=1)
-    return model(
-        hidden_states=inputs,
-        timestep=t.to(noisy.dtype),
-        encoder_hidden_states=context.to(noisy.dtype),
-        return_dict=False,
-    )[0]
+    return {
+        "hidden_states": torch.cat([noisy, noisy.new_zeros(b, mask_channels, f, h, w)], dim=1),
+        "timestep": t.to(noisy.dtype),
+        "encoder_hidden_states": context.to(noisy.dtype),
+    }
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# CosmosTransformer3DModel.forward as tuner calls it: the masks are in `hidden_states`' channels already
+# (no condition_mask, padding_mask or attention_mask), no ControlNet residuals, text context only. The
+# contract suite checks the parts against the whole forward.
+
+
+def embed(model: CosmosTransformer3DModel, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (video tokens, text context, the embedded timestep and the
+    timestep embedding (per token for a timestep per frame [B, 1, F, 1, 1]), rotary cos and sin, the
+    learnable position embedding or empty)."""
+    from tuner.archs.stages import optional
+
+    latents, timestep = inputs["hidden_states"], inputs["timestep"]
+    b, _, frames, height, width = latents.shape
+    cos, sin = model.rope(latents, fps=inputs.get("fps"))
+    extra = model.learnable_pos_embed(latents) if model.config.extra_pos_embed_type else None
+    hidden = model.patch_embed(latents).flatten(1, 3)
+    temb, embedded = model.time_embed(hidden, timestep.flatten())
+    if timestep.ndim == 5:  # one per latent frame: spread over that frame's tokens
+        p_t, p_h, p_w = model.config.patch_size
+        grid = (frames // p_t, height // p_h, width // p_w)
+        temb, embedded = (x.view(b, grid[0], 1, 1, -1).expand(-1, -1, *grid[1:], -1).flatten(1, 3)
+                          for x in (temb, embedded))  # fmt: skip
+    text = inputs["encoder_hidden_states"]
+    if model.config.use_crossattn_projection:
+        text = model.crossattn_proj(text)
+    return hidden, text, embedded, temb, cos, sin, optional(extra, hidden)
+
+
+def run_block(model: CosmosTransformer3DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    from tuner.archs.stages import call_block, given
+
+    hidden, text, embedded, temb, cos, sin, extra = carried
+    hidden = call_block(model, block, hidden, text, embedded, temb, (cos, sin), given(extra), None, None)
+    return hidden, text, embedded, temb, cos, sin, extra
+
+
+def project_out(model: CosmosTransformer3DModel, carried: tuple, latents: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection, unpatchify to `latents`' frames and
+    sides (each token's values are row, column, frame within its patch, then channel)."""
+    hidden, _, embedded, temb = carried[:4]
+    tokens = model.proj_out(model.norm_out(hidden, embedded, temb))
+    p_t, p_h, p_w = model.config.patch_size
+    frames, height, width = latents.shape[2:]
+    grid = tokens.unflatten(2, (p_h, p_w, p_t, -1)).unflatten(1, (frames // p_t, height // p_h, width // p_w))
+    return grid.permute(0, 7, 1, 6, 2, 4, 3, 5).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ at g + 1 (x̂0 is linear in the velocity at a given t). The record's `cfg_form =
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -57,7 +59,32 @@ class CosmosPredict2Model(ArchitectureModel):
         return {"context": cosmos.collate([e["context"] for e in entries], self.cfg.cache.text_max_length)}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        return cosmos.predict_velocity(model, noisy, t, cond["context"])
+        inputs, velocity = self.denoiser_call(model, noisy, t, cond)
+        return velocity(model(**inputs, return_dict=False)[0])
+
+    def denoiser_call(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor,
+                      cond: dict) -> tuple[dict, Callable[[torch.Tensor], torch.Tensor]]:  # fmt: skip
+        """The network's keyword arguments at x_t, and what turns its output into the velocity (each member
+        of the family builds its own; `predict` and the pipeline parts call the network between them)."""
+        return cosmos.model_inputs(model, noisy, t, cond["context"]), lambda out: out
+
+    def pipeline_parts(self, model: nn.Module):
+        """The network cut at its blocks between `denoiser_call`'s two halves (the epilogue builds the
+        inputs again, tensor arithmetic only, for the velocity's second half)."""
+        from tuner.archs.stages import PipelineParts
+
+        def epilogue(carried: tuple, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+            inputs, velocity = self.denoiser_call(model, noisy, t, cond)
+            return velocity(cosmos.project_out(model, carried, inputs["hidden_states"]))
+
+        projections = [getattr(model, name, None) for name in ("crossattn_proj", "learnable_pos_embed")]
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: cosmos.embed(model, self.denoiser_call(model, noisy, t, cond)[0]),
+            blocks=list(model.transformer_blocks),
+            run_block=lambda block, carried: cosmos.run_block(model, block, carried),
+            epilogue=epilogue,
+            prologue_modules=(model.patch_embed, model.time_embed, *filter(None, projections)),
+        )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, 1, height // 8, width // 8)

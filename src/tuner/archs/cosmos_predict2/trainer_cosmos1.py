@@ -45,15 +45,15 @@ class Cosmos1T2WModel(CosmosPredict2Model):
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, (frames - 1) // 8 + 1, height // 8, width // 8)
 
-    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        return self.call_denoiser(model, noisy, t, cond["context"])
+    def denoiser_call(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict):
+        return self.preconditioned_call(model, noisy, t, cond["context"])
 
-    def call_denoiser(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
-                      given: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """The velocity at x_t = `noisy` from the network called on its preconditioned input, where `given`
-        ([B, 1, F, 1, 1] booleans, the network's input there) puts given frames in place, followed by `mask`
-        (the condition mask, if any) and the zero padding mask."""
+    def preconditioned_call(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                            given: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            mask: torch.Tensor | None = None):  # fmt: skip
+        """The network's inputs at x_t = `noisy`, its preconditioned input, where `given` ([B, 1, F, 1, 1]
+        booleans, the network's input there) puts given frames in place, followed by `mask` (the condition
+        mask, if any) and the zero padding mask; and the velocity from its output (EDM's)."""
         edm = self.training_objective()
         scaled, c_noise = edm.model_inputs(noisy, t)
         if given is not None:
@@ -61,14 +61,12 @@ class Cosmos1T2WModel(CosmosPredict2Model):
         b, c, f, h, w = noisy.shape
         extra = [] if mask is None else [mask.to(noisy.dtype)]
         padding = noisy.new_zeros(b, model.config.in_channels - c - len(extra), f, h, w)
-        out = model(
-            hidden_states=torch.cat([scaled, *extra, padding], dim=1),
-            timestep=c_noise.to(noisy.dtype),
-            encoder_hidden_states=context.to(noisy.dtype),
-            fps=self.record.model_fps,
-            return_dict=False,
-        )[0]
-        return edm.velocity(out, noisy, t)
+        return {
+            "hidden_states": torch.cat([scaled, *extra, padding], dim=1),
+            "timestep": c_noise.to(noisy.dtype),
+            "encoder_hidden_states": context.to(noisy.dtype),
+            "fps": self.record.model_fps,
+        }, lambda out: edm.velocity(out, noisy, t)
 
 
 class Cosmos1V2WModel(Cosmos1T2WModel, CosmosPredict2V2WModel):
@@ -103,7 +101,7 @@ class Cosmos1V2WModel(Cosmos1T2WModel, CosmosPredict2V2WModel):
         noise = torch.randn(cond["first_frame"].shape, generator=generator)
         return {**cond, "augment_sigma": sigma.to(x0.device), "augment_noise": noise.to(x0.device, x0.dtype)}
 
-    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+    def denoiser_call(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict):
         b, _, f, h, w = noisy.shape
         given = cond.get("given_frames", torch.zeros(b, dtype=torch.long)).to(noisy.device)
         indicator = frame_indicator(given, f)  # [B, 1, F, 1, 1]
@@ -120,6 +118,8 @@ class Cosmos1V2WModel(Cosmos1T2WModel, CosmosPredict2V2WModel):
         x_aug = latents.float() + sigma_aug.view(b, 1, 1, 1, 1) * noise.float()
         inputs = self.training_objective().inputs_at_sigma(x_aug, sigma_aug)
         mask = indicator.to(noisy.dtype).expand(b, 1, f, h, w)
-        v = self.call_denoiser(model, noisy, t, cond["context"], given=(shown, inputs), mask=mask)
+        call, velocity = self.preconditioned_call(
+            model, noisy, t, cond["context"], given=(shown, inputs), mask=mask
+        )
         straight = (noisy.float() - latents.float()) / t.float().clamp_min(1e-3).view(b, 1, 1, 1, 1)
-        return torch.where(shown, straight.to(v.dtype), v)
+        return call, lambda out: torch.where(shown, straight.to(out.dtype), velocity(out))

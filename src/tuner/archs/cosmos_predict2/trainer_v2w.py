@@ -76,9 +76,10 @@ class CosmosPredict2V2WModel(CosmosPredict2Model):
         return (~frame_indicator(cond["given_frames"].to(x0.device), x0.shape[2])).to(x0.dtype)
 
     # ---- the model's inputs ----
-    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """The velocity at x_t with the first `given_frames` latent frames given (see the module
-        docstring); batches without given frames get an all-zero condition mask."""
+    def denoiser_call(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict):
+        """The network's inputs at x_t with the first `given_frames` latent frames given (see the module
+        docstring; batches without given frames get an all-zero condition mask), and the velocity: the
+        network's, and on the given frames the straight line to them."""
         b, _, f, h, w = noisy.shape
         given = cond.get("given_frames", torch.zeros(b, dtype=torch.long))
         indicator = frame_indicator(given.to(noisy.device), f)  # [B, 1, F, 1, 1]
@@ -90,15 +91,13 @@ class CosmosPredict2V2WModel(CosmosPredict2Model):
         timestep = torch.where(indicator, T_CONDITIONING, t.view(b, 1, 1, 1, 1).float())
         mask = indicator.to(noisy.dtype).expand(b, 1, f, h, w)
         padding = noisy.new_zeros(b, model.config.in_channels - 17, f, h, w)  # the all-zero padding mask
-        out = model(
-            hidden_states=torch.cat([inputs, mask, padding], dim=1),
-            timestep=timestep.to(noisy.dtype),
-            encoder_hidden_states=cond["context"].to(noisy.dtype),
-            fps=None,  # the releases' RoPE takes no fps modulation (see the module docstring)
-            return_dict=False,
-        )[0]
         straight = (noisy.float() - latents.float()) / t.float().clamp_min(1e-3).view(b, 1, 1, 1, 1)
-        return torch.where(indicator, straight.to(out.dtype), out)
+        return {
+            "hidden_states": torch.cat([inputs, mask, padding], dim=1),
+            "timestep": timestep.to(noisy.dtype),
+            "encoder_hidden_states": cond["context"].to(noisy.dtype),
+            "fps": None,  # the releases' RoPE takes no fps modulation (see the module docstring)
+        }, lambda out: torch.where(indicator, straight.to(out.dtype), out)
 
 
 def frame_indicator(given: torch.Tensor, frames: int) -> torch.Tensor:

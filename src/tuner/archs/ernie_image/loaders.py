@@ -107,3 +107,59 @@ def predict_velocity(
         text_lens=prompt_mask.to(noisy.device).sum(dim=1),
         return_dict=False,
     )[0]
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# ErnieImageTransformer2DModel.forward (sequence-first: tokens are [S, B, D], image tokens then text);
+# the contract suite checks the parts against the whole forward.
+
+
+def embed(model: ErnieImageTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor,
+          prompt_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`predict_velocity`'s forward up to its first layer: (image then text tokens [S, B, D], rotary table,
+    the attention mask [B, 1, 1, S] (each caption's padding masked), the layers' modulation [B, 6D], the
+    timestep embedding the final norm takes). Image tokens sit at (caption length, row, column), text
+    token i at (i, 0, 0)."""
+    b, _, height, width = noisy.shape
+    p, device = model.patch_size, noisy.device
+    rows, cols = height // p, width // p
+    text, lengths = prompt_embeds.to(noisy.dtype), prompt_mask.to(device).sum(dim=1)
+    image = model.x_embedder(noisy).transpose(0, 1)
+    if model.text_proj is not None and text.numel() > 0:
+        text = model.text_proj(text)
+    length = text.shape[1]
+    tokens = torch.cat([image, text.transpose(0, 1)], dim=0).contiguous()
+    text_ids = torch.zeros(b, length, 3, device=device)
+    text_ids[..., 0] = torch.arange(length, device=device, dtype=torch.float32)
+    grid = torch.stack(torch.meshgrid(torch.arange(rows, device=device, dtype=torch.float32),
+                                      torch.arange(cols, device=device, dtype=torch.float32), indexing="ij"), -1)  # fmt: skip
+    image_ids = torch.cat([lengths.float().view(b, 1, 1).expand(-1, rows * cols, -1),
+                           grid.reshape(1, -1, 2).expand(b, -1, -1)], dim=-1)  # fmt: skip
+    rope = model.pos_embed(torch.cat([image_ids, text_ids], dim=1))
+    kept = torch.arange(length, device=device)[None] < lengths[:, None]
+    mask = torch.cat([kept.new_ones(b, rows * cols), kept], dim=1)[:, None, None]
+    c = model.time_embedding(model.time_proj((t * 1000).to(noisy.dtype)).to(noisy.dtype))
+    return tokens, rope, mask, model.adaLN_modulation(c), c
+
+
+def run_block(model: ErnieImageTransformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    """One layer; its six modulations spread over the sequence as the forward spreads them."""
+    from tuner.archs.stages import call_block
+
+    tokens, rope, mask, modulation, c = carried
+    spread = [
+        m.unsqueeze(0).expand(tokens.shape[0], -1, -1).contiguous() for m in modulation.chunk(6, dim=-1)
+    ]
+    return call_block(model, block, tokens, rope, spread, mask), rope, mask, modulation, c
+
+
+def project_out(model: ErnieImageTransformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last layer: final norm and linear on the image tokens, unpatchified."""
+    from tuner.archs.stages import unpatchify
+
+    tokens, c = carried[0], carried[-1]
+    out = model.final_linear(model.final_norm(tokens, c).type_as(tokens))
+    image = out[: (noisy.shape[-2] // model.patch_size) * (noisy.shape[-1] // model.patch_size)].transpose(
+        0, 1
+    )
+    return unpatchify(image, *noisy.shape[-2:], model.patch_size)

@@ -59,3 +59,23 @@ class ErnieImageModel(Flux2VAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return ernie.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        embedders = (
+            model.x_embedder,
+            model.text_proj,
+            model.pos_embed,
+            model.time_embedding,
+            model.adaLN_modulation,
+        )
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: ernie.embed(
+                model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"]
+            ),
+            blocks=list(model.layers),
+            run_block=lambda block, carried: ernie.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: ernie.project_out(model, carried, noisy),
+            prologue_modules=tuple(m for m in embedders if m is not None),
+        )

@@ -239,18 +239,19 @@ def text_ids(length: int, device: torch.device | None = None) -> torch.Tensor:
     return ids
 
 
-def predict_velocity(
+def model_inputs(
     model: Flux2Transformer2DModel,
     noisy: torch.Tensor,
     t: torch.Tensor,
     prompt_embeds: torch.Tensor,
     guidance: float,
     references: Sequence[torch.Tensor] = (),
-) -> torch.Tensor:
-    """The model's velocity for latents `noisy` [B, 128, H, W] at t ∈ [0, 1] (shape of `noisy`).
+) -> dict[str, torch.Tensor]:
+    """The transformer's keyword arguments for latents `noisy` [B, 128, H, W] at t ∈ [0, 1].
 
     `references` are reference latents [B, 128, H', W'] (multi-reference editing): their tokens follow
-    the target's, with position t = 10, 20, ..., and their outputs are dropped.
+    the target's, with position t = 10, 20, ..., and their outputs are dropped (`velocity`). The model's velocity is
+    `velocity(model(**model_inputs(...), return_dict=False)[0], noisy)`.
     """
     b, _, h, w = noisy.shape
     tokens, ids = [pack(noisy)], [image_ids(h, w, 0, noisy.device)]
@@ -260,13 +261,62 @@ def predict_velocity(
     embedded_guidance = None
     if model.config.guidance_embeds:
         embedded_guidance = torch.full((b,), guidance, device=noisy.device, dtype=torch.float32)
-    out = model(
-        hidden_states=torch.cat(tokens, dim=1),
-        timestep=t,
-        guidance=embedded_guidance,
-        encoder_hidden_states=prompt_embeds.to(noisy.dtype),
-        txt_ids=text_ids(prompt_embeds.shape[1], noisy.device).expand(b, -1, -1),
-        img_ids=torch.cat(ids).expand(b, -1, -1),
-        return_dict=False,
-    )[0]
+    return {
+        "hidden_states": torch.cat(tokens, dim=1),
+        "timestep": t,
+        "guidance": embedded_guidance,
+        "encoder_hidden_states": prompt_embeds.to(noisy.dtype),
+        "txt_ids": text_ids(prompt_embeds.shape[1], noisy.device).expand(b, -1, -1),
+        "img_ids": torch.cat(ids).expand(b, -1, -1),
+    }
+
+
+def velocity(out: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """The output tokens → the target's velocity (the references' tokens dropped)."""
+    b, _, h, w = noisy.shape
     return out[:, : h * w].transpose(1, 2).reshape(b, -1, h, w)
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# Flux2Transformer2DModel.forward without its KV cache (generation's reference reuse, never in training);
+# the contract suite checks the parts against the whole forward.
+
+
+def embed(model: Flux2Transformer2DModel, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (image tokens, text tokens, the dual-stream blocks' image and
+    text modulation, the single-stream blocks' modulation, rotary cos, rotary sin (text then image), the
+    conditioning embedding)."""
+    hidden = model.x_embedder(inputs["hidden_states"])
+    guidance = inputs["guidance"]
+    guidance = None if guidance is None else guidance.to(inputs["hidden_states"].dtype) * 1000
+    temb = model.time_guidance_embed(inputs["timestep"].to(inputs["hidden_states"].dtype) * 1000, guidance)
+    modulations = (model.double_stream_modulation_img(temb), model.double_stream_modulation_txt(temb),
+                   model.single_stream_modulation(temb))  # fmt: skip
+    text = model.context_embedder(inputs["encoder_hidden_states"])
+    text_rope, image_rope = model.pos_embed(inputs["txt_ids"][0]), model.pos_embed(inputs["img_ids"][0])
+    cos, sin = (torch.cat([a, b], dim=0) for a, b in zip(text_rope, image_rope, strict=True))
+    return hidden, text, *modulations, cos, sin, temb
+
+
+def run_block(model: Flux2Transformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    """One dual-stream block, or one single-stream block on the text then image tokens joined (split again
+    after it: the next joins them as they were)."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
+
+    from tuner.archs.stages import call_block
+
+    hidden, text, image_mod, text_mod, single_mod, cos, sin, temb = carried
+    if isinstance(block, Flux2TransformerBlock):
+        text, hidden = call_block(model, block, hidden, text, image_mod, text_mod, (cos, sin), None)
+    else:
+        joined = call_block(
+            model, block, torch.cat([text, hidden], dim=1), None, single_mod, (cos, sin), None
+        )
+        text, hidden = joined[:, : text.shape[1]], joined[:, text.shape[1] :]
+    return hidden, text, image_mod, text_mod, single_mod, cos, sin, temb
+
+
+def project_out(model: Flux2Transformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection, the target's velocity."""
+    hidden, temb = carried[0], carried[-1]
+    return velocity(model.proj_out(model.norm_out(hidden, temb)), noisy)

@@ -49,11 +49,28 @@ class Flux2Model(Flux2VAEImageModel):
         return [{"prompt_embeds": e} for e in embeds]
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return flux2.velocity(model(**self.model_inputs(model, noisy, t, cond), return_dict=False)[0], noisy)
+
+    def model_inputs(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
         references = []
         while f"control_{len(references)}" in cond:
             references.append(cond[f"control_{len(references)}"])
-        return flux2.predict_velocity(
-            model, noisy, t, cond["prompt_embeds"], self.cfg.model.guidance, references
+        return flux2.model_inputs(model, noisy, t, cond["prompt_embeds"], self.cfg.model.guidance, references)
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import cut_at_blocks
+
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]  # dual-, then single-stream
+        embedders = (
+            model.x_embedder,
+            model.context_embedder,
+            model.time_guidance_embed,
+            model.double_stream_modulation_img,
+            model.double_stream_modulation_txt,
+            model.single_stream_modulation,
+        )
+        return cut_at_blocks(
+            model, flux2, lambda noisy, t, cond: self.model_inputs(model, noisy, t, cond), blocks, embedders
         )
 
 

@@ -243,7 +243,7 @@ def split_history(
     return one, two, four
 
 
-def predict_section(
+def section_inputs(
     model: HunyuanVideoFramepackTransformer3DModel,
     noisy: torch.Tensor,
     t: torch.Tensor,
@@ -251,8 +251,8 @@ def predict_section(
     guidance: float,
     indices: SectionIndices | None = None,
     forward: bool = False,
-) -> torch.Tensor:
-    """The model's velocity for a noisy section [B, 16, F, H, W] at t ∈ [0, 1], given collated text
+) -> dict:
+    """The transformer's keyword arguments for a noisy section [B, 16, F, H, W] at t ∈ [0, 1], given collated text
     (`hunyuan_video.collate`), the image's latent frame `first_frame` [B, 16, 1, H, W] (the one-frame
     mode: its reference images' frames), the clean
     `history` [B, 16, 19, H, W] and `image_embeds`; called as the pipeline calls it (timestep and embedded
@@ -262,20 +262,83 @@ def predict_section(
     b, dtype = noisy.shape[0], noisy.dtype
     indices = indices if indices is not None else section_indices(noisy.shape[2], cond.get("padding", 0))
     one, two, four = split_history(cond["history"].to(dtype), forward)
-    return model(
-        hidden_states=noisy,
-        timestep=t.float() * 1000,
-        encoder_hidden_states=cond["text"].to(dtype),
-        encoder_attention_mask=cond["mask"],
-        pooled_projections=cond["pooled"].to(dtype),
-        image_embeds=cond["image_embeds"].to(dtype),
-        indices_latents=indices.latents,
-        guidance=torch.full((b,), guidance * 1000.0, device=noisy.device, dtype=dtype),
-        latents_clean=torch.cat([cond["first_frame"].to(dtype), one], dim=2),
-        indices_latents_clean=indices.clean,
-        latents_history_2x=two,
-        indices_latents_history_2x=indices.history_2x,
-        latents_history_4x=four,
-        indices_latents_history_4x=indices.history_4x,
-        return_dict=False,
-    )[0]
+    return {
+        "hidden_states": noisy,
+        "timestep": t.float() * 1000,
+        "encoder_hidden_states": cond["text"].to(dtype),
+        "encoder_attention_mask": cond["mask"],
+        "pooled_projections": cond["pooled"].to(dtype),
+        "image_embeds": cond["image_embeds"].to(dtype),
+        "indices_latents": indices.latents,
+        "guidance": torch.full((b,), guidance * 1000.0, device=noisy.device, dtype=dtype),
+        "latents_clean": torch.cat([cond["first_frame"].to(dtype), one], dim=2),
+        "indices_latents_clean": indices.clean,
+        "latents_history_2x": two,
+        "indices_latents_history_2x": indices.history_2x,
+        "latents_history_4x": four,
+        "indices_latents_history_4x": indices.history_4x,
+    }
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# HunyuanVideoFramepackTransformer3DModel.forward on `section_inputs` (the history packed by the model's
+# own `_pack_history_states`); the contract suite checks the parts against the whole forward.
+
+
+def embed(model: HunyuanVideoFramepackTransformer3DModel, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (the history's then the section's tokens, the image's then the
+    text's context tokens, conditioning embedding, the joint attention mask or empty (a batch of one keeps
+    only its caption's rows instead), rotary cos and sin)."""
+    from tuner.archs.stages import optional
+
+    noisy, mask = inputs["hidden_states"], inputs["encoder_attention_mask"]
+    b, _, _, height, width = noisy.shape
+    p = model.config.patch_size
+
+    def rope(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return model.rope(frame_indices=indices, height=height, width=width, device=noisy.device)
+
+    hidden = model.x_embedder(noisy)
+    clean, two, four = model.clean_x_embedder(inputs["latents_clean"], inputs["latents_history_2x"],
+                                              inputs["latents_history_4x"])  # fmt: skip
+    hidden, (cos, sin) = model._pack_history_states(
+        hidden, clean, two, four, rope(inputs["indices_latents"]), rope(inputs["indices_latents_clean"]),
+        rope(inputs["indices_latents_history_2x"]), rope(inputs["indices_latents_history_4x"]), height // p, width // p,
+    )  # fmt: skip
+    timestep = inputs["timestep"]
+    temb, _ = model.time_text_embed(timestep, inputs["pooled_projections"], inputs["guidance"])
+    image = model.image_projection(inputs["image_embeds"])
+    text = torch.cat([image, model.context_embedder(inputs["encoder_hidden_states"], timestep, mask)], dim=1)
+    kept = image.shape[1] + mask.sum(dim=1, dtype=torch.int)
+    if b == 1:
+        return hidden, text[:, : int(kept[0])], temb, optional(None, hidden), cos, sin
+    joint = (
+        torch.arange(hidden.shape[1] + text.shape[1], device=hidden.device)[None]
+        < (hidden.shape[1] + kept)[:, None]
+    )
+    return hidden, text, temb, joint[:, None, None], cos, sin
+
+
+def run_block(
+    model: HunyuanVideoFramepackTransformer3DModel, block: torch.nn.Module, carried: tuple
+) -> tuple:
+    """One dual- or single-stream block (both take and return the two streams)."""
+    from tuner.archs.stages import call_block, given
+
+    hidden, text, temb, mask, cos, sin = carried
+    hidden, text = call_block(model, block, hidden, text, temb, given(mask), (cos, sin))
+    return hidden, text, temb, mask, cos, sin
+
+
+def project_out(
+    model: HunyuanVideoFramepackTransformer3DModel, carried: tuple, noisy: torch.Tensor
+) -> torch.Tensor:
+    """The forward after its last block: the section's tokens (the last ones) through the output norm and
+    projection, unpatchified as HunyuanVideo's."""
+    from tuner.archs.hunyuan_video.loaders import unpatchify
+
+    hidden, temb = carried[0], carried[2]
+    p, p_t = model.config.patch_size, model.config.patch_size_t
+    frames, height, width = noisy.shape[2:]
+    hidden = hidden[:, -(frames // p_t) * (height // p) * (width // p) :]
+    return unpatchify(model.proj_out(model.norm_out(hidden, temb)), noisy, p_t, p)

@@ -80,10 +80,18 @@ class FramePackModel(HunyuanVideoModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The section's velocity from the model; for the image's frame (frame 0) the straight line from
         x_t to the given latent, (x_t − x0) / t, which sampling follows to land on it."""
-        out = self.predict_section(model, noisy[:, :, 1:], t, cond)
+        return self.with_first_frame(self.predict_section(model, noisy[:, :, 1:], t, cond), noisy, t, cond)
+
+    @staticmethod
+    def with_first_frame(out: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         first = cond["first_frame"].to(noisy)
         straight = (noisy[:, :, :1].float() - first.float()) / t.float().clamp_min(1e-3).view(-1, 1, 1, 1, 1)
         return torch.cat([straight.to(out.dtype), out], dim=2)
+
+    def pipeline_parts(self, model: nn.Module):
+        return section_parts(model, lambda noisy, t, cond: self.section_inputs(model, noisy[:, :, 1:], t, cond),
+                             lambda out, noisy, t, cond: self.with_first_frame(out, noisy, t, cond),
+                             lambda noisy: noisy[:, :, 1:])  # fmt: skip
 
     def loss_mask(self, x0: torch.Tensor, cond: dict) -> torch.Tensor:
         mask = torch.ones(1, 1, x0.shape[2], 1, 1, device=x0.device)
@@ -93,8 +101,12 @@ class FramePackModel(HunyuanVideoModel):
     def predict_section(
         self, model: nn.Module, section: torch.Tensor, t: torch.Tensor, cond: dict
     ) -> torch.Tensor:
-        """The velocity of the section's frames (the base model's inverted anti-drifting indices)."""
-        return framepack.predict_section(model, section, t, cond, self.cfg.model.guidance)
+        """The velocity of the section's frames (`section_inputs`)."""
+        return model(**self.section_inputs(model, section, t, cond), return_dict=False)[0]
+
+    def section_inputs(self, model: nn.Module, section: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
+        """The transformer's inputs for the section (the base model's inverted anti-drifting indices)."""
+        return framepack.section_inputs(model, section, t, cond, self.cfg.model.guidance)
 
 
 class FramePackF1Model(FramePackModel):
@@ -115,11 +127,9 @@ class FramePackF1Model(FramePackModel):
         history[:, :, history.shape[2] - before.shape[2] :] = before
         return torch.cat([clip[:, :, :1], clip[:, :, -window:]], dim=2)
 
-    def predict_section(
-        self, model: nn.Module, section: torch.Tensor, t: torch.Tensor, cond: dict
-    ) -> torch.Tensor:
+    def section_inputs(self, model: nn.Module, section: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
         indices = framepack.forward_section_indices(section.shape[2])
-        return framepack.predict_section(
+        return framepack.section_inputs(
             model, section, t, cond, self.cfg.model.guidance, indices, forward=True
         )
 
@@ -171,6 +181,14 @@ class FramePackOneFrameModel(HunyuanVideoModel):
         }
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return model(**self.section_inputs(model, noisy, t, cond), return_dict=False)[0]
+
+    def pipeline_parts(self, model: nn.Module):
+        return section_parts(model, lambda noisy, t, cond: self.section_inputs(model, noisy, t, cond),
+                             lambda out, noisy, t, cond: out, lambda noisy: noisy)  # fmt: skip
+
+    def section_inputs(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
+        """The transformer's inputs: the references as the clean frames, the target at its index."""
         one = self.cfg.one_frame
         references = [cond[f"control_{i}"] for i in range(len(one.clean_indices))]
         reference = references[0]
@@ -181,7 +199,30 @@ class FramePackOneFrameModel(HunyuanVideoModel):
         indices = framepack.one_frame_indices(
             one.latent_window, one.clean_indices, one.target(self.record.one_frame), one.no_post
         )
-        return framepack.predict_section(model, noisy, t, inputs, self.cfg.model.guidance, indices)
+        return framepack.section_inputs(model, noisy, t, inputs, self.cfg.model.guidance, indices)
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, 1, height // 8, width // 8)
+
+
+def section_parts(model: nn.Module, inputs, finish, section):
+    """The FramePack network cut at its blocks between `inputs(noisy, t, cond)` (the transformer's keyword
+    arguments) and `finish(out, noisy, t, cond)` (the prediction from its output for `section(noisy)`)."""
+    from tuner.archs.stages import PipelineParts
+
+    def epilogue(carried: tuple, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return finish(framepack.project_out(model, carried, section(noisy)), noisy, t, cond)
+
+    return PipelineParts(
+        prologue=lambda noisy, t, cond: framepack.embed(model, inputs(noisy, t, cond)),
+        blocks=[*model.transformer_blocks, *model.single_transformer_blocks],  # dual-, then single-stream
+        run_block=lambda block, carried: framepack.run_block(model, block, carried),
+        epilogue=epilogue,
+        prologue_modules=(
+            model.x_embedder,
+            model.clean_x_embedder,
+            model.time_text_embed,
+            model.context_embedder,
+            model.image_projection,
+        ),  # fmt: skip
+    )

@@ -178,8 +178,73 @@ def predict_velocity(
         pooled_embeds=pooled.to(noisy.dtype),
         return_dict=False,
     )[0]
-    if model.training and not config.force_inference_output:  # the token layout [B, C, S, p·p]
+    return velocity(model, out, noisy)
+
+
+def velocity(model: HiDreamImageTransformer2DModel, out: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """The model's output → the velocity (shape of `noisy`): in training mode the output is in the token
+    layout [B, C, S, p·p], unfolded here; negated."""
+    p = model.config.patch_size
+    b, _, h, w = noisy.shape
+    if model.training and not model.config.force_inference_output:  # the token layout [B, C, S, p·p]
         c = out.shape[1]
-        out = out[:, :, :tokens].reshape(b, c, h // p, w // p, p, p).permute(0, 1, 2, 4, 3, 5)
+        out = out[:, :, : (h // p) * (w // p)].reshape(b, c, h // p, w // p, p, p).permute(0, 1, 2, 4, 3, 5)
         out = out.reshape(b, c, h, w)
     return -out
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# HiDreamImageTransformer2DModel.forward; every block is given its own Llama layer's projected hidden
+# states, so all of them travel (stacked) with the streams. The contract suite checks the parts against
+# the whole forward.
+
+
+def embed(model: HiDreamImageTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor, t5: torch.Tensor,
+          llama: torch.Tensor, pooled: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`predict_velocity`'s forward up to its first block: (image tokens, the initial text (T5 then the last
+    Llama layer), every block's Llama layer stacked [blocks, B, L, D], the conditioning embedding, the
+    rotary table, the image token mask or empty (non-square latents are padded))."""
+    from tuner.archs.stages import optional
+
+    b, dtype = noisy.shape[0], noisy.dtype
+    route_experts(model, torch.is_grad_enabled())
+    tokens, token_mask, _, image_ids = model.patchify(noisy)
+    hidden = model.x_embedder(tokens)
+    temb = model.t_embedder(t * 1000, dtype) + model.p_embedder(pooled.to(dtype))
+    layers = llama.transpose(0, 1).to(dtype)
+    texts = [model.caption_projection[i](layers[k]).view(b, -1, hidden.shape[-1])
+             for i, k in enumerate(model.config.llama_layers)]  # fmt: skip
+    texts.append(model.caption_projection[-1](t5.to(dtype)).view(b, -1, hidden.shape[-1]))
+    text_ids = image_ids.new_zeros(b, texts[-1].shape[1] + texts[-2].shape[1] + texts[0].shape[1], 3)
+    rope = model.pe_embedder(torch.cat((image_ids, text_ids), dim=1))
+    initial = torch.cat([texts[-1], texts[-2]], dim=1)
+    return hidden, initial, torch.stack(texts[:-1]), temb, rope, optional(token_mask, hidden)
+
+
+def run_block(model: HiDreamImageTransformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    """One dual-stream block on the image tokens and the initial text with its Llama layer, or one
+    single-stream block on image, initial text and its Llama layer joined (split again after it)."""
+    from tuner.archs.stages import call_block, given
+
+    hidden, initial, layers, temb, rope, token_mask = carried
+    route_experts(block, torch.is_grad_enabled())
+    duals = list(model.double_stream_blocks)
+    mask = given(token_mask)
+    if block in duals:
+        text = torch.cat([initial, layers[duals.index(block)]], dim=1)
+        hidden, text = call_block(model, block, hidden, mask, text, temb, rope)
+        return hidden, text[:, : initial.shape[1]], layers, temb, rope, token_mask
+    own = layers[len(duals) + list(model.single_stream_blocks).index(block)]
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], initial.shape[1] + own.shape[1])], dim=1)
+    joined = call_block(model, block, torch.cat([hidden, initial, own], dim=1), mask, None, temb, rope)
+    n = hidden.shape[1]
+    return joined[:, :n], joined[:, n : n + initial.shape[1]], layers, temb, rope, token_mask
+
+
+def project_out(model: HiDreamImageTransformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: the final layer on the image tokens, unpatchified, the velocity."""
+    hidden, temb = carried[0], carried[3]
+    p = model.config.patch_size
+    sizes = torch.tensor([[noisy.shape[-2] // p, noisy.shape[-1] // p]] * noisy.shape[0], device=noisy.device)
+    return velocity(model, model.unpatchify(model.final_layer(hidden, temb), sizes, model.training), noisy)

@@ -49,3 +49,16 @@ class HiDreamModel(FluxVAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hidream.predict_velocity(model, noisy, t, cond["t5"], cond["llama"], cond["pooled"])
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: hidream.embed(
+                model, noisy, t, cond["t5"], cond["llama"], cond["pooled"]
+            ),
+            blocks=[*model.double_stream_blocks, *model.single_stream_blocks],  # dual-, then single-stream
+            run_block=lambda block, carried: hidream.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: hidream.project_out(model, carried, noisy),
+            prologue_modules=(model.x_embedder, model.t_embedder, model.p_embedder, model.caption_projection),
+        )

@@ -255,33 +255,80 @@ def decode_latents(vae: AutoencoderKLHunyuanImage, latents: torch.Tensor) -> tor
 # ---------------------------------------------------------------------------------------------------
 
 
-def predict_velocity(
-    model: HunyuanImageTransformer2DModel,
-    noisy: torch.Tensor,
-    t: torch.Tensor,
-    cond: Mapping[str, torch.Tensor],
-) -> torch.Tensor:
-    """The velocity for latents `noisy` [B, 64, h, w] at t ∈ [0, 1], given collated text (`text`, `mask`,
-    `glyph`, `glyph_mask`). The distilled (MeanFlow) model is also given the end r of the interval it steps:
-    `t_next` in generation (the record's `flow_next_time`, as HunyuanImagePipeline passes the next step's
-    time), else r = t (training: the instantaneous velocity)."""
+def model_inputs(model: HunyuanImageTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor,
+                 cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The transformer's keyword arguments for latents `noisy` [B, 64, h, w] at t ∈ [0, 1], given collated
+    text (`text`, `mask`, `glyph`, `glyph_mask`). The distilled (MeanFlow) model is also given the end r of
+    the interval it steps: `t_next` in generation (the record's `flow_next_time`, as HunyuanImagePipeline
+    passes the next step's time), else r = t (training: the instantaneous velocity)."""
     dtype = noisy.dtype
-    timestep = (t.float() * 1000).to(
-        dtype
-    )  # the scheduler's timestep in the latents' dtype, as the pipeline's
-    extra = {}
+    # the scheduler's timestep in the latents' dtype, as the pipeline's
+    timestep = (t.float() * 1000).to(dtype)
+    inputs = {
+        "hidden_states": noisy,
+        "timestep": timestep,
+        "encoder_hidden_states": cond["text"].to(dtype),
+        "encoder_attention_mask": cond["mask"],
+        "encoder_hidden_states_2": cond["glyph"].to(dtype),
+        "encoder_attention_mask_2": cond["glyph_mask"],
+        "guidance": None,
+        "timestep_r": None,
+    }
     if model.config.guidance_embeds:
-        extra["guidance"] = torch.full_like(timestep, DISTILLED_GUIDANCE * 1000.0)
+        inputs["guidance"] = torch.full_like(timestep, DISTILLED_GUIDANCE * 1000.0)
     if model.config.use_meanflow:
-        r = cond.get("t_next", t)
-        extra["timestep_r"] = (r.float() * 1000).to(dtype)
-    return model(
-        hidden_states=noisy,
-        timestep=timestep,
-        encoder_hidden_states=cond["text"].to(dtype),
-        encoder_attention_mask=cond["mask"],
-        encoder_hidden_states_2=cond["glyph"].to(dtype),
-        encoder_attention_mask_2=cond["glyph_mask"],
-        return_dict=False,
-        **extra,
-    )[0]
+        inputs["timestep_r"] = (cond.get("t_next", t).float() * 1000).to(dtype)
+    return inputs
+
+
+def predict_velocity(model: HunyuanImageTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor,
+                     cond: Mapping[str, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """The velocity (shape of `noisy`) on `model_inputs`."""
+    return model(**model_inputs(model, noisy, t, cond), return_dict=False)[0]
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# HunyuanImageTransformer2DModel.forward on 2D latents; the contract suite checks the parts against the
+# whole forward.
+
+
+def embed(model: HunyuanImageTransformer2DModel, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (image tokens, text tokens, conditioning embedding, the joint
+    attention mask [B, 1, 1, N], rotary cos and sin). With the glyph (ByT5) encoder, each sample's text is
+    its valid glyph rows, its valid prompt rows, then the padding of each, the mask reordered alike."""
+    latents, timestep = inputs["hidden_states"], inputs["timestep"]
+    cos, sin = model.rope(latents)
+    mask = inputs["encoder_attention_mask"].bool()
+    temb = model.time_guidance_embed(timestep, guidance=inputs["guidance"], timestep_r=inputs["timestep_r"])
+    hidden = model.x_embedder(latents)
+    text = model.context_embedder(inputs["encoder_hidden_states"], timestep, mask)
+    if model.context_embedder_2 is not None:
+        glyph, glyph_mask = (
+            model.context_embedder_2(inputs["encoder_hidden_states_2"]),
+            inputs["encoder_attention_mask_2"].bool(),
+        )
+        rows = [(torch.cat([g[gm], x[m], g[~gm], x[~m]]), torch.cat([gm[gm], m[m], gm[~gm], m[~m]]))
+                for x, m, g, gm in zip(text, mask, glyph, glyph_mask, strict=True)]  # fmt: skip
+        text, mask = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+    joint = torch.nn.functional.pad(mask, (hidden.shape[1], 0), value=True)[:, None, None]
+    return hidden, text, temb, joint, cos, sin
+
+
+def run_block(model: HunyuanImageTransformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    """One dual- or single-stream block (both take and return the two streams)."""
+    from tuner.archs.stages import call_block
+
+    hidden, text, temb, mask, cos, sin = carried
+    hidden, text = call_block(model, block, hidden, text, temb, mask, (cos, sin))
+    return hidden, text, temb, mask, cos, sin
+
+
+def project_out(model: HunyuanImageTransformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection, unpatchify to `noisy`'s shape (each
+    token's values are channel, then row and column within its patch)."""
+    hidden, _, temb = carried[:3]
+    tokens = model.proj_out(model.norm_out(hidden, temb))
+    p_h, p_w = model.config.patch_size
+    b, _, height, width = noisy.shape
+    grid = tokens.reshape(b, height // p_h, width // p_w, -1, p_h, p_w)
+    return grid.permute(0, 3, 1, 4, 2, 5).reshape(b, -1, height, width)

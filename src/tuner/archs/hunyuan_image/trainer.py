@@ -69,6 +69,24 @@ class HunyuanImageModel(ArchitectureModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hunyuan_image.predict_velocity(model, noisy, t, cond)
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import cut_at_blocks
+
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]  # dual-, then single-stream
+        embedders = (
+            model.x_embedder,
+            model.time_guidance_embed,
+            model.context_embedder,
+            model.context_embedder_2,
+        )
+        return cut_at_blocks(
+            model,
+            hunyuan_image,
+            lambda noisy, t, cond: hunyuan_image.model_inputs(model, noisy, t, cond),
+            blocks,
+            embedders,
+        )
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         factor = hunyuan_image.VAE_FACTOR
         return (hunyuan_image.LATENT_CHANNELS, height // factor, width // factor)

@@ -315,27 +315,79 @@ def decode_latents(vae: AutoencoderKLHunyuanVideo, latents: torch.Tensor) -> tor
     return vae.decode(latents.to(param.device, param.dtype) / vae.config.scaling_factor).sample
 
 
-def predict_velocity(
-    model: HunyuanVideoTransformer3DModel,
-    noisy: torch.Tensor,
-    t: torch.Tensor,
-    cond: Mapping[str, torch.Tensor],
-    guidance: float,
-) -> torch.Tensor:
-    """The model's velocity for latents `noisy` [B, 16, F, H, W] at t ∈ [0, 1], given collated text
-    (`collate`). `guidance` feeds the embedded guidance of the cfg-distilled model, × 1000 as the
-    pipeline scales it (and the timestep)."""
+def model_inputs(model: HunyuanVideoTransformer3DModel, noisy: torch.Tensor, t: torch.Tensor,
+                 cond: Mapping[str, torch.Tensor], guidance: float) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The transformer's keyword arguments for latents `noisy` [B, 16, F, H, W] at t ∈ [0, 1], given
+    collated text (`collate`). `guidance` feeds the embedded guidance of the cfg-distilled model, × 1000 as
+    the pipeline scales it (and the timestep)."""
     b = noisy.shape[0]
     embedded_guidance = None
     if model.config.guidance_embeds:
         embedded_guidance = torch.full((b,), guidance * 1000.0, device=noisy.device, dtype=noisy.dtype)
-    return model(
-        hidden_states=noisy,
-        timestep=t.float()
-        * 1000,  # fp32, as the pipeline's (its latents stay fp32); the model embeds it in fp32
-        encoder_hidden_states=cond["text"].to(noisy.dtype),
-        encoder_attention_mask=cond["mask"],
-        pooled_projections=cond["pooled"].to(noisy.dtype),
-        guidance=embedded_guidance,
-        return_dict=False,
-    )[0]
+    return {
+        "hidden_states": noisy,
+        # fp32, as the pipeline's (its latents stay fp32); the model embeds it in fp32
+        "timestep": t.float() * 1000,
+        "encoder_hidden_states": cond["text"].to(noisy.dtype),
+        "encoder_attention_mask": cond["mask"],
+        "pooled_projections": cond["pooled"].to(noisy.dtype),
+        "guidance": embedded_guidance,
+    }
+
+
+def predict_velocity(model: HunyuanVideoTransformer3DModel, noisy: torch.Tensor, t: torch.Tensor,
+                     cond: Mapping[str, torch.Tensor], guidance: float) -> torch.Tensor:  # fmt: skip
+    """The model's velocity (shape of `noisy`) on `model_inputs`."""
+    return model(**model_inputs(model, noisy, t, cond, guidance), return_dict=False)[0]
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# HunyuanVideoTransformer3DModel.forward; the contract suite checks the parts against the whole forward.
+
+
+def embed(model: HunyuanVideoTransformer3DModel, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (video tokens, text tokens, conditioning embedding, the joint
+    attention mask [B, 1, 1, N] (the text's padding masked), rotary cos, rotary sin, the first frame's
+    token-replace embedding or empty, the first frame's token count)."""
+    from tuner.archs.stages import optional
+
+    latents, text_mask = inputs["hidden_states"], inputs["encoder_attention_mask"]
+    cos, sin = model.rope(latents)
+    temb, replace = model.time_text_embed(
+        inputs["timestep"], inputs["pooled_projections"], inputs["guidance"]
+    )
+    hidden = model.x_embedder(latents)
+    text = model.context_embedder(inputs["encoder_hidden_states"], inputs["timestep"], text_mask)
+    # the joint sequence is video then text tokens; a sample's text padding is at the end of its sequence
+    length = hidden.shape[1] + text.shape[1]
+    kept = hidden.shape[1] + text_mask.sum(dim=1, dtype=torch.int)
+    mask = (torch.arange(length, device=hidden.device)[None] < kept[:, None])[:, None, None]
+    p = model.config.patch_size
+    first_frame = torch.tensor((latents.shape[-2] // p) * (latents.shape[-1] // p), device=hidden.device)
+    return hidden, text, temb, mask, cos, sin, optional(replace, hidden), first_frame
+
+
+def run_block(model: HunyuanVideoTransformer3DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    """One dual- or single-stream block (both take and return the two streams)."""
+    from tuner.archs.stages import call_block, given
+
+    hidden, text, temb, mask, cos, sin, replace, first_frame = carried
+    hidden, text = call_block(
+        model, block, hidden, text, temb, mask, (cos, sin), given(replace), int(first_frame)
+    )
+    return hidden, text, temb, mask, cos, sin, replace, first_frame
+
+
+def project_out(model: HunyuanVideoTransformer3DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection, unpatchify to `noisy`'s shape."""
+    hidden, temb = carried[0], carried[2]
+    tokens = model.proj_out(model.norm_out(hidden, temb))
+    return unpatchify(tokens, noisy, model.config.patch_size_t, model.config.patch_size)
+
+
+def unpatchify(tokens: torch.Tensor, noisy: torch.Tensor, p_t: int, p: int) -> torch.Tensor:
+    """Output tokens [B, N, C·p_t·p·p] (frame, row, column order; each token's values channel, then frame,
+    row and column within its patch) → latents of `noisy`'s frames and sides."""
+    b, _, frames, height, width = noisy.shape
+    grid = tokens.reshape(b, frames // p_t, height // p, width // p, -1, p_t, p, p)
+    return grid.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)

@@ -65,5 +65,18 @@ class HunyuanVideoModel(ArchitectureModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hunyuan_video.predict_velocity(model, noisy, t, cond, self.cfg.model.guidance)
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import cut_at_blocks
+
+        blocks = [*model.transformer_blocks, *model.single_transformer_blocks]  # dual-, then single-stream
+        embedders = (model.x_embedder, model.time_text_embed, model.context_embedder)
+        return cut_at_blocks(
+            model,
+            hunyuan_video,
+            lambda noisy, t, cond: hunyuan_video.model_inputs(model, noisy, t, cond, self.cfg.model.guidance),
+            blocks,
+            embedders,
+        )
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (16, (frames - 1) // 4 + 1, height // 8, width // 8)

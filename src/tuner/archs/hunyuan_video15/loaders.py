@@ -503,13 +503,10 @@ def first_frame_condition(image_latents: torch.Tensor, noisy: torch.Tensor) -> t
     return frame_cond
 
 
-def predict_velocity(
-    model: HunyuanVideo15Transformer3DModel,
-    noisy: torch.Tensor,
-    t: torch.Tensor,
-    cond: Mapping[str, torch.Tensor],
-) -> torch.Tensor:
-    """The model's velocity for latents `noisy` [B, C, F, H, W] at t ∈ [0, 1], given collated text.
+def model_inputs(model: HunyuanVideo15Transformer3DModel, noisy: torch.Tensor, t: torch.Tensor,
+                 cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The transformer's keyword arguments for latents `noisy` [B, C, F, H, W] at t ∈ [0, 1], given
+    collated text.
 
     `cond` may hold the first-frame condition `cond_latents` [B, C + 1, F, H, W] (latents and mask) and
     `image_embeds` [B, 729, D] (I2V); text to video passes zeros for both, as the pipeline does.
@@ -522,13 +519,70 @@ def predict_velocity(
     image_embeds = cond.get("image_embeds")
     if image_embeds is None:
         image_embeds = noisy.new_zeros(b, IMAGE_TOKENS, model.config.image_embed_dim)
-    return model(
-        hidden_states=torch.cat([noisy, frame_cond.to(dtype)], dim=1),
-        timestep=(t.float() * 1000).to(dtype),  # a float timestep in the latents' dtype, as the pipeline's
-        encoder_hidden_states=cond["text"].to(dtype),
-        encoder_attention_mask=cond["mask"],
-        encoder_hidden_states_2=cond["glyph"].to(dtype),
-        encoder_attention_mask_2=cond["glyph_mask"],
-        image_embeds=image_embeds.to(dtype),
-        return_dict=False,
-    )[0]
+    return {
+        "hidden_states": torch.cat([noisy, frame_cond.to(dtype)], dim=1),
+        "timestep": (t.float() * 1000).to(dtype),  # a float timestep in the latents' dtype, as the pipeline's
+        "encoder_hidden_states": cond["text"].to(dtype),
+        "encoder_attention_mask": cond["mask"],
+        "encoder_hidden_states_2": cond["glyph"].to(dtype),
+        "encoder_attention_mask_2": cond["glyph_mask"],
+        "image_embeds": image_embeds.to(dtype),
+    }
+
+
+def predict_velocity(model: HunyuanVideo15Transformer3DModel, noisy: torch.Tensor, t: torch.Tensor,
+                     cond: Mapping[str, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """The model's velocity (shape of `noisy`) on `model_inputs`."""
+    return model(**model_inputs(model, noisy, t, cond), return_dict=False)[0]
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# HunyuanVideo15Transformer3DModel.forward without a MeanFlow timestep_r (training passes none); the
+# contract suite checks the parts against the whole forward.
+
+
+def embed(model: HunyuanVideo15Transformer3DModel, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (video tokens, context tokens, conditioning embedding, context
+    mask, rotary cos and sin). The context is each sample's valid image tokens, glyph rows and prompt rows,
+    then the invalid ones (the text's zeroed), each kind marked by its `cond_type_embed` row; all-zero image
+    embeddings across the batch mean text to video (image tokens zeroed and masked)."""
+    latents, timestep, images = inputs["hidden_states"], inputs["timestep"], inputs["image_embeds"]
+    cos, sin = model.rope(latents)
+    temb = model.time_embed(timestep, timestep_r=None)
+    hidden = model.x_embedder(latents)
+    mask = inputs["encoder_attention_mask"]
+    text = model.context_embedder(inputs["encoder_hidden_states"], timestep, mask)
+    glyph = model.context_embedder_2(inputs["encoder_hidden_states_2"])
+    image = model.image_embedder(images)
+    t2v = bool(torch.all(images == 0))
+    if t2v:
+        image = image * 0.0
+    kinds = [model.cond_type_embed(torch.full_like(x[:, :, 0], k, dtype=torch.long))
+             for k, x in enumerate((text, glyph, image))]  # fmt: skip
+    text, glyph, image = text + kinds[0], glyph + kinds[1], image + kinds[2]
+    image_mask = torch.full(image.shape[:2], not t2v, dtype=torch.bool, device=mask.device)
+    mask, glyph_mask = mask.bool(), inputs["encoder_attention_mask_2"].bool()
+    context, context_mask = [], []
+    for x, m, g, gm, i, im in zip(text, mask, glyph, glyph_mask, image, image_mask, strict=True):
+        context.append(
+            torch.cat([i[im], g[gm], x[m], i[~im], torch.zeros_like(g[~gm]), torch.zeros_like(x[~m])])
+        )
+        context_mask.append(torch.cat([im[im], gm[gm], m[m], im[~im], gm[~gm], m[~m]]))
+    return hidden, torch.stack(context), temb, torch.stack(context_mask), cos, sin
+
+
+def run_block(model: HunyuanVideo15Transformer3DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    from tuner.archs.stages import call_block
+
+    hidden, context, temb, mask, cos, sin = carried
+    hidden, context = call_block(model, block, hidden, context, temb, mask, (cos, sin))
+    return hidden, context, temb, mask, cos, sin
+
+
+def project_out(model: HunyuanVideo15Transformer3DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection, unpatchify as HunyuanVideo's."""
+    from tuner.archs.hunyuan_video.loaders import unpatchify
+
+    hidden, _, temb = carried[:3]
+    tokens = model.proj_out(model.norm_out(hidden, temb))
+    return unpatchify(tokens, noisy, model.config.patch_size_t, model.config.patch_size)

@@ -62,6 +62,26 @@ class HunyuanVideo15Model(ArchitectureModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return hunyuan_video15.predict_velocity(model, noisy, t, cond)
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import cut_at_blocks
+
+        blocks = model.transformer_blocks
+        embedders = (
+            model.time_embed,
+            model.x_embedder,
+            model.context_embedder,
+            model.context_embedder_2,
+            model.image_embedder,
+            model.cond_type_embed,
+        )
+        return cut_at_blocks(
+            model,
+            hunyuan_video15,
+            lambda noisy, t, cond: hunyuan_video15.model_inputs(model, noisy, t, cond),
+            blocks,
+            embedders,
+        )
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (32, (frames - 1) // 4 + 1, height // 16, width // 16)
 
@@ -103,6 +123,8 @@ class HunyuanVideo15I2VModel(HunyuanVideo15Model):
     def draw_conditions(self, x0: torch.Tensor, cond: dict, generator: torch.Generator) -> dict:
         """`first_given` [B]: which samples are given their frame (`train.first_frame_conditioning_p`)."""
         return {**cond, "first_given": self.first_frame_given(x0, generator)}
+
+    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity given the first frame; samples not given it (`first_given` False) get what the

@@ -141,16 +141,11 @@ def sequence(prompt_mask: torch.Tensor, height: int, width: int) -> tuple[torch.
     return rows.clamp(min=0), position_ids, segment_ids, indicator
 
 
-def predict_velocity(
-    model: Ideogram4Transformer2DModel,
-    noisy: torch.Tensor,
-    t: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    prompt_mask: torch.Tensor,
-) -> torch.Tensor:
-    """The velocity (noise − x0) for latents `noisy` [B, 128, H, W] at t ∈ [0, 1] (1 = noise), given the
-    text stacks right-padded to [B, L, D] with `prompt_mask` [B, L] marking the real rows. A sample whose
-    mask is all False has no text: the pipeline's unconditional (image-only) pass."""
+def model_inputs(noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor,
+                 prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The transformer's keyword arguments for latents `noisy` [B, 128, H, W] at t ∈ [0, 1] (1 = noise),
+    given the text stacks right-padded to [B, L, D] with `prompt_mask` [B, L] marking the real rows: one
+    sequence of the text rows then the image tokens (`velocity` reads the image's)."""
     b, channels, height, width = noisy.shape
     rows, position_ids, segment_ids, indicator = sequence(prompt_mask.to(noisy.device), height, width)
     longest = rows.shape[1]
@@ -158,13 +153,67 @@ def predict_velocity(
         1, rows[..., None].expand(-1, -1, prompt_embeds.shape[-1])
     ) * (indicator[:, :longest, None] == TEXT)
     image = noisy.flatten(2).transpose(1, 2)
-    out = model(
-        hidden_states=torch.cat([image.new_zeros(b, longest, channels), image], 1),
-        timestep=(1 - t).to(noisy.dtype),
-        encoder_hidden_states=torch.cat([text, text.new_zeros(b, height * width, text.shape[-1])], 1),
-        position_ids=position_ids,
-        segment_ids=segment_ids,
-        indicator=indicator,
-        return_dict=False,
-    )[0]
-    return -out[:, longest:].transpose(1, 2).reshape(b, channels, height, width)
+    return {
+        "hidden_states": torch.cat([image.new_zeros(b, longest, channels), image], 1),
+        "timestep": (1 - t).to(noisy.dtype),
+        "encoder_hidden_states": torch.cat([text, text.new_zeros(b, height * width, text.shape[-1])], 1),
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
+        "indicator": indicator,
+    }
+
+
+def velocity(out: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """The output sequence → the velocity (noise − x0): its image tokens (the last H·W), negated."""
+    b, channels, height, width = noisy.shape
+    return -out[:, -height * width :].transpose(1, 2).reshape(b, channels, height, width)
+
+
+def predict_velocity(model: Ideogram4Transformer2DModel, noisy: torch.Tensor, t: torch.Tensor,
+                     prompt_embeds: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The velocity on `model_inputs`. A sample whose mask is all False has no text: the pipeline's
+    unconditional (image-only) pass."""
+    inputs = model_inputs(noisy, t, prompt_embeds, prompt_mask)
+    return velocity(model(**inputs, return_dict=False)[0], noisy)
+
+
+# --- the forward cut at its layers, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# Ideogram4Transformer2DModel.forward; the contract suite checks the parts against the whole forward.
+
+
+def embed(model: Ideogram4Transformer2DModel, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first layer: (the sequence of text and image tokens, the attention mask [B, 1,
+    S, S] (tokens see their own segment), rotary cos and sin, the layers' conditioning)."""
+    from diffusers.models.transformers.transformer_ideogram4 import (
+        LLM_TOKEN_INDICATOR,
+        OUTPUT_IMAGE_INDICATOR,
+    )
+
+    indicator, timestep, segments = inputs["indicator"], inputs["timestep"], inputs["segment_ids"]
+    tokens = inputs["hidden_states"]
+    is_text = (indicator == LLM_TOKEN_INDICATOR).to(tokens.dtype).unsqueeze(-1)
+    is_image = indicator == OUTPUT_IMAGE_INDICATOR
+    image = model.input_proj(tokens * is_image.to(tokens.dtype).unsqueeze(-1)) * is_image.to(
+        tokens.dtype
+    ).unsqueeze(-1)
+    t_cond = model.t_embedding(timestep)
+    conditioning = torch.nn.functional.silu(
+        model.adaln_proj(t_cond.unsqueeze(1) if timestep.dim() == 1 else t_cond)
+    )
+    text = model.llm_cond_proj(model.llm_cond_norm(inputs["encoder_hidden_states"] * is_text)) * is_text
+    hidden = image + text + model.embed_image_indicator(is_image.to(torch.long))
+    cos, sin = model.rotary_emb(inputs["position_ids"])
+    mask = (segments.unsqueeze(2) == segments.unsqueeze(1)).unsqueeze(1)
+    return hidden, mask, cos.to(hidden.dtype), sin.to(hidden.dtype), conditioning
+
+
+def run_block(model: Ideogram4Transformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    from tuner.archs.stages import call_block
+
+    hidden, mask, cos, sin, conditioning = carried
+    return call_block(model, block, hidden, mask, (cos, sin), conditioning), mask, cos, sin, conditioning
+
+
+def project_out(model: Ideogram4Transformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    hidden, conditioning = carried[0], carried[-1]
+    return velocity(model.final_layer(hidden, conditioning=conditioning), noisy)

@@ -75,5 +75,27 @@ class Ideogram4Model(ArchitectureModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return ideogram4.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import cut_at_blocks
+
+        blocks = model.layers
+        embedders = (
+            model.input_proj,
+            model.t_embedding,
+            model.adaln_proj,
+            model.llm_cond_norm,
+            model.llm_cond_proj,
+            model.embed_image_indicator,
+        )
+        return cut_at_blocks(
+            model,
+            ideogram4,
+            lambda noisy, t, cond: ideogram4.model_inputs(
+                noisy, t, cond["prompt_embeds"], cond["prompt_mask"]
+            ),
+            blocks,
+            embedders,
+        )
+
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (LATENT_CHANNELS, height // 16, width // 16)

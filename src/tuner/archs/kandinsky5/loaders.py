@@ -58,7 +58,7 @@ import torch
 from tuner.archs.flux.loaders import load_clip
 from tuner.archs.qwen_image.text import QwenTextEncoder
 from tuner.archs.qwen_image.text import load_text_encoder as load_qwen
-from tuner.errors import CheckpointError
+from tuner.errors import CheckpointError, ConfigError
 from tuner.models.component import component_spec, load_component
 from tuner.models.identify import Variant, variant_table
 from tuner.models.loading import load_tokenizer, resolve_folder, second_text_encoder, sibling
@@ -351,33 +351,78 @@ def predict_velocity(
     """The model's velocity [B, 16, F, H, W] for latents `noisy` [B, 16, F, H, W] at t ∈ [0, 1], given
     collated text (`collate`). Captions of unequal length run one sample at a time, each at its own
     length, as the original model's variable-length attention sees them."""
+    lengths = cond["length"].tolist()
+    groups = (
+        [slice(0, len(lengths))] if len(set(lengths)) == 1 else [slice(i, i + 1) for i in range(len(lengths))]
+    )
+    out = [model(**model_inputs(model, noisy[s], t[s], {k: v[s] for k, v in cond.items()}), return_dict=False)
+           for s in groups]  # fmt: skip
+    return torch.cat(out).permute(0, 4, 1, 2, 3)
+
+
+def model_inputs(model: Kandinsky5Transformer3DModel, noisy: torch.Tensor, t: torch.Tensor,
+                 cond: Mapping[str, torch.Tensor]) -> dict:  # fmt: skip
+    """The transformer's keyword arguments for samples whose captions are of one length (channels last;
+    its output [B, F, H, W, 16])."""
     dtype = noisy.dtype
     x = noisy.permute(0, 2, 3, 4, 1)
     if model.config.visual_cond:  # text to video: no conditioning frames, zero mask
         x = torch.cat([x, torch.zeros_like(x), x.new_zeros(*x.shape[:-1], 1)], dim=-1)
     frames, height, width = x.shape[1:4]
-    positions = [torch.arange(n, device=x.device) for n in (frames, height // 2, width // 2)]
-    scale = rope_scale(x)
-    timestep = (t.float() * 1000).to(dtype)
-    lengths = cond["length"].tolist()
-    groups = (
-        [range(len(lengths))] if len(set(lengths)) == 1 else [range(i, i + 1) for i in range(len(lengths))]
-    )
-    out = []
-    for rows in groups:
-        n = lengths[rows[0]]
-        s = slice(rows[0], rows[-1] + 1)
-        out.append(
-            model(
-                hidden_states=x[s],
-                encoder_hidden_states=cond["text"][s, :n].to(dtype),
-                timestep=timestep[s],
-                pooled_projections=cond["pooled"][s].to(dtype),
-                visual_rope_pos=positions,
-                text_rope_pos=torch.arange(n, device=x.device),
-                scale_factor=scale,
-                sparse_params=None,  # dense attention, also for the 10 s models (module docstring)
-                return_dict=False,
-            )
+    n = int(cond["length"][0])
+    return {
+        "hidden_states": x,
+        "encoder_hidden_states": cond["text"][:, :n].to(dtype),
+        "timestep": (t.float() * 1000).to(dtype),
+        "pooled_projections": cond["pooled"].to(dtype),
+        "visual_rope_pos": [torch.arange(n, device=x.device) for n in (frames, height // 2, width // 2)],
+        "text_rope_pos": torch.arange(n, device=x.device),
+        "scale_factor": rope_scale(x),
+        "sparse_params": None,  # dense attention, also for the 10 s models (module docstring)
+    }
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# Kandinsky5Transformer3DModel.forward with dense attention: the text blocks run in the prologue (their
+# adapters are outside the stages' blocks), the visual blocks are the blocks. The contract suite checks the
+# parts against the whole forward.
+
+
+def embed(model: Kandinsky5Transformer3DModel, noisy: torch.Tensor, t: torch.Tensor,
+          cond: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`predict_velocity`'s forward up to its first visual block, for a micro-batch whose captions are of
+    one length: (visual tokens, text tokens after the text blocks, time embedding, visual rotary table)."""
+    from tuner.archs.stages import call_block
+
+    if len(set(cond["length"].tolist())) > 1:  # predict runs such samples one by one; one stage input cannot
+        raise ConfigError(
+            "key 'distributed.pipeline_microbatches': kandinsky5's pipeline stages take micro-batches of captions "
+            "of one length; set it to the batch size (one sample each)."
         )
-    return torch.cat(out).permute(0, 4, 1, 2, 3)
+    inputs = model_inputs(model, noisy, t, cond)
+    text = model.text_embeddings(inputs["encoder_hidden_states"])
+    time = model.time_embeddings(inputs["timestep"]) + model.pooled_text_embeddings(
+        inputs["pooled_projections"]
+    )
+    visual = model.visual_embeddings(inputs["hidden_states"])
+    text_rope = model.text_rope_embeddings(inputs["text_rope_pos"]).unsqueeze(0)
+    for block in model.text_transformer_blocks:
+        text = call_block(model, block, text, time, text_rope)
+    rope = model.visual_rope_embeddings(visual.shape[:-1], inputs["visual_rope_pos"], inputs["scale_factor"])
+    return visual.flatten(1, 3), text, time, rope.flatten(1, 3)
+
+
+def run_block(model: Kandinsky5Transformer3DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    from tuner.archs.stages import call_block
+
+    visual, text, time, rope = carried
+    return call_block(model, block, visual, text, time, rope, None), text, time, rope
+
+
+def project_out(model: Kandinsky5Transformer3DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last visual block: tokens back to their grid, the output layer, channels first."""
+    visual, text, time = carried[:3]
+    p_t, p_h, p_w = model.config.patch_size
+    b, _, frames, height, width = noisy.shape
+    grid = visual.reshape(b, frames // p_t, height // p_h, width // p_w, -1)
+    return model.out_layer(grid, text, time).permute(0, 4, 1, 2, 3)

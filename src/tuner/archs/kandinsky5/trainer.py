@@ -53,3 +53,20 @@ class Kandinsky5Model(HunyuanVideoModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return kandinsky5.predict_velocity(model, noisy, t, cond)
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: kandinsky5.embed(model, noisy, t, cond),
+            blocks=list(model.visual_transformer_blocks),
+            run_block=lambda block, carried: kandinsky5.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: kandinsky5.project_out(model, carried, noisy),
+            prologue_modules=(
+                model.text_embeddings,
+                model.time_embeddings,
+                model.pooled_text_embeddings,
+                model.visual_embeddings,
+                model.text_transformer_blocks,
+            ),  # fmt: skip
+        )

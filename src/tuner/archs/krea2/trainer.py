@@ -52,3 +52,27 @@ class Krea2Model(QwenVAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return krea2.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            return krea2.embed(
+                model, krea2.model_inputs(noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+            )
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=list(model.transformer_blocks),
+            run_block=lambda block, carried: krea2.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: krea2.project_out(
+                model, carried, noisy, cond["prompt_embeds"].shape[1]
+            ),  # fmt: skip
+            prologue_modules=(
+                model.time_embed,
+                model.time_mod_proj,
+                model.text_fusion,
+                model.txt_in,
+                model.img_in,
+            ),
+        )

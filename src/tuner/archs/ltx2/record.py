@@ -9,6 +9,10 @@ GEMMA_FILE = "Comfy-Org/ltx-2/split_files/text_encoders/gemma_3_12B_it.safetenso
 
 LTX2 = Architecture(
     name="ltx2",
+    pipeline_refused=(
+        "its loss covers two streams, video and sound (tuner.archs.parts.audio), where pipeline stages "
+        "compute the loss of one prediction"
+    ),
     sampling=SamplingDefaults(
         steps=30,
         guidance=3.0,

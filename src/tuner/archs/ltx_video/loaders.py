@@ -95,3 +95,54 @@ def encode_prompts(t5, tokenizer, captions: list[str], max_length: int) -> tuple
     device = next(t5.parameters()).device
     embeds = t5(tokens.input_ids.to(device))[0]
     return embeds, tokens.attention_mask.to(device)
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# LTXVideoTransformer3DModel.forward without video_coords (training passes the grid's sizes); the contract
+# suite checks the parts against the whole forward.
+
+
+def embed(model: nn.Module, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block on its keyword arguments: (video tokens, text tokens, the
+    per-token timestep embedding, rotary cos and sin, the text mask as an additive bias [B, 1, L], the
+    embedded timestep the output norm takes)."""
+    tokens, mask = inputs["hidden_states"], inputs["encoder_attention_mask"]
+    b = tokens.shape[0]
+    cos, sin = model.rope(tokens, inputs["num_frames"], inputs["height"], inputs["width"],
+                          inputs["rope_interpolation_scale"], None)  # fmt: skip
+    bias = ((1 - mask.to(tokens.dtype)) * -10000.0).unsqueeze(1)  # 0 on the caption's rows, -1e4 after
+    hidden = model.proj_in(tokens)
+    temb, embedded = model.time_embed(inputs["timestep"].flatten(), batch_size=b, hidden_dtype=hidden.dtype)
+    text = model.caption_projection(inputs["encoder_hidden_states"]).view(b, -1, hidden.shape[-1])
+    return (
+        hidden,
+        text,
+        temb.view(b, -1, temb.shape[-1]),
+        cos,
+        sin,
+        bias,
+        embedded.view(b, -1, embedded.shape[-1]),
+    )
+
+
+def run_block(model: nn.Module, block: nn.Module, carried: tuple) -> tuple[torch.Tensor, ...]:
+    from tuner.archs.stages import call_block
+
+    hidden, text, temb, cos, sin, bias, embedded = carried
+    return (
+        call_block(model, block, hidden, text, temb, (cos, sin), bias),
+        text,
+        temb,
+        cos,
+        sin,
+        bias,
+        embedded,
+    )
+
+
+def project_out(model: nn.Module, carried: tuple) -> torch.Tensor:
+    """The forward after its last block: the output norm modulated by the embedded timestep, projection
+    (output tokens [B, N, C])."""
+    hidden, embedded = carried[0], carried[-1]
+    shift, scale = (model.scale_shift_table[None, None] + embedded[:, :, None]).unbind(2)
+    return model.proj_out(model.norm_out(hidden) * (1 + scale) + shift)

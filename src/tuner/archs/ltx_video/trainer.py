@@ -68,27 +68,46 @@ class LTXVideoModel(FirstFrameModel, ArchitectureModel):
         """The velocity at x_t; rows given their first frame (`clean_first`) get it in place of latent frame
         0 at timestep 0 (the pipeline's `t * (1 - conditioning_mask)` per token) and the straight line to it
         as its velocity."""
+        out = model(**self.model_inputs(noisy, t, cond), return_dict=False)[0]
+        return self.velocity(out, noisy, t, cond)
+
+    def model_inputs(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
         b, _, frames, height, width = noisy.shape
         clean = first_frame_rows(cond)
         timestep = t * 1000
         if clean is not None:
             timestep = timestep.view(b, 1).repeat(1, frames * height * width)  # tokens in (F, H, W) order
             timestep[clean, : height * width] = 0
-        out = model(
-            hidden_states=(noisy if clean is None else given_first_frame(noisy, cond, clean))
-            .flatten(2)
-            .transpose(1, 2),
-            encoder_hidden_states=cond["context"].to(noisy.dtype),
-            timestep=timestep.to(noisy.dtype),
-            encoder_attention_mask=cond["mask"],
-            num_frames=frames,
-            height=height,
-            width=width,
-            rope_interpolation_scale=(8 / self.record.model_fps, 32, 32),
-            return_dict=False,
-        )[0]
-        out = out.transpose(1, 2).reshape(b, -1, frames, height, width)
+        given = noisy if clean is None else given_first_frame(noisy, cond, clean)
+        return {
+            "hidden_states": given.flatten(2).transpose(1, 2),
+            "encoder_hidden_states": cond["context"].to(noisy.dtype),
+            "timestep": timestep.to(noisy.dtype),
+            "encoder_attention_mask": cond["mask"],
+            "num_frames": frames,
+            "height": height,
+            "width": width,
+            "rope_interpolation_scale": (8 / self.record.model_fps, 32, 32),
+        }
+
+    def velocity(self, out: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The output tokens → latents; the given frames' velocity the straight line to them."""
+        out = out.transpose(1, 2).reshape(noisy.shape[0], -1, *noisy.shape[2:])
+        clean = first_frame_rows(cond)
         return out if clean is None else straight_to_given(out, noisy, t, cond, clean)
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        return PipelineParts(
+            prologue=lambda noisy, t, cond: ltx_video.embed(model, self.model_inputs(noisy, t, cond)),
+            blocks=list(model.transformer_blocks),
+            run_block=lambda block, carried: ltx_video.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: self.velocity(
+                ltx_video.project_out(model, carried), noisy, t, cond
+            ),  # fmt: skip
+            prologue_modules=(model.proj_in, model.time_embed, model.caption_projection),
+        )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (128, (frames - 1) // 8 + 1, height // 32, width // 32)

@@ -182,23 +182,70 @@ def _original_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int,
         return {**{transformer_key_to_original(k): tuple(v.shape) for k, v in known.items()}, **unknown}
 
 
-def predict_velocity(
-    model: Lumina2Transformer2DModel,
-    noisy: torch.Tensor,
-    t: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    prompt_mask: torch.Tensor,
-) -> torch.Tensor:
+def model_inputs(noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor,
+                 prompt_mask: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The transformer's keyword arguments (its output is the negated velocity; `predict_velocity`)."""
+    return {
+        "hidden_states": noisy,
+        "timestep": 1 - t.float(),  # fp32, as the pipeline passes it: bf16 would round τ to ~3 digits
+        "encoder_hidden_states": prompt_embeds.to(noisy.dtype),
+        "encoder_attention_mask": prompt_mask.to(noisy.device),
+    }
+
+
+def predict_velocity(model: Lumina2Transformer2DModel, noisy: torch.Tensor, t: torch.Tensor,
+                     prompt_embeds: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """tuner's velocity ε − x0 for latents `noisy` [B, 16, H, W] at noise level t ∈ [0, 1]: the model
     runs at Lumina's time 1 − t and its output (x0 − ε) is negated (see the module docstring)."""
-    out = model(
-        hidden_states=noisy,
-        timestep=1 - t.float(),  # fp32, as the pipeline passes it: bf16 would round τ to ~3 digits
-        encoder_hidden_states=prompt_embeds.to(noisy.dtype),
-        encoder_attention_mask=prompt_mask.to(noisy.device),
-        return_dict=False,
-    )[0]
-    return -out
+    return -model(**model_inputs(noisy, t, prompt_embeds, prompt_mask), return_dict=False)[0]
+
+
+# --- the forward cut at its layers, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# Lumina2Transformer2DModel.forward: the caption and noise refiners run in the prologue (their adapters are
+# outside the stages' layers), the main layers are the blocks. The contract suite checks the parts against
+# the whole forward. The rotary table is complex: it travels as real pairs (torch.view_as_real).
+
+
+def embed(model: Lumina2Transformer2DModel, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first main layer: (each sample's caption rows then image tokens, padded to the
+    longest, the padding mask or empty when all are as long, the rotary table as real pairs, the
+    timestep embedding)."""
+    from tuner.archs.stages import optional
+
+    latents, mask = inputs["hidden_states"], inputs["encoder_attention_mask"]
+    temb, text = model.time_caption_embed(latents, inputs["timestep"], inputs["encoder_hidden_states"])
+    tokens, text_rope, image_rope, rope, text_lengths, lengths = model.rope_embedder(latents, mask)
+    image = model.x_embedder(tokens)
+    for layer in model.context_refiner:
+        text = layer(text, mask, text_rope)
+    for layer in model.noise_refiner:
+        image = layer(image, None, image_rope, temb)
+    joint = image.new_zeros(image.shape[0], max(lengths), model.config.hidden_size)
+    padding = torch.zeros(joint.shape[:2], dtype=torch.bool, device=joint.device)
+    for i, (n_text, n) in enumerate(zip(text_lengths, lengths, strict=True)):
+        joint[i, :n_text], joint[i, n_text:n], padding[i, :n] = text[i, :n_text], image[i], True
+    return joint, optional(padding if len(set(lengths)) > 1 else None, joint), torch.view_as_real(rope), temb
+
+
+def run_block(model: Lumina2Transformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    from tuner.archs.stages import call_block, given
+
+    hidden, mask, rope, temb = carried
+    return call_block(model, block, hidden, given(mask), torch.view_as_complex(rope), temb), mask, rope, temb
+
+
+def project_out(model: Lumina2Transformer2DModel, carried: tuple, noisy: torch.Tensor,
+                prompt_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The forward after its last layer: output norm, each sample's image tokens unpatchified, negated (the
+    velocity)."""
+    from tuner.archs.stages import unpatchify
+
+    hidden, temb = carried[0], carried[-1]
+    hidden = model.norm_out(hidden, temb)
+    p, (height, width) = model.config.patch_size, noisy.shape[-2:]
+    n_image = (height // p) * (width // p)
+    rows = [h[n : n + n_image] for h, n in zip(hidden, prompt_mask.sum(dim=1).tolist(), strict=True)]
+    return -unpatchify(torch.stack(rows), height, width, p)
 
 
 # ---------------------------------------------------------------------------------------------------

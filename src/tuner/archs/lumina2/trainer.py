@@ -44,6 +44,29 @@ class Lumina2Model(FluxVAEImageModel):
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return lumina2.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
 
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            return lumina2.embed(
+                model, lumina2.model_inputs(noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+            )
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=list(model.layers),
+            run_block=lambda block, carried: lumina2.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: lumina2.project_out(
+                model, carried, noisy, cond["prompt_mask"]
+            ),
+            prologue_modules=(
+                model.time_caption_embed,
+                model.x_embedder,
+                model.context_refiner,
+                model.noise_refiner,
+            ),
+        )
+
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """Lumina2Pipeline's guidance: plain CFG rescaled to the conditional velocity's norm, taken over
         the last axis (rows of the latent; the norm ignores the sign flip of the velocity)."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 from tuner.archs.record import LOADS_EVERY_LAYOUT, Architecture, SamplingDefaults, hub_tokenizers
 
 MINIMAX_H3 = Architecture(
+    pipeline_refused=(
+        "its loss covers two streams, video and sound (tuner.archs.parts.audio), where pipeline stages "
+        "compute the loss of one prediction"
+    ),
     name="minimax_h3",
     sampling=SamplingDefaults(
         steps=50,

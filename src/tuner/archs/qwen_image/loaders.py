@@ -226,6 +226,29 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
     return x.reshape(b, d // 4, 1, height, width)
 
 
+def model_inputs(
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_mask: torch.Tensor | None = None,
+    controls: list[torch.Tensor] = (),
+) -> dict:
+    """The transformer's keyword arguments for latents `noisy` [B, 16, 1, H, W] at t ∈ [0, 1], as the
+    pipelines call it: target tokens first, then each control latent's tokens; `img_shapes` lists the patch
+    grid of each; the text mask is dropped when it masks nothing (as `encode_prompt` does)."""
+    tokens = [pack_latents(noisy)] + [pack_latents(c.to(noisy.dtype)) for c in controls]
+    grids = [(1, x.shape[-2] // 2, x.shape[-1] // 2) for x in [noisy, *controls]]
+    if prompt_mask is not None and bool(prompt_mask.all()):
+        prompt_mask = None
+    return {
+        "hidden_states": torch.cat(tokens, dim=1),
+        "timestep": t.to(noisy.dtype),
+        "encoder_hidden_states": prompt_embeds.to(noisy.dtype),
+        "encoder_hidden_states_mask": prompt_mask,
+        "img_shapes": [grids] * noisy.shape[0],
+    }
+
+
 def predict_velocity(
     model: QwenImageTransformer2DModel,
     noisy: torch.Tensor,
@@ -234,20 +257,61 @@ def predict_velocity(
     prompt_mask: torch.Tensor | None = None,
     controls: list[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """The transformer's velocity for latents `noisy` [B, 16, 1, H, W] at t ∈ [0, 1], as the pipelines
-    call it: target tokens first, then each control latent's tokens; `img_shapes` lists the patch grid
-    of each; the text mask is dropped when it masks nothing (as `encode_prompt` does)."""
+    """The transformer's velocity (the target's tokens of its output) on `model_inputs`."""
+    out = model(**model_inputs(noisy, t, prompt_embeds, prompt_mask, controls), return_dict=False)[0]
+    return velocity(out, noisy)
+
+
+def velocity(out: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+    """The output tokens → the target latents' velocity (the control latents' tokens dropped)."""
     height, width = noisy.shape[-2:]
-    tokens = [pack_latents(noisy)] + [pack_latents(c.to(noisy.dtype)) for c in controls]
-    grids = [(1, x.shape[-2] // 2, x.shape[-1] // 2) for x in [noisy, *controls]]
-    if prompt_mask is not None and bool(prompt_mask.all()):
-        prompt_mask = None
-    out = model(
-        hidden_states=torch.cat(tokens, dim=1),
-        timestep=t.to(noisy.dtype),
-        encoder_hidden_states=prompt_embeds.to(noisy.dtype),
-        encoder_hidden_states_mask=prompt_mask,
-        img_shapes=[grids] * noisy.shape[0],
-        return_dict=False,
-    )[0]
-    return unpack_latents(out[:, : tokens[0].shape[1]], height, width)
+    return unpack_latents(out[:, : (height // 2) * (width // 2)], height, width)
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# QwenImageTransformer2DModel.forward without ControlNet residuals or guidance (training passes neither);
+# the contract suite checks the parts against the whole forward. The rotary tables are complex: they travel
+# as real pairs (torch.view_as_real).
+
+
+def embed(model: QwenImageTransformer2DModel, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (image tokens, text tokens, text mask or empty, timestep
+    embedding, image and text rotary tables as real pairs, per-token modulation index or empty). Models
+    with `zero_cond_t` (Edit 2511) embed a second, zero timestep for the control tokens; the index picks it."""
+    from math import prod
+
+    from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+
+    from tuner.archs.stages import optional
+
+    hidden = model.img_in(inputs["hidden_states"])
+    timestep, shapes = inputs["timestep"].to(hidden.dtype), inputs["img_shapes"]
+    index = None
+    if model.zero_cond_t:
+        timestep = torch.cat([timestep, timestep * 0])
+        index = torch.tensor([[0] * prod(grids[0]) + [1] * sum(prod(g) for g in grids[1:]) for grids in shapes],
+                             device=timestep.device, dtype=torch.int)  # fmt: skip
+    text = model.txt_in(model.txt_norm(inputs["encoder_hidden_states"]))
+    text_length, _, mask = compute_text_seq_len_from_mask(text, inputs["encoder_hidden_states_mask"])
+    temb = model.time_text_embed(timestep, hidden)
+    image_rope, text_rope = model.pos_embed(shapes, max_txt_seq_len=text_length, device=hidden.device)
+    return (hidden, text, optional(mask, hidden), temb, torch.view_as_real(image_rope),
+            torch.view_as_real(text_rope), optional(index, hidden))  # fmt: skip
+
+
+def run_block(model: QwenImageTransformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    """One dual-stream block on the carried tensors."""
+    from tuner.archs.stages import call_block, given
+
+    hidden, text, mask, temb, image_rope, text_rope, index = carried
+    rope = (torch.view_as_complex(image_rope), torch.view_as_complex(text_rope))
+    text, hidden = call_block(model, block, hidden, text, given(mask), temb, rope, None, given(index))
+    return hidden, text, mask, temb, image_rope, text_rope, index
+
+
+def project_out(model: QwenImageTransformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm (on the target's timestep), projection, velocity."""
+    hidden, temb = carried[0], carried[3]
+    if model.zero_cond_t:
+        temb = temb.chunk(2, dim=0)[0]
+    return velocity(model.proj_out(model.norm_out(hidden, temb)), noisy)

@@ -44,11 +44,21 @@ class QwenImageModel(QwenVAEImageModel):
         return padded_prompts(entries)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        return qwen_image.velocity(model(**self.model_inputs(noisy, t, cond), return_dict=False)[0], noisy)
+
+    def model_inputs(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
         controls = []
         while f"control_{len(controls)}" in cond:
             controls.append(cond[f"control_{len(controls)}"])
-        return qwen_image.predict_velocity(
-            model, noisy, t, cond["prompt_embeds"], cond.get("prompt_mask"), controls
+        return qwen_image.model_inputs(noisy, t, cond["prompt_embeds"], cond.get("prompt_mask"), controls)
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import cut_at_blocks
+
+        blocks = model.transformer_blocks
+        embedders = (model.img_in, model.txt_norm, model.txt_in, model.time_text_embed)
+        return cut_at_blocks(
+            model, qwen_image, lambda noisy, t, cond: self.model_inputs(noisy, t, cond), blocks, embedders
         )
 
     def combine_guidance(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:

@@ -317,7 +317,7 @@ def encode_prompts(
     return entries
 
 
-def predict_velocity(
+def model_inputs(
     model: SD3Transformer2DModel,
     noisy: torch.Tensor,
     t: torch.Tensor,
@@ -325,8 +325,8 @@ def predict_velocity(
     pooled: torch.Tensor,
     t5: torch.Tensor | None,
     max_length: int,
-) -> torch.Tensor:
-    """The model's velocity for latents `noisy` [B, 16, H, W] at t ∈ [0, 1] (shape of `noisy`).
+) -> dict[str, torch.Tensor]:
+    """The transformer's keyword arguments for latents `noisy` [B, 16, H, W] at t ∈ [0, 1].
 
     `clip` [B, 77, D_L + D_G] is zero-padded to the T5 width and followed by `t5` [B, L, D_t5], or by
     zeros [B, max_length, joint_attention_dim] when there is no T5 (as the pipeline does)."""
@@ -334,13 +334,52 @@ def predict_velocity(
         t5 = noisy.new_zeros(noisy.shape[0], max_length, model.config.joint_attention_dim)
     t5 = t5.to(noisy.dtype)
     clip = torch.nn.functional.pad(clip.to(noisy.dtype), (0, t5.shape[-1] - clip.shape[-1]))
-    return model(
-        hidden_states=noisy,
-        timestep=t * 1000,
-        encoder_hidden_states=torch.cat([clip, t5], dim=1),
-        pooled_projections=pooled.to(noisy.dtype),
-        return_dict=False,
-    )[0]
+    return {
+        "hidden_states": noisy,
+        "timestep": t * 1000,
+        "encoder_hidden_states": torch.cat([clip, t5], dim=1),
+        "pooled_projections": pooled.to(noisy.dtype),
+    }
+
+
+def predict_velocity(model: SD3Transformer2DModel, noisy: torch.Tensor, t: torch.Tensor, clip: torch.Tensor,
+                     pooled: torch.Tensor, t5: torch.Tensor | None, max_length: int) -> torch.Tensor:  # fmt: skip
+    """The model's velocity (shape of `noisy`) on `model_inputs`."""
+    return model(**model_inputs(model, noisy, t, clip, pooled, t5, max_length), return_dict=False)[0]
+
+
+# --- the forward cut at its blocks, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# SD3Transformer2DModel.forward without ControlNet residuals, IP-Adapter inputs or skipped layers, which
+# training never passes; the contract suite checks the parts against the whole forward.
+
+
+def embed(model: SD3Transformer2DModel, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The forward up to its first block: (image tokens with their positions, text tokens, the
+    timestep-and-pooled-text embedding)."""
+    hidden = model.pos_embed(inputs["hidden_states"]).contiguous()
+    temb = model.time_text_embed(inputs["timestep"], inputs["pooled_projections"])
+    return hidden, model.context_embedder(inputs["encoder_hidden_states"]), temb
+
+
+def run_block(
+    model: SD3Transformer2DModel, block: torch.nn.Module, carried: tuple
+) -> tuple[torch.Tensor, ...]:
+    """One joint block; the last (`context_pre_only`) returns no text stream, which nothing reads after it:
+    its input text is carried on."""
+    from tuner.archs.stages import call_block
+
+    hidden, text, temb = carried
+    new_text, hidden = call_block(model, block, hidden, text, temb, None)
+    return hidden, text if new_text is None else new_text, temb
+
+
+def project_out(model: SD3Transformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last block: output norm, projection and unpatchify to `noisy`'s shape."""
+    from tuner.archs.stages import unpatchify
+
+    hidden, _, temb = carried
+    tokens = model.proj_out(model.norm_out(hidden, temb))
+    return unpatchify(tokens, *noisy.shape[-2:], model.config.patch_size)
 
 
 encode_images = flux.encode_images  # the same 16-channel LDM VAE, normalized by its config's factors

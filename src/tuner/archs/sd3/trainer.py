@@ -53,6 +53,18 @@ class SD3Model(FluxVAEImageModel):
         return sd3.encode_prompts(encoder, captions, self.cfg.cache.text_max_length)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        return sd3.predict_velocity(
+        return model(**self.model_inputs(model, noisy, t, cond), return_dict=False)[0]
+
+    def model_inputs(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
+        return sd3.model_inputs(
             model, noisy, t, cond["clip"], cond["pooled"], cond.get("t5"), self.cfg.cache.text_max_length
+        )
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import cut_at_blocks
+
+        blocks = model.transformer_blocks
+        embedders = (model.pos_embed, model.time_text_embed, model.context_embedder)
+        return cut_at_blocks(
+            model, sd3, lambda noisy, t, cond: self.model_inputs(model, noisy, t, cond), blocks, embedders
         )

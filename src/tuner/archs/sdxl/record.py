@@ -13,6 +13,10 @@ from tuner.archs.record import (
 
 SDXL = Architecture(
     name="sdxl",
+    pipeline_refused=(
+        "a UNet: each down block's output skips to its up block, so a cut would carry every skip tensor "
+        "across stages"
+    ),
     sampling=SamplingDefaults(
         steps=50,
         guidance=5.0,

@@ -354,15 +354,20 @@ def decode_latents(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor
 
 
 def embed(model: WanTransformer3DModel, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The forward up to its first block on its keyword arguments: (video tokens, text tokens, the
-    blocks' timestep projection, rotary cos, rotary sin, timestep embedding)."""
-    latents = inputs["hidden_states"]
+    """The forward up to its first block on its keyword arguments: (video tokens, text tokens (after the
+    image's CLIP tokens where given), the blocks' timestep projection, rotary cos, rotary sin, timestep
+    embedding). A timestep per token ([B, tokens], Wan 2.2 TI2V) gives per-token projections."""
+    latents, timestep = inputs["hidden_states"], inputs["timestep"]
     cos, sin = model.rope(latents)
     hidden = model.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
-    temb, projection, text, _ = model.condition_embedder(
-        inputs["timestep"], inputs["encoder_hidden_states"], None
-    )
-    return hidden, text, projection.unflatten(1, (6, -1)), cos, sin, temb
+    per_token = timestep.shape[1] if timestep.ndim == 2 else None
+    temb, projection, text, image = model.condition_embedder(
+        timestep.flatten(), inputs["encoder_hidden_states"], inputs.get("encoder_hidden_states_image"),
+        timestep_seq_len=per_token,
+    )  # fmt: skip
+    if image is not None:
+        text = torch.cat([image, text], dim=1)
+    return hidden, text, projection.unflatten(1 if per_token is None else 2, (6, -1)), cos, sin, temb
 
 
 def run_block(
@@ -378,7 +383,11 @@ def run_block(
 def project_out(model: WanTransformer3DModel, carried: tuple, latents: torch.Tensor) -> torch.Tensor:
     """The forward after its last block: output norm, projection and unpatchify to `latents`' shape."""
     hidden, temb = carried[0], carried[-1]
-    shift, scale = (model.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+    if temb.ndim == 3:  # per token [B, tokens, width] (Wan 2.2 TI2V)
+        shift, scale = (model.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    else:
+        shift, scale = (model.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
     hidden = model.proj_out((model.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden))
     b, _, frames, height, width = latents.shape
     p_t, p_h, p_w = model.config.patch_size

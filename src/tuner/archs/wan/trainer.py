@@ -80,14 +80,12 @@ class WanModel(ArchitectureModel):
                 "encoder_hidden_states": cond["context"].to(noisy.dtype)}  # fmt: skip
 
     def pipeline_parts(self, model: nn.Module):
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        return PipelineParts(
-            prologue=lambda noisy, t, cond: wan.embed(model, self.model_inputs(noisy, t, cond)),
-            blocks=list(model.blocks),
-            run_block=lambda block, carried: wan.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: wan.project_out(model, carried, noisy),
-            prologue_modules=(model.patch_embedding, model.condition_embedder),
+        blocks = model.blocks
+        embedders = (model.patch_embedding, model.condition_embedder)
+        return cut_at_blocks(
+            model, wan, lambda noisy, t, cond: self.model_inputs(noisy, t, cond), blocks, embedders
         )
 
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

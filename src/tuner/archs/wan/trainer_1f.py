@@ -76,18 +76,32 @@ class WanOneFrameModel(WanI2VModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity of every frame, given the mask (1 on the references), the condition latents and the
-        references' CLIP tokens, with the frames at their RoPE time indices."""
+        references' CLIP tokens (`model_inputs`), with the frames at their RoPE time indices."""
+        with frame_positions(model, self.frame_indices()):
+            return super().predict(model, noisy, t, cond)
+
+    def model_inputs(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict[str, torch.Tensor]:
         indices = self.frame_indices()
         given = torch.tensor([float(i in self.cfg.one_frame.clean_indices) for i in indices])
         mask = given.to(noisy).view(1, 1, -1, 1, 1).expand(noisy.shape[0], 4, -1, *noisy.shape[3:])
-        with frame_positions(model, indices):
-            return model(
-                hidden_states=torch.cat([noisy, mask, cond["cond_latents"].to(noisy)], dim=1),
-                timestep=t * 1000,
-                encoder_hidden_states=cond["context"].to(noisy.dtype),
-                **self.image_context(cond, noisy.dtype),
-                return_dict=False,
-            )[0]
+        return {
+            "hidden_states": torch.cat([noisy, mask, cond["cond_latents"].to(noisy)], dim=1),
+            "timestep": t * 1000,
+            "encoder_hidden_states": cond["context"].to(noisy.dtype),
+            **self.image_context(cond, noisy.dtype),
+        }
+
+    def pipeline_parts(self, model: nn.Module):
+        """The parent's parts, the prologue's rotary tables at the frames' time indices."""
+        parts = super().pipeline_parts(model)
+        embed = parts.prologue
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            with frame_positions(model, self.frame_indices()):
+                return embed(noisy, t, cond)
+
+        parts.prologue = prologue
+        return parts
 
     # ---- generation ----
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan.trainer import WanModel
 from tuner.models import clip_vision
 
@@ -83,10 +82,8 @@ class WanFrameConditionedModel(WanModel):
         return {**cond, "first_given": self.first_frame_given(x0, generator)}
 
     # ---- the model's inputs ----
-    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
-
-    def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """The velocity at x_t given the frame(s); a sample not given its frame (`first_given` False) gets
+    def model_inputs(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict[str, torch.Tensor]:
+        """The transformer's inputs at x_t given the frame(s); a sample not given its frame (`first_given` False) gets
         zero condition latents and a zero mask, the input ComfyUI's WanImageToVideo builds without a start
         image (zeros in the normalized latent space, as its `concat_cond` fills an absent image); only Wan
         2.2 I2V A14B trains so (`Architecture.first_frame_required` keeps Wan 2.1's CLIP models at p = 1)."""
@@ -98,13 +95,12 @@ class WanFrameConditionedModel(WanModel):
         if given is not None and not given.all():
             keep = given.view(-1, 1, 1, 1, 1).to(noisy)
             cond_latents, mask = cond_latents * keep, mask * keep
-        return model(
-            hidden_states=torch.cat([noisy, mask, cond_latents], dim=1),
-            timestep=t * 1000,
-            encoder_hidden_states=cond["context"].to(noisy.dtype),
+        return {
+            "hidden_states": torch.cat([noisy, mask, cond_latents], dim=1),
+            "timestep": t * 1000,
+            "encoder_hidden_states": cond["context"].to(noisy.dtype),
             **self.image_context(cond, noisy.dtype),
-            return_dict=False,
-        )[0]
+        }
 
     def image_context(self, cond: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The transformer's image cross-attention inputs (none without CLIP layers)."""

@@ -32,7 +32,6 @@ from tuner.archs.first_frame import (
     given_first_frame,
     straight_to_given,
 )
-from tuner.archs.model import ArchitectureModel
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.trainer import WanModel
 
@@ -47,23 +46,36 @@ class Wan22TI2VModel(FirstFrameModel, WanModel):
     def latent_shape(self, width: int, height: int, frames: int) -> tuple[int, ...]:
         return (48, (frames - 1) // 4 + 1, height // 16, width // 16)
 
-    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
-
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The velocity at x_t; rows with `cond["clean_first"]` get `cond["first_frame"]` as their first
-        latent frame at timestep 0, the rest of their tokens at t (as the pipeline's per-token timestep).
+        latent frame at timestep 0, the rest of their tokens at t (as the pipeline's per-token timestep;
+        `model_inputs`).
 
         For a given frame the returned velocity is the straight line from x_t to that frame, (x_t − x0)/t:
         sampling then ends exactly on the given latent (the pipeline overwrites it instead), and training
         masks it out. Batches without a given frame use one timestep per sample, which is the same
         computation without the per-token embedding's memory (a test checks that they agree).
         """
+        return self._to_given(super().predict(model, noisy, t, cond), noisy, t, cond)
+
+    def model_inputs(self, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict[str, torch.Tensor]:
         clean = first_frame_rows(cond)
         if clean is None:
-            return super().predict(model, noisy, t, cond)
+            return super().model_inputs(noisy, t, cond)
         frames, height, width = noisy.shape[2:]
         per_token = t.view(-1, 1, 1).expand(-1, frames, (height // 2) * (width // 2))
         first_t = torch.where(clean.view(-1, 1), torch.zeros_like(per_token[:, 0]), per_token[:, 0])
         timestep = torch.cat([first_t.unsqueeze(1), per_token[:, 1:]], dim=1).flatten(1)
-        out = super().predict(model, given_first_frame(noisy, cond, clean), timestep, cond)
-        return straight_to_given(out, noisy, t, cond, clean)
+        return super().model_inputs(given_first_frame(noisy, cond, clean), timestep, cond)
+
+    def pipeline_parts(self, model: nn.Module):
+        parts = super().pipeline_parts(model)
+        project = parts.epilogue
+        parts.epilogue = lambda carried, noisy, t, cond: self._to_given(project(carried, noisy, t, cond), noisy,
+                                                                       t, cond)  # fmt: skip
+        return parts
+
+    @staticmethod
+    def _to_given(out: torch.Tensor, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        clean = first_frame_rows(cond)
+        return out if clean is None else straight_to_given(out, noisy, t, cond, clean)

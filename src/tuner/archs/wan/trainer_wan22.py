@@ -28,12 +28,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tuner.archs.model import ArchitectureModel
 from tuner.archs.parts.experts import EXPERT_FIELDS, TimestepExperts
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.trainer import WanModel
 from tuner.archs.wan.trainer_i2v import WanFrameConditionedModel
-from tuner.errors import CheckpointError
+from tuner.errors import CheckpointError, ConfigError
 
 
 class WanExpertsModel(WanModel):
@@ -78,7 +77,15 @@ class WanExpertsModel(WanModel):
             )
 
     # ---- the model's inputs ----
-    pipeline_parts = ArchitectureModel.pipeline_parts  # predicts otherwise than the parent's parts cut
+    def pipeline_parts(self, model: nn.Module):
+        """The network's parts for one expert (stages split one transformer; `model.expert = "both"` is
+        refused before)."""
+        if isinstance(model, TimestepExperts):
+            raise ConfigError(
+                "key 'model.expert': pipeline stages split one transformer; train one expert at a time "
+                '(model.expert = "high" or "low") with distributed.strategy = "pipeline"'
+            )
+        return super().pipeline_parts(model)
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         if not isinstance(model, TimestepExperts):

@@ -234,3 +234,63 @@ def predict_velocity(
     ]
     out = model(latents, 1.0 - t.float(), captions, return_dict=False)[0]
     return -torch.stack(out).squeeze(2)
+
+
+# --- the forward cut at its layers, for pipeline stages (`tuner.distributed.pipeline`) ----------------
+# ZImageTransformer2DModel.forward in its basic mode (one image per caption), at the forward's default
+# patch sizes, through the model's own sequence helpers (patchify_and_embed, _prepare_sequence,
+# _build_unified_sequence, unpatchify). The noise and caption refiners run in the prologue (their adapters
+# are outside the stages' layers), the main layers are the blocks. The contract suite checks the parts
+# against the whole forward. The rotary table is complex: it travels as real pairs (torch.view_as_real).
+PATCH, FRAME_PATCH = 2, 1  # the forward's defaults, as `predict_velocity` calls it
+EMBEDDER = f"{PATCH}-{FRAME_PATCH}"
+
+
+def embed(model: ZImageTransformer2DModel, noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor,
+          prompt_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`predict_velocity`'s forward up to its first main layer: (the unified image and caption sequence,
+    its mask or empty, its rotary table as real pairs, the timestep embedding)."""
+    from tuner.archs.stages import call_block, optional
+
+    latents = list(noisy.unsqueeze(2).unbind(0))
+    captions = [
+        rows[keep] for rows, keep in zip(prompt_embeds.to(noisy.dtype), prompt_mask.bool(), strict=True)
+    ]
+    adaln = model.t_embedder((1.0 - t.float()) * model.t_scale).type_as(latents[0])
+    image, text, _, image_ids, text_ids, image_pad, text_pad = model.patchify_and_embed(latents, captions, PATCH,
+                                                                                      FRAME_PATCH)  # fmt: skip
+    image_lengths, text_lengths = [len(x) for x in image], [len(x) for x in text]
+    image = model.all_x_embedder[EMBEDDER](torch.cat(image)).split(image_lengths)
+    image, image_rope, image_mask, _, noise = model._prepare_sequence(list(image), image_ids, image_pad,
+                                                                      model.x_pad_token, None, noisy.device)  # fmt: skip
+    for layer in model.noise_refiner:
+        image = call_block(model, layer, image, image_mask, image_rope, adaln, noise, None, None)
+    text = model.cap_embedder(torch.cat(text)).split(text_lengths)
+    text, text_rope, text_mask, _, _ = model._prepare_sequence(list(text), text_ids, text_pad, model.cap_pad_token,
+                                                               None, noisy.device)  # fmt: skip
+    for layer in model.context_refiner:
+        text = call_block(model, layer, text, text_mask, text_rope)
+    unified, rope, mask, _ = model._build_unified_sequence(
+        image, image_rope, image_lengths, None, text, text_rope, text_lengths, None, None, None, None, None, False,
+        noisy.device,
+    )  # fmt: skip
+    return unified, optional(mask, unified), torch.view_as_real(rope), adaln
+
+
+def run_block(model: ZImageTransformer2DModel, block: torch.nn.Module, carried: tuple) -> tuple:
+    from tuner.archs.stages import call_block, given
+
+    unified, mask, rope, adaln = carried
+    unified = call_block(
+        model, block, unified, given(mask), torch.view_as_complex(rope), adaln, None, None, None
+    )
+    return unified, mask, rope, adaln
+
+
+def project_out(model: ZImageTransformer2DModel, carried: tuple, noisy: torch.Tensor) -> torch.Tensor:
+    """The forward after its last layer: the final layer, each sample's image unpatchified, negated (the
+    velocity)."""
+    unified, adaln = carried[0], carried[-1]
+    out = model.all_final_layer[EMBEDDER](unified, c=adaln)
+    sizes = [(1, *noisy.shape[-2:])] * noisy.shape[0]
+    return -torch.stack(model.unpatchify(list(out.unbind(0)), sizes, PATCH, FRAME_PATCH)).squeeze(2)

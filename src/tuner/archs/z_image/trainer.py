@@ -55,3 +55,23 @@ class ZImageModel(FluxVAEImageModel):
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         return z_image.predict_velocity(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+
+    def pipeline_parts(self, model: nn.Module):
+        from tuner.archs.stages import PipelineParts
+
+        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, ...]:
+            return z_image.embed(model, noisy, t, cond["prompt_embeds"], cond["prompt_mask"])
+
+        return PipelineParts(
+            prologue=prologue,
+            blocks=list(model.layers),
+            run_block=lambda block, carried: z_image.run_block(model, block, carried),
+            epilogue=lambda carried, noisy, t, cond: z_image.project_out(model, carried, noisy),
+            prologue_modules=(
+                model.t_embedder,
+                model.all_x_embedder,
+                model.cap_embedder,
+                model.noise_refiner,
+                model.context_refiner,
+            ),  # fmt: skip
+        )
