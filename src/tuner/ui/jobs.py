@@ -20,7 +20,8 @@ of its log.
 
 One job runs at a time per GPU (`gpus`; by default CUDA_VISIBLE_DEVICES or every GPU torch sees), or one
 at a time on a machine without a GPU. A job of several processes (`submit(..., processes=N)`) takes N GPUs,
-one per process, or runs N CPU processes (gloo) on a machine without a GPU. The database and the run folder's files are `tuner.ui.job_store`'s.
+one per process, or runs N CPU processes (gloo) on a machine without a GPU. The database and the run
+folder's files are `tuner.ui.job_store`'s.
 """
 
 from __future__ import annotations
