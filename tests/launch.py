@@ -14,19 +14,14 @@ for them to print their own error), so a test never waits on a collective that c
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from tuner.ranks import free_port, rank_environment
+
 GRACE = 5.0  # seconds the other ranks get to finish or fail on their own once one has failed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(argv: list[str], processes: int = 2, env: dict | None = None, timeout: float = 600,
@@ -37,17 +32,14 @@ def launch(argv: list[str], processes: int = 2, env: dict | None = None, timeout
     rank's stdout and stderr, joined in rank order."""
     base = {**(os.environ if env is None else env)}
     base.setdefault("OMP_NUM_THREADS", "1")
-    port, world = str(free_port()), str(processes)
+    port = free_port()
     command = [sys.executable, "-u", *argv]
     ranks, outputs = [], []
     try:
         for rank in range(processes):
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             outputs.append((out, err))
-            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                        "ROLE_RANK": str(rank), "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
-                        "ROLE_WORLD_SIZE": world, "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": port}  # fmt: skip
+            rank_env = {**base, **rank_environment(rank, processes, port)}
             ranks.append(subprocess.Popen(command, env=rank_env, stdout=out, stderr=err))
         status = _wait(ranks, time.monotonic() + timeout, grace)
     finally:

@@ -271,6 +271,13 @@ def test_form_validation_is_tuner_checks_with_did_you_mean(project):
     assert r.json()["key"] == "train.learning_rate" and "expected a number" in r.json()["message"]
     r = c.post("/runs/check", data=values)
     assert r.json()["ok"], r.json()
+    # the processes each stage runs as: checked against this machine (no GPU here: CPU processes)
+    for bad, says in (("0", "not a whole number"), ("two", "not a whole number"), ("100000", "at most")):
+        result = c.post("/runs/check", data={**values, "_processes": bad}).json()
+        assert not result["ok"] and result["message"].startswith("processes: ") and says in result["message"]
+    assert c.post("/runs/check", data={**values, "_processes": "2"}).json()["ok"]
+    r = c.post("/runs", data={**values, "_processes": "0", "_name": "none"})
+    assert r.status_code == 400 and "not a whole number" in r.text and 'name="_processes"' in r.text
     # submitting a bad form shows the message beside its key and starts nothing
     r = c.post("/runs", data={**values, "train.lr_scheduler": "cosin", "_name": "bad"})
     assert r.status_code == 400 and "Did you mean &#39;cosine&#39;?" in r.text

@@ -117,6 +117,11 @@ def test_browser_flow(project, page, wan_model, tmp_path):
         # ---- the new-run form: the demo's config, a typo in a key's value, the did-you-mean inline
         page.goto(f"{server.url}/runs/new?config={project}")
         page.fill("input[name=_name]", "browser-demo")
+        assert page.input_value("input[name=_processes]") == "1"  # one process per stage unless asked
+        page.fill("input[name=_processes]", "0")
+        page.click("#check-button")
+        page.locator("#check.error", has_text="processes: 0 is not a whole number").wait_for()
+        page.fill("input[name=_processes]", "1")
         page.fill("input[name='train.lr_scheduler']", "cosin")
         page.click("#check-button")
         field_error = page.locator('.field[data-key="train.lr_scheduler"] .field-error')
@@ -132,6 +137,7 @@ def test_browser_flow(project, page, wan_model, tmp_path):
         page.wait_for_url(re.compile(r"/jobs/\d+$"))
         wait_state(page, "running")
         page.wait_for_function("() => document.querySelector('#loss-chart polyline')", timeout=300_000)
+        assert re.fullmatch(r"rank 0 \(pid \d+\): running", page.inner_text("#job-ranks"))
         first = chart_points(page)
         page.wait_for_function(
             f"() => document.querySelector('#loss-chart polyline').getAttribute('points').split(' ').length > {first}",

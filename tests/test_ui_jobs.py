@@ -149,6 +149,108 @@ def test_a_stopped_job_saves_its_state_and_resumes_to_done(demo, tmp_path):
     assert [s["step"] for s in queue.samples(job_id)] == list(range(1, 9))
 
 
+@pytest.mark.slow
+def test_a_two_process_job_runs_every_stage_as_two_cpu_ranks_to_done(demo, tmp_path):
+    queue = JobQueue(tmp_path / "jobs.sqlite", tmp_path / "runs", launcher=TUNER, gpus=[])
+    job_id = queue.submit("two", demo_config(demo, steps=2, sample_every=0), processes=2)
+    job = wait_for(queue, job_id, "done", "failed")
+    assert job.state == "done", job.error
+    assert job.processes == 2 and [(r["rank"], r["state"], r["code"]) for r in job.ranks] == [
+        (0, "exited", 0),
+        (1, "exited", 0),
+    ]
+    assert len({r["pid"] for r in job.ranks}) == 2
+    heads = [line for line in queue.log_tail(job_id, 2000) if line.startswith("== ")]
+    assert len(heads) == 3 and all("(2 processes;" in line for line in heads), heads
+    assert (job.run_dir / "job.rank1.log").stat().st_size > 0  # rank 1 wrote its own log
+    assert [m["step"] for m in queue.metrics(job_id) if "loss" in m] == [1, 2]
+    assert [p.name for p in queue.adapters(job_id)] == ["demo_lora.safetensors"]
+
+
+# rank 1 fails at once; rank 0 sleeps as if waiting on rank 1 in a collective, and ignores SIGTERM
+BREAKS = [sys.executable, "-c", "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+          "rank = os.environ['RANK']; print('rank', rank, os.environ['WORLD_SIZE'], flush=True); "
+          "sys.exit('rank 1 breaks') if rank == '1' else time.sleep(120)"]  # fmt: skip
+
+
+def test_a_failing_rank_is_named_and_the_other_ranks_are_ended(tmp_path):
+    queue = JobQueue(tmp_path / "jobs.sqlite", tmp_path / "runs", launcher=BREAKS, gpus=[])
+    job_id = queue.submit("breaks", "[train]\nmax_steps = 1\n", processes=2)
+    job = wait_for(queue, job_id, "failed", "done", timeout=60)
+    assert job.state == "failed" and job.stage == "cache latents"
+    assert job.error.startswith("cache latents: rank 1 of 2 processes exited with code 1"), job.error
+    assert "rank 1 breaks" in job.error
+    log = queue.log_tail(job_id)
+    assert "rank 1 breaks" in log and any(line.startswith("== cache latents: rank 1 of 2") for line in log)
+    assert [(r["rank"], r["code"]) for r in job.ranks] == [(0, -signal.SIGKILL), (1, 1)]
+    for r in job.ranks:  # nothing left of either process
+        with pytest.raises(ProcessLookupError):
+            os.kill(r["pid"], 0)
+
+
+def test_stopping_a_two_process_job_signals_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLEEP", "60")
+    queue = JobQueue(tmp_path / "jobs.sqlite", tmp_path / "runs", launcher=SLEEPER, gpus=[])
+    job_id = queue.submit("two sleepers", "[train]\nmax_steps = 1\n", processes=2)
+    queue.poll()
+    wait_for_sleeper(queue, job_id)
+    running = queue.get(job_id)
+    assert [(r["rank"], r["state"]) for r in running.ranks] == [(0, "running"), (1, "running")]
+    deadline = time.monotonic() + 60
+    while not (running.run_dir / "job.rank1.log").read_text().startswith("stage"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    queue.stop(job_id)
+    job = wait_for(queue, job_id, "stopped", "failed", "done", timeout=60)
+    assert job.state == "stopped", job.error
+    assert [(r["rank"], r["code"]) for r in job.ranks] == [
+        (0, 1),
+        (1, 1),
+    ]  # each ended by its SIGTERM handler
+
+
+def test_process_counts_are_checked_against_the_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLEEP", "0")
+    cpu = JobQueue(tmp_path / "cpu.sqlite", tmp_path / "runs", launcher=SLEEPER, gpus=[])
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(JobError, match="not a whole number"):
+            cpu.submit("bad", "", processes=bad)
+    with pytest.raises(JobError, match="CPU processes on a machine of"):
+        cpu.submit("too many", "", processes=(os.cpu_count() or 1) + 1)
+    gpus = JobQueue(tmp_path / "gpus.sqlite", tmp_path / "runs", launcher=SLEEPER, gpus=["0", "1"])
+    with pytest.raises(JobError, match="one process per GPU"):
+        gpus.submit("three", "", processes=3)
+    assert [j.id for j in gpus.list()] == []
+    both, one = gpus.submit("both GPUs", "", processes=2), gpus.submit("one GPU", "")
+    gpus.poll()
+    assert [gpus.get(i).state for i in (both, one)] == ["running", "queued"]
+    with pytest.raises(JobError, match="needs 1 GPU"):
+        gpus.start(one)
+    wait_for(gpus, both, "done", timeout=60)
+    told = {line for line in gpus.log_tail(both) if line.startswith("stage")}
+    assert told and all(line.endswith("gpu 0,1") for line in told), told
+    wait_for(gpus, one, "done", timeout=60)
+
+
+def test_a_database_of_an_earlier_tuner_gets_the_new_columns(tmp_path):
+    import sqlite3
+
+    old = sqlite3.connect(tmp_path / "jobs.sqlite")
+    old.execute(
+        "CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, state TEXT NOT NULL, "
+        "stage TEXT, pid INTEGER, created REAL NOT NULL, started REAL, finished REAL, run_dir TEXT NOT NULL, "
+        "output_dir TEXT NOT NULL, error TEXT, resume INTEGER NOT NULL DEFAULT 0, slot TEXT, stage_pid INTEGER)"
+    )
+    old.execute(
+        "INSERT INTO jobs (name, state, created, run_dir, output_dir) VALUES ('old', 'done', 0, 'r', 'o')"
+    )
+    old.commit()
+    old.close()
+    queue = JobQueue(tmp_path / "jobs.sqlite", tmp_path / "runs", launcher=SLEEPER, gpus=[])
+    (job,) = queue.list()
+    assert (job.name, job.processes, job.ranks) == ("old", 1, [])
+
+
 def test_a_restarted_queue_keeps_running_jobs_and_fails_one_whose_process_died(tmp_path, monkeypatch):
     monkeypatch.setenv("SLEEP", "60")
     first = JobQueue(tmp_path / "jobs.sqlite", tmp_path / "runs", launcher=SLEEPER, gpus=[])

@@ -8,8 +8,10 @@ threads, the background poller and the runners never wait on each other for long
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sqlite3
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,10 +36,14 @@ CREATE TABLE IF NOT EXISTS jobs (
     output_dir TEXT NOT NULL,
     error TEXT,
     resume INTEGER NOT NULL DEFAULT 0,  -- train with --resume latest (set by resume())
-    slot TEXT,              -- the GPU (or "cpu") the job runs on
-    stage_pid INTEGER       -- the current stage's process group
+    slot TEXT,              -- the GPUs ("0,1"; or "cpu") the job runs on
+    stage_pid INTEGER,      -- the current stage's process group (every process of the stage is in it)
+    processes INTEGER NOT NULL DEFAULT 1,  -- processes per stage: one per GPU, or CPU (gloo) processes
+    ranks TEXT              -- JSON: the current (or last) stage's processes, see `rank_states`
 )
 """
+ADDED_COLUMNS = {"processes": "INTEGER NOT NULL DEFAULT 1", "ranks": "TEXT"}
+"""Columns a database written by an earlier tuner lacks; `open_store` adds them."""
 
 
 def connect(db_path: str | os.PathLike) -> sqlite3.Connection:
@@ -83,8 +89,22 @@ def open_store(db_path: Path) -> None:
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(SCHEMA)
+        have = {row["name"] for row in conn.execute("PRAGMA table_info(jobs)")}
+        for name, declaration in ADDED_COLUMNS.items():
+            if name not in have:
+                conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
     finally:
         conn.close()
+
+
+def rank_states(processes: list[subprocess.Popen], codes: list[int | None]) -> str:
+    """The `ranks` column: one entry per process of a stage, in rank order:
+    {"rank", "pid", "state": "running" | "exited", "code": its exit status (negative: the signal that ended
+    it) or null while it runs}."""
+    return json.dumps(
+        [{"rank": rank, "pid": p.pid, "state": "running" if code is None else "exited", "code": code}
+         for rank, (p, code) in enumerate(zip(processes, codes, strict=True))]
+    )  # fmt: skip
 
 
 def query(db_path: str | os.PathLike, sql: str, args: tuple = ()) -> list[sqlite3.Row]:

@@ -19,7 +19,9 @@ of its log.
     stopped | failed → queued        resume(): train continues from the newest state (--resume latest)
 
 One job runs at a time per GPU (`gpus`; by default CUDA_VISIBLE_DEVICES or every GPU torch sees), or one
-at a time on a machine without a GPU. The database and the run folder's files are `tuner.ui.job_store`'s.
+at a time on a machine without a GPU. A job of several processes (`submit(..., processes=N)`) takes N GPUs,
+one per process, or runs N CPU processes (gloo) on a machine without a GPU. The database and the run
+folder's files are `tuner.ui.job_store`'s.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class Job:
     run_dir: Path
     output_dir: Path
     error: str | None
+    processes: int  # processes each stage runs as (one per GPU, or CPU processes)
+    ranks: list[dict]  # the current (or last) stage's processes: rank, pid, state, code (`rank_states`)
 
 
 _COLUMNS = ", ".join(f.name for f in fields(Job))
@@ -96,9 +100,12 @@ def visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def default_launcher(slot: str) -> list[str]:
+def default_launcher(slot: str, processes: int = 1) -> list[str]:
     """`accelerate launch -m tuner` as one process: on the given GPU (CUDA_VISIBLE_DEVICES is set to it), or
-    on the CPU. The stage's subcommand and arguments follow."""
+    on the CPU. Several processes: `python -m tuner`, each started by the runner as one rank (it sets what
+    `accelerate launch` would). The stage's subcommand and arguments follow."""
+    if processes > 1:
+        return [sys.executable, "-u", "-m", "tuner"]
     return [sys.executable, "-m", "accelerate.commands.launch", *(["--cpu"] if slot == "cpu" else []),
             "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "-m", "tuner"]  # fmt: skip
@@ -175,18 +182,21 @@ class JobQueue:
         return rows
 
     # ---- changing ----
-    def submit(self, name: str, config_text: str, dataset_text: str | None = None) -> int:
+    def submit(self, name: str, config_text: str, dataset_text: str | None = None, processes: int = 1) -> int:
         """Queue a new job: a run folder with `config.toml` (and `dataset.toml`, which the config names as
         `data.dataset_config = "dataset.toml"`). Relative paths in them are relative to the run folder.
         The TOML must parse; everything else is checked by the stages themselves (a bad key fails the
-        job with tuner's message in its log). Returns the job's id."""
+        job with tuner's message in its log). `processes`: each stage runs as that many processes
+        (`check_processes`). Returns the job's id."""
         from tuner.io import write_text
 
+        self.check_processes(processes)
         output_dir = self._output_dir(config_text, dataset_text)
         with transaction(self.db_path) as conn:
             cur = conn.execute(
-                "INSERT INTO jobs (name, state, created, run_dir, output_dir) VALUES (?, 'queued', ?, '', '')",
-                (name, time.time()),
+                "INSERT INTO jobs (name, state, created, run_dir, output_dir, processes) "
+                "VALUES (?, 'queued', ?, '', '', ?)",
+                (name, time.time(), processes),
             )
             job_id = cur.lastrowid
             run_dir = self.runs_dir / f"{job_id:04d}-{_slug(name)}"
@@ -216,6 +226,25 @@ class JobQueue:
                 raise
         return job_id
 
+    def check_processes(self, processes: object) -> None:
+        """Refuse a process count this machine cannot run: a whole number ≥ 1, at most one per GPU jobs may use
+        (`gpus`), or, without a GPU, at most one CPU process per core (they talk through gloo)."""
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise JobError(
+                f"processes: {processes!r} is not a whole number ≥ 1 (processes each stage runs as)"
+            )
+        if self.slots == ["cpu"]:
+            cores = os.cpu_count() or 1
+            if processes > cores:
+                raise JobError(
+                    f"processes: {processes} CPU processes on a machine of {cores} cores; at most {cores}"
+                )
+        elif processes > len(self.slots):
+            raise JobError(
+                f"processes: {processes}, but jobs have {len(self.slots)} GPU(s) ({', '.join(self.slots)}); a job "
+                "runs one process per GPU"
+            )
+
     def start(self, id: int) -> None:
         """Start a queued job now, ahead of the others, on a free GPU (poll() starts queued jobs in order)."""
         with self._lock:
@@ -225,11 +254,12 @@ class JobQueue:
                     f"job {id} is {job.state}; only a queued job can be started (resume a stopped one)"
                 )
             free = self._free_slots()
-            if not free:
-                raise JobError(
-                    f"job {id}: every GPU is busy ({', '.join(self.slots)}); it starts when one is free"
-                )
-            self._launch(job, free[0])
+            if len(free) < job.processes:
+                busy = "the CPU is busy with another job" if self.slots == ["cpu"] else (
+                    f"it needs {job.processes} GPU(s) and {len(free)} of {', '.join(self.slots)} are free, the "
+                    "others busy")  # fmt: skip
+                raise JobError(f"job {id}: {busy}; it starts when enough are free")
+            self._launch(job, free[: job.processes])
 
     def stop(self, id: int) -> None:
         """Stop a job: a running one gets SIGTERM (its trainer finishes the step and saves a resumable state,
@@ -290,10 +320,10 @@ class JobQueue:
                     self._fail_lost(job)
             free = self._free_slots()
             for job in (j for j in self.list() if j.state == "queued"):
-                if not free:
-                    break
-                if self._launch(job, free[0]):
-                    free.pop(0)
+                if len(free) < job.processes:
+                    break  # in order: a later, smaller job does not overtake it
+                if self._launch(job, free[: job.processes]):
+                    del free[: job.processes]
 
     def run_in_background(self, interval: float = 1.0) -> None:
         """Call poll() every `interval` seconds in a daemon thread until close()."""
@@ -321,13 +351,18 @@ class JobQueue:
 
     # ---- helpers ----
     def _free_slots(self) -> list[str]:
-        busy = {
-            r[0] for r in query(self.db_path, "SELECT slot FROM jobs WHERE state IN ('running', 'stopping')")
-        }
+        """The GPUs no running job holds (each job's `slot`: its GPUs, comma-separated); on a machine
+        without a GPU, ["cpu"] while no job runs, and as many as any job's processes (one job at a time)."""
+        rows = query(self.db_path, "SELECT slot FROM jobs WHERE state IN ('running', 'stopping')")
+        busy = {gpu for r in rows if r[0] for gpu in r[0].split(",")}
+        if self.slots == ["cpu"]:
+            return [] if busy else ["cpu"] * (os.cpu_count() or 1)
         return [s for s in self.slots if s not in busy]
 
-    def _launch(self, job: Job, slot: str) -> bool:
-        """Claim a queued job for `slot` and start its runner; False if someone else claimed it first."""
+    def _launch(self, job: Job, slots: list[str]) -> bool:
+        """Claim a queued job for `slots` (its GPUs, or CPU) and start its runner; False if someone else
+        claimed it first."""
+        slot = ",".join(dict.fromkeys(slots))  # "0,1"; "cpu"
         with transaction(self.db_path) as conn:
             cur = conn.execute(
                 "UPDATE jobs SET state = 'running', slot = ?, started = ?, finished = NULL, error = NULL, "
@@ -342,7 +377,7 @@ class JobQueue:
             except TunerError as e:
                 finish(self.db_path, job.id, "failed", f"refused before it started: {e}")
                 return True
-        launcher = self.launcher if self.launcher is not None else default_launcher(slot)
+        launcher = self.launcher if self.launcher is not None else default_launcher(slot, job.processes)
         env = dict(os.environ)
         if env.get(
             "PYTHONPATH"
@@ -352,6 +387,8 @@ class JobQueue:
             )
         if slot != "cpu":
             env["CUDA_VISIBLE_DEVICES"] = slot
+        else:  # what `accelerate launch --cpu` sets: ranks the runner starts itself then form a gloo group
+            env["ACCELERATE_USE_CPU"] = "true"
         try:
             with (job.run_dir / LOG).open("ab") as log:  # a runner's own failure lands in the job's log
                 child = subprocess.Popen(
@@ -407,6 +444,7 @@ class JobQueue:
 def _job(row: sqlite3.Row) -> Job:
     values = dict(row)
     values["run_dir"], values["output_dir"] = Path(values["run_dir"]), Path(values["output_dir"])
+    values["ranks"] = json.loads(values["ranks"]) if values["ranks"] else []
     return Job(**values)
 
 

@@ -7,7 +7,9 @@ library functions (`describe_adapter`, `convert_adapter`, `merge_adapters`) on t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
@@ -32,7 +34,25 @@ def _job(request: Request, job_id: int) -> Job:
 
 def job_dict(job: Job) -> dict:
     data = dataclasses.asdict(job)
-    return {k: str(v) if isinstance(v, Path) else v for k, v in data.items()}
+    return {
+        **{k: str(v) if isinstance(v, Path) else v for k, v in data.items()},
+        "ranks_text": ranks_text(job),
+    }
+
+
+def ranks_text(job: Job) -> str:
+    """The current (or last) stage's processes as the job page shows them: "rank 0 (pid 812): running ·
+    rank 1 (pid 813): exit code 1"."""
+    return " · ".join(f"rank {r['rank']} (pid {r['pid']}): {_process_state(r['code'])}" for r in job.ranks)
+
+
+def _process_state(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return "ended" if code == 0 else f"exit code {code}"
 
 
 def _samples(request: Request, job_id: int) -> list[dict]:

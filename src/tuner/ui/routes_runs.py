@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 from tuner.errors import ConfigError, TunerError
 from tuner.registry import ARCHITECTURES
 from tuner.ui import components, form
+from tuner.ui.jobs import JobError
 from tuner.ui.pages import render, state
 from tuner.ui.paths import OutsideRoots
 from tuner.ui.responses import attachment, one_line
@@ -33,8 +34,9 @@ def presets() -> dict[str, Path]:
     return found
 
 
-async def _form_fields(request: Request) -> tuple[dict[str, str], str, str | None]:
-    """(the config keys' texts, the job name, the dataset TOML text or None) of a submitted form."""
+async def _form_fields(request: Request) -> tuple[dict[str, str], str, str | None, str]:
+    """(the config keys' texts, the job name, the dataset TOML text or None, the processes' text) of a
+    submitted form."""
     data = await request.form()
     fields: dict[str, str] = {}
     for key in data:
@@ -43,7 +45,27 @@ async def _form_fields(request: Request) -> tuple[dict[str, str], str, str | Non
     name = one_line(fields.pop("_name", ""))[:MAX_NAME] or "run"
     dataset = fields.pop("_dataset", "").strip()
     dataset = dataset.replace("\r\n", "\n") + "\n" if dataset else None  # browsers send CRLF
-    return fields, name, dataset
+    return fields, name, dataset, fields.pop("_processes", "1").strip() or "1"
+
+
+def _processes(request: Request, text: str) -> int:
+    """The form's process count, checked against this machine (`JobQueue.check_processes`)."""
+    try:
+        processes = int(text) if len(text) < 10 else -1
+    except ValueError:
+        raise JobError(
+            f"processes: {text!r} is not a whole number ≥ 1 (processes each stage runs as)"
+        ) from None
+    state(request).queue.check_processes(processes)
+    return processes
+
+
+def _processes_note(request: Request) -> str:
+    """What the form says beside its processes input: what one process is on this machine."""
+    slots = state(request).queue.slots
+    if slots == ["cpu"]:
+        return "CPU processes (no GPU here; they talk through gloo)"
+    return f"one per GPU, at most {len(slots)} ({', '.join(slots)})"
 
 
 @router.get("/runs/new")
@@ -76,13 +98,14 @@ def new_run(
 
 
 def _page(request: Request, values: dict[str, str], source: str = "", dataset_text: str = "", name: str = "run",
-          error: form.Check | None = None, status_code: int = 200):  # fmt: skip
+          error: form.Check | None = None, status_code: int = 200, processes: str = "1"):  # fmt: skip
     """The new-run form holding `values` (`section.key` → text)."""
     sections = form.sections()
     return render(
         request, "new_run.html", sections=sections, fields={f.key: f for s in sections for f in s.fields},
         simple=form.SIMPLE, values=values, source=source, presets=presets(), architectures=ARCHITECTURES,
-        dataset_text=dataset_text, error=error, name=name, status_code=status_code,
+        dataset_text=dataset_text, error=error, name=name, status_code=status_code, processes=processes,
+        processes_note=_processes_note(request),
         model_keys=components.model_keys_by_architecture(),
         downloads={a: components.downloads(a) for a in ARCHITECTURES},
     )  # fmt: skip
@@ -90,15 +113,20 @@ def _page(request: Request, values: dict[str, str], source: str = "", dataset_te
 
 @router.post("/runs/check")
 async def check(request: Request):
-    fields, _, dataset = await _form_fields(request)
+    fields, _, dataset, processes = await _form_fields(request)
     text = form.form_to_toml(fields)
     result = form.validate(text, dataset)
+    if result.ok:
+        try:
+            _processes(request, processes)
+        except JobError as e:
+            result = form.check_of(str(e))
     return JSONResponse({"ok": result.ok, "message": result.message, "key": result.key, "toml": text})
 
 
 @router.post("/runs/toml")
 async def download_toml(request: Request):
-    fields, name, _ = await _form_fields(request)
+    fields, name, _, _ = await _form_fields(request)
     text = form.form_to_toml(fields)
     return Response(
         text, media_type="application/toml", headers={"Content-Disposition": attachment(f"{name}.toml")}
@@ -107,7 +135,7 @@ async def download_toml(request: Request):
 
 @router.post("/runs")
 async def submit(request: Request):
-    fields, name, dataset = await _form_fields(request)
+    fields, name, dataset, processes = await _form_fields(request)
     text = form.form_to_toml(fields)
     result = form.validate(text, dataset)
     status = 400
@@ -115,10 +143,11 @@ async def submit(request: Request):
         if dataset is not None:  # the queue writes it beside the config as dataset.toml
             text = form.with_dataset_file(text, "dataset.toml")
         try:  # the queue checks the job's paths against the roots in its run folder
-            job_id = state(request).queue.submit(name, text, dataset)
+            job_id = state(request).queue.submit(name, text, dataset, _processes(request, processes))
         except TunerError as e:
             status = 403 if isinstance(e, OutsideRoots) else 400
             result = form.check_of(str(e))
         else:
             return RedirectResponse(f"/jobs/{job_id}", status_code=303)
-    return _page(request, fields, dataset_text=dataset or "", name=name, error=result, status_code=status)
+    return _page(request, fields, dataset_text=dataset or "", name=name, error=result, status_code=status,
+                 processes=processes)  # fmt: skip

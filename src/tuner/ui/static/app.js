@@ -260,6 +260,7 @@ async function refreshJob(id) {
     form.hidden = !form.dataset.states.split(" ").includes(job.state);
   }
   setText("job-stage", job.stage || "");
+  setText("job-ranks", job.ranks_text);
   const error = document.getElementById("job-error");
   error.hidden = !job.error;
   error.textContent = job.error || "";
