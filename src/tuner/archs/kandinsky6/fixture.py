@@ -57,7 +57,9 @@ def build_kandinsky6_components(seed: int = 0) -> dict:
         "the tiny vocabulary outgrew the tiny config"
     )
     return parts | {
-        "transformer": tiny_model(Kandinsky6Transformer3DModel, tiny_config("kandinsky6", "transformer"), seed),
+        "transformer": tiny_model(
+            Kandinsky6Transformer3DModel, tiny_config("kandinsky6", "transformer"), seed
+        ),
         "audio_vae": tiny_model(MMAudioVAE, tiny_config("kandinsky6", "audio_vae"), seed + 4),
         "vocoder": tiny_model(MMAudioVocoder, tiny_config("kandinsky6", "vocoder"), seed + 5),
         "scheduler": FlowMatchEulerDiscreteScheduler(shift=SAMPLE_SHIFT),
@@ -87,6 +89,10 @@ FIXTURE = Fixture(
     write=write_kandinsky6_fixture,
     # every part from its single file, as ComfyUI users hold them; the audio VAE and vocoder beside the VAE
     model_section=model_section(
-        "kandinsky6", transformer=TRANSFORMER_FILE, vae=VAE_FILE, text_encoder=QWEN_FILE, text_encoder_2=CLIP_FILE
+        "kandinsky6",
+        transformer=TRANSFORMER_FILE,
+        vae=VAE_FILE,
+        text_encoder=QWEN_FILE,
+        text_encoder_2=CLIP_FILE,
     ),
 )

@@ -81,7 +81,10 @@ TRANSFORMER_SPEC = component_spec(
     "Kandinsky 6 transformer",
     "Kandinsky6Transformer3DModel",
     TRANSFORMER_VARIANTS,
-    ("visual_embeddings.in_layer.weight", "visual_transformer_blocks.0.video_dec_block.self_attention.to_query.weight"),
+    (
+        "visual_embeddings.in_layer.weight",
+        "visual_transformer_blocks.0.video_dec_block.self_attention.to_query.weight",
+    ),
     to_original=KANDINSKY6_LAYOUT.key_to_original,
 )
 
@@ -158,7 +161,9 @@ def encode_audio(audio_vae, waveform: torch.Tensor) -> torch.Tensor:
 
 def decode_audio(audio_vae, vocoder, latents: torch.Tensor) -> torch.Tensor:
     """Latents [B, 20, L] → waveform [B, samples] at the audio VAE's rate, as the pipeline decodes them."""
-    mel = audio_vae.decode((latents / audio_vae.config.scaling_factor).to(audio_vae.dtype), return_dict=False)[0]
+    mel = audio_vae.decode(
+        (latents / audio_vae.config.scaling_factor).to(audio_vae.dtype), return_dict=False
+    )[0]
     return vocoder(mel.to(vocoder.dtype), return_dict=False)[0][:, 0].float()
 
 

@@ -37,7 +37,11 @@ KANDINSKY6 = Architecture(
     save_format_loads="diffusers (`Kandinsky6Transformer3DModel.load_lora_adapter`)",
     title="Kandinsky 6.0 text-to-video with sound (fused video and audio blocks, MMAudio sound)",
     family="Kandinsky6Model",
-    block_lists=("video_text_transformer_blocks", "audio_text_transformer_blocks", "visual_transformer_blocks"),
+    block_lists=(
+        "video_text_transformer_blocks",
+        "audio_text_transformer_blocks",
+        "visual_transformer_blocks",
+    ),
     # attention and feed-forward linears of both streams' decoder blocks, the cross-modal attention and
     # the text blocks; modulations (fp32), embeddings and heads are left alone
     default_targets=(
@@ -48,7 +52,9 @@ KANDINSKY6 = Architecture(
         r"visual_transformer_blocks\.\d+\.(va|av)_cross_attention\.(to_query|to_key|to_value|out_layer)",
     ),
     save_format="diffusers",
-    tokenizers=hub_tokenizers("kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "tokenizer", "tokenizer_2"),
+    tokenizers=hub_tokenizers(
+        "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "tokenizer", "tokenizer_2"
+    ),
     hub_repos=(("pro", "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers"),),
     frame_multiple=4,
     frame_remainder=1,

@@ -30,7 +30,9 @@ class Kandinsky6Sound(SoundStream):
                         sound_t: torch.Tensor, cond: dict) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Both velocities at the video's t (the model has one timestep; `sound_t` is t or, without sound,
         unused). An empty sound stream runs the video path alone."""
-        video, sound = k6.predict_velocities(model, noisy, t, noisy_sound if noisy_sound.shape[-1] else None, cond)
+        video, sound = k6.predict_velocities(
+            model, noisy, t, noisy_sound if noisy_sound.shape[-1] else None, cond
+        )
         return video, noisy_sound if sound is None else sound
 
     def silence(self, model: nn.Module, noisy: torch.Tensor) -> torch.Tensor:
