@@ -62,7 +62,7 @@ def test_every_layout_loads_identical_weights(fx, transformer):
     assert_equal_weights(transformer, k6.load_transformer(fx["diffusers"], torch.float32))
     assert_equal_weights(transformer, k6.load_transformer(fx["diffusers"] / "transformer", torch.float32))
     # the audio VAE and vocoder beside the VAE: pipeline root, its vae/ folder, or a VAE file's folder
-    for name, load in (("audio_vae", k6.load_audio_vae), ("vocoder", k6.load_vocoder)):
+    for load in (k6.load_audio_vae, k6.load_vocoder):
         want = load(fx["diffusers"], torch.float32)
         assert_equal_weights(want, load(fx["diffusers"] / "vae", torch.float32))
         assert_equal_weights(want, load(fx["vae_file"], torch.float32))

@@ -10,7 +10,6 @@ model is called without audio.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
