@@ -58,7 +58,16 @@ def _family(fx, tmp_path) -> Kandinsky6Model:
 # ---- loading ----------------------------------------------------------------------------------------
 
 
-def test_every_layout_loads_identical_weights(fx, transformer):
+def test_every_layout_loads_identical_weights(fx, transformer, tmp_path):
+    from safetensors.torch import save_file
+
+    # the fixture's single file is in the release's names; diffusers' names and ComfyUI's prefix load too
+    assert "visual_blocks.1.audioT.feed_forward.in_layer.weight" in load_file(fx["transformer_file"])
+    diffusers_named = {f"model.diffusion_model.{k}": v for k, v in transformer.state_dict().items()}
+    save_file(diffusers_named, tmp_path / "k6_diffusers_named.safetensors")
+    assert_equal_weights(
+        transformer, k6.load_transformer(tmp_path / "k6_diffusers_named.safetensors", torch.float32)
+    )
     assert_equal_weights(transformer, k6.load_transformer(fx["diffusers"], torch.float32))
     assert_equal_weights(transformer, k6.load_transformer(fx["diffusers"] / "transformer", torch.float32))
     # the audio VAE and vocoder beside the VAE: pipeline root, its vae/ folder, or a VAE file's folder
@@ -144,7 +153,7 @@ def test_generation_equals_the_pipeline(fx, tmp_path, guidance):
     negative prompt, land on the pipeline's latents (its padded, masked prompt rows against tuner's
     true-length rows: equal to float rounding)."""
     (video, sound), (want_video, want_sound) = _latent_sampling(_pipe(), fx, tmp_path, guidance)
-    assert sound.shape == want_sound.shape == (1, 20, k6.audio_latent_length(9, 24.0))
+    assert sound.shape == want_sound.shape == (1, 40, k6.audio_latent_length(9, 24.0))
     # float rounding of the masked padding, times the guidance scale
     tolerance = 1e-4 * guidance
     torch.testing.assert_close(video, want_video, rtol=1e-4, atol=tolerance)
@@ -163,7 +172,7 @@ def test_loss_sums_both_streams_and_a_silent_clip_trains_video_alone(transformer
     gen = torch.Generator().manual_seed(1)
     x0 = torch.randn(1, 16, 2, 4, 4, generator=gen)
     noise = torch.randn(x0.shape, generator=gen)
-    audio, audio_noise = torch.randn(2, 1, 20, 7, generator=gen)
+    audio, audio_noise = torch.randn(2, 1, 40, 7, generator=gen)
     text = _text(gen)
     t = torch.tensor([0.4])
     with torch.no_grad():
@@ -219,7 +228,7 @@ def test_saved_lora_is_what_diffusers_transformer_loads(fx, transformer, tmp_pat
     saved = load_file(tmp_path / "lora.safetensors")
     assert "transformer.visual_transformer_blocks.1.av_cross_attention.to_key.lora_A.weight" in saved
     text = _text(gen)
-    noisy, sound = torch.randn(1, 16, 2, 4, 4, generator=gen), torch.randn(1, 20, 5, generator=gen)
+    noisy, sound = torch.randn(1, 16, 2, 4, 4, generator=gen), torch.randn(1, 40, 5, generator=gen)
     t = torch.tensor([0.6])
     upstream = k6.load_transformer(fx["diffusers"], torch.float32)
     upstream.load_lora_adapter(str(tmp_path / "lora.safetensors"), prefix="transformer", adapter_name="tuner")

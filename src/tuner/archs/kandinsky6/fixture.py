@@ -2,14 +2,14 @@
 
 Built from the `tiny` configs shipped with tuner (transformer: one head of 64 per stream, the audio
 stream's time embedding narrower, one text block per stream and two fused blocks, the release's flags; audio VAE with the real
-44.1 kHz, hop 512 and 20 latent channels; a vocoder upsampling 512×) plus Kandinsky 5's tiny
+44.1 kHz, hop 512 and 40 latent channels; a vocoder upsampling 512×) plus Kandinsky 5's tiny
 HunyuanVideo VAE, Qwen2.5-VL and CLIP. The Qwen tokenizer is learned from the prompt template, whose
 prefix it cuts into the pipeline's 129 tokens.
 
     out_dir/
       diffusers/   what `Kandinsky6TI2VAPipeline.from_pretrained` loads: transformer/ vae/ audio_vae/
                    vocoder/ text_encoder/ tokenizer/ text_encoder_2/ tokenizer_2/ scheduler/
-      single/      kandinsky6_tiny.safetensors (diffusers names), hunyuan_video_vae_tiny.safetensors with
+      single/      kandinsky6_tiny.safetensors (the release's names), hunyuan_video_vae_tiny.safetensors with
                    audio_vae/ and vocoder/ beside it, qwen_2.5_vl_tiny.safetensors, clip_l.safetensors,
                    tokenizer/ tokenizer_2/
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tuner.archs.kandinsky5.fixture import CLIP_FILE, QWEN_FILE, VAE_FILE, build_kandinsky5_components
+from tuner.archs.kandinsky6.keys import KANDINSKY6_LAYOUT
 from tuner.archs.kandinsky6.loaders import PROMPT_TEMPLATE
 from tuner.archs.kandinsky6.record import SAMPLE_SHIFT
 from tuner.archs.qwen_image.fixture import qwen_vl_file
@@ -73,7 +74,10 @@ def write_kandinsky6_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Pa
 
     parts = build_kandinsky6_components(seed)
     single = {
-        "transformer_file": (TRANSFORMER_FILE, parts["transformer"].state_dict()),
+        "transformer_file": (
+            TRANSFORMER_FILE,
+            KANDINSKY6_LAYOUT.to_original(parts["transformer"].state_dict()),
+        ),
         "vae_file": (VAE_FILE, parts["vae"].state_dict()),
         "audio_vae": ("audio_vae", parts["audio_vae"].save_pretrained),
         "vocoder": ("vocoder", parts["vocoder"].save_pretrained),

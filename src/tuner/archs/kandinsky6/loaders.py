@@ -5,10 +5,9 @@ The pieces, as diffusers' `Kandinsky6TI2VAPipeline` (diffusers 0.42.1, `pipeline
 * `transformer`: `Kandinsky6Transformer3DModel`, video and audio denoised together by fused blocks (each a
   video and an audio decoder block plus video↔audio cross-attention), each stream with its own text branch
   over the same Qwen2.5-VL tokens and CLIP pooled embedding; one timestep for both streams. Loaded from a
-  diffusers folder (`transformer/`) or a single file in diffusers' names (`model.diffusion_model.` /
-  `diffusion_model.` optional, fp8 too). The original release's own single-file names could not be looked
-  up offline: such a file is refused by name (the error says what to use instead);
-* `vae`: HunyuanVideo's (as `kandinsky5`); `audio_vae` (`MMAudioVAE`: mono 44.1 kHz → log-mel → 20
+  diffusers folder (`transformer/`) or a single file in the release's names (`tuner.archs.kandinsky6.keys`,
+  what ComfyUI loads) or diffusers' (`model.diffusion_model.` / `diffusion_model.` optional, fp8 too);
+* `vae`: HunyuanVideo's (as `kandinsky5`); `audio_vae` (`MMAudioVAE`: mono 44.1 kHz → log-mel → 40
   latent channels, one latent per 1024 samples, × `scaling_factor`) and `vocoder` (`MMAudioVocoder`: mel →
   waveform) from the diffusers folders beside the VAE (`audio_vae/`, `vocoder/`);
 * text: Qwen2.5-VL-7B's last hidden states of the prompt in the video template after its first
@@ -17,7 +16,7 @@ The pieces, as diffusers' `Kandinsky6TI2VAPipeline` (diffusers 0.42.1, `pipeline
   caption's rows at its true length and masks a batch's padding the same way (`predict_velocities`).
 
 Model inputs are the pipeline's: latents channel-last with zeros for the visual condition and its mask
-(text to video), audio latents [B, L, 20], timestep σ · 1000 for both streams, RoPE positions from the
+(text to video), audio latents [B, L, 40], timestep σ · 1000 for both streams, RoPE positions from the
 token grid (inside the model). Without sound (a clip without an audio track, or generation with
 `sample_audio=False`) the model runs its video path alone.
 """
@@ -62,38 +61,37 @@ CROP_START = 129
 MAX_LENGTH = 1024  # the pipeline's `max_sequence_length`: prompt tokens after the crop
 AUDIO_RATE = 44100  # MMAudioVAE's sample rate (mono)
 AUDIO_HOP = 1024  # waveform samples per audio latent (mel hop 512, the encoder halves the frames)
-AUDIO_CHANNELS = 20  # the transformer's `in_audio_dim`
+AUDIO_CHANNELS = 40  # the transformer's `in_audio_dim`
 
 TRANSFORMER_VARIANTS = variant_table(
     CONFIGS / "transformer",
     ("visual_embeddings.in_layer.weight", "audio_embeddings.in_layer.weight",
-     "video_text_embeddings.in_layer.weight",
-     "visual_transformer_blocks.{}.video_dec_block.visual_modulation.out_layer.weight",
+     "video_text_embeddings.in_layer.weight", "visual_blocks.{}.videoT.visual_modulation.out_layer.weight",
      "video_text_transformer_blocks.{}.text_modulation.out_layer.weight"),
     {
-        # Kandinsky 6.0 Pro (diffusers' class defaults: 60 fused blocks of width 4096, 4 text blocks)
-        "pro": ((4096, 132), (4096, 20), (4096, 3584), (60, (36864, 1024)), (4, (24576, 1024))),
+        # Kandinsky 6.0 Pro: 60 fused blocks (video 4096, audio 2048 wide), 4 text blocks per stream (the
+        # released dimensions ComfyUI's Kandinsky 6 detection tests name)
+        "pro": ((4096, 132), (2048, 40), (4096, 3584), (60, (36864, 1024)), (4, (24576, 1024))),
         # the test fixture (tuner.archs.kandinsky6.fixture): one head of 64 per stream (ca_rope needs equal heads), 2 fused blocks
-        "tiny": ((64, 132), (64, 20), (64, 64), (2, (576, 64)), (1, (384, 64))),
+        "tiny": ((64, 132), (64, 40), (64, 64), (2, (576, 64)), (1, (384, 64))),
     },
 )  # fmt: skip
 TRANSFORMER_SPEC = component_spec(
     "Kandinsky 6 transformer",
     "Kandinsky6Transformer3DModel",
     TRANSFORMER_VARIANTS,
-    (
-        "visual_embeddings.in_layer.weight",
-        "visual_transformer_blocks.0.video_dec_block.self_attention.to_query.weight",
-    ),
-    to_original=KANDINSKY6_LAYOUT.key_to_original,
+    ("visual_blocks.0.videoT.self_attention.to_query.weight",),
+    ("visual_transformer_blocks.0.video_dec_block.self_attention.to_query.weight",),
+    KANDINSKY6_LAYOUT.key_to_original,
 )
 
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> nn.Module:
-    """The transformer from a diffusers folder or a single file in diffusers' names, in eval mode, its time
-    embeddings and modulations kept fp32 (`_keep_in_fp32_modules`)."""
+    """The transformer from a diffusers folder, or a single file in the release's names (ComfyUI's) or in
+    diffusers' names, in eval mode, its time embeddings and modulations kept fp32 (`_keep_in_fp32_modules`)."""
     return load_component(
         path, dtype, "Kandinsky6Transformer3DModel", "transformer", TRANSFORMER_SPEC,
+        lambda state_dict, _: KANDINSKY6_LAYOUT.to_diffusers(state_dict),
         bundled=("model.diffusion_model.", "diffusion_model."),
     )  # fmt: skip
 
@@ -154,13 +152,13 @@ def audio_latent_length(frames: int, fps: float) -> int:
 
 
 def encode_audio(audio_vae, waveform: torch.Tensor) -> torch.Tensor:
-    """Mono waveform [1, samples] at 44.1 kHz → latents [20, L] (the posterior's mean × `scaling_factor`)."""
+    """Mono waveform [1, samples] at 44.1 kHz → latents [40, L] (the posterior's mean × `scaling_factor`)."""
     latents = audio_vae.encode(waveform.to(audio_vae.dtype)).latent_dist.mode()
     return (latents[0] * audio_vae.config.scaling_factor).float()
 
 
 def decode_audio(audio_vae, vocoder, latents: torch.Tensor) -> torch.Tensor:
-    """Latents [B, 20, L] → waveform [B, samples] at the audio VAE's rate, as the pipeline decodes them."""
+    """Latents [B, 40, L] → waveform [B, samples] at the audio VAE's rate, as the pipeline decodes them."""
     mel = audio_vae.decode(
         (latents / audio_vae.config.scaling_factor).to(audio_vae.dtype), return_dict=False
     )[0]
@@ -177,7 +175,7 @@ def predict_velocities(
     noisy_sound: torch.Tensor | None,
     cond: Mapping[str, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's velocities: video [B, 16, F, H, W] and sound [B, 20, L] (None without sound) for
+    """The model's velocities: video [B, 16, F, H, W] and sound [B, 40, L] (None without sound) for
     latents at t ∈ [0, 1], given collated text (`tuner.archs.kandinsky5.loaders.collate`): padding rows
     masked, no mask when no row is padded (as the pipeline)."""
     dtype = noisy.dtype

@@ -24,17 +24,19 @@ KANDINSKY6 = Architecture(
     ).named(r"distill", steps=16, guidance=1.0),
     variants=("pro",),
     checkpoints=(
-        "Variants: `pro` (Kandinsky 6.0 Pro: 60 fused video/audio blocks of width 4096; config from diffusers' "
-        "class defaults with the release flags its docstring names), `tiny`. `transformer`: the diffusers folder "
-        "(`transformer/`) or a single file in diffusers' names (`diffusion_model.` optional, fp8 too); "
-        "`vae`: the HunyuanVideo VAE (as `kandinsky5`), with the diffusers `audio_vae/` (MMAudioVAE) and "
-        "`vocoder/` (MMAudioVocoder) beside it (the pipeline folder, its `vae/`, or a VAE file in a folder "
-        "holding both); `text_encoder` / `text_encoder_2`: Qwen2.5-VL-7B and CLIP-L as `kandinsky5` (crop 129). "
-        "Text to video with sound only (no reference image); distilled releases' PiflowScheduler is not "
-        "reproduced (Euler at the release's 16 steps). Adapters: `diffusers` (`transformer.<name>`, PEFT "
-        "names; the pipeline has no LoRA loader, `transformer.load_lora_adapter` reads them)"
+        "Variants: `pro` (Kandinsky 6.0 Pro: 60 fused video/audio blocks, video width 4096, audio 2048, 40 "
+        "audio channels: the released dimensions ComfyUI's Kandinsky 6 detection names), `tiny`. `transformer`: "
+        "the diffusers folder (`transformer/`) or a single file in the release's names (`visual_blocks.N.videoT`"
+        " / `audioT`, `feed_forward.in_layer`, `audio_outLayer`; ComfyUI's) or diffusers' "
+        "(`diffusion_model.` optional, fp8 too); `vae`: the HunyuanVideo VAE (as `kandinsky5`), with the "
+        "diffusers `audio_vae/` (MMAudioVAE) and `vocoder/` (MMAudioVocoder) beside it (the pipeline folder, its "
+        "`vae/`, or a VAE file in a folder holding both); `text_encoder` / `text_encoder_2`: Qwen2.5-VL-7B and "
+        "CLIP-L as `kandinsky5` (crop 129). Text to video with sound only (no reference image); the distilled "
+        "releases' PiflowScheduler is not reproduced (Euler at the release's 16 steps). Adapters: `comfy` (the "
+        "release's names under `diffusion_model.`); `diffusers` (`transformer.` + PEFT names) is what "
+        "`Kandinsky6Transformer3DModel.load_lora_adapter` reads (the pipeline has no LoRA loader)"
     ),
-    save_format_loads="diffusers (`Kandinsky6Transformer3DModel.load_lora_adapter`)",
+    save_format_loads='ComfyUI; diffusers needs `save.format = "diffusers"` (`transformer.load_lora_adapter`)',
     title="Kandinsky 6.0 text-to-video with sound (fused video and audio blocks, MMAudio sound)",
     family="Kandinsky6Model",
     block_lists=(
@@ -51,7 +53,7 @@ KANDINSKY6 = Architecture(
         r"(to_query|to_key|to_value|out_layer)|feed_forward\.net\.(0\.proj|2))",
         r"visual_transformer_blocks\.\d+\.(va|av)_cross_attention\.(to_query|to_key|to_value|out_layer)",
     ),
-    save_format="diffusers",
+    save_format="comfy",
     tokenizers=hub_tokenizers(
         "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers", "tokenizer", "tokenizer_2"
     ),

@@ -1,5 +1,5 @@
 """Kandinsky 6's audio stream (the record's `sound_stream`; what audio-video models share is
-`tuner.archs.parts.audio`): mono 44.1 kHz through MMAudio's VAE, 20 latent channels, one latent per 1024
+`tuner.archs.parts.audio`): mono 44.1 kHz through MMAudio's VAE, 40 latent channels, one latent per 1024
 samples; the vocoder turns decoded mels back into a waveform.
 
 Both streams share one timestep (the transformer takes one; the pipeline steps the sound with a copy of the
@@ -22,7 +22,7 @@ class Kandinsky6Sound(SoundStream):
         return {"audio_latents": k6.encode_audio(encoder["audio"], waveform)}
 
     def latent_shape(self, frames: int) -> tuple[int, ...]:
-        """20 channels × the pipeline's audio length for the clip's frames at 24 fps."""
+        """40 channels × the pipeline's audio length for the clip's frames at 24 fps."""
         return (k6.AUDIO_CHANNELS, k6.audio_latent_length(frames, self.family.record.model_fps))
 
     def predict_streams(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, noisy_sound: torch.Tensor,

@@ -4,7 +4,7 @@
 Video latents, text encoders and text entries are Kandinsky 5's (HunyuanVideo's VAE: 4N+1 frames at 24
 fps, sides multiples of 16; Qwen2.5-VL rows at their true length + CLIP-L pooled), hence a
 `Kandinsky5Model` subclass; only the template's crop differs (129 tokens). A video clip's latent entry
-also holds `audio_latents` [20, L] when its file has sound and the dataset's `audio` option takes it
+also holds `audio_latents` [40, L] when its file has sound and the dataset's `audio` option takes it
 (mono 44.1 kHz, MMAudio's VAE).
 
 The audio stream is `tuner.archs.kandinsky6.sound.Kandinsky6Sound` (shared part `tuner.archs.parts.audio`):
