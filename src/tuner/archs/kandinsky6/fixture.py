@@ -18,14 +18,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tuner.archs.kandinsky5.fixture import CLIP_FILE, QWEN_FILE, VAE_FILE, build_kandinsky5_components
+from tuner.archs.kandinsky5.fixture import (
+    CLIP_FILE,
+    QWEN_FILE,
+    VAE_FILE,
+    build_kandinsky5_components,
+    template_tokenizer,
+)
 from tuner.archs.kandinsky6.keys import KANDINSKY6_LAYOUT
 from tuner.archs.kandinsky6.loaders import PROMPT_TEMPLATE
 from tuner.archs.kandinsky6.record import SAMPLE_SHIFT
 from tuner.archs.qwen_image.fixture import qwen_vl_file
 from tuner.fixtures import Fixture, model_section, tokenizer_folders, write_layouts
 from tuner.fixtures.encoders import clip_text_file
-from tuner.fixtures.tokenizers import build_qwen2_tokenizer
 from tuner.fixtures.weights import tiny_config, tiny_model
 
 TRANSFORMER_FILE = "kandinsky6_tiny.safetensors"
@@ -33,13 +38,6 @@ TRANSFORMER_FILE = "kandinsky6_tiny.safetensors"
 # Words of the template that are more than one token in Qwen's vocabulary ("dynamism", the release's
 # "promt" typo): learned split, so the template's prefix is the pipeline's 129 tokens.
 _SPLIT_WORDS = (("dynamism", "dynam ism"), ("promt", "pro mt"))
-
-
-def _tokenizer_corpus() -> str:
-    text = PROMPT_TEMPLATE.replace("{}", "\n")
-    for word, pieces in _SPLIT_WORDS:
-        text = text.replace(word, pieces)
-    return text
 
 
 def build_kandinsky6_components(seed: int = 0) -> dict:
@@ -53,7 +51,7 @@ def build_kandinsky6_components(seed: int = 0) -> dict:
     )
 
     parts = build_kandinsky5_components(seed)  # HunyuanVideo's VAE, Qwen2.5-VL and CLIP-L
-    parts["tokenizer"] = build_qwen2_tokenizer([_tokenizer_corpus()])
+    parts["tokenizer"] = template_tokenizer(PROMPT_TEMPLATE, _SPLIT_WORDS)
     assert len(parts["tokenizer"]) <= parts["text_encoder"].config.text_config.vocab_size, (
         "the tiny vocabulary outgrew the tiny config"
     )

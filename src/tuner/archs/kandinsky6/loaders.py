@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tuner.archs.kandinsky5.loaders import PROMPT_TEMPLATE as K5_TEMPLATE
 from tuner.archs.kandinsky5.loaders import TextEncoders, clip_pooled
 from tuner.archs.kandinsky6.keys import KANDINSKY6_LAYOUT
 from tuner.errors import CheckpointError
@@ -42,21 +43,9 @@ if TYPE_CHECKING:
 
 CONFIGS = Path(__file__).parent / "configs"
 
-# Kandinsky6TI2VAPipeline's `_PROMPT_TEMPLATE` ("promt" as the release spells it) and `_QWEN_CROP_START`
-# (a test compares them with the pipeline's own)
-PROMPT_TEMPLATE = "\n".join(
-    [
-        "<|im_start|>system\nYou are a promt engineer. Describe the video in detail.",
-        "Describe how the camera moves or shakes, describe the zoom and view angle, whether it follows the objects.",
-        "Describe the location of the video, main characters or objects and their action.",
-        "Describe the dynamism of the video and presented actions.",
-        "Name the visual style of the video: whether it is a professional footage, user generated content, "
-        "some kind of animation, video game or scren content.",
-        "Describe the visual effects, postprocessing and transitions if they are presented in the video.",
-        "Pay attention to the order of key actions shown in the scene.<|im_end|>",
-        "<|im_start|>user\n{}<|im_end|>",
-    ]
-)
+# Kandinsky6TI2VAPipeline's `_PROMPT_TEMPLATE`: Kandinsky 5's with the release's "promt" (one token more,
+# hence `_QWEN_CROP_START` 129; a test compares both with the pipeline's own)
+PROMPT_TEMPLATE = K5_TEMPLATE.replace("a prompt engineer", "a promt engineer")
 CROP_START = 129
 MAX_LENGTH = 1024  # the pipeline's `max_sequence_length`: prompt tokens after the crop
 AUDIO_RATE = 44100  # MMAudioVAE's sample rate (mono)
