@@ -87,6 +87,21 @@ def test_wrong_files_are_named(fx, tmp_path):
         k6.load_audio_vae(k5["vae_file"], torch.float32)
 
 
+def test_key_table_names_every_linear_layer_and_reads_its_kohya_stems_back(transformer):
+    """Every linear layer has a release name (the ComfyUI names the fixture's single file holds) whose
+    kohya stem reads back to it."""
+    from tuner.archs.kandinsky6.keys import KANDINSKY6_KEYS
+
+    linears = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in linears:
+        original = KANDINSKY6_KEYS(name)
+        assert KANDINSKY6_KEYS.to_diffusers(original) == name
+        assert KANDINSKY6_KEYS.from_kohya(original.replace(".", "_")) == name
+    assert KANDINSKY6_KEYS("visual_transformer_blocks.1.audio_dec_block.feed_forward.net.2") == (
+        "visual_blocks.1.audioT.feed_forward.out_layer"
+    )
+
+
 def test_record_matches_the_pipeline():
     from diffusers import Kandinsky6TI2VAPipeline
     from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_ti2va as upstream

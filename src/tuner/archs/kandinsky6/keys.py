@@ -52,6 +52,41 @@ def _renames() -> tuple[tuple[str, str], ...]:
     return tuple((d.rstrip("."), o.rstrip(".")) for d, o in pairs)
 
 
-KANDINSKY6_KEYS = ArchitectureKeys("kandinsky6", _renames())
+_ATTENTION = ("to_query", "to_key", "to_value", "out_layer")
+
+
+def _linears() -> tuple[str, ...]:
+    """Every linear layer's diffusers name (adapters' modules: their kohya stems must read back)."""
+    block = ("self_attention", "cross_attention")
+    return (
+        *(f"{s}_text_transformer_blocks.{{i}}.{m}" for s, _ in _STREAMS for m in (
+            "text_modulation.out_layer", *(f"attn.{p}" for p in _ATTENTION), *(d for d, _ in _FEED_FORWARD))),
+        *(f"visual_transformer_blocks.{{i}}.{s}_dec_block.{m}" for s, _ in _STREAMS for m in (
+            "visual_modulation.out_layer", *(f"{a}.{p}" for a in block for p in _ATTENTION),
+            *(d for d, _ in _FEED_FORWARD))),
+        *(f"visual_transformer_blocks.{{i}}.{a}.{p}" for a in ("va_cross_attention", "av_cross_attention")
+          for p in _ATTENTION),
+        *(f"visual_transformer_blocks.{{i}}.{m}_modulation.out_layer" for m in ("va", "av")),
+        *(f"{s}_{m}" for s, _ in _STREAMS for m in ("time_embeddings.timestep_embedder.linear_1",
+          "time_embeddings.timestep_embedder.linear_2", "text_embeddings.in_layer", "pooled_text_embeddings.in_layer")),
+        "visual_embeddings.in_layer", "audio_embeddings.in_layer", "out_layer.modulation.out_layer",
+        "out_layer.out_layer", "audio_out_layer.modulation.out_layer", "audio_out_layer.out_layer",
+    )  # fmt: skip
+
+
+def _with_linears(prefixes: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """Each linear layer renamed by the first module rename that covers it, listed first (a kohya stem
+    reads back only from a whole module's name), then the module renames themselves."""
+
+    def original(name: str) -> str:
+        for d, o in prefixes:
+            if name == d or name.startswith(d + "."):
+                return o + name[len(d) :]
+        raise KeyError(name)
+
+    return (*((name, original(name)) for name in _linears()), *prefixes)
+
+
+KANDINSKY6_KEYS = ArchitectureKeys("kandinsky6", _with_linears(_renames()))
 """The key table of Kandinsky 6: module renames (diffusers, release)."""
 KANDINSKY6_LAYOUT = CheckpointLayout(KANDINSKY6_KEYS)
