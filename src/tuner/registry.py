@@ -37,6 +37,7 @@ FAMILIES = (
     "anima",
     "sdxl",
     "kandinsky5",
+    "kandinsky6",
     "ltx2",
     "ltx_video",
     "krea2",

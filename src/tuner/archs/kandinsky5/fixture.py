@@ -48,18 +48,20 @@ CLIP_FILE = "clip_l.safetensors"
 _SPLIT_WORDS = (("scren", "scr en"), ("dynamism", "dynam ism"))
 
 
-def _tokenizer_corpus() -> str:
-    text = PROMPT_TEMPLATE.replace("{}", "\n")
-    for word, pieces in _SPLIT_WORDS:
+def template_tokenizer(template: str, split_words: tuple[tuple[str, str], ...]):
+    """A tiny Qwen2 tokenizer learned from a prompt template, the `split_words` (word, pieces) learned
+    as their pieces so that the template's prefix is as many tokens as the pipeline crops."""
+    text = template.replace("{}", "\n")
+    for word, pieces in split_words:
         text = text.replace(word, pieces)
-    return text
+    return build_qwen2_tokenizer([text])
 
 
 def build_kandinsky5_components(seed: int = 0) -> dict:
     """The tiny pipeline's components (eval mode, float32), deterministic given `seed`: the arguments
     of `Kandinsky5T2VPipeline`."""
     qwen = tiny_qwen_vl(seed + 2)
-    tokenizer = build_qwen2_tokenizer([_tokenizer_corpus()])
+    tokenizer = template_tokenizer(PROMPT_TEMPLATE, _SPLIT_WORDS)
     assert len(tokenizer) <= qwen.config.text_config.vocab_size, "the tiny vocabulary outgrew the tiny config"
     return {
         "transformer": tiny_model(

@@ -303,7 +303,7 @@ def encode_prompts(
     add padding rows the original model never attends to)."""
     from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
-    qwen, clip, clip_tokenizer = encoders
+    qwen = encoders.qwen
     captions = [prompt_clean(c) for c in captions]
     device = qwen.model.device
     texts = []
@@ -314,11 +314,16 @@ def encode_prompts(
         )
         hidden = qwen.model(input_ids=ids.input_ids.to(device), output_hidden_states=True).hidden_states[-1]
         texts.append(hidden[0, CROP_START:])
-    tokens = clip_tokenizer(
+    return [{"text": t, "pooled": p} for t, p in zip(texts, clip_pooled(encoders, captions))]
+
+
+@torch.no_grad()
+def clip_pooled(encoders: TextEncoders, captions: list[str]) -> torch.Tensor:
+    """CLIP-L's pooled output [B, D] over 77 tokens, as the Kandinsky 5 and 6 pipelines compute it."""
+    tokens = encoders.clip_tokenizer(
         captions, max_length=CLIP_LENGTH, truncation=True, padding="max_length", return_tensors="pt"
-    ).to(clip.device)
-    pooled = clip(**tokens).pooler_output
-    return [{"text": t, "pooled": p} for t, p in zip(texts, pooled)]
+    ).to(encoders.clip.device)
+    return encoders.clip(**tokens).pooler_output
 
 
 def collate(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
