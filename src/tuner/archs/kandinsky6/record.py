@@ -11,6 +11,10 @@ NEGATIVE_PROMPT = KANDINSKY5_NEGATIVE_PROMPT
 """Kandinsky6TI2VAPipeline's `_DEFAULT_NEGATIVE_PROMPT` (Kandinsky 5's, word for word; a test compares)."""
 
 KANDINSKY6 = Architecture(
+    pipeline_refused=(
+        "its loss covers two streams, video and sound (tuner.archs.parts.audio), where pipeline stages "
+        "compute the loss of one prediction"
+    ),
     name="kandinsky6",
     sampling=SamplingDefaults(
         steps=50,

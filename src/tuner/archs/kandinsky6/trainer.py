@@ -21,11 +21,13 @@ from torch import nn
 
 from tuner.archs.kandinsky5.trainer import Kandinsky5Model
 from tuner.archs.kandinsky6 import loaders as k6
+from tuner.archs.model import ArchitectureModel
 from tuner.archs.parts.audio import draw_sound_noise, video_velocity
 
 
 class Kandinsky6Model(Kandinsky5Model):
     architecture = "kandinsky6"
+    pipeline_parts = ArchitectureModel.pipeline_parts  # two streams: its record's `pipeline_refused`
 
     def load_transformer(self, dtype: torch.dtype) -> nn.Module:
         return k6.load_transformer(self.weights_path("transformer"), dtype)
