@@ -182,3 +182,61 @@ def test_default_adapter_file_names_release_tensors_and_diffusers_loads_it(fixtu
     finally:
         pipe.unload_lora_weights()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_reference_images_are_called_as_the_pipeline_calls_them(parts):
+    """Control images are the model's `image_cond` tokens with the pipeline's ids (the H/W scale 0.5, the
+    `l` axis -1, -2, ...; `_prepare_image_ids` of its before-denoise steps), the text with its `txt_ids`."""
+    from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep, _prepare_image_ids
+
+    gen = torch.Generator().manual_seed(5)
+    noisy, refs = (
+        torch.randn(1, 128, 2, 3, generator=gen),
+        [torch.randn(1, 128, *s, generator=gen) for s in ((2, 2), (1, 3))],
+    )
+    embeds = flux3_text.encode_prompts(_encoder(parts), ["a cat"])[0][None]
+    t = torch.tensor([0.7])
+    want = parts["transformer"](
+        hidden_states=noisy.flatten(2).transpose(1, 2),
+        encoder_hidden_states=embeds,
+        timestep=t,
+        img_ids=_prepare_image_ids(2, 3, 0.5),
+        txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(embeds),
+        image_cond_hidden_states=torch.cat([r.flatten(2).transpose(1, 2) for r in refs], dim=1),
+        image_cond_ids=torch.cat(
+            [_prepare_image_ids(*r.shape[-2:], 0.5, l_coord=-(1 + i)) for i, r in enumerate(refs)]
+        ),
+        return_dict=False,
+    )[0]
+    cond = {"prompt_embeds": embeds, "control_0": refs[0], "control_1": refs[1]}
+    got = _trainer().predict(parts["transformer"], noisy, t, cond)
+    assert torch.equal(got, want.transpose(1, 2).reshape(1, 128, 2, 3))
+    assert not torch.equal(got, _trainer().predict(parts["transformer"], noisy, t, {"prompt_embeds": embeds}))
+
+
+@pytest.mark.slow
+def test_reference_images_cache_train_and_generate(fixture, tmp_path, capsys):
+    """Two reference images per item: cached as control latents, given to the model as its `image_cond`
+    tokens in training, and to `generate --control` twice."""
+    from project import cfg, contract_inputs, make_project, run
+    from tuner.fixtures.dataset import write_controls
+
+    project = make_project(tmp_path, fixture["root"], steps=2, architecture="flux3")
+    data = project.parent / "data"
+    write_controls(data / "controls", sorted((data / "images").glob("*.png")), 2)
+    dataset = project.parent / "dataset.toml"
+    dataset.write_text(dataset.read_text() + 'control_directory = "data/controls"\n')
+    for step in ("latents", "text"):
+        assert run(capsys, "cache", step, "--config", project)[0] == 0
+    _, _, cond = contract_inputs(Flux3Model(cfg(project)))
+    assert sorted(k for k in cond if k.startswith("control_")) == ["control_0", "control_1"]
+    code, out = run(capsys, "train", "--config", project)
+    assert code == 0, out
+    lora = project.parent / "output" / "demo_lora.safetensors"
+    control = data / "controls" / "image_000_0.png"
+    code, out = run(capsys, "generate", "--config", project, "--prompt", "a cat", "--lora", f"{lora}:1.0",
+                    "--size", "64x48", "--steps", "2", "--device", "cpu", "--control", control,
+                    "--control", control, "--out", tmp_path / "out.png")  # fmt: skip
+    assert code == 0, out
+    assert (tmp_path / "out.png").is_file()

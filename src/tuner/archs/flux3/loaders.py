@@ -16,6 +16,9 @@ It loads from
 The step-distilled release (a flow map with `ref_time_in`, which every step also tells the timestep it
 jumps to) is refused: tuner trains and samples the base model, whose adapters are what one trains.
 
+Reference images (the dataset's control images, editing) are the model's `image_cond` mode: their clean
+latents enter as tokens of their own, with ids (0, row / 2, column / 2, -1 - index), and give no output.
+
 Calling the model (`predict_velocity`): the normalized, 2x2-patchified FLUX.2 VAE latents [B, 128, H, W]
 flattened to H·W tokens, t ∈ [0, 1] as the timestep (the pipeline passes the scheduler's timestep / 1000),
 the text rows with ids (0, 0, 0, l) and the image tokens with (0, row / 2, column / 2, 0): the model was
@@ -25,7 +28,7 @@ noise − x0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,25 +97,49 @@ def load_transformer(path: str | Path, dtype: torch.dtype) -> Flux3Transformer2D
     return model
 
 
-def flux3_image_ids(height: int, width: int, device: torch.device | None = None) -> torch.Tensor:
-    """Position ids [H · W, 4] of a latent's tokens: (0, row / 2, column / 2, 0)."""
+def flux3_image_ids(
+    height: int, width: int, layer: int = 0, device: torch.device | None = None
+) -> torch.Tensor:
+    """Position ids [H · W, 4] of a latent's tokens: (0, row / 2, column / 2, layer) on the (t, h, w, l)
+    axes; `layer` is 0 for the generated image and -1, -2, ... for the reference images."""
     ids = image_ids(height, width, device=device).float()
     ids[:, 1:3] *= IMAGE_ROPE_SCALE
+    ids[:, 3] = layer
     return ids
 
 
+def _tokens(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] latents as [B, H · W, C] tokens, row by row."""
+    return latents.flatten(2).transpose(1, 2)
+
+
 def predict_velocity(
-    model: Flux3Transformer2DModel, noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor
+    model: Flux3Transformer2DModel,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    references: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """The velocity (noise − x0) for latents `noisy` [B, 128, H, W] at t ∈ [0, 1], given the text rows
-    [B, L, 8·D] (every row of each caption's window)."""
+    [B, L, 8·D] (every row of each caption's window) and optional reference latents [B, 128, H', W']:
+    the model's clean `image_cond` tokens, told apart on the `l` position axis (-1, -2, ...) as the
+    pipeline's `Flux3PrepareImageCondLatentsStep` does."""
     batch, channels, height, width = noisy.shape
+    cond = {}
+    if references:
+        cond = {
+            "image_cond_hidden_states": torch.cat([_tokens(r.to(noisy.dtype)) for r in references], dim=1),
+            "image_cond_ids": torch.cat([
+                flux3_image_ids(r.shape[-2], r.shape[-1], -(1 + i), noisy.device) for i, r in enumerate(references)
+            ]),
+        }  # fmt: skip
     out = model(
-        hidden_states=noisy.flatten(2).transpose(1, 2),
+        hidden_states=_tokens(noisy),
         encoder_hidden_states=prompt_embeds.to(noisy.dtype),
         timestep=t.to(noisy.dtype),
-        img_ids=flux3_image_ids(height, width, noisy.device),
+        img_ids=flux3_image_ids(height, width, device=noisy.device),
         txt_ids=text_ids(prompt_embeds.shape[1], noisy.device).float(),
         return_dict=False,
+        **cond,
     )[0]
     return out.transpose(1, 2).reshape(batch, channels, height, width)

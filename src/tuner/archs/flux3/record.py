@@ -23,7 +23,7 @@ FLUX3 = Architecture(
         "`early_stream_modulations.image.lin`; `model.diffusion_model.` optional), the same network in "
         "diffusers' keys, or the diffusers folder; `vae`: FLUX.2's (`flux2-vae.safetensors` or `vae/`); "
         "`text_encoder`: Qwen3-VL-4B (a Hugging Face single file with `model.language_model.*` + "
-        "`tokenizer`, or `text_encoder/`), hidden states after layers 4, 8, ..., 32 over an 80-token window"
+        "`tokenizer`, or `text_encoder/`), hidden states after layers 4, 8, ..., 32 over an 80-token window. Control images (0-10 per item) are reference images"
     ),
     save_format_loads="diffusers (its FLUX.3 converter reads the release's names under `diffusion_model.`)",
     title="FLUX.3 klein text-to-image (per-mode + joint single-stream DiT, Qwen3-VL-4B)",
@@ -42,6 +42,7 @@ FLUX3 = Architecture(
     save_format="comfy_folded",
     diffusers_loader="Flux3LoraLoaderMixin",
     diffusers_reads=CONVERTS_FOLDED,
+    control_images=(0, 10),  # the pipeline's image-conditioned workflow takes at most 10 references
     timestep_mode="shift",
     latent_patch=(1, 1),
 )

@@ -7,7 +7,9 @@ chat-formatted prompt, every row of its 80-token window (`tuner.archs.flux3.text
 one prompt per call; a training batch whose captions fall in windows of different sizes is brought to the
 longest by repeating each shorter window's last row (a padding row: all padding rows encode alike), so
 batch size 1, or captions of one window size, match the pipeline exactly. Guidance is the pipeline's
-plain classifier-free guidance (3.5) against the empty prompt; training and sampling use its constant
+plain classifier-free guidance (3.5) against the empty prompt. Control images (`control_0`, ...; up to
+the pipeline's 10) are reference images, the model's `image_cond` tokens; items without train text to
+image; training and sampling use its constant
 flow shift 6.93.
 """
 
@@ -47,4 +49,7 @@ class Flux3Model(Flux2VAEImageModel):
         return {"prompt_embeds": torch.stack(padded)}
 
     def predict(self, model: nn.Module, noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        return flux3.predict_velocity(model, noisy, t, cond["prompt_embeds"])
+        references = []
+        while f"control_{len(references)}" in cond:
+            references.append(cond[f"control_{len(references)}"])
+        return flux3.predict_velocity(model, noisy, t, cond["prompt_embeds"], references)
