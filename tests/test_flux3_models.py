@@ -219,24 +219,6 @@ def test_reference_images_are_called_as_the_pipeline_calls_them(parts):
 def test_reference_images_cache_train_and_generate(fixture, tmp_path, capsys):
     """Two reference images per item: cached as control latents, given to the model as its `image_cond`
     tokens in training, and to `generate --control` twice."""
-    from project import cfg, contract_inputs, make_project, run
-    from tuner.fixtures.dataset import write_controls
+    from project import check_reference_images_cli
 
-    project = make_project(tmp_path, fixture["root"], steps=2, architecture="flux3")
-    data = project.parent / "data"
-    write_controls(data / "controls", sorted((data / "images").glob("*.png")), 2)
-    dataset = project.parent / "dataset.toml"
-    dataset.write_text(dataset.read_text() + 'control_directory = "data/controls"\n')
-    for step in ("latents", "text"):
-        assert run(capsys, "cache", step, "--config", project)[0] == 0
-    _, _, cond = contract_inputs(Flux3Model(cfg(project)))
-    assert sorted(k for k in cond if k.startswith("control_")) == ["control_0", "control_1"]
-    code, out = run(capsys, "train", "--config", project)
-    assert code == 0, out
-    lora = project.parent / "output" / "demo_lora.safetensors"
-    control = data / "controls" / "image_000_0.png"
-    code, out = run(capsys, "generate", "--config", project, "--prompt", "a cat", "--lora", f"{lora}:1.0",
-                    "--size", "64x48", "--steps", "2", "--device", "cpu", "--control", control,
-                    "--control", control, "--out", tmp_path / "out.png")  # fmt: skip
-    assert code == 0, out
-    assert (tmp_path / "out.png").is_file()
+    check_reference_images_cli(capsys, tmp_path, fixture["root"], "flux3")
