@@ -209,3 +209,29 @@ class NoAccelerator:
         import contextlib
 
         return contextlib.nullcontext()
+
+
+def check_reference_images_cli(capsys, tmp_path: Path, model: Path, architecture: str) -> None:
+    """Two reference images per item of an edit model's demo project: cached as control latents
+    (`control_0`, `control_1` in the model's inputs), trained on, and given to `generate --control` twice."""
+    from tuner.fixtures.dataset import write_controls
+    from tuner.registry import architecture as record
+
+    project = make_project(tmp_path, model, steps=2, architecture=architecture)
+    data = project.parent / "data"
+    write_controls(data / "controls", sorted((data / "images").glob("*.png")), 2)
+    dataset = project.parent / "dataset.toml"
+    dataset.write_text(dataset.read_text() + 'control_directory = "data/controls"\n')
+    for step in ("latents", "text"):
+        assert run(capsys, "cache", step, "--config", project)[0] == 0
+    _, _, cond = contract_inputs(record(architecture).family_class()(cfg(project)))
+    assert sorted(k for k in cond if k.startswith("control_")) == ["control_0", "control_1"]
+    code, out = run(capsys, "train", "--config", project)
+    assert code == 0, out
+    lora = project.parent / "output" / "demo_lora.safetensors"
+    control = data / "controls" / "image_000_0.png"
+    code, out = run(capsys, "generate", "--config", project, "--prompt", "a cat", "--lora", f"{lora}:1.0",
+                    "--size", "64x48", "--steps", "2", "--device", "cpu", "--control", control,
+                    "--control", control, "--out", tmp_path / "out.png")  # fmt: skip
+    assert code == 0, out
+    assert (tmp_path / "out.png").is_file()

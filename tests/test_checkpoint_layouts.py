@@ -35,8 +35,8 @@ from tuner.trainers import trainer_class
 
 COMFY_PREFIX = "model.diffusion_model."
 # original keys a ComfyUI fp8 test file quantizes: the blocks' (Z-Image's and Lumina 2's are `layers` and
-# `*_refiner`)
-IN_FP8 = re.compile(r"(blocks|layers|refiner)\.\d+\.|^final_layer\.")
+# `*_refiner`; FLUX.3's per-mode lists are `content_mode_blocks.image.N`)
+IN_FP8 = re.compile(r"(blocks|layers|refiner)\.(image\.|image_cond\.)?\d+\.|^final_layer\.")
 
 
 @pytest.fixture

@@ -309,29 +309,9 @@ def test_nf4_text_encoder_caches_apart_from_bf16(fx, tmp_path, capsys):
 def test_reference_images_cache_train_and_generate(fx, tmp_path, capsys):
     """Two reference images per item: cached as control latents, appended after the target's tokens in
     training, and given to `generate --control` twice."""
-    from tuner.fixtures.dataset import write_controls
+    from project import check_reference_images_cli
 
-    project = make_project(tmp_path, fx["root"], steps=2, architecture="flux2")
-    data = project.parent / "data"
-    write_controls(data / "controls", sorted((data / "images").glob("*.png")), 2)
-    dataset = project.parent / "dataset.toml"
-    dataset.write_text(dataset.read_text() + 'control_directory = "data/controls"\n')
-    for step in ("latents", "text"):
-        assert run(capsys, "cache", step, "--config", project)[0] == 0
-    trainer = Flux2Model(cfg(project))
-    from project import contract_inputs
-
-    noisy, t, cond = contract_inputs(trainer)
-    assert sorted(k for k in cond if k.startswith("control_")) == ["control_0", "control_1"]
-    code, out = run(capsys, "train", "--config", project)
-    assert code == 0, out
-    lora = project.parent / "output" / "demo_lora.safetensors"
-    control = data / "controls" / "image_000_0.png"
-    code, out = run(capsys, "generate", "--config", project, "--prompt", "a cat", "--lora", f"{lora}:1.0",
-                    "--size", "64x48", "--steps", "2", "--device", "cpu", "--control", control,
-                    "--control", control, "--out", tmp_path / "out.png")  # fmt: skip
-    assert code == 0, out
-    assert (tmp_path / "out.png").is_file()
+    check_reference_images_cli(capsys, tmp_path, fx["root"], "flux2")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ FAMILIES = (
     "minimax_h3",
     "omnigen2",
     "hidream_o1",
+    "flux3",
 )
 """The folders under `tuner/archs/`, each declaring `RECORDS` in its `record.py`: the records' `folder`,
 which their code is named relative to."""
