@@ -165,11 +165,12 @@ class ArchitectureModel:
 
         if (schedule := self.record.flow_schedule_function()) is not None:
             sigmas = schedule(len(sigmas) - 1, noise).to(sigmas.device)
-        objective = self.training_objective()  # networks predicting x0: sampled along their velocity
-        predict, noise = model_fn, objective.initial_noise(noise)
+        if self.record.flow_prediction == "x0":  # networks predicting x0: sampled along their velocity
+            objective = self.training_objective()
+            predict, noise = model_fn, objective.initial_noise(noise)
 
-        def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
-            return objective.velocity(x, t / 1000, predict(x, t, c))
+            def model_fn(x: torch.Tensor, t: torch.Tensor, c: dict) -> torch.Tensor:
+                return objective.velocity(x, t / 1000, predict(x, t, c))
 
         settings = self.record.sample_guidance if guidance_method != "cfg" else ()
         apg = ProjectedGuidance(**dict(settings)) if settings else None
