@@ -66,9 +66,13 @@ def init_generator(seed: int, name: str) -> torch.Generator:
 
 def adapter_device(base: nn.Module) -> torch.device:
     """Where an adapter of the layer `base` is created: on the base's device, or on the CPU where the base
-    was left on the meta device (a pipeline stage's view of the blocks other stages hold and load)."""
+    was left on the meta device (a pipeline stage's view of the blocks other stages hold and load). Under a
+    meta default device (`with torch.device("meta")`: shapes alone, as `benchmarks/distributed_memory.py`
+    counts parameters) adapters stay on meta too."""
     device = base.weight.device
-    return torch.device("cpu") if device.type == "meta" else device
+    if device.type == "meta" and torch.get_default_device().type != "meta":
+        return torch.device("cpu")
+    return device
 
 
 def check_probability(p: float, what: str) -> None:
