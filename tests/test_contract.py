@@ -84,7 +84,7 @@ def case(contract):
 # jump where a rounding flips (archs/kandinsky5/loaders.py), so the vector width of torch's CPU kernels
 # shows: pinned on an AVX-512 machine; an AVX2 one (ATEN_CPU_CAPABILITY=avx2) gives [3.0057273, 2.8240960,
 # 2.9345479], 2.7e-4 away, the same alone, after any other test and in a fresh process.
-GOLDEN_REL = {"kandinsky5": 5e-4}
+GOLDEN_REL = {"kandinsky5": 5e-4, "kandinsky6": 5e-4}  # ATen's AVX2 and AVX-512 kernels: 1.4e-4 apart
 
 
 def test_golden_losses_are_pinned_for_every_architecture():

@@ -174,12 +174,12 @@ def test_check_refuses_what_stages_cannot_combine_with(tmp_path, wan_model):
 
 def _assert_same_adapter(a: Path, b: Path) -> None:
     """Equal within fp32 reduction order: micro-batches sum a gradient in another order than one batch,
-    and Adam's normalization magnifies such differences where gradients are near zero (measured: at most
-    2e-6 on FLUX weights of 3e-3 after three steps)."""
+    and Adam's normalization magnifies such differences where gradients are near zero (measured on FLUX
+    weights of 3e-3 after three steps: at most 2e-6 with AVX2 kernels, 1.4e-5 with AVX-512 ones)."""
     x, y = load_file(a), load_file(b)
     assert x.keys() == y.keys() and x
     for key in x:
-        torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=5e-6, msg=key)
+        torch.testing.assert_close(x[key], y[key], rtol=1e-4, atol=3e-5, msg=key)
 
 
 def _assert_as_one_process(piped: Path, one, folder: Path) -> None:
