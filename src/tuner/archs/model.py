@@ -83,8 +83,15 @@ class ArchitectureModel:
         control/reference image (edit models). Each value is [B, ...]. `vae` is `load_latent_encoder`'s."""
         out = {"latents": self.encode_pixels(vae, pixels)}
         for i, control in enumerate(controls):
-            out[f"control_{i}"] = self.encode_pixels(vae, control)
+            out[f"control_{i}"] = self.encode_control(vae, control, i)
         return out
+
+    def encode_control(self, vae: nn.Module, pixels: torch.Tensor, index: int) -> torch.Tensor:
+        """The cached `control_<index>` of a batch of control images or videos [B, 3, F, H, W] in [-1, 1]
+        (caching and generation): their latents, or what the record's `control_encoder` makes of them."""
+        if (encode := self.record.control_encoder_function()) is not None:
+            return encode(self, vae, pixels, index)
+        return self.encode_pixels(vae, pixels)
 
     def sound_stream(self):
         """Audio-video models (`audio_format` set): the record's `sound_stream` (`tuner.archs.parts.audio`)

@@ -267,4 +267,44 @@ RECORDS = (
         frame_images=2,
         latent_encoders=("vae", "image_encoder"),
     ),
+    # Wan 2.1 VACE: the T2V network plus a control branch reading a control video (depth, pose, edges...)
+    replace(
+        WAN,
+        name="wan_vace",
+        sampling=SamplingDefaults(
+            steps=50,
+            guidance=5.0,
+            shift=3.0,
+            source="diffusers WanVACEPipeline's defaults (50 steps, guidance 5); shift: the Wan2.1-VACE "
+            "diffusers repos' scheduler `flow_shift` (not confirmed offline)",
+        ),
+        variants=("vace-1.3B", "vace-14B"),
+        checkpoints=(
+            "Variants: `vace-1.3B`, `vace-14B` (told by shapes). `transformer`: the Wan 2.1 VACE single file "
+            "(`wan2.1_vace_*_fp16.safetensors`, official `vace_blocks.*` / `vace_patch_embedding` keys, with or "
+            "without ComfyUI's prefix), the release folder (`Wan-AI/Wan2.1-VACE-*`) or the diffusers folder; "
+            "VAE and text encoder as `wan`. One control per item: a control video with the item's frames "
+            "(`control_directory`; an image item: a control image), followed whole (the pipeline's mask of "
+            "ones); `tuner generate --control VIDEO`. Inpainting masks and reference images are not trained"
+        ),
+        hub_repos=(("1.3B", "Wan-AI/Wan2.1-VACE-1.3B-diffusers"), ("14B", "Wan-AI/Wan2.1-VACE-14B-diffusers")),
+        comfy_files=tuple(
+            (v, comfy(_WAN21_COMFY, transformer=f"diffusion_models/wan2.1_vace_{v}_fp16.safetensors",
+                      vae=_WAN21_VAE, text_encoder=_UMT5))
+            for v in ("1.3B", "14B")
+        ),  # fmt: skip
+        title="Wan 2.1 VACE 1.3B / 14B (text-to-video following a control video)",
+        family="trainer_vace:WanVACEModel",
+        control_encoder="trainer_vace:encode_control",
+        fixture="fixture_vace:FIXTURE",
+        default_targets=(
+            *WAN.default_targets,
+            # the control branch's blocks, their attention, FFN and output projections
+            r"vace_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)",
+            r"vace_blocks\.\d+\.ffn\.net\.(0\.proj|2)",
+            r"vace_blocks\.\d+\.proj_(in|out)",
+        ),
+        musubi_trains=False,
+        control_images=(1, 1),
+    ),
 )
