@@ -136,7 +136,11 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
     width, height = demo_size(architecture)
     dataset = GENERAL_TOML.format(width=width, height=height)
     dataset += IMAGES_TOML + (CONTROLS_TOML if controls else "") if images else ""
-    dataset += VIDEOS_TOML.format(frames=demo_frames(architecture)) + (CONTROL_VIDEOS_TOML if controls else "") if video else ""
+    dataset += (
+        VIDEOS_TOML.format(frames=demo_frames(architecture)) + (CONTROL_VIDEOS_TOML if controls else "")
+        if video
+        else ""
+    )
     (out / "dataset.toml").write_text(dataset)
     config = out / "train.toml"
     section = spec.model_section.format(root=Path(model).resolve())

@@ -381,7 +381,9 @@ def load_control(path: str, width: int, height: int, frames: int) -> torch.Tenso
     if Path(path).suffix.lower() not in VIDEO_EXTENSIONS:
         return load_control_image(path, width, height)
     if (count := probe_media(path, True).n_frames) < frames:
-        raise ConfigError(f"--control {path}: the control video has {count} frames; --frames {frames} needs as many.")
+        raise ConfigError(
+            f"--control {path}: the control video has {count} frames; --frames {frames} needs as many."
+        )
     array, _ = resize_and_crop(read_video_frames(path, list(range(frames))), (width, height))
     return to_tensor(array)
 

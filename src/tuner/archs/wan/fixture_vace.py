@@ -37,12 +37,16 @@ def build_components(seed: int = 0) -> dict:
 def write_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
     """Write the tiny VACE model under `out_dir`; returns the paths (keys as `write_wan_fixture`'s)."""
     parts = build_components(seed)
-    single = {"transformer_file": (TRANSFORMER_FILE, transformer_to_original(parts["transformer"].state_dict()))}
+    single = {
+        "transformer_file": (TRANSFORMER_FILE, transformer_to_original(parts["transformer"].state_dict()))
+    }
     return write_layouts(out_dir, "tiny-vace", WanVACEPipeline(**parts), single | wan21_files(parts),
                          tokenizer_folders(parts))  # fmt: skip
 
 
 FIXTURE = Fixture(
     write=write_fixture,
-    model_section=model_section("wan_vace", transformer=TRANSFORMER_FILE, vae="diffusers", text_encoder="diffusers"),
+    model_section=model_section(
+        "wan_vace", transformer=TRANSFORMER_FILE, vae="diffusers", text_encoder="diffusers"
+    ),
 )

@@ -204,7 +204,9 @@ def load_transformer(
         check_variant(folder_variant(folder), architecture, folder)
         name = read_folder_config(folder).get("_class_name", "WanTransformer3DModel")
         if name not in _DIFFUSERS_CLASSES:
-            raise CheckpointError(f"{folder}: a {name}, not a Wan transformer ({' or '.join(_DIFFUSERS_CLASSES)}).")
+            raise CheckpointError(
+                f"{folder}: a {name}, not a Wan transformer ({' or '.join(_DIFFUSERS_CLASSES)})."
+            )
         return load_diffusers_folder(getattr(diffusers, name), folder, dtype, name)
     variant = identify_single_file(files, TRANSFORMER_SPEC)
     where = files[0] if folder is None else folder

@@ -19,6 +19,15 @@ def _wan21_i2v(variant: str) -> tuple[tuple[str, str], ...]:
                   vae=_WAN21_VAE, text_encoder=_UMT5, image_encoder="clip_vision/clip_vision_h.safetensors")  # fmt: skip
 
 
+def _wan21_sizes(task: str) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """Wan 2.1's repackaged 1.3B and 14B files of `task` ("t2v" or "vace") with its VAE and UMT5."""
+    return tuple(
+        (v, comfy(_WAN21_COMFY, transformer=f"diffusion_models/wan2.1_{task}_{v}_fp16.safetensors",
+                  vae=_WAN21_VAE, text_encoder=_UMT5))
+        for v in ("1.3B", "14B")
+    )  # fmt: skip
+
+
 def _wan22_experts(task: str) -> tuple[tuple[str, str], ...]:
     """Wan 2.2 A14B's repackaged experts (task "t2v" or "i2v") with Wan 2.1's VAE."""
     return comfy(_WAN22_COMFY, transformer=f"diffusion_models/wan2.2_{task}_high_noise_14B_fp16.safetensors",
@@ -71,18 +80,7 @@ WAN = Architecture(
     musubi_trains=True,
     tokenizers=hub_tokenizers("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "tokenizer"),  # UMT5, the same for 2.2
     hub_repos=(("1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
-    comfy_files=tuple(
-        (
-            v,
-            comfy(
-                _WAN21_COMFY,
-                transformer=f"diffusion_models/wan2.1_t2v_{v}_fp16.safetensors",
-                vae=_WAN21_VAE,
-                text_encoder=_UMT5,
-            ),
-        )
-        for v in ("1.3B", "14B")
-    ),  # fmt: skip
+    comfy_files=_wan21_sizes("t2v"),
     frame_multiple=4,
     frame_remainder=1,
     supports_video=True,
@@ -287,12 +285,11 @@ RECORDS = (
             "(`control_directory`; an image item: a control image), followed whole (the pipeline's mask of "
             "ones); `tuner generate --control VIDEO`. Inpainting masks and reference images are not trained"
         ),
-        hub_repos=(("1.3B", "Wan-AI/Wan2.1-VACE-1.3B-diffusers"), ("14B", "Wan-AI/Wan2.1-VACE-14B-diffusers")),
-        comfy_files=tuple(
-            (v, comfy(_WAN21_COMFY, transformer=f"diffusion_models/wan2.1_vace_{v}_fp16.safetensors",
-                      vae=_WAN21_VAE, text_encoder=_UMT5))
-            for v in ("1.3B", "14B")
-        ),  # fmt: skip
+        hub_repos=(
+            ("1.3B", "Wan-AI/Wan2.1-VACE-1.3B-diffusers"),
+            ("14B", "Wan-AI/Wan2.1-VACE-14B-diffusers"),
+        ),
+        comfy_files=_wan21_sizes("vace"),
         title="Wan 2.1 VACE 1.3B / 14B (text-to-video following a control video)",
         family="trainer_vace:WanVACEModel",
         control_encoder="trainer_vace:encode_control",

@@ -48,11 +48,16 @@ class WanVACEModel(WanModel):
                 f"{tuple(noisy.shape[2:])}: a control video needs as many frames as its item."
             )
         mask = control.new_ones(control.shape[0], MASK_CHANNELS, *control.shape[2:])
-        return {**super().model_inputs(noisy, t, cond), "control_hidden_states": torch.cat([control, mask], 1)}
+        return {
+            **super().model_inputs(noisy, t, cond),
+            "control_hidden_states": torch.cat([control, mask], 1),
+        }
 
 
 def encode_control(family: WanVACEModel, vae: nn.Module, pixels: torch.Tensor, index: int) -> torch.Tensor:
     """The record's `control_encoder`: [B, 32, F', H', W'], the latents of the zero kept part, then of the
     control video (the whole of it to follow), as WanVACEPipeline's `prepare_video_latents` with a mask of
     ones."""
-    return torch.cat([family.encode_pixels(vae, torch.zeros_like(pixels)), family.encode_pixels(vae, pixels)], 1)
+    return torch.cat(
+        [family.encode_pixels(vae, torch.zeros_like(pixels)), family.encode_pixels(vae, pixels)], 1
+    )
