@@ -13,7 +13,7 @@ from diffusers import WanVACEPipeline
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from project import cfg, make_project
+from project import cfg, make_project, run
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.keys import original_module_name
 from tuner.data.media import read_video_frames
@@ -161,6 +161,19 @@ def test_a_control_video_shorter_than_the_clip_is_refused(project):
     config, _ = project
     with pytest.raises(Exception, match="control video has 24 frames; --frames 29"):
         load_control(_control_video(config), WIDTH, HEIGHT, 29)
+
+
+def test_a_video_item_with_a_control_image_is_refused(tmp_path, project, capsys):
+    """A video item takes a control video; a control image (one frame) is refused while caching, naming
+    what each kind of item takes."""
+    _, paths = project
+    config = make_project(tmp_path / "p", paths["root"], architecture="wan_vace")
+    controls = config.parent / "data" / "control_videos"
+    for video in controls.glob("*.mp4"):
+        Image.fromarray(read_video_frames(video, [0])[0]).save(video.with_suffix(".png"))
+        video.unlink()
+    code, log = run(capsys, "cache", "latents", "--config", config)
+    assert code != 0 and "a video item takes a control video" in log, log
 
 
 # --- adapters ------------------------------------------------------------------------------------

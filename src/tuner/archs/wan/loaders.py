@@ -106,7 +106,8 @@ TRANSFORMER_VARIANTS = variant_table(
         # the FLF2V test fixture: tiny-i2v plus the position embedding of two frames' 17 tokens
         "tiny-flf2v": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), UNCHECKED, UNCHECKED, (1, 34, 32), None, UNCHECKED),
         # Wan 2.1 VACE: the T2V network plus the control branch (96 channels in: inactive + reactive
-        # latents and the 8x8-packed mask), one VACE block every 2 (1.3B) or 5 (14B) blocks
+        # latents and the 8x8-packed mask), one VACE block every 2 (1.3B) or 5 (14B) blocks; ComfyUI's
+        # comfy/model_detection.py also tells it by `vace_patch_embedding.weight` and counts `vace_blocks.N`
         "vace-1.3B": ((1536, 16, 1, 2, 2), (1536, 4096), (30, (8960, 1536)), None, UNCHECKED, UNCHECKED,
                       (1536, 96, 1, 2, 2), (15, (1536, 1536))),
         "vace-14B": ((5120, 16, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED,
