@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from project import cfg, make_project, run
 from tuner.archs.wan import loaders as wan
 from tuner.archs.wan.keys import original_module_name
-from tuner.data.media import read_video_frames
+from tuner.data.media import read_video_frames, to_tensor
 from tuner.errors import CheckpointError
 from tuner.fixtures import write_fixture
 from tuner.generate import GenerateOptions, encode_conditions, load_control, sample_latents
@@ -84,35 +84,48 @@ def test_wrong_files_name_the_architecture_to_use(project, wan_model):
 # --- the control branch's inputs are the pipeline's ----------------------------------------------
 
 
-def test_control_latents_and_prediction_match_the_pipeline(project, pipe):
-    """The cached control (`control_encoder`) plus the mask of ones made when predicting equal
-    WanVACEPipeline's `prepare_video_latents` + `prepare_masks` without a mask, and `predict` its
-    transformer call."""
+def _mask_frames() -> list[Image.Image]:
+    """A mask video: white (generate) over the right half and the last frames' bottom rows, else black."""
+    frames = []
+    for f in range(FRAMES):
+        mask = np.zeros((HEIGHT, WIDTH, 3), dtype=np.uint8)
+        mask[:, WIDTH // 2 :] = 255
+        if f >= 5:
+            mask[HEIGHT - 16 :] = 255
+        frames.append(Image.fromarray(mask))
+    return frames
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["whole", "mask"])
+def test_control_latents_and_prediction_match_the_pipeline(project, pipe, masked):
+    """The cached controls (`control_encoder`: the kept and generated parts' latents, the packed mask, or
+    ones made when predicting without one) equal WanVACEPipeline's `prepare_video_latents` +
+    `prepare_masks`, and `predict` its transformer call."""
     config, _ = project
     trainer = trainer_class("wan_vace")(cfg(config))
     control = load_control(_control_video(config), WIDTH, HEIGHT, FRAMES).unsqueeze(0)
+    masks = _mask_frames() if masked else None
+    controls = [control] + (
+        [to_tensor(np.stack([np.asarray(m) for m in masks])).unsqueeze(0)] if masked else []
+    )
+    frames = [Image.fromarray(f) for f in _frames(config)]
     with torch.no_grad():
-        mine = trainer.encode_latents(pipe.vae, control, [control])["control_0"]
-        video, mask, refs = pipe.preprocess_conditions(
-            [Image.fromarray(f) for f in _frames(config)],
-            None,
-            None,
-            1,
-            HEIGHT,
-            WIDTH,
-            FRAMES,
-            torch.float32,
-            "cpu",
-        )
+        mine = trainer.encode_latents(pipe.vae, control, controls)
+        video, mask, refs = pipe.preprocess_conditions(frames, masks, None, 1, HEIGHT, WIDTH, FRAMES, torch.float32, "cpu")  # fmt: skip
         latents = pipe.prepare_video_latents(video, mask, refs, None, "cpu")
-        theirs = torch.cat([latents, pipe.prepare_masks(mask, refs, None)], dim=1)
-    assert mine.shape[1] == 32 and theirs.shape[1] == 96
-    torch.testing.assert_close(mine, latents, rtol=0, atol=1e-5)
-    noise = torch.randn(1, 16, *mine.shape[2:], generator=torch.Generator().manual_seed(0))
+        packed = pipe.prepare_masks(mask, refs, None)
+        theirs = torch.cat([latents, packed], dim=1)
+    assert mine["control_0"].shape[1] == 32 and theirs.shape[1] == 96
+    torch.testing.assert_close(mine["control_0"], latents, rtol=0, atol=1e-5)
+    assert ("control_1" in mine) == masked
+    if masked:
+        torch.testing.assert_close(mine["control_1"], packed, rtol=0, atol=0)
+        assert 0 < packed.mean() < 1
+    noise = torch.randn(1, 16, *latents.shape[2:], generator=torch.Generator().manual_seed(0))
     text = trainer.collate_text(trainer.encode_text((pipe.text_encoder, pipe.tokenizer), ["a red circle"]))
     t = torch.tensor([0.6])
     with torch.no_grad():
-        got = trainer.predict(pipe.transformer, noise, t, {**text, "control_0": mine})
+        got = trainer.predict(pipe.transformer, noise, t, {**text, **mine})
         want = pipe.transformer(hidden_states=noise, timestep=t * 1000, encoder_hidden_states=text["context"],
                                 control_hidden_states=theirs, return_dict=False)[0]  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -122,14 +135,17 @@ def _frames(config) -> np.ndarray:
     return read_video_frames(_control_video(config), list(range(FRAMES)))
 
 
-def test_generate_with_a_control_video_equals_the_pipeline(project, pipe, monkeypatch):
-    """`tuner generate --control VIDEO`'s conditions and sampling (control latents, CFG, Euler on the shifted
-    levels) give WanVACEPipeline's latents, its scheduler set to the same levels and given tuner's text
-    embeddings (they equal the pipeline's: test_wan_models.py; its prompt cleaning needs ftfy)."""
+@pytest.mark.parametrize("masked", [False, True], ids=["whole", "mask"])
+def test_generate_with_a_control_video_equals_the_pipeline(project, pipe, monkeypatch, masked):
+    """`tuner generate --control VIDEO [--control MASK]`'s conditions and sampling (control latents and
+    mask, CFG, Euler on the shifted levels) give WanVACEPipeline's latents, its scheduler set to the same
+    levels and given tuner's text embeddings (they equal the pipeline's: test_wan_models.py; its prompt
+    cleaning needs ftfy). The mask here is the gray control video itself (white where it is bright)."""
     config, _ = project
     c = cfg(config)
     family = ARCHITECTURES["wan_vace"].family_model(c)
-    opts = GenerateOptions(prompt="a red circle", negative_prompt="blurry", out="x.mp4", controls=(_control_video(config),),
+    controls = (_control_video(config),) * (2 if masked else 1)
+    opts = GenerateOptions(prompt="a red circle", negative_prompt="blurry", out="x.mp4", controls=controls,
                            width=WIDTH, height=HEIGHT, frames=FRAMES, steps=3, device="cpu")  # fmt: skip
     cpu = torch.device("cpu")
     cond, uncond = encode_conditions(family, c, opts, cpu)
@@ -140,7 +156,9 @@ def test_generate_with_a_control_video_equals_the_pipeline(project, pipe, monkey
     # the pipeline on the same levels: tuner's unshifted grid, shifted by its scheduler (shift 3)
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=family.sampling_defaults().shift)
+    monkeypatch.setattr(
+        pipe, "scheduler", FlowMatchEulerDiscreteScheduler(shift=family.sampling_defaults().shift)
+    )
     set_timesteps = pipe.scheduler.set_timesteps
     grid = np.linspace(1.0, 0.0, opts.steps + 1)[:-1]
     monkeypatch.setattr(
@@ -152,7 +170,7 @@ def test_generate_with_a_control_video_equals_the_pipeline(project, pipe, monkey
     # the text embeddings: the pipeline's own (test_wan_models.py), here given as tuner computed them
     theirs = pipe(prompt_embeds=cond["context"], negative_prompt_embeds=uncond["context"],
                   video=[Image.fromarray(f) for f in _frames(config)],
-                  height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=opts.steps,
+                  mask=[Image.fromarray(f) for f in _frames(config)] if masked else None, height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=opts.steps,
                   guidance_scale=family.sampling_defaults().guidance, latents=noise, output_type="latent").frames  # fmt: skip
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
@@ -174,6 +192,33 @@ def test_a_video_item_with_a_control_image_is_refused(tmp_path, project, capsys)
         video.unlink()
     code, log = run(capsys, "cache", "latents", "--config", config)
     assert code != 0 and "a video item takes a control video" in log, log
+
+
+@pytest.mark.slow
+def test_an_item_with_a_mask_video_caches_and_trains(tmp_path, project, capsys):
+    """`name_0` (the control video) and `name_1` (the mask video) in the control folder: the item caches
+    its packed mask as `control_1`, and training runs on batches with and without one."""
+    import shutil
+
+    from tuner.cache.plan import open_training_data
+
+    _, paths = project
+    config = make_project(tmp_path / "p", paths["root"], architecture="wan_vace")
+    controls = config.parent / "data" / "control_videos"
+    video = controls / "video_000.mp4"
+    shutil.copy(video, controls / "video_000_1.mp4")  # the gray video as its own mask
+    video.rename(controls / "video_000_0.mp4")
+    for command in ("latents", "text"):
+        code, log = run(capsys, "cache", command, "--config", config)
+        assert code == 0, log
+    trainer = trainer_class("wan_vace")(cfg(config))
+    batches = list(open_training_data(trainer, trainer.cfg, log=lambda s: None).epoch(0))
+    masks = [b["extra"]["control_1"] for b in batches if "control_1" in b["extra"]]
+    assert len(masks) == 1 and masks[0].shape[:2] == (1, 64)
+    assert all(b["extra"]["control_0"].shape[1] == 32 for b in batches)
+    code, log = run(capsys, "train", "--config", config, "--set", f"save.output_dir='{tmp_path / 'out'}'",
+                    "--set", "train.max_steps=4")  # fmt: skip
+    assert code == 0, log
 
 
 # --- adapters ------------------------------------------------------------------------------------

@@ -186,8 +186,9 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
         vae = family.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
         vae_dtype = next(vae.parameters()).dtype
         with torch.no_grad():
-            controls = {f"control_{i}": family.encode_control(vae, px.unsqueeze(0).to(device, vae_dtype), i)
-                        for i, px in enumerate(control_pixels)}  # fmt: skip
+            controls = family.encode_controls(
+                vae, [px.unsqueeze(0).to(device, vae_dtype) for px in control_pixels]
+            )
             if first_frame:
                 first = load_control_image(first_frame, opts.width, opts.height).unsqueeze(0)
                 controls["first_frame"] = family.encode_pixels(vae, first.to(device, vae_dtype))

@@ -233,9 +233,10 @@ class Architecture:
     sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
     pass; empty: one pass over the whole latent."""
     control_encoder: str = ""
-    """`module:function` in its folder making a control's cached `control_<i>` from (the family model, the
-    VAE, pixels [B, 3, F, H, W], i), where the control branch takes more than the control's latents (Wan
-    VACE: the latents of the kept and the generated part); empty: the latents."""
+    """`module:function` in its folder making the cached `control_<i>` tensors from (the family model, the
+    VAE, the controls' pixels, each [B, 3, F, H, W]), where the control branch takes more than each
+    control's latents (Wan VACE: the latents of the kept and the generated part, and the mask); empty: the
+    latents."""
     flow_schedule: str = ""
     """`module:function` (in its folder) of generation's noise levels, called as `fn(steps, noise)` (the
     initial noise [1, ...]) for `steps + 1` levels from 1 to 0, where the release samples along a schedule of

@@ -401,7 +401,9 @@ class SampleConfig:
         None, "Negative prompt of the samples (used with guidance); unset: the architecture's default."
     )
     controls: tuple[str, ...] = option(
-        (), "Control images given with every prompt (edit models; Wan VACE: a control video).", path=True
+        (),
+        "Control images given with every prompt (edit models; Wan VACE: a control video, then optionally its mask video).",
+        path=True,
     )
     images: tuple[str, ...] = option(
         (),

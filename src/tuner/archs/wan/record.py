@@ -281,9 +281,10 @@ RECORDS = (
             "Variants: `vace-1.3B`, `vace-14B` (told by shapes). `transformer`: the Wan 2.1 VACE single file "
             "(`wan2.1_vace_*_fp16.safetensors`, official `vace_blocks.*` / `vace_patch_embedding` keys, with or "
             "without ComfyUI's prefix), the release folder (`Wan-AI/Wan2.1-VACE-*`) or the diffusers folder; "
-            "VAE and text encoder as `wan`. One control per item: a control video with the item's frames "
-            "(`control_directory`; an image item: a control image), followed whole (the pipeline's mask of "
-            "ones); `tuner generate --control VIDEO`. Inpainting masks and reference images are not trained"
+            "VAE and text encoder as `wan`. Per item a control video with the item's frames (`control_directory`; an "
+            "image item: a control image), followed whole, or with a mask video (`name_0`: the control, `name_1`: "
+            "the mask, white where to generate) for inpainting; `tuner generate --control VIDEO [--control "
+            "MASK]`. Reference images are not supported"
         ),
         hub_repos=(
             ("1.3B", "Wan-AI/Wan2.1-VACE-1.3B-diffusers"),
@@ -292,7 +293,7 @@ RECORDS = (
         comfy_files=_wan21_sizes("vace"),
         title="Wan 2.1 VACE 1.3B / 14B (text-to-video following a control video)",
         family="trainer_vace:WanVACEModel",
-        control_encoder="trainer_vace:encode_control",
+        control_encoder="trainer_vace:encode_controls",
         fixture="fixture_vace:FIXTURE",
         default_targets=(
             *WAN.default_targets,
@@ -302,6 +303,6 @@ RECORDS = (
             r"vace_blocks\.\d+\.proj_(in|out)",
         ),
         musubi_trains=False,
-        control_images=(1, 1),
+        control_images=(1, 2),
     ),
 )
