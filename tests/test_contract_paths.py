@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from project import base_transformer, cfg, contract_inputs, killed_at_first_save, run
-from tuner.demo import data_kinds, demo_frames, demo_size, frame_image_args
+from tuner.demo import control_path, data_kinds, demo_frames, demo_size, frame_image_args
 from tuner.errors import ConfigError
 from tuner.networks.factory import apply_adapter_file
 from tuner.registry import SAVE_LAYOUTS
@@ -63,7 +63,7 @@ def test_cli_cache_train_generate_with_two_loras(contract, tmp_path, capsys):
     lora = out / "demo_lora.safetensors"
     video, controls = data_kinds(arch)
     sample = tmp_path / ("sample.mp4" if video else "sample.png")
-    extra = ["--control", str(config.parent / "data" / "controls" / "image_000.png")] * controls
+    extra = ["--control", str(control_path(arch, config.parent / "data"))] * controls
     extra += frame_image_args(arch, config.parent / "data")
     code, log = run(capsys, "generate", "--config", config, "--prompt", "a red circle", "--lora", f"{lora}:0.5",
                     "--lora", f"{lora}:0.5", "--size", "{}x{}".format(*demo_size(arch)), "--frames", str(demo_frames(arch)) if video else "1", "--steps", "2",

@@ -50,7 +50,8 @@ def test_record_is_complete(name):
     assert cls.__name__ == record.model_class and (
         hasattr(diffusers, record.model_class) or cls.__module__ == f"tuner.archs.{record.folder}.model"
     ), record.model_class
-    for config in (record.variant_dir / "transformer").glob("*/config.json"):
+    for variant in record.variants:  # a family folder may hold another class's configs (Wan VACE)
+        config = record.variant_dir / "transformer" / variant / "config.json"
         assert json.loads(config.read_text())["_class_name"] == record.model_class, config
     assert record.block_lists and all(re.fullmatch(r"[a-z_]+(\.[a-z_]+)*", b) for b in record.block_lists)
     assert record.default_targets

@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before diffusers / transformers read it
 
+import diffusers
 import pytest
 import torch
 from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
@@ -132,16 +133,18 @@ def test_comfyui_scaled_fp8_files_are_dequantized(fx, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def meta_original_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def meta_original_shapes(config: dict, cls: type = WanTransformer3DModel) -> dict[str, tuple[int, ...]]:
     """Original-layout shapes of a transformer built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = WanTransformer3DModel.from_config(config)
+        model = cls.from_config(config)
     return {original_module_name(k): tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("variant", wan.TRANSFORMER_VARIANTS, ids=lambda v: v.name)
 def test_transformer_variant_picked_from_shapes(variant):
-    shapes = meta_original_shapes(WanTransformer3DModel.load_config(variant.config_dir))
+    """Each shipped config's shapes (VACE's on its own class) match exactly its own signature."""
+    cls = getattr(diffusers, wan.transformer_class_name(variant))
+    shapes = meta_original_shapes(cls.load_config(variant.config_dir), cls)
     assert pick_variant(shapes, wan.TRANSFORMER_VARIANTS, "x.safetensors", "Wan") is variant
 
 

@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="IMAGE",
-        help="control / reference image for edit models (repeatable)",
+        help="control / reference image for edit models (repeatable); Wan VACE: a control video of --frames or more, then optionally its mask video",
     )
     p.add_argument(
         "--image",

@@ -46,6 +46,10 @@ frame_extraction = "head"
 source_fps = 24.0
 """
 
+CONTROL_VIDEOS_TOML = """\
+control_directory = "data/control_videos"
+"""
+
 TRAIN_TOML = """\
 [model]
 {model_section}dtype = "fp32"
@@ -101,6 +105,13 @@ def demo_frames(architecture: str) -> int:
     return frames
 
 
+def control_path(architecture: str, data: Path) -> Path:
+    """`tuner generate`'s control for architectures that take one: the demo dataset's first control
+    video for video models (Wan VACE), else its first control image."""
+    video, _ = data_kinds(architecture)
+    return data / "control_videos" / "video_000.mp4" if video else data / "controls" / "image_000.png"
+
+
 def frame_image_args(architecture: str, data: Path) -> list[str]:
     """`tuner generate`'s frame images for image-to-video architectures (`--image` once or twice), from
     the demo dataset's images; none for the others."""
@@ -125,7 +136,11 @@ def prepare(out: Path, steps: int = 50, model: Path | None = None, architecture:
     width, height = demo_size(architecture)
     dataset = GENERAL_TOML.format(width=width, height=height)
     dataset += IMAGES_TOML + (CONTROLS_TOML if controls else "") if images else ""
-    dataset += VIDEOS_TOML.format(frames=demo_frames(architecture)) if video else ""
+    dataset += (
+        VIDEOS_TOML.format(frames=demo_frames(architecture)) + (CONTROL_VIDEOS_TOML if controls else "")
+        if video
+        else ""
+    )
     (out / "dataset.toml").write_text(dataset)
     config = out / "train.toml"
     section = spec.model_section.format(root=Path(model).resolve())
@@ -149,7 +164,7 @@ def run(out: Path, steps: int = 50, architecture: str = "wan", model: Path | Non
          "--lora", str(out / "output" / "demo_lora.safetensors:1.0"), "--size", "{}x{}".format(*demo_size(architecture)),
          "--frames", str(demo_frames(architecture)) if video else "1",
          "--steps", "8", "--guidance", "3.0", "--device", "cpu",
-         *(["--control", str(out / "data" / "controls" / "image_000.png")] * controls),
+         *(["--control", str(control_path(architecture, out / "data"))] * controls),
          *frame_image_args(architecture, out / "data"),
          "--out", str(out / "samples" / ("demo.mp4" if video else "demo.png"))],
     ):  # fmt: skip

@@ -170,7 +170,7 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
     frame is given, not generated). Loads the text encoder and, for images, the VAE, and drops each
     before returning."""
     opts = resolve_options(family, opts)
-    control_pixels = [load_control_image(p, opts.width, opts.height) for p in opts.controls]
+    control_pixels = [load_control(p, opts.width, opts.height, opts.frames) for p in opts.controls]
     encoder = family.load_text_encoder(device, cfg.cache.text_encoder_dtype)
     attach_text_adapters(family, encoder, opts.loras)  # SDXL files may hold its text encoders' parts
     # edit models whose text encoder sees the control images get them for both prompts, as in training
@@ -189,8 +189,9 @@ def encode_conditions(family, cfg, opts: GenerateOptions, device) -> tuple[dict,
         vae = family.load_vae(device, DTYPES[cfg.model.vae_dtype]).eval()
         vae_dtype = next(vae.parameters()).dtype
         with torch.no_grad():
-            controls = {f"control_{i}": family.encode_pixels(vae, px.unsqueeze(0).to(device, vae_dtype))
-                        for i, px in enumerate(control_pixels)}  # fmt: skip
+            controls = family.encode_controls(
+                vae, [px.unsqueeze(0).to(device, vae_dtype) for px in control_pixels]
+            )
             if first_frame:
                 first = load_control_image(first_frame, opts.width, opts.height).unsqueeze(0)
                 controls["first_frame"] = family.encode_pixels(vae, first.to(device, vae_dtype))
@@ -374,6 +375,22 @@ def _check_out(out: str | Path) -> None:
             f"--out {out}: cannot write to {out.parent} ({e.strerror}); choose another --out or make the "
             "folder writable."
         ) from None
+
+
+def load_control(path: str, width: int, height: int, frames: int) -> torch.Tensor:
+    """A control image ([3, 1, H, W], `load_control_image`), or a control video's first `frames` frames
+    resized and center-cropped to the output size: [3, frames, H, W] in [-1, 1] (a shorter video is refused)."""
+    from tuner.data.buckets import resize_and_crop
+    from tuner.data.media import VIDEO_EXTENSIONS, probe_media, read_video_frames, to_tensor
+
+    if Path(path).suffix.lower() not in VIDEO_EXTENSIONS:
+        return load_control_image(path, width, height)
+    if (count := probe_media(path, True).n_frames) < frames:
+        raise ConfigError(
+            f"--control {path}: the control video has {count} frames; --frames {frames} needs as many."
+        )
+    array, _ = resize_and_crop(read_video_frames(path, list(range(frames))), (width, height))
+    return to_tensor(array)
 
 
 def load_control_image(path: str, width: int, height: int) -> torch.Tensor:

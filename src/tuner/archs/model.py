@@ -81,10 +81,14 @@ class ArchitectureModel:
     ) -> dict[str, torch.Tensor]:
         """One latent cache entry per item, batched: the target `latents` plus one `control_<i>` per
         control/reference image (edit models). Each value is [B, ...]. `vae` is `load_latent_encoder`'s."""
-        out = {"latents": self.encode_pixels(vae, pixels)}
-        for i, control in enumerate(controls):
-            out[f"control_{i}"] = self.encode_pixels(vae, control)
-        return out
+        return {"latents": self.encode_pixels(vae, pixels), **self.encode_controls(vae, controls)}
+
+    def encode_controls(self, vae: nn.Module, controls: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The cached `control_<i>` of a batch's control images or videos (each [B, 3, F, H, W] in [-1, 1];
+        caching and generation): their latents, or what the record's `control_encoder` makes of them."""
+        if (encode := self.record.control_encoder_function()) is not None:
+            return encode(self, vae, controls)
+        return {f"control_{i}": self.encode_pixels(vae, control) for i, control in enumerate(controls)}
 
     def sound_stream(self):
         """Audio-video models (`audio_format` set): the record's `sound_stream` (`tuner.archs.parts.audio`)

@@ -257,6 +257,11 @@ class Architecture:
     """`module:function` (in its folder) of a generation that denoises the latent in parts (FramePack's
     sections), called as `fn(denoise, noise, cond, uncond)` where `denoise` takes the same three for one Euler
     pass; empty: one pass over the whole latent."""
+    control_encoder: str = ""
+    """`module:function` in its folder making the cached `control_<i>` tensors from (the family model, the
+    VAE, the controls' pixels, each [B, 3, F, H, W]), where the control branch takes more than each
+    control's latents (Wan VACE: the latents of the kept and the generated part, and the mask); empty: the
+    latents."""
     flow_schedule: str = ""
     """`module:function` (in its folder) of generation's noise levels, called as `fn(steps, noise)` (the
     initial noise [1, ...]) for `steps + 1` levels from 1 to 0, where the release samples along a schedule of
@@ -349,6 +354,10 @@ class Architecture:
         """The `flow_sampler` function, or None for one pass."""
         return self._code(self.flow_sampler) if self.flow_sampler else None
 
+    def control_encoder_function(self) -> Any:
+        """The `control_encoder` function, or None for the control's latents."""
+        return self._code(self.control_encoder) if self.control_encoder else None
+
     def noise_scale(self, transformer: str | Path | None) -> tuple[float, float]:
         """(scale, clip) of the noise for the transformer file or folder `transformer` (`noise_scales`)."""
         for pattern, scale, clip in self.noise_scales:
@@ -407,9 +416,17 @@ class Architecture:
         return ARCHS / self.folder / "configs"
 
     @property
+    def tiny_variant(self) -> str:
+        """The `tiny*` transformer config of its first variant: the longest suffix of a `tiny*` folder found
+        in the variant's name (`tiny-i2v` for `i2v-14B`), else `tiny`."""
+        folders = [p.name for p in (self.variant_dir / "transformer").glob("tiny*")]
+        return max(folders, key=lambda f: (f == "tiny" or f[5:] in self.variants[0]) * (len(f) + 1))
+
+    @property
     def model_class(self) -> str:
-        """The class of its transformer: its `tiny` config's `_class_name` (every variant's too)."""
-        return _class_name(self.variant_dir / "transformer" / "tiny" / "config.json")
+        """The class of its transformer: its `tiny_variant` config's `_class_name` (its variants' too; one
+        family folder may hold records of two classes, as Wan and Wan VACE)."""
+        return _class_name(self.variant_dir / "transformer" / self.tiny_variant / "config.json")
 
     def transformer_class(self) -> type:
         """The `model_class`: diffusers' class, or where diffusers has none the one its folder's `model.py`

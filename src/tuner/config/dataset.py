@@ -139,7 +139,9 @@ class DatasetEntry(SharedOptions):
     )
     control_directory: str | None = option(
         None,
-        "Folder of control/reference images paired with items by file stem (name, name_0, name_1...).",
+        "Folder of control/reference images (for a video item of Wan VACE, a control video and its optional mask "
+        "video) paired with items by "
+        "file stem (name, name_0, name_1...).",
         path=True,
     )
     mask_directory: str | None = option(

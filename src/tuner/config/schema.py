@@ -400,7 +400,11 @@ class SampleConfig:
     negative_prompt: str | None = option(
         None, "Negative prompt of the samples (used with guidance); unset: the architecture's default."
     )
-    controls: tuple[str, ...] = option((), "Control images given with every prompt (edit models).", path=True)
+    controls: tuple[str, ...] = option(
+        (),
+        "Control images given with every prompt (edit models; Wan VACE: a control video, then optionally its mask video).",
+        path=True,
+    )
     images: tuple[str, ...] = option(
         (),
         "Frame images given with every prompt (image-to-video models: the first, then the last frame).",

@@ -329,17 +329,15 @@ def _record(architecture: str):
 
 @functools.cache
 def _targets(architecture: str) -> dict[str, tuple[int, int]]:
-    """(out, in) of the default targets of the tiny config of `architecture`'s first variant (`tiny-i2v`
-    for `i2v-14B`: the longest suffix of a `tiny*` folder found in the variant's name)."""
+    """(out, in) of the default targets of the tiny config of `architecture`'s first variant (the record's
+    `tiny_variant`)."""
     from accelerate import init_empty_weights
 
     from tuner.networks.targets import TargetSpec, find_targets
 
     record = _record(architecture)
-    folders = [p.name for p in (record.variant_dir / "transformer").glob("tiny*")]
-    tiny = max(folders, key=lambda f: (f == "tiny" or f[5:] in record.variants[0]) * (len(f) + 1))
     with init_empty_weights():
-        model = record.build_transformer(tiny)
+        model = record.build_transformer(record.tiny_variant)
     found = find_targets(model, TargetSpec(record.default_targets))
     return {name: (m.out_features, m.in_features) for name, m in found.items()}
 

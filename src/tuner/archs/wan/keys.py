@@ -34,20 +34,35 @@ from tuner.networks.layouts import CheckpointLayout
 # Transformer: (diffusers name, original name); `{i}` is a block index. A rule matches a whole dotted
 # name or its leading part (so `blocks.0.attn1.to_q.weight` uses the `blocks.{i}.attn1.to_q` rule).
 # ---------------------------------------------------------------------------------------------------
+# The rules inside one block (`blocks.{i}.` + these), shared by the control branch's `vace_blocks`
+_BLOCK_RULES: tuple[tuple[str, str], ...] = (
+    ("attn1.to_q", "self_attn.q"),
+    ("attn1.to_k", "self_attn.k"),
+    ("attn1.to_v", "self_attn.v"),
+    ("attn1.to_out.0", "self_attn.o"),
+    ("attn2.to_q", "cross_attn.q"),
+    ("attn2.to_k", "cross_attn.k"),
+    ("attn2.to_v", "cross_attn.v"),
+    ("attn2.to_out.0", "cross_attn.o"),
+    ("attn2.add_k_proj", "cross_attn.k_img"),  # image-to-video only
+    ("attn2.add_v_proj", "cross_attn.v_img"),  # image-to-video only
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("attn1.norm_q", "self_attn.norm_q"),
+    ("attn1.norm_k", "self_attn.norm_k"),
+    ("attn2.norm_q", "cross_attn.norm_q"),
+    ("attn2.norm_k", "cross_attn.norm_k"),
+    ("attn2.norm_added_k", "cross_attn.norm_k_img"),
+    ("norm2", "norm3"),  # the affine cross-attention norm
+    ("scale_shift_table", "modulation"),
+)
+# VACE blocks (diffusers' WanVACETransformerBlock; the release's VaceWanAttentionBlock, ComfyUI's
+# comfy/ldm/wan/model.py VaceWanModel): a Wan block plus `before_proj` (block 0) and `after_proj`
+_VACE_BLOCK_RULES = (*_BLOCK_RULES, ("proj_in", "before_proj"), ("proj_out", "after_proj"))
+
 TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
     # nn.Linear modules (what LoRA targets)
-    ("blocks.{i}.attn1.to_q", "blocks.{i}.self_attn.q"),
-    ("blocks.{i}.attn1.to_k", "blocks.{i}.self_attn.k"),
-    ("blocks.{i}.attn1.to_v", "blocks.{i}.self_attn.v"),
-    ("blocks.{i}.attn1.to_out.0", "blocks.{i}.self_attn.o"),
-    ("blocks.{i}.attn2.to_q", "blocks.{i}.cross_attn.q"),
-    ("blocks.{i}.attn2.to_k", "blocks.{i}.cross_attn.k"),
-    ("blocks.{i}.attn2.to_v", "blocks.{i}.cross_attn.v"),
-    ("blocks.{i}.attn2.to_out.0", "blocks.{i}.cross_attn.o"),
-    ("blocks.{i}.attn2.add_k_proj", "blocks.{i}.cross_attn.k_img"),  # image-to-video only
-    ("blocks.{i}.attn2.add_v_proj", "blocks.{i}.cross_attn.v_img"),  # image-to-video only
-    ("blocks.{i}.ffn.net.0.proj", "blocks.{i}.ffn.0"),
-    ("blocks.{i}.ffn.net.2", "blocks.{i}.ffn.2"),
+    *((f"blocks.{{i}}.{d}", f"blocks.{{i}}.{o}") for d, o in _BLOCK_RULES),
     ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
     ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
     ("condition_embedder.time_proj", "time_projection.1"),
@@ -58,17 +73,14 @@ TRANSFORMER_RULES: tuple[tuple[str, str], ...] = (
     ("proj_out", "head.head"),
     # everything else in the state dict
     ("patch_embedding", "patch_embedding"),
-    ("blocks.{i}.attn1.norm_q", "blocks.{i}.self_attn.norm_q"),
-    ("blocks.{i}.attn1.norm_k", "blocks.{i}.self_attn.norm_k"),
-    ("blocks.{i}.attn2.norm_q", "blocks.{i}.cross_attn.norm_q"),
-    ("blocks.{i}.attn2.norm_k", "blocks.{i}.cross_attn.norm_k"),
-    ("blocks.{i}.attn2.norm_added_k", "blocks.{i}.cross_attn.norm_k_img"),
-    ("blocks.{i}.norm2", "blocks.{i}.norm3"),  # the affine cross-attention norm
-    ("blocks.{i}.scale_shift_table", "blocks.{i}.modulation"),
     ("scale_shift_table", "head.modulation"),
     ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
     ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
     ("condition_embedder.image_embedder.pos_embed", "img_emb.emb_pos"),  # first-last-frame only
+    # Wan 2.1 VACE's control branch: `vace_blocks` are Wan blocks with an input projection (block 0 only)
+    # and an output projection (the release's `before_proj` / `after_proj`), fed by `vace_patch_embedding`
+    *((f"vace_blocks.{{i}}.{d}", f"vace_blocks.{{i}}.{o}") for d, o in _VACE_BLOCK_RULES),
+    ("vace_patch_embedding", "vace_patch_embedding"),
 )
 
 

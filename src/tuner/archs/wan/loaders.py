@@ -24,6 +24,7 @@ cannot tell them apart (nor the high-noise expert from the low-noise one); the W
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,9 +38,9 @@ from tuner.archs.wan.keys import (
     vae_to_original,
 )
 from tuner.errors import CheckpointError
-from tuner.models.component import component_spec, load_component
+from tuner.models.component import component_spec, diffusers_keys, load_component
 from tuner.models.encoders import T5_COLUMNS, load_encoder, model_keys
-from tuner.models.identify import UNCHECKED, SingleFileSpec, identify_single_file, variant_table
+from tuner.models.identify import UNCHECKED, SingleFileSpec, Variant, identify_single_file, variant_table
 from tuner.models.loading import (
     load_diffusers_folder,
     load_diffusers_single_file,
@@ -81,28 +82,39 @@ CONFIGS = Path(__file__).parent / "configs"
 TRANSFORMER_VARIANTS = variant_table(
     CONFIGS / "transformer",
     ("patch_embedding.weight", "text_embedding.0.weight", "blocks.{}.ffn.0.weight",
-     "blocks.0.cross_attn.k_img.weight", "img_emb.proj.1.weight", "img_emb.emb_pos"),
+     "blocks.0.cross_attn.k_img.weight", "img_emb.proj.1.weight", "img_emb.emb_pos",
+     "vace_patch_embedding.weight", "vace_blocks.{}.after_proj.weight"),
     {
-        "t2v-1.3B": ((1536, 16, 1, 2, 2), (1536, 4096), (30, (8960, 1536)), None, UNCHECKED, UNCHECKED),
-        "t2v-14B": ((5120, 16, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED),
+        "t2v-1.3B": ((1536, 16, 1, 2, 2), (1536, 4096), (30, (8960, 1536)), None, UNCHECKED, UNCHECKED, None, UNCHECKED),
+        "t2v-14B": ((5120, 16, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED, None, UNCHECKED),
         # img_emb.emb_pos is present only in first-last-frame models
-        "i2v-14B": ((5120, 36, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), (5120, 5120), (1280, 1280), None),
+        "i2v-14B": ((5120, 36, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), (5120, 5120), (1280, 1280), None, None, UNCHECKED),
         # Wan 2.1 FLF2V 14B: I2V's network plus a position embedding over the two frames' CLIP tokens
-        "flf2v-14B": ((5120, 36, 1, 2, 2), UNCHECKED, (40, (13824, 5120)), (5120, 5120), UNCHECKED, (1, 514, 1280)),
+        "flf2v-14B": ((5120, 36, 1, 2, 2), UNCHECKED, (40, (13824, 5120)), (5120, 5120), UNCHECKED, (1, 514, 1280), None, UNCHECKED),
         # either Wan 2.2 I2V A14B expert: noise + conditioning latents + mask in, no CLIP image layers
-        "i2v-A14B": ((5120, 36, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED),
+        "i2v-A14B": ((5120, 36, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED, None, UNCHECKED),
         # Wan 2.2 TI2V-5B: the 48-channel latents of the Wan 2.2 VAE
-        "ti2v-5B": ((3072, 48, 1, 2, 2), (3072, 4096), (30, (14336, 3072)), None, UNCHECKED, UNCHECKED),
+        "ti2v-5B": ((3072, 48, 1, 2, 2), (3072, 4096), (30, (14336, 3072)), None, UNCHECKED, UNCHECKED, None, UNCHECKED),
         # the TI2V test fixture (tuner.archs.wan.fixture_ti2v): the tiny network on 48 channels
-        "tiny-ti2v": ((64, 48, 1, 2, 2), (64, 64), (2, (128, 64)), None, UNCHECKED, UNCHECKED),
+        "tiny-ti2v": ((64, 48, 1, 2, 2), (64, 64), (2, (128, 64)), None, UNCHECKED, UNCHECKED, None, UNCHECKED),
         # the test fixture (tuner.archs.wan.fixture): 2 heads of 32, 2 blocks
-        "tiny": ((64, 16, 1, 2, 2), (64, 64), (2, (128, 64)), None, UNCHECKED, UNCHECKED),
+        "tiny": ((64, 16, 1, 2, 2), (64, 64), (2, (128, 64)), None, UNCHECKED, UNCHECKED, None, UNCHECKED),
         # the I2V test fixture: the tiny network with 36 input channels and the tiny CLIP's width 32
-        "tiny-i2v": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), UNCHECKED, (32, 32), None),
+        "tiny-i2v": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), UNCHECKED, (32, 32), None, None, UNCHECKED),
         # the Wan 2.2 I2V A14B test fixture's experts: tiny-i2v without the CLIP image layers
-        "tiny-i2v-A14B": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), None, UNCHECKED, UNCHECKED),
+        "tiny-i2v-A14B": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), None, UNCHECKED, UNCHECKED, None, UNCHECKED),
         # the FLF2V test fixture: tiny-i2v plus the position embedding of two frames' 17 tokens
-        "tiny-flf2v": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), UNCHECKED, UNCHECKED, (1, 34, 32)),
+        "tiny-flf2v": ((64, 36, 1, 2, 2), UNCHECKED, (2, (128, 64)), UNCHECKED, UNCHECKED, (1, 34, 32), None, UNCHECKED),
+        # Wan 2.1 VACE: the T2V network plus the control branch (96 channels in: inactive + reactive
+        # latents and the 8x8-packed mask), one VACE block every 2 (1.3B) or 5 (14B) blocks; ComfyUI's
+        # comfy/model_detection.py also tells it by `vace_patch_embedding.weight` and counts `vace_blocks.N`
+        "vace-1.3B": ((1536, 16, 1, 2, 2), (1536, 4096), (30, (8960, 1536)), None, UNCHECKED, UNCHECKED,
+                      (1536, 96, 1, 2, 2), (15, (1536, 1536))),
+        "vace-14B": ((5120, 16, 1, 2, 2), (5120, 4096), (40, (13824, 5120)), None, UNCHECKED, UNCHECKED,
+                     (5120, 96, 1, 2, 2), (8, (5120, 5120))),
+        # the VACE test fixture (tuner.archs.wan.fixture_vace): the tiny network with 2 VACE blocks
+        "tiny-vace": ((64, 16, 1, 2, 2), (64, 64), (2, (128, 64)), None, UNCHECKED, UNCHECKED,
+                      (64, 96, 1, 2, 2), (2, (64, 64))),
     },
 )  # fmt: skip
 
@@ -120,6 +132,9 @@ VARIANT_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tiny-i2v": ("the tiny image-to-video test transformer", ("wan_i2v", "wan_1f")),
     "tiny-flf2v": ("the tiny first-last-frame test transformer", ("wan_flf2v",)),
     "tiny-i2v-A14B": ("the tiny Wan 2.2 I2V A14B test expert (image-to-video)", ("wan22_i2v",)),
+    "vace-1.3B": ("a Wan 2.1 VACE 1.3B transformer (control videos)", ("wan_vace",)),
+    "vace-14B": ("a Wan 2.1 VACE 14B transformer (control videos)", ("wan_vace",)),
+    "tiny-vace": ("the tiny VACE test transformer", ("wan_vace",)),
 }
 
 VAE_VARIANTS = variant_table(
@@ -144,9 +159,15 @@ _VAE_DIFFUSERS_MARKERS = ("encoder.conv_in.weight", "decoder.conv_in.weight", "q
 _TIED_EMBEDDING = {"encoder.embed_tokens.weight": "shared.weight"}
 
 
-TRANSFORMER_SPEC = component_spec(
-    "Wan 2.1 transformer", "WanTransformer3DModel", TRANSFORMER_VARIANTS, _ORIGINAL_MARKERS, _DIFFUSERS_MARKERS,
-    original_module_name,
+def transformer_class_name(variant: Variant) -> str:
+    """The diffusers class of a transformer variant: its config's (VACE's is WanVACETransformer3DModel)."""
+    return read_folder_config(variant.config_dir)["_class_name"]
+
+
+TRANSFORMER_SPEC = replace(
+    component_spec("Wan 2.1 transformer", "WanTransformer3DModel", TRANSFORMER_VARIANTS, _ORIGINAL_MARKERS,
+                   _DIFFUSERS_MARKERS, original_module_name),
+    expected_keys=lambda v: diffusers_keys(transformer_class_name(v), original_module_name)(v),
 )  # fmt: skip
 VAE_SPEC = component_spec(
     "Wan 2.1 VAE", "AutoencoderKLWan", VAE_VARIANTS, _VAE_MARKERS, _VAE_DIFFUSERS_MARKERS, vae_key_to_original
@@ -168,25 +189,37 @@ TEXT_ENCODER_SPEC = SingleFileSpec(
 def load_transformer(
     path: str | Path, dtype: torch.dtype, architecture: str = "wan", subfolder: str = "transformer"
 ) -> WanTransformer3DModel:
-    """Load a Wan transformer from a diffusers folder (its `subfolder` when `path` is a pipeline root) or a
-    single file, in eval mode. A variant that `architecture` does not train is refused, naming the one
-    that does."""
-    from diffusers import WanTransformer3DModel
+    """Load a Wan transformer (a WanTransformer3DModel, or for VACE a WanVACETransformer3DModel) from a
+    diffusers folder (its `subfolder` when `path` is a pipeline root) or a single file, in eval mode. A
+    variant that `architecture` does not train is refused, naming the one that does."""
+    import diffusers
 
     folder = resolve_folder(path, subfolder)
     if folder is None:
         files = [Path(path)]
-    elif read_folder_config(folder).get("_class_name") == "WanModel":
-        # The official release folder (Wan-AI/Wan2.1-T2V-*, Wan2.2-*/high_noise_model): original keys, sharded.
+    elif read_folder_config(folder).get("_class_name") in _RELEASE_CLASSES:
+        # The official release folder (Wan-AI/Wan2.1-T2V-*, Wan2.2-*/high_noise_model, Wan2.1-VACE-*):
+        # original keys, sharded.
         files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
     else:
         check_variant(folder_variant(folder), architecture, folder)
-        return load_diffusers_folder(WanTransformer3DModel, folder, dtype, "WanTransformer3DModel")
+        name = read_folder_config(folder).get("_class_name", "WanTransformer3DModel")
+        if name not in _DIFFUSERS_CLASSES:
+            raise CheckpointError(
+                f"{folder}: a {name}, not a Wan transformer ({' or '.join(_DIFFUSERS_CLASSES)})."
+            )
+        return load_diffusers_folder(getattr(diffusers, name), folder, dtype, name)
     variant = identify_single_file(files, TRANSFORMER_SPEC)
     where = files[0] if folder is None else folder
     check_variant(variant.name, architecture, where)
     state_dict = fill_converter_gaps(normalize_state_dict(load_tensors_of(files), dtype))
-    return load_diffusers_single_file(WanTransformer3DModel, state_dict, variant.config_dir, dtype, where)
+    model_class = getattr(diffusers, transformer_class_name(variant))
+    return load_diffusers_single_file(model_class, state_dict, variant.config_dir, dtype, where)
+
+
+# the release folders' config classes (the official code's) and the diffusers classes tuner loads
+_RELEASE_CLASSES = ("WanModel", "VaceWanModel")
+_DIFFUSERS_CLASSES = ("WanTransformer3DModel", "WanVACETransformer3DModel")
 
 
 # diffusers 0.42's original -> diffusers Wan converter has no rule for FLF2V's `img_emb.emb_pos` (it would
@@ -208,6 +241,7 @@ _VARIANT_KEYS = (
     "ffn_dim",
     "image_dim",
     "pos_embed_seq_len",
+    "vace_layers",
 )
 
 
@@ -224,7 +258,7 @@ def folder_variant(folder: Path) -> str | None:
 def transformer_variant(path: str | Path, subfolder: str = "transformer") -> str | None:
     """The variant of a transformer checkpoint (file or folder), from headers or config only."""
     folder = resolve_folder(path, subfolder)
-    if folder is not None and read_folder_config(folder).get("_class_name") != "WanModel":
+    if folder is not None and read_folder_config(folder).get("_class_name") not in _RELEASE_CLASSES:
         return folder_variant(folder)
     files = [Path(path)] if folder is None else sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
     return identify_single_file(files, TRANSFORMER_SPEC).name

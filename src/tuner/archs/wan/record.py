@@ -26,6 +26,15 @@ def _wan21_i2v(variant: str) -> tuple[tuple[str, str], ...]:
                   vae=_WAN21_VAE, text_encoder=_UMT5, image_encoder="clip_vision/clip_vision_h.safetensors")  # fmt: skip
 
 
+def _wan21_sizes(task: str) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """Wan 2.1's repackaged 1.3B and 14B files of `task` ("t2v" or "vace") with its VAE and UMT5."""
+    return tuple(
+        (v, comfy(_WAN21_COMFY, transformer=f"diffusion_models/wan2.1_{task}_{v}_fp16.safetensors",
+                  vae=_WAN21_VAE, text_encoder=_UMT5))
+        for v in ("1.3B", "14B")
+    )  # fmt: skip
+
+
 def _wan22_experts(task: str) -> tuple[tuple[str, str], ...]:
     """Wan 2.2 A14B's repackaged experts (task "t2v" or "i2v") with Wan 2.1's VAE."""
     return comfy(_WAN22_COMFY, transformer=f"diffusion_models/wan2.2_{task}_high_noise_14B_fp16.safetensors",
@@ -88,18 +97,7 @@ WAN = Architecture(
     musubi_trains=True,
     tokenizers=hub_tokenizers("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "tokenizer"),  # UMT5, the same for 2.2
     hub_repos=(("1.3B", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"), ("14B", "Wan-AI/Wan2.1-T2V-14B-Diffusers")),
-    comfy_files=tuple(
-        (
-            v,
-            comfy(
-                _WAN21_COMFY,
-                transformer=f"diffusion_models/wan2.1_t2v_{v}_fp16.safetensors",
-                vae=_WAN21_VAE,
-                text_encoder=_UMT5,
-            ),
-        )
-        for v in ("1.3B", "14B")
-    ),  # fmt: skip
+    comfy_files=_wan21_sizes("t2v"),
     frame_multiple=4,
     frame_remainder=1,
     supports_video=True,
@@ -287,5 +285,45 @@ RECORDS = (
         min_frames=2,
         frame_images=2,
         latent_encoders=("vae", "image_encoder"),
+    ),
+    # Wan 2.1 VACE: the T2V network plus a control branch reading a control video (depth, pose, edges...)
+    replace(
+        WAN,
+        name="wan_vace",
+        sampling=SamplingDefaults(
+            steps=50,
+            guidance=5.0,
+            shift=3.0,
+            source="diffusers WanVACEPipeline's defaults (50 steps, guidance 5); shift: the Wan2.1-VACE "
+            "diffusers repos' scheduler `flow_shift` (not confirmed offline)",
+        ),
+        variants=("vace-1.3B", "vace-14B"),
+        checkpoints=(
+            "Variants: `vace-1.3B`, `vace-14B` (told by shapes). `transformer`: the Wan 2.1 VACE single file "
+            "(`wan2.1_vace_*_fp16.safetensors`, official `vace_blocks.*` / `vace_patch_embedding` keys, with or "
+            "without ComfyUI's prefix), the release folder (`Wan-AI/Wan2.1-VACE-*`) or the diffusers folder; "
+            "VAE and text encoder as `wan`. Per item a control video with the item's frames (`control_directory`; an "
+            "image item: a control image), followed whole, or with a mask video (`name_0`: the control, `name_1`: "
+            "the mask, white where to generate) for inpainting; `tuner generate --control VIDEO [--control "
+            "MASK]`. Reference images are not supported"
+        ),
+        hub_repos=(
+            ("1.3B", "Wan-AI/Wan2.1-VACE-1.3B-diffusers"),
+            ("14B", "Wan-AI/Wan2.1-VACE-14B-diffusers"),
+        ),
+        comfy_files=_wan21_sizes("vace"),
+        title="Wan 2.1 VACE 1.3B / 14B (text-to-video following a control video)",
+        family="trainer_vace:WanVACEModel",
+        control_encoder="trainer_vace:encode_controls",
+        fixture="fixture_vace:FIXTURE",
+        default_targets=(
+            *WAN.default_targets,
+            # the control branch's blocks, their attention, FFN and output projections
+            r"vace_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)",
+            r"vace_blocks\.\d+\.ffn\.net\.(0\.proj|2)",
+            r"vace_blocks\.\d+\.proj_(in|out)",
+        ),
+        musubi_trains=False,
+        control_images=(1, 2),
     ),
 )
