@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tuner.archs.qwen_image import loaders as qwen_image
 from tuner.models.component import component_spec, load_component
 from tuner.models.identify import variant_table
 from tuner.models.qwen3_vl import COLUMNS, TextEncoder, language_model_spec, load_language_model
@@ -189,34 +190,22 @@ def _rgba(pixels: torch.Tensor) -> torch.Tensor:
     return torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
 
 
-def _latent_stats(vae: AutoencoderKLQwenImage21, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
-    std = torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
-    return mean, std
-
-
 @torch.no_grad()
 def encode_images(vae: AutoencoderKLQwenImage21, pixels: torch.Tensor) -> torch.Tensor:
     """Normalized latents [B, 64, 1, H/16, W/16] of RGB images [B, 3, 1, H, W] in [-1, 1]: the mean of the
-    latent distribution, (latents − mean) / std, as the pipeline encodes a condition image."""
+    latent distribution, (latents − mean) / std, as the pipeline encodes a condition image (Qwen-Image's
+    rule, `tuner.archs.qwen_image.loaders.encode_images`, on the RGBA image)."""
     if pixels.ndim != 5 or pixels.shape[2] != 1 or pixels.shape[3] % 32 or pixels.shape[4] % 32:
         raise ValueError(
             f"Qwen-Image 2.1 takes single frames with sides divisible by 32, got {tuple(pixels.shape)}"
         )
-    param = next(vae.parameters())
-    latents = vae.encode(_rgba(pixels).to(param.device, param.dtype)).latent_dist.mode()
-    mean, std = _latent_stats(vae, latents)
-    return (latents - mean) / std
+    return qwen_image.encode_images(vae, _rgba(pixels))
 
 
 @torch.no_grad()
 def decode_latents(vae: AutoencoderKLQwenImage21, latents: torch.Tensor) -> torch.Tensor:
     """RGB images [B, 3, 1, H, W] in about [-1, 1] (the decoder's alpha dropped) from normalized latents."""
-    param = next(vae.parameters())
-    latents = latents.to(param.device, param.dtype)
-    mean, std = _latent_stats(vae, latents)
-    return vae.decode(latents * std + mean).sample[:, :3]
+    return qwen_image.decode_latents(vae, latents)[:, :3]
 
 
 def predict_velocity(

@@ -6,7 +6,8 @@ one frame, normalized per channel. The transformer packs 2×2 latent patches int
 sides are multiples of 16. Text: Qwen2.5-VL hidden states stored at their true length; a batch is
 padded to its longest caption with a mask, as the pipelines batch prompts. Qwen-Image-Edit appends the
 control images' latents (`control_0`, `control_1`, ...) as extra image tokens and also shows the
-control images to the VL model with the prompt (`tuner.archs.qwen_image.text`).
+control images to the VL model with the prompt (`tuner.archs.qwen_image.text`). Qwen-Image 2.1
+(`QwenImage21Model`) has its own networks (`tuner.archs.qwen_image.qwen21`).
 """
 
 from __future__ import annotations
