@@ -51,7 +51,8 @@ def test_records_point_into_their_own_folder(family):
     for declared in records:
         # what a record names is found in its folder (`Architecture.folder`), by construction
         record = registry.ARCHITECTURES[declared.name]
-        assert record.folder == family and record.variant_dir == SRC / "archs" / family / "configs"
+        assert record.folder == family and record.variant_dir == SRC / "archs" / family / record.configs
+        assert record.configs.startswith("configs") and record.variant_dir.is_dir(), record.name
         assert record.family_class().__module__.startswith(f"tuner.archs.{family}."), record.name
 
 

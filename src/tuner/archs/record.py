@@ -171,6 +171,9 @@ class Architecture:
     fixture: str = "FIXTURE"
     """Its tiny random-weight `Fixture` (written in the release's layouts), named in its folder's
     `fixture.py` (`module:attribute` in another module of the folder)."""
+    configs: str = "configs"
+    """The folder (in its family folder) of its variants' diffusers configs: a member whose networks are not
+    its family's first record's keeps them apart (Qwen-Image 2.1's `configs_21`)."""
     folder: str = ""
     """The family folder under `tuner/archs/` whose `record.py` declares it, set by `tuner.registry`: its code
     is named relative to it, and its `configs/` holds the diffusers configs of every shipped variant (a
@@ -413,7 +416,7 @@ class Architecture:
 
     @property
     def variant_dir(self) -> Path:
-        return ARCHS / self.folder / "configs"
+        return ARCHS / self.folder / self.configs
 
     @property
     def tiny_variant(self) -> str:

@@ -58,16 +58,18 @@ def load_language_model(
     dtype: torch.dtype,
     spec: SingleFileSpec,
     tokenizer_what: str,
+    tokenizer_folder: str = "tokenizer",
 ) -> TextEncoder:
     """Qwen3-VL's language model and its tokenizer. `tokenizer_path` may be None for a diffusers pipeline
-    root or its `text_encoder/` folder (the sibling `tokenizer/` is used); a single file (identified by
-    `spec`) needs it, and `tokenizer_what` says which one in the error when it is missing."""
+    root or its `text_encoder/` folder (the sibling `tokenizer_folder` is used: `processor` where the
+    pipeline keeps a Qwen3-VL processor); a single file (identified by `spec`) needs it, and
+    `tokenizer_what` says which one in the error when it is missing."""
     from transformers import Qwen3VLModel, Qwen3VLTextModel
 
     folder = resolve_folder(path, "text_encoder")
     if folder is not None:
         model = load_transformers_folder(Qwen3VLModel, folder, dtype, "qwen3_vl").language_model
-        tokenizer_path = tokenizer_path or sibling(folder, "tokenizer")
+        tokenizer_path = tokenizer_path or sibling(folder, tokenizer_folder)
     else:
         model = load_encoder_file_on_meta(
             path, dtype, Qwen3VLTextModel, spec, _model_keys, "Qwen3-VL", entries=_language_model

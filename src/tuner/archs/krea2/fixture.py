@@ -62,13 +62,17 @@ _TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, 
                     num_position_embeddings=64, deepstack_visual_indexes=[0])  # fmt: skip
 
 
-def tiny_qwen3_vl(seed: int, family: str = "krea2") -> Qwen3VLModel:
-    """The tiny Qwen3-VL (the `family`'s `configs/text_encoder/tiny` as its language model, a one-block
-    vision tower), filled with `seed`."""
-    text = Qwen3VLTextConfig.from_pretrained(tiny_config(family, "text_encoder"))
+def tiny_qwen3_vl_config(family: str = "krea2", configs: str = "configs") -> Qwen3VLConfig:
+    """The tiny Qwen3-VL's config: the `family`'s `<configs>/text_encoder/tiny` as its language model, a
+    one-block vision tower."""
+    text = Qwen3VLTextConfig.from_pretrained(tiny_config(family, "text_encoder", configs=configs))
     vision = dict(_TINY_VISION, out_hidden_size=text.hidden_size)  # the tower projects onto the text width
-    config = Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
-    return tiny_model(Qwen3VLModel, config, seed)
+    return Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
+
+
+def tiny_qwen3_vl(seed: int, family: str = "krea2") -> Qwen3VLModel:
+    """The tiny Qwen3-VL (`tiny_qwen3_vl_config`), filled with `seed`."""
+    return tiny_model(Qwen3VLModel, tiny_qwen3_vl_config(family), seed)
 
 
 def build_krea2_components(seed: int = 0) -> dict:

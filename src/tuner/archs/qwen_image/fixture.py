@@ -148,3 +148,95 @@ EDIT_FIXTURE = Fixture(
         "qwen_image_edit", transformer=TRANSFORMER_FILE, vae="diffusers", text_encoder="diffusers"
     ),
 )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Qwen-Image 2.1
+# ---------------------------------------------------------------------------------------------------
+
+TRANSFORMER_21_FILE = "qwen_image_2.1_tiny.safetensors"
+VAE_21_FILE = "qwen_image_2.1_vae.safetensors"
+TEXT_ENCODER_21_FILE = "qwen3vl_tiny.safetensors"
+
+
+def build_qwen_image_21_components(seed: int = 0) -> dict:
+    """The tiny Qwen-Image 2.1 parts (eval mode, float32), deterministic given `seed`: transformer, vae,
+    text_encoder (a Qwen3VLForConditionalGeneration, as the release's `text_encoder/`), tokenizer and
+    scheduler (diffusers' default FlowMatchEulerDiscreteScheduler with the dynamic shift QwenImage21Pipeline
+    computes μ for)."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from tuner.archs.krea2.fixture import tiny_qwen3_vl_config
+    from tuner.archs.qwen_image.qwen21 import PREFIX, SUFFIX
+
+    text_encoder = tiny_model(
+        Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config("qwen_image", configs="configs_21"), seed + 2
+    )
+    tokenizer = build_qwen2_tokenizer([PREFIX, SUFFIX, "user\nassistant\n"])
+    assert len(tokenizer) <= text_encoder.config.text_config.vocab_size, (
+        "the tiny vocabulary outgrew the tiny config"
+    )
+    return {
+        "transformer": tiny_model(
+            QwenImage21Transformer2DModel,
+            tiny_config("qwen_image", "transformer", configs="configs_21"),
+            seed,
+        ),
+        "vae": tiny_model(
+            AutoencoderKLQwenImage21, tiny_config("qwen_image", "vae", configs="configs_21"), seed + 1
+        ),
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+    }
+
+
+def write_qwen_image_21_fixture(out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+    """Write the tiny Qwen-Image 2.1 under `out_dir` in both layouts; returns the paths (root, diffusers,
+    transformer_file, vae_file, text_encoder_file, tokenizer).
+
+    The diffusers folder is QwenImage21Pipeline's, written part by part: its `processor/` (a
+    Qwen3VLProcessor) holds the tokenizer only, since transformers builds no Qwen3-VL processor without
+    torchvision. The transformer file is in the release's layout (`img_mlp.gate_up` fused), the VAE file
+    holds diffusers' keys, the text encoder file the Hugging Face checkpoint's."""
+    from tuner.archs.qwen_image.qwen21 import QWEN_IMAGE_21_LAYOUT
+
+    parts = build_qwen_image_21_components(seed)
+
+    def diffusers(folder: Path) -> None:
+        for name in ("transformer", "vae", "text_encoder", "scheduler"):
+            parts[name].save_pretrained(folder / name)
+        parts["tokenizer"].save_pretrained(folder / "processor")
+        index = {
+            "_class_name": "QwenImage21Pipeline",
+            "processor": ["transformers", "Qwen3VLProcessor"],
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
+            "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKLQwenImage21"],
+        }
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    single = {
+        "transformer_file": (
+            TRANSFORMER_21_FILE,
+            QWEN_IMAGE_21_LAYOUT.to_original(parts["transformer"].state_dict()),
+        ),
+        "vae_file": (VAE_21_FILE, parts["vae"].state_dict()),
+        # the checkpoint's keys (`model.language_model.`, `model.visual.`); the tied LM head is not stored
+        "text_encoder_file": (
+            TEXT_ENCODER_21_FILE,
+            {k: v for k, v in parts["text_encoder"].state_dict().items() if k != "lm_head.weight"},
+        ),
+    }
+    return write_layouts(out_dir, "qwen-image-2.1", diffusers, single, tokenizer_folders(parts))
+
+
+FIXTURE_21 = Fixture(
+    write=write_qwen_image_21_fixture,
+    # every part as a single file (the tokenizer from its folder)
+    model_section=model_section(
+        "qwen_image_21", transformer=TRANSFORMER_21_FILE, vae=VAE_21_FILE, text_encoder=TEXT_ENCODER_21_FILE
+    ),
+)

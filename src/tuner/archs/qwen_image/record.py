@@ -94,4 +94,45 @@ RECORDS = (
         control_images=(1, 3),
         text_uses_controls=True,
     ),
+    # Qwen-Image 2.1: a new network (single-stream, block-causal), VAE (64 channels, 16x) and text encoder
+    # (Qwen3-VL); the family's tooling and the record's shape are what it shares
+    replace(
+        QWEN_IMAGE,
+        name="qwen_image_21",
+        sampling=SamplingDefaults(
+            steps=40,
+            guidance=1.0,
+            shift="flux_shift",
+            source="diffusers QwenImage21Pipeline's defaults (40 steps, `true_cfg_scale` 1.0: \"meant to be sampled "
+            'without guidance"; σ from 1 to 1/steps shifted by μ on its fallback line 256 → 0.5, 4096 → 1.15, '
+            "FLUX.1's; the release's scheduler config and `sample_sigmas` could not be read offline)",
+        ),
+        variants=("qwen-image-2.1",),
+        checkpoints=(
+            "`transformer`: the release's single file (diffusers' names with each block's SwiGLU gate and up "
+            "fused as `img_mlp.gate_up`, `model.diffusion_model.` optional; diffusers' names load too) or the "
+            "diffusers folder (`Qwen/Qwen-Image-2.1`); `vae`: `vae/` or its diffusers keys as one file "
+            "(64 channels, 16x); `text_encoder`: Qwen3-VL-8B's language model (`text_encoder/`, or the "
+            "Hugging Face file + the `processor/` folder as `tokenizer`). Text-to-image; pixel sides "
+            "multiples of 32"
+        ),
+        title="Qwen-Image 2.1 text-to-image (single-stream block-causal DiT, Qwen3-VL)",
+        family="QwenImage21Model",
+        layout="qwen21:QWEN_IMAGE_21_LAYOUT",
+        fixture="FIXTURE_21",
+        configs="configs_21",
+        # each block's attention projections and its SwiGLU MLP; the shared modulation, the embedders and
+        # the output head are left alone
+        default_targets=(
+            r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
+            r"transformer_blocks\.\d+\.img_mlp\.(gate_layer|proj|out)",
+        ),
+        tokenizers=(("tokenizer", "Qwen/Qwen-Image-2.1:processor"),),
+        hub_repos=(("", "Qwen/Qwen-Image-2.1"),),
+        comfy_files=(),
+        spatial_step=32,
+        latent_patch=(1, 1, 1),
+        timestep_mode="flux_shift",
+        musubi_trains=False,
+    ),
 )
