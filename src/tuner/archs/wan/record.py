@@ -290,6 +290,7 @@ RECORDS = (
     replace(
         WAN,
         name="wan_vace",
+        pipeline=None,  # WanVACEPipeline takes control videos: tests/test_wan_vace_models.py checks generate against it
         pipeline_refused="its VACE blocks run beside the main blocks on the control video's tokens; not cut into stages yet",
         sampling=SamplingDefaults(
             steps=50,
