@@ -62,9 +62,10 @@ FORMAT = "tuner.fp8.e4m3fn.block64"
 # not code: a new architecture whose modulation layer is called something else adds its fragment here.
 # `_mod` is a whole word (`img_mod.lin`, `txt_mod`), not the start of one (`language_model.layers`).
 KEEP_HIGH_PRECISION = ("norm", "embed", "modulation", "_mod(?![a-z])", "adaln", "time")
-# Layers whose weight dtype a model reads to cast its inputs: diffusers' Wan casts the timestep to the
-# time embedder's dtype, so an fp8 weight there would make the timestep fp8. Even when a ComfyUI fp8
-# file stores them in fp8, they are left as the loader put them (dequantized); they are tiny.
+# Layers whose weight dtype a model reads to cast its inputs (regexes searched in the name): diffusers'
+# Wan casts the timestep to the time embedder's dtype, so an fp8 weight there would make the timestep fp8.
+# Even when a ComfyUI fp8 file stores them in fp8, they are left as the loader put them (dequantized);
+# they are small. A family's own such layers are its layout's `read_for_dtype`.
 READ_FOR_DTYPE = ("time_embedder",)
 
 # --- the numbers ----------------------------------------------------------------------------------
@@ -222,6 +223,14 @@ def keeps_high_precision(
     return bool(fp32_modules.intersection(name.split(".")))
 
 
+def reads_own_dtype(name: str, layout: object = None) -> bool:
+    """Whether the model casts the input of the layer called `name` to the layer's weight dtype
+    (`READ_FOR_DTYPE`, and the `read_for_dtype` of `layout`, a `CheckpointLayout`): such a layer cannot run
+    from fp8 storage."""
+    fragments = (*READ_FOR_DTYPE, *getattr(layout, "read_for_dtype", ()))
+    return any(re.search(fragment, name) for fragment in fragments)
+
+
 def quantize_linears(
     model: nn.Module,
     *,
@@ -350,7 +359,8 @@ def load_comfy_fp8_weights(
     `img_attn.qkv`) is split into its parts: each gets its rows of the stored fp8 weight and the layer's
     per-tensor scale, which is exact. Only fp8 layers are touched; load the rest as usual. Layers of the
     other components a layout says the file bundles under the model's prefix (`CheckpointLayout.bundled`:
-    LTX-2's text connectors) are left alone. Returns the model names of the layers."""
+    LTX-2's text connectors) are left alone, and so are the layers whose dtype the model reads
+    (`reads_own_dtype`). Returns the model names of the layers."""
     from safetensors import safe_open
 
     from tuner.networks.layouts import diffusers_tensors
@@ -376,7 +386,7 @@ def load_comfy_fp8_weights(
             ) from None
         for key, rows in parts.items():
             name = key.removesuffix(".weight")
-            if any(fragment in name for fragment in READ_FOR_DTYPE):
+            if reads_own_dtype(name, layout):
                 continue
             module = modules.get(name)
             if _weight_outside_linear(module, rows):

@@ -53,6 +53,11 @@ class CheckpointLayout:
     bundled: tuple[str, ...] = ()
     """Original-name prefixes of other components a release's file holds under the model's own prefix
     (LTX-2's text connectors beside its transformer): not the model's, skipped by its loaders."""
+    read_for_dtype: tuple[str, ...] = ()
+    """Regexes over diffusers module names of the linear layers whose weight dtype the model reads to cast
+    their input (Kandinsky 6's modulation `out_layer`): fp8 storage would make that input fp8, so a ComfyUI
+    fp8 file's values for them stay as the loader put them (dequantized). Beside `tuner.fp8.READ_FOR_DTYPE`,
+    which every model shares."""
 
     @cached_property
     def _tensors(self) -> ArchitectureKeys:

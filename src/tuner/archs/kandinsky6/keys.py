@@ -89,4 +89,8 @@ def _with_linears(prefixes: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str
 
 KANDINSKY6_KEYS = ArchitectureKeys("kandinsky6", _with_linears(_renames()))
 """The key table of Kandinsky 6: module renames (diffusers, release)."""
-KANDINSKY6_LAYOUT = CheckpointLayout(KANDINSKY6_KEYS)
+KANDINSKY6_LAYOUT = CheckpointLayout(
+    KANDINSKY6_KEYS,
+    # diffusers' Kandinsky6Modulation and time embeddings cast their input to these layers' dtype
+    read_for_dtype=(r"modulation\.out_layer$", r"timestep_embedder\."),
+)

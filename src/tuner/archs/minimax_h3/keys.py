@@ -61,6 +61,15 @@ MINIMAX_H3_LAYOUT = CheckpointLayout(
         for x in "qk"
     ),
     swapped_halves=tuple((f"{d}.{{i}}.ff.net.0.proj", f"{o}.{{i}}.mlp.fc1") for d, o in _STACKS),
+    # diffusers' MiniMaxH3Transformer3DModel casts these layers' input (and `proj_out`'s, the final norm's
+    # output) to their own dtype; `time_embedder` is `tuner.fp8.READ_FOR_DTYPE`
+    read_for_dtype=(
+        r"adaln_proj\.linear$",
+        r"^norm_out\.linear$",
+        r"^(audio_)?proj_in$",
+        r"^context_embedder$",
+        r"^proj_out$",
+    ),
 )
 """The whole transformer checkpoint, both directions."""
 
