@@ -24,10 +24,10 @@ own embedding table turns them into vectors at every step, so no text encoder ru
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from tuner.archs.hidream_o1.model import PATCH_SIZE, HiDreamO1Transformer, patchify, unpatchify
 from tuner.archs.model import padded_rows
 from tuner.errors import CheckpointError
 from tuner.models.encoders import load_encoder_file_on_meta
@@ -35,6 +35,9 @@ from tuner.models.identify import SingleFileSpec, variant_table
 from tuner.models.loading import load_tokenizer
 from tuner.networks.architectures import ArchitectureKeys
 from tuner.networks.layouts import CheckpointLayout
+
+if TYPE_CHECKING:  # the model subclasses transformers' Qwen3VLModel: imported only to build it
+    from tuner.archs.hidream_o1.model import HiDreamO1Transformer
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -60,6 +63,8 @@ SPECIAL_TOKENS = ("<|boi_token|>", "<|tms_token|>")
 
 def _expected_keys(variant) -> list[str]:
     from transformers import Qwen3VLConfig
+
+    from tuner.archs.hidream_o1.model import HiDreamO1Transformer
 
     with torch.device("meta"):
         model = HiDreamO1Transformer(Qwen3VLConfig.from_pretrained(variant.config_dir))
@@ -119,6 +124,8 @@ def transformer_files(path: str | Path) -> Path | list[Path]:
 
 def load_transformer(path: str | Path, dtype: torch.dtype) -> HiDreamO1Transformer:
     """The network from a ComfyUI single file or the release's folder, in `dtype`, in eval mode."""
+    from tuner.archs.hidream_o1.model import HiDreamO1Transformer
+
     files = transformer_files(path)
     model = load_encoder_file_on_meta(
         files, dtype, HiDreamO1Transformer, TRANSFORMER_SPEC, dict, "a HiDream-O1 transformer",
@@ -165,6 +172,8 @@ def model_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int]]:
     """The network's arguments for pixels `noisy` [B, 3, 1, H, W] at t ∈ [0, 1] (1 = noise): the prompts,
     the patches, the timestep 1 − t and the patch grid."""
+    from tuner.archs.hidream_o1.model import PATCH_SIZE, patchify
+
     height, width = noisy.shape[-2:]
     grid = (height // PATCH_SIZE, width // PATCH_SIZE)
     return input_ids.long(), text_mask.long(), patchify(noisy[:, :, 0]), (1.0 - t).float(), grid
@@ -172,6 +181,8 @@ def model_inputs(
 
 def as_image(patches: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
     """Predicted patches [B, N, 3072] as an image shaped like `noisy` [B, 3, 1, H, W]."""
+    from tuner.archs.hidream_o1.model import unpatchify
+
     height, width = noisy.shape[-2:]
     return unpatchify(patches, height, width).unsqueeze(2).to(noisy.dtype)
 
