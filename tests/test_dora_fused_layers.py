@@ -14,7 +14,8 @@ in comfy files, `lora_transformer_<name with "_">` in kohya files. ComfyUI 0.8's
   smaller), and no `lora_transformer_`;
 - `HunyuanVideo` (FramePack, FramePack-F1, HunyuanVideo 1.5) and HunyuanImage 2.1: Tencent's names only, no
   diffusers name;
-- Ideogram 4 and MiniMax H3: the release's names only (its map taken as the generic rule).
+- Ideogram 4 and MiniMax H3: the release's names only (its map taken as the generic rule); Qwen-Image 2.1:
+  no ComfyUI map known, so none.
 """
 
 import pytest
@@ -44,6 +45,7 @@ COMFY_PART_PREFIXES = {
     "hunyuan_image": (),  # its own model class (not HunyuanVideo's); the same Tencent-only key map
     "ideogram4": (),  # the generic `diffusion_model.` rule assumed (ComfyUI's Ideogram 4 map not confirmed)
     "minimax_h3": (),  # its fused `attn.qkv_proj`: the release's names only (ComfyUI's map not confirmed)
+    "qwen_image_21": (),  # its fused `img_mlp.gate_up`: no ComfyUI map for the model known
 }
 FUSED = [name for name, record in ARCHITECTURES.items() if record.key_table().fused]
 

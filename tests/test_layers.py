@@ -43,6 +43,7 @@ LAYERS = {
     "tuner.errors": 0,
     "tuner.io": 0,
     "tuner.dtypes": 0,
+    "tuner.ranks": 0,
     "tuner.registry": 1,
     "tuner.archs.record": 1,
     "tuner.archs.*.record": 1,

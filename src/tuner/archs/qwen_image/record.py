@@ -99,6 +99,11 @@ RECORDS = (
     replace(
         QWEN_IMAGE,
         name="qwen_image_21",
+        dora_refused=(
+            "Qwen-Image 2.1 keeps each block's SwiGLU gate and up projections in one linear (img_mlp.gate_up) "
+            "and no ComfyUI key map for it is known; a column-wise DoRA of the gate or up part alone has no "
+            "fused form and would be written under its diffusers name, which ComfyUI would not be shown to load"
+        ),
         pipeline=None,  # QwenImage21Pipeline: tests/test_qwen_image21_models.py checks generate against it
         pipeline_refused="its transformer has not been cut into stages yet",
         sampling=SamplingDefaults(
