@@ -68,15 +68,20 @@ def _draw(trainer, x0, cond, seed: int) -> dict:
     return trainer.draw_conditions(x0, cond, torch.Generator().manual_seed(seed))
 
 
+def _plain_wan(trainer, model, x, t, cond) -> torch.Tensor:
+    """Plain Wan's call (the text-to-video model's inputs, not the subclass's)."""
+    return model(**WanModel.model_inputs(trainer, x, t, cond), return_dict=False)[0]
+
+
 def _without(arch: str, trainer, model, noisy, t, cond) -> torch.Tensor:
     """The model's prediction without the first frame, built by hand from what its pipeline feeds."""
     if arch == "wan22_ti2v":  # the text-to-video path: plain Wan, one timestep per sample
-        return WanModel.predict(trainer, model, noisy, t, cond)
+        return _plain_wan(trainer, model, noisy, t, cond)
     if arch == "ltx_video":  # the text-to-video call (LTXPipeline's, pinned in test_ltx_video_models.py)
         return trainer.predict(model, noisy, t, cond)
     if arch == "wan22_i2v":  # zero mask (4) and condition latents (16): ComfyUI's input without an image
-        return WanModel.predict(trainer, model, torch.cat([noisy, torch.zeros_like(noisy[:, :4]),
-                                                             torch.zeros_like(noisy)], dim=1), t, cond)  # fmt: skip
+        return _plain_wan(trainer, model, torch.cat([noisy, torch.zeros_like(noisy[:, :4]),
+                                                     torch.zeros_like(noisy)], dim=1), t, cond)  # fmt: skip
     if (
         arch == "hunyuan_video15_i2v"
     ):  # the text-to-video trainer's call: zeros for the frame and image tokens
