@@ -323,7 +323,8 @@ class JobQueue:
                 if len(free) < job.processes:
                     break  # in order: a later, smaller job does not overtake it
                 if self._launch(job, free[: job.processes]):
-                    del free[: job.processes]
+                    # the CPU runs one job at a time, whatever its process count; GPUs are held per process
+                    free = [] if self.slots == ["cpu"] else free[job.processes :]
 
     def run_in_background(self, interval: float = 1.0) -> None:
         """Call poll() every `interval` seconds in a daemon thread until close()."""
