@@ -91,8 +91,14 @@ def as_peers(work, size: int = 2) -> list:
     return results
 
 
-def leftovers(directory: Path = SHM) -> list[Path]:
-    return sorted(Path(directory).glob(PREFIX + "*"))
+def leftovers(directory: Path = SHM, *copies) -> list[Path]:
+    """Segment files left in `directory`; given the test's `SharedHostCopy`s, only theirs (their names, the
+    `.partial` being written): other tests' processes may be publishing segments of their own meanwhile."""
+    found = sorted(Path(directory).glob(PREFIX + "*"))
+    if copies:
+        names = {c.path.name for c in copies}
+        found = [p for p in found if p.name.removesuffix(".partial") in names]
+    return found
 
 
 # --- the segment ---------------------------------------------------------------------------------------
@@ -238,7 +244,7 @@ def test_block_swap_on_a_shared_copy_trains_like_a_private_one(fp8_base):
 
     built = as_peers(build)
     inodes = {swap.shared.inode for _, _, swap in built}
-    assert len(inodes) == 1 and leftovers() == []
+    assert len(inodes) == 1 and leftovers(SHM, *(swap.shared for _, _, swap in built)) == []
     segments = [s for s in mapped_segments() if s.inode in inodes]
     assert len(segments) == 2  # this process maps it twice (once per thread), and each mapping is half its
     nbytes = built[0][2].shared.nbytes
@@ -288,7 +294,7 @@ def test_two_experts_get_a_segment_each(monkeypatch):
     (low_a, high_a), (low_b, high_b) = as_peers(experts)
     assert low_a.shared.inode == low_b.shared.inode != high_a.shared.inode == high_b.shared.inode
     assert not torch.equal(low_a.shared.buffer[HEADER_BYTES:], high_a.shared.buffer[HEADER_BYTES:])
-    assert leftovers() == []
+    assert leftovers(SHM, low_a.shared, high_a.shared) == []
 
 
 def test_full_mode_and_the_switch_keep_private_copies(monkeypatch):
