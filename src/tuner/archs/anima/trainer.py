@@ -52,22 +52,11 @@ class AnimaModel(QwenVAEImageModel):
         """Cosmos-Predict2's cut (`cosmos_predict2.loaders.embed` / `run_block` / `project_out`) with the LLM
         adapter in the prologue: stages train adapters inside the blocks only, so the adapter's own LoRA
         (a default target) is left out with `network.exclude` there."""
-        from tuner.archs.stages import PipelineParts
+        from tuner.archs.stages import cut_at_blocks
 
-        def prologue(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> tuple:
-            return cosmos.embed(
-                model, cosmos.model_inputs(model, noisy, t, anima.context(model, noisy, cond))
-            )
+        def inputs(noisy: torch.Tensor, t: torch.Tensor, cond: dict) -> dict:
+            return cosmos.model_inputs(model, noisy, t, anima.context(model, noisy, cond))
 
-        return PipelineParts(
-            prologue=prologue,
-            blocks=list(model.transformer_blocks),
-            run_block=lambda block, carried: cosmos.run_block(model, block, carried),
-            epilogue=lambda carried, noisy, t, cond: cosmos.project_out(model, carried, noisy),
-            prologue_modules=(
-                model.patch_embed,
-                model.time_embed,
-                model.llm_adapter,
-                *filter(None, [getattr(model, "crossattn_proj", None)]),
-            ),  # fmt: skip
-        )
+        extra = getattr(model, "crossattn_proj", None)
+        return cut_at_blocks(model, cosmos, inputs, model.transformer_blocks,
+                             (model.patch_embed, model.time_embed, model.llm_adapter, extra))  # fmt: skip
